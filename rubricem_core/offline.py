@@ -1,0 +1,26 @@
+"""Environment defaults for offline, telemetry-free runs.
+
+Applied by the project itself (CLI, flows, tests) so users never have to export them.
+Values already set by the user win (``setdefault``), so a GPU node can still opt in to a hub.
+"""
+from __future__ import annotations
+
+import os
+
+OFFLINE_DEFAULTS: dict[str, str] = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm fetches its price map from GitHub otherwise
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",  # nothing may load weights from a hub at run time
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+}
+
+
+def apply_offline_defaults() -> None:
+    for key, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
