@@ -1,0 +1,29 @@
+# Set-up is part of both commands: the first `make run` or `make test` on a fresh machine creates
+# .venv and installs everything (torch's CPU wheel first, so pip never pulls a multi-GB CUDA build).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+RUN_DIR ?= runs/tiny
+PROFILE ?= tiny
+
+.PHONY: install run test clean-run
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/rubricem run --profile $(PROFILE) --run-dir $(RUN_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean-run:
+	rm -rf $(RUN_DIR)

@@ -1,0 +1,109 @@
+"""The `rubricem` command line.
+
+Each command runs a Prefect flow (a local ephemeral Prefect server starts when no
+PREFECT_API_URL is set) or reads a run directory. Every command takes --profile and --run-dir.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rubricem_core.offline import apply_offline_defaults
+
+apply_offline_defaults()
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default="tiny", help="profile name under data/profiles, or a YAML file (default: tiny)")
+    parser.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field, e.g. --set teacher.max_rounds=6 (repeatable; value parsed as YAML)",
+    )
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    from rubricem_core.config import parse_override
+
+    return dict(parse_override(item) for item in args.overrides)
+
+
+def cmd_collect_sft_data(args: argparse.Namespace) -> int:
+    from flows.collect_sft_data import collect_sft_data
+
+    result = collect_sft_data(run_dir=args.run_dir, profile=args.profile, overrides=_overrides(args))
+    print(
+        f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
+        f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
+        f"({json.dumps(result['reject_reasons'])})"
+    )
+    _print_next_steps(args.run_dir)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import pipeline
+
+    result = pipeline(run_dir=args.run_dir, profile=args.profile, overrides=_overrides(args))
+    print("\npipeline finished:", json.dumps(result, default=str, indent=2))
+    _print_next_steps(args.run_dir)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from rubricem_core.sql import run_sql
+
+    print(run_sql(args.run_dir, args.query, fmt=args.format))
+    return 0
+
+
+def _print_next_steps(run_dir: str) -> None:
+    rd = Path(run_dir).resolve()
+    print(
+        f"""
+run directory: {rd}
+  tables:  rubricem sql --run-dir {run_dir} "SHOW TABLES"
+           rubricem sql --run-dir {run_dir} "SELECT accepted, count(*) FROM sft_trajectories GROUP BY ALL"
+           rubricem sql --run-dir {run_dir} "SELECT r, count(*) FROM (SELECT unnest(reject_reasons) AS r FROM sft_trajectories) GROUP BY ALL ORDER BY 2 DESC"
+  MLflow:  mlflow ui --backend-store-uri sqlite:///{rd}/mlflow/mlflow.db
+  Prefect: prefect server start   (then open http://127.0.0.1:4200; set PREFECT_API_URL to keep runs there)"""
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rubricem", description="RubricEM: rubric RL for deep-research agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("collect-sft-data", help="teacher trajectories through the Batch API → sft_trajectories")
+    _common(p)
+    p.set_defaults(func=cmd_collect_sft_data)
+
+    p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
+    _common(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sql", help="read-only DuckDB SQL over a run's tables (one view per table)")
+    p.add_argument("--run-dir", required=True, help="run directory")
+    p.add_argument("--profile", default=None, help="ignored; accepted for symmetry with other commands")
+    p.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    p.add_argument("query", help='SQL, e.g. "SELECT * FROM sft_trajectories LIMIT 5"')
+    p.set_defaults(func=cmd_sql)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rubricem_core.config import ConfigError, MissingSecretError
+    from rubricem_core.store import StoreError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, MissingSecretError, StoreError, FileNotFoundError, ValueError) as exc:
+        print(f"rubricem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Flow `collect_sft_data`: teacher traces over tool-using rounds → filtered `sft_trajectories`."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.common import resolve_config
+from rubricem_core.config import RunConfig, flatten
+from rubricem_core.tracking import Tracker
+from tasks.collect import filter_trajectories, teacher_round
+from tasks.inputs import prepare_inputs
+
+
+@flow(name="collect_sft_data")
+def collect_sft_data(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+) -> dict[str, Any]:
+    """Collect stage-structured teacher trajectories and filter them for SFT.
+
+    Args:
+        run_dir: the run directory (Parquet tables, MLflow, state).
+        profile: profile name under data/profiles or a YAML path.
+        overrides: dotted-key overrides of the profile, e.g. {"teacher.max_rounds": 6}.
+        config: a complete run config; when given, profile and overrides are ignored.
+    """
+    log = get_run_logger()
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    run = tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json"))) if tracker else None
+    with run if run is not None else nullcontext() as child:
+        inputs = prepare_inputs(run_dir, cfg)
+        last_round = -1
+        totals = {"requests": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+        for r in range(cfg.teacher.max_rounds):
+            summary = teacher_round(run_dir, cfg, r)
+            last_round = r
+            for k in totals:
+                totals[k] += summary.get(k, 0)
+            if child is not None and not summary["cached"]:
+                child.log_metrics(
+                    {f"teacher/{k}": float(summary[k]) for k in ("requests", "failed", "unfinished", "cost_usd")},
+                    step=r,
+                )
+            if summary["unfinished"] == 0:
+                break
+        stats = filter_trajectories(run_dir, cfg, last_round)
+        if child is not None:
+            child.log_metrics(
+                {
+                    "sft/trajectories": stats["trajectories"],
+                    "sft/accepted": stats["accepted"],
+                    "sft/acceptance_rate": stats["acceptance_rate"],
+                    "sft/mean_tool_calls": stats["mean_tool_calls"],
+                    "teacher/total_cost_usd": stats["cost_usd"],
+                    "teacher/total_requests": totals["requests"],
+                    **{f"sft/rejected/{code}": n for code, n in stats["reject_reasons"].items()},
+                },
+                step=0,
+            )
+            child.log_dict(stats, "sft_collection_summary.json")
+    log.info(
+        "collected %d trajectories (%d accepted) from %d queries; tables in %s/tables",
+        stats["trajectories"], stats["accepted"], inputs["train_queries"], run_dir,
+    )
+    return {**stats, **inputs, "rounds": last_round + 1}
+

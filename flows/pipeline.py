@@ -1,0 +1,28 @@
+"""Flow `pipeline`: the whole RubricEM run on one profile — the README's main job.
+
+Stages land here as they are built: collect_sft_data now; sft, rl and evaluate follow (issues 3–8).
+Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
+one child run per stage under the run directory's parent run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.collect_sft_data import collect_sft_data
+from flows.common import resolve_config
+from rubricem_core.config import RunConfig
+
+
+@flow(name="pipeline")
+def pipeline(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+) -> dict[str, Any]:
+    """Run every built stage in order on one run directory."""
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    collected = collect_sft_data(run_dir=run_dir, config=cfg)
+    return {"collect_sft_data": collected}

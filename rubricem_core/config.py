@@ -1,0 +1,233 @@
+"""One typed config for a whole run.
+
+YAML profiles under ``data/profiles/`` set it; CLI ``--set a.b=value`` options and Prefect flow
+parameters override it. The same pydantic model is the flow parameter, so the Prefect UI renders a
+form for it. Secrets are never fields here: a config names the *environment variable* (or Prefect
+Secret block) that holds a key, and the key is resolved at the point of use.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rubricem_core.world import WorldConfig
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
+
+
+class ConfigError(ValueError):
+    """A profile or override is invalid; the message names the file and field."""
+
+
+class MissingSecretError(RuntimeError):
+    """A required API key is not set; the message names the environment variable."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class QuerySource(_Strict):
+    path: str = Field(description="File with queries (JSONL, Parquet, CSV or JSON, by format).")
+    format: str | None = Field(
+        default=None,
+        description="Reader: dr_tulu, healthbench, scholarqa_cs, deep_research_bench, simpleqa, 2wiki, "
+        "jsonl, parquet. None guesses from the file name.",
+    )
+    split: Literal["train", "eval"] = Field(default="train", description="Split assigned to these queries.")
+    limit: int | None = Field(default=None, ge=1, description="Keep only the first N queries.")
+
+
+class DataConfig(_Strict):
+    source: Literal["synthetic", "files"] = Field(
+        default="synthetic", description="synthetic: the seeded research world; files: queries/corpus below."
+    )
+    world: WorldConfig = Field(default_factory=WorldConfig, description="Synthetic world settings.")
+    queries: list[QuerySource] = Field(default_factory=list, description="Query files (source=files).")
+    corpus: str | None = Field(
+        default=None, description="Corpus for the local search tool: JSONL, Parquet, or a folder of .txt/.md."
+    )
+
+
+class ToolsConfig(_Strict):
+    top_k: int = Field(default=5, ge=1, le=50, description="Snippets returned per search.")
+    snippet_chars: int = Field(default=300, ge=40, description="Characters per snippet.")
+    browse_chars: int = Field(default=4000, ge=100, description="Characters returned by browse.")
+    max_tool_calls: int = Field(default=10, ge=1, description="Tool calls allowed per trajectory.")
+    embedder: str | None = Field(
+        default=None,
+        description="Dense retrieval fused with BM25: 'hashing', a sentence-transformers model path, or None.",
+    )
+
+
+class TeacherConfig(_Strict):
+    model: str = Field(
+        default="rubricem-teacher/scripted",
+        description="litellm model string. 'rubricem-teacher/...' is the built-in scripted teacher.",
+    )
+    mode: Literal["batch", "concurrent"] = Field(
+        default="concurrent",
+        description="batch: one Batch API job per round (OpenAI-format); concurrent: parallel calls.",
+    )
+    api_base: str | None = Field(default=None, description="Provider base URL (None: provider default).")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the API key (None for the built-in teacher)."
+    )
+    api_key_secret_block: str | None = Field(
+        default=None, description="Prefect Secret block name to read the key from when the variable is unset."
+    )
+    custom_llm_provider: str | None = Field(default=None, description="litellm provider override.")
+    trajectories_per_query: int = Field(default=2, ge=1, description="Teacher traces sampled per query.")
+    max_rounds: int = Field(default=8, ge=1, description="Model turns per trajectory (one batch per round).")
+    max_tokens: int = Field(default=2048, ge=16, description="Completion tokens per turn.")
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0, description="Sampling temperature.")
+    max_concurrency: int = Field(default=16, ge=1, description="Concurrent requests (concurrent mode).")
+    timeout_s: float = Field(default=120.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(default=4, ge=0, description="Retries on 429/5xx/timeouts.")
+    max_batch_resubmits: int = Field(default=2, ge=0, description="Resubmissions of failed batch requests.")
+    batch_poll_interval_s: float = Field(default=5.0, gt=0, description="First batch poll interval.")
+    batch_poll_max_interval_s: float = Field(default=60.0, gt=0, description="Longest batch poll interval.")
+    batch_timeout_s: float = Field(default=24 * 3600.0, gt=0, description="Give up on a batch after this.")
+    input_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
+    output_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
+    # Error injection for the built-in teacher, so rejection filtering has real work to do.
+    skip_stage_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: drop a stage.")
+    malformed_call_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: malformed tool call.")
+    uncited_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: answer without citations.")
+    ungrounded_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: claim its source lacks.")
+
+
+class FilterConfig(_Strict):
+    min_tool_calls: int = Field(default=1, ge=0, description="Reject traces with fewer tool calls.")
+    require_grounding: bool = Field(
+        default=True, description="Every cited claim's values must appear in the cited snippet."
+    )
+    allowed_violations: list[str] = Field(
+        default_factory=list, description="Scaffold violation codes that do not reject a trace."
+    )
+
+
+class TrackingConfig(_Strict):
+    enabled: bool = Field(default=True, description="Log params, metrics and artifacts to MLflow.")
+    experiment: str = Field(default="rubricem", description="MLflow experiment name.")
+
+
+class RunConfig(_Strict):
+    profile: str = Field(default="tiny", description="Name of the profile this config came from.")
+    seed: int = Field(default=0, description="Seed for every random choice of the run.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def profile_path(profile: str | os.PathLike[str]) -> Path:
+    """A profile name (``tiny``) or a path to a YAML file."""
+    path = Path(profile)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"profile file not found: {path}")
+        return path
+    candidate = PROFILES_DIR / f"{profile}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown profile {str(profile)!r}; known profiles: {', '.join(known)}")
+    return candidate
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config in {origin}:"]
+    for item in err.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {field}: unknown key")
+        else:
+            lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``teacher.max_rounds=4`` → ("teacher.max_rounds", 4); the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (copying the path it touches)."""
+    out = dict(data)
+    for dotted, value in overrides.items():
+        node = out
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    profile: str | os.PathLike[str] = "tiny",
+    overrides: dict[str, Any] | list[str] | None = None,
+) -> RunConfig:
+    """Load a profile and apply overrides (a dict of dotted keys, or ``key=value`` strings)."""
+    path = profile_path(profile)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse profile {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profile {path} must be a mapping at the top level")
+    raw.setdefault("profile", path.stem)
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(item) for item in overrides)
+    origin = str(path)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+        origin += " with overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, origin)) from None
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict → dotted keys (for MLflow params)."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+# ---- secrets ---------------------------------------------------------------------------------
+def require_env(name: str, purpose: str = "") -> str:
+    """Read a secret from the environment or fail fast with the variable's name."""
+    value = os.environ.get(name)
+    if not value:
+        why = f" (needed for {purpose})" if purpose else ""
+        raise MissingSecretError(f"environment variable {name} is not set{why}")
+    return value

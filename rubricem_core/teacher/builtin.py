@@ -1,0 +1,347 @@
+"""The built-in teacher: a scripted research agent that writes the full scaffold.
+
+It is registered as a litellm provider (``rubricem-teacher/<anything>``), so the offline default goes
+through exactly the code path of a real provider. Like a real model it sees only the chat: the query
+and the tool outputs in earlier turns. It never reads the world's ground truth — it finds evidence by
+searching and reads facts out of the snippets it was shown (``world.read_facts``), so it can fail: a
+fact it never finds is reported as not found.
+
+Each call continues the trajectory by one turn: the plan and first search, then a state evaluation
+and the next search, and finally the review and the cited answer. Configurable error rates (skipped
+stage, malformed tool call, uncited answer, ungrounded claim) give rejection filtering real work.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from rubricem_core.config import TeacherConfig
+from rubricem_core.llm.provider import message_text, register_completion_provider
+from rubricem_core.scaffold import extract_tool_calls
+from rubricem_core.world import read_facts
+
+PROVIDER = "rubricem-teacher"
+
+_SNIPPET = re.compile(r'<snippet id="([^"]+)">(.*?)</snippet>', re.S)
+_NAME = r"[A-Z][a-z]+(?: [A-Z][a-z]+)*"
+_TITLE_PREFIX = re.compile(r"^[^.:<>]{1,80}:\s+")  # snippets read "Title: text"
+# Question forms the teacher understands (the language of the synthetic world); anything else gets
+# the generic search-browse-answer strategy.
+_QUESTION_FORMS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(rf"^Which was founded earlier, ({_NAME}) or ({_NAME})\?$"), "earlier"),
+    (re.compile(rf"^Which has more employees, ({_NAME}) or ({_NAME})\?$"), "more"),
+    (re.compile(rf"^What is the combined number of employees of (.+)\?$"), "sum"),
+    (re.compile(rf"^Order these organizations by founding year: (.+)\.$"), "sort"),
+    (re.compile(rf"^In which city is the headquarters of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:headquarters"),
+    (re.compile(rf"^What is the founding year of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:founded"),
+    (re.compile(rf"^In which sector does the organization (founded by|that acquired) ({_NAME}) operate\?$"), "hop:sector"),
+]
+_ATTRIBUTE_WORDS = {
+    "founded": "founding year", "employees": "number of employees", "headquarters": "headquarters city",
+    "sector": "sector", "founder_of": "organization founded", "acquired_by": "acquirer",
+}
+
+
+@dataclass
+class Need:
+    entity: str | None  # None: depends on an earlier hop not yet resolved
+    attribute: str
+    value: str | None = None
+    doc_id: str | None = None
+    evidence: str | None = None
+
+
+@dataclass
+class Task:
+    op: str
+    needs: list[Need]
+    subjects: list[str]
+    attribute: str
+    hop_relation: str | None = None
+
+
+@dataclass
+class ErrorPlan:
+    """Which mistakes this trajectory makes, drawn once per trajectory from the configured rates."""
+
+    skip_stage: str | None = None
+    malformed_call_at: int | None = None
+    uncited: bool = False
+    ungrounded: bool = False
+
+
+@dataclass
+class TeacherRates:
+    skip_stage_rate: float = 0.0
+    malformed_call_rate: float = 0.0
+    uncited_rate: float = 0.0
+    ungrounded_rate: float = 0.0
+    max_tool_calls: int = 10
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _split_names(listing: str) -> list[str]:
+    parts = re.split(r",\s*|\s+and\s+", listing)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def understand_question(question: str) -> Task | None:
+    """Parse a question of the synthetic world into what must be found (None: unknown form)."""
+    q = question.strip()
+    for pattern, op in _QUESTION_FORMS:
+        m = pattern.match(q)
+        if not m:
+            continue
+        if op in ("earlier", "more"):
+            attribute = "founded" if op == "earlier" else "employees"
+            subjects = [m.group(1), m.group(2)]
+            return Task(op, [Need(s, attribute) for s in subjects], subjects, attribute)
+        if op in ("sum", "sort"):
+            attribute = "employees" if op == "sum" else "founded"
+            subjects = _split_names(m.group(1))
+            return Task(op, [Need(s, attribute) for s in subjects], subjects, attribute)
+        attribute = op.split(":", 1)[1]
+        relation = "founder_of" if m.group(1) == "founded by" else "acquired_by"
+        start = m.group(2)
+        return Task("lookup", [Need(start, relation), Need(None, attribute)], [start], attribute, relation)
+    return None
+
+
+def _draw_errors(rng: random.Random, rates: TeacherRates) -> ErrorPlan:
+    plan = ErrorPlan()
+    if rng.random() < rates.skip_stage_rate:
+        plan.skip_stage = rng.choice(["plan", "review"])
+    if rng.random() < rates.malformed_call_rate:
+        plan.malformed_call_at = rng.randint(0, 2)
+    plan.uncited = rng.random() < rates.uncited_rate
+    plan.ungrounded = rng.random() < rates.ungrounded_rate
+    return plan
+
+
+class ScriptedTeacher:
+    """Stateless: every call rebuilds the agent's state from the chat, as a model would."""
+
+    def __init__(self, rates: TeacherRates):
+        self.rates = rates
+
+    # ---- reading the chat ----------------------------------------------------------------------
+    def respond(self, messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
+        turns = [m for m in messages if m.get("role") != "system"]
+        question = message_text(turns[0]["content"]) if turns else ""
+        assistant = [message_text(m["content"]) for m in turns if m["role"] == "assistant"]
+        outputs = [message_text(m["content"]) for m in turns[1:] if m["role"] == "user"]
+        # The request seed is trajectory seed + round: subtracting the round gives a per-trajectory
+        # seed, so the trajectory's mistakes stay the same across its turns.
+        seed = int(params.get("seed") or 0) - len(assistant)
+        rng = random.Random(seed)
+        errors = _draw_errors(rng, self.rates)
+        turn_rng = random.Random(seed * 7919 + len(assistant))
+        calls = [c for text in assistant for c in extract_tool_calls(text)]
+        n_calls = sum(text.count("<call_tool") for text in assistant)
+        task = understand_question(question)
+        if task is None:
+            return self._generic(question, assistant, outputs, n_calls, errors)
+        self._resolve(task, outputs)
+        if not assistant:
+            return self._plan(question, task, errors) + self._next_call(task, calls, n_calls, errors, turn_rng)
+        missing = self._missing(task, calls)
+        budget_left = self.rates.max_tool_calls - n_calls
+        if missing and budget_left > 0 and "budget exhausted" not in (outputs[-1] if outputs else ""):
+            return self._state_evaluation(task, "continue", errors) + self._next_call(task, calls, n_calls, errors, turn_rng)
+        return self._state_evaluation(task, "ready", errors) + self._review(task, errors) + self._answer(task, errors, rng)
+
+    def _resolve(self, task: Task, outputs: list[str]) -> None:
+        """Fill needs from facts read in the snippets shown so far (exact entity names only, so a
+        similarly named distractor never answers a need)."""
+        for output in outputs:
+            for doc_id, body in _SNIPPET.findall(output):
+                for fact in read_facts(_TITLE_PREFIX.sub("", body, count=1)):
+                    for i, need in enumerate(task.needs):
+                        if need.value is None and need.entity == fact.entity and need.attribute == fact.attribute:
+                            need.value, need.doc_id, need.evidence = fact.value, doc_id, body
+                            if task.hop_relation and i == 0:
+                                task.needs[1].entity = fact.value
+
+    def _missing(self, task: Task, calls: list) -> list[Need]:
+        out = []
+        for need in task.needs:
+            if need.value is not None or need.entity is None:
+                continue
+            tries = sum(1 for c in calls if need.entity.lower() in c.query.lower())
+            if tries < 3:  # give up on a fact after three different attempts
+                out.append(need)
+        return out
+
+    # ---- writing ------------------------------------------------------------------------------
+    def _plan(self, question: str, task: Task, errors: ErrorPlan) -> str:
+        if errors.skip_stage == "plan":
+            return ""
+        what = _ATTRIBUTE_WORDS.get(task.attribute, task.attribute)
+        if task.hop_relation:
+            rel = "founded by" if task.hop_relation == "founder_of" else "that acquired"
+            checklist = [f"- which organization was {rel} {task.subjects[0]}", f"- the {what} of that organization"]
+            steps = [f"1. Search for {task.subjects[0]} to identify the organization.", f"2. Search for that organization's {what}."]
+            analysis = f"The question is a two-step lookup: first the organization {rel} {task.subjects[0]}, then its {what}."
+        else:
+            checklist = [f"- the {what} of {s}" for s in task.subjects]
+            steps = [f"{i}. Search for the {what} of {s}." for i, s in enumerate(task.subjects, 1)]
+            goal = {"earlier": "decide which was founded first", "more": "decide which is larger",
+                    "sum": "add the numbers", "sort": "order them from earliest to latest"}[task.op]
+            analysis = f"The question needs the {what} of {len(task.subjects)} organizations and then to {goal}."
+        criteria = {
+            "earlier": "- compare the two founding years explicitly and name the earlier organization",
+            "more": "- compare the two employee counts explicitly and name the larger organization",
+            "sum": "- add every employee count and show the total",
+            "sort": "- list every organization in order of founding year, earliest first",
+            "lookup": "- connect both steps: the organization found in step one is the one described in step two",
+        }[task.op]
+        return (
+            "<structured_plan>\n"
+            f"<deep_analysis>{analysis} Implicitly, similarly named organizations must not be confused, "
+            "and every fact must come from a retrieved source.</deep_analysis>\n"
+            "<rubric>\n"
+            f"<knowledge_checklist>\n" + "\n".join(checklist) + "\n</knowledge_checklist>\n"
+            f"<analytical_criteria>\n{criteria}\n- cite the source of every fact</analytical_criteria>\n"
+            "<negative_constraints>\n- do not use facts about similarly named entities\n"
+            "- do not state a value that no retrieved document supports</negative_constraints>\n"
+            "</rubric>\n"
+            "<research_plan>\n" + "\n".join(steps) + "\n</research_plan>\n"
+            "</structured_plan>\n"
+        )
+
+    def _next_call(self, task: Task, calls: list, n_calls: int, errors: ErrorPlan, rng: random.Random) -> str:
+        need = self._missing(task, calls)[0]
+        previous = [c.query for c in calls if need.entity.lower() in c.query.lower()]
+        words = _ATTRIBUTE_WORDS.get(need.attribute, need.attribute)
+        if need.attribute == "founder_of":
+            words = "founder of"
+        candidates = [f"{need.entity} {words}", need.entity, f"{need.entity} profile"]
+        query = next((q for q in candidates if q not in previous), candidates[-1])
+        if errors.malformed_call_at == n_calls:
+            return f"<call_tool>{query}"  # no tool name: the environment answers with an error
+        return f'<call_tool name="search">{query}'
+
+    def _state_evaluation(self, task: Task, verdict: str, errors: ErrorPlan) -> str:
+        found = [f"{n.entity}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} = {n.value} [{n.doc_id}]"
+                 for n in task.needs if n.value is not None]
+        missing = [f"{n.entity or 'the organization from step one'}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)}"
+                   for n in task.needs if n.value is None]
+        lines = ["Evidence so far: " + ("; ".join(found) if found else "nothing relevant yet") + "."]
+        if missing:
+            lines.append("Still missing: " + "; ".join(missing) + ".")
+        if verdict == "ready" and missing:
+            lines.append("The remaining facts could not be found within the search budget; I will say so.")
+        lines.append(f"Verdict: {verdict}")
+        return "<state_evaluation>" + " ".join(lines) + "</state_evaluation>\n"
+
+    def _review(self, task: Task, errors: ErrorPlan) -> str:
+        if errors.skip_stage == "review":
+            return ""
+        mapping = []
+        for n in task.needs:
+            label = f"{n.entity or 'target organization'} {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)}"
+            mapping.append(f"- {label} → {n.doc_id}" if n.value is not None else f"- {label} → gap: not found")
+        thesis = self._conclusion(task) or "The evidence is incomplete."
+        return (
+            "<review>\n<rubric_review>\n" + "\n".join(mapping) + "\n</rubric_review>\n"
+            f"<writing_plan><thesis>{thesis}</thesis>"
+            "<outline>1. State each fact with its source. 2. Give the conclusion.</outline></writing_plan>\n"
+            "</review>\n"
+        )
+
+    def _conclusion(self, task: Task) -> str | None:
+        needs = task.needs
+        if any(n.value is None for n in needs):
+            return None
+        if task.op == "lookup":
+            return f"The answer is {needs[1].value} ({needs[0].value})."
+        values = {n.entity: int(n.value.replace(",", "")) for n in needs}
+        if task.op == "earlier":
+            return f"{min(values, key=values.get)} was founded earlier."
+        if task.op == "more":
+            return f"{max(values, key=values.get)} has more employees."
+        if task.op == "sum":
+            return f"The combined number of employees is {sum(values.values()):,}."
+        return "In order of founding year: " + ", ".join(sorted(values, key=values.get)) + "."
+
+    def _claim(self, need: Need) -> str:
+        if need.attribute == "founder_of":
+            return f"{need.entity} founded {need.value}"
+        if need.attribute == "acquired_by":
+            return f"{need.entity} was acquired by {need.value}"
+        phrase = {"founded": "was founded in", "employees": "employs", "headquarters": "is headquartered in",
+                  "sector": "operates in the sector"}[need.attribute]
+        suffix = " people" if need.attribute == "employees" else ""
+        return f"{need.entity} {phrase} {need.value}{suffix}"
+
+    def _answer(self, task: Task, errors: ErrorPlan, rng: random.Random) -> str:
+        sentences = []
+        found = [n for n in task.needs if n.value is not None]
+        wrong = rng.randrange(len(found)) if (errors.ungrounded and found) else None
+        for i, n in enumerate(found):
+            need = n
+            if i == wrong:  # an ungrounded claim: a value its cited source does not state
+                need = Need(n.entity, n.attribute, _perturb(n.value), n.doc_id)
+            claim = self._claim(need)
+            sentences.append(f"{claim}." if errors.uncited else f'<cite id="{n.doc_id}">{claim}</cite>.')
+        missing = [n for n in task.needs if n.value is None]
+        for n in missing:
+            sentences.append(f"I could not find the {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} of "
+                             f"{n.entity or 'the organization in question'} in the retrieved documents.")
+        conclusion = self._conclusion(task)
+        if conclusion:
+            sentences.append(f"Therefore: {conclusion}")
+        else:
+            sentences.append("Without these facts the question cannot be answered with confidence.")
+        return "<answer>" + " ".join(sentences) + "</answer>"
+
+    # ---- questions outside the synthetic world ---------------------------------------------------
+    def _generic(self, question: str, assistant: list[str], outputs: list[str], n_calls: int, errors: ErrorPlan) -> str:
+        """Search the question, browse the best hit, then answer from what was read, citing it."""
+        if not assistant:
+            plan = "" if errors.skip_stage == "plan" else (
+                "<structured_plan>\n"
+                f"<deep_analysis>The user asks: {question.strip()[:300]} The answer must rest on retrieved sources.</deep_analysis>\n"
+                "<rubric>\n<knowledge_checklist>\n- the facts the question asks for\n</knowledge_checklist>\n"
+                "<analytical_criteria>\n- answer the question directly and cite sources\n</analytical_criteria>\n"
+                "<negative_constraints>\n- do not state facts that no retrieved source supports\n</negative_constraints>\n"
+                "</rubric>\n<research_plan>\n1. Search for the question's key terms.\n2. Read the best document.\n</research_plan>\n"
+                "</structured_plan>\n"
+            )
+            return plan + f'<call_tool name="search">{question.strip()[:200]}'
+        snippets = [(d, b) for out in outputs for d, b in _SNIPPET.findall(out)]
+        if n_calls == 1 and snippets:
+            return ("<state_evaluation>The search returned candidate documents; the top one needs a full read. "
+                    f"Verdict: continue</state_evaluation>\n" f'<call_tool name="browse">{snippets[0][0]}')
+        best = snippets[:2]
+        review = "" if errors.skip_stage == "review" else (
+            "<review>\n<rubric_review>\n" + "\n".join(f"- key facts → {d}" for d, _ in best) + "\n</rubric_review>\n"
+            "<writing_plan><thesis>Answer from the retrieved documents.</thesis><outline>1. Facts with sources.</outline>"
+            "</writing_plan>\n</review>\n"
+        )
+        claims = []
+        for d, body in best:
+            sentence = re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", body).strip())[0][:300]
+            claims.append(sentence if errors.uncited else f'<cite id="{d}">{sentence}</cite>')
+        answer = " ".join(claims) if claims else "The retrieved documents do not answer the question."
+        return ("<state_evaluation>The documents read cover the question as far as the corpus allows. Verdict: ready"
+                "</state_evaluation>\n" + review + f"<answer>{answer}</answer>")
+
+
+def _perturb(value: str) -> str:
+    digits = value.replace(",", "")
+    if digits.isdigit():
+        return str(int(digits) + 7)
+    return value + " Group"
+
+
+def register_builtin_teacher(cfg: TeacherConfig, max_tool_calls: int = 10) -> None:
+    """Register (idempotently) the scripted teacher as the litellm provider ``rubricem-teacher``."""
+    rates = TeacherRates(
+        skip_stage_rate=cfg.skip_stage_rate, malformed_call_rate=cfg.malformed_call_rate,
+        uncited_rate=cfg.uncited_rate, ungrounded_rate=cfg.ungrounded_rate, max_tool_calls=max_tool_calls,
+    )
+    teacher = ScriptedTeacher(rates)
+    register_completion_provider(PROVIDER, teacher.respond)

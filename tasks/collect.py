@@ -1,0 +1,238 @@
+"""Prefect tasks of SFT data collection: thin wrappers that call rubricem_core and own the Parquet I/O.
+
+Caching is by Parquet: a task whose output partition exists returns without recomputing, so a
+retried flow run (CLI or the Prefect UI's retry) resumes from the last completed round.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rubricem_core.config import RunConfig
+from rubricem_core.filtering import filter_trace
+from rubricem_core.llm.types import ChatResult
+from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.teacher.builtin import register_builtin_teacher
+from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
+from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests, initial_states
+from tasks.inputs import load_inputs, search_env
+from tasks.secrets import resolve_api_key
+
+TEACHER_REQUESTS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("round", pa.int64()),
+        ("model", pa.string()),
+        ("mode", pa.string()),
+        ("batch_id", pa.string()),
+        ("status", pa.string()),
+        ("n_messages", pa.int64()),
+        ("last_message", pa.string()),
+        ("submitted_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+TEACHER_RESPONSES_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("round", pa.int64()),
+        ("model", pa.string()),
+        ("status", pa.string()),
+        ("response", pa.string()),
+        ("error", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+        ("attempts", pa.int64()),
+        ("latency_s", pa.float64()),
+        ("batch_id", pa.string()),
+    ]
+)
+SFT_TRAJECTORIES_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("accepted", pa.bool_()),
+        ("reject_reasons", pa.list_(pa.string())),
+        ("reject_details", pa.list_(pa.string())),
+        ("n_tool_calls", pa.int64()),
+        ("n_rounds", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("text", pa.string()),
+        ("messages", pa.string()),
+        ("model", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+    ]
+)
+
+
+def _round_key(round_index: int) -> dict[str, int]:
+    return {"round": round_index}
+
+
+def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[TrajectoryState]:
+    """Initial states (rebuilt from `queries`) overlaid with each completed round's updates."""
+    queries = [q for q in store.read_rows("queries") if q["split"] == "train"]
+    states = {s.trajectory_id: s for s in initial_states(queries, cfg.teacher.trajectories_per_query, cfg.seed)}
+    for r in range(upto_round + 1):
+        if not store.has("teacher_state", _round_key(r)):
+            break
+        for row in store.read_rows("teacher_state", _round_key(r)):
+            states[row["trajectory_id"]] = TrajectoryState.from_row(row)
+    return list(states.values())
+
+
+@task(name="teacher-round", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any]:
+    """One teacher round over all unfinished trajectories.
+
+    Writes requests, responses, then state: the state partition is written last and marks the round
+    complete, so a crash anywhere before it reruns the whole round (re-attaching to its batch).
+    """
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    if store.has("teacher_state", _round_key(round_index)):
+        states = load_states(store, cfg, round_index)
+        unfinished = sum(not s.finished for s in states)
+        log.info("round %d already complete (cached Parquet); %d unfinished", round_index, unfinished)
+        return {"round": round_index, "cached": True, "unfinished": unfinished, "requests": 0}
+
+    states = load_states(store, cfg, round_index - 1)
+    active = [s for s in states if not s.finished]
+    tcfg = cfg.teacher
+    if is_builtin(tcfg.model):
+        register_builtin_teacher(tcfg, max_tool_calls=cfg.tools.max_tool_calls)
+    settings = endpoint_settings(tcfg, api_key=resolve_api_key(tcfg))
+    requests = build_requests(active, round_index, tcfg.model, tcfg.max_tokens, tcfg.temperature)
+    if not requests:
+        return {"round": round_index, "cached": False, "unfinished": 0, "requests": 0}
+
+    # A crash after submitting a batch must re-attach to it, not pay for it twice.
+    marker = store.state_dir / f"teacher_round_{round_index:04d}.json"
+    resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
+
+    def on_submitted(batch_id: str) -> None:
+        atomic_write_text(marker, json.dumps({"batch_id": batch_id, "submitted_at": time.time()}))
+        log.info("round %d: batch %s submitted with %d requests", round_index, batch_id, len(requests))
+
+    done = [0]
+    step = max(1, len(requests) // 10)
+
+    def on_result(_: ChatResult) -> None:
+        done[0] += 1
+        if done[0] % step == 0 or done[0] == len(requests):
+            log.info("round %d: %d/%d teacher responses", round_index, done[0], len(requests))
+
+    submitted_at = pa.scalar(time.time_ns() // 1000, type=pa.timestamp("us", tz="UTC")).as_py()
+    log.info("round %d: %d requests (%s mode, model %s)", round_index, len(requests), tcfg.mode, tcfg.model)
+    results = run_round(requests, tcfg, settings, resume_batch_id, on_submitted, on_result)
+    by_id = {r.custom_id: r for r in results}
+    missing = [r.custom_id for r in requests if r.custom_id not in by_id]
+    if missing:
+        raise RuntimeError(f"round {round_index}: provider returned no result for {missing[:5]} ({len(missing)} total)")
+
+    env = search_env(run_dir, cfg)
+    by_traj = {s.trajectory_id: s for s in active}
+    for req in requests:
+        state = by_traj[req.metadata["trajectory_id"]]
+        apply_result(
+            state, by_id[req.custom_id], lambda call: env.execute(call).text,
+            round_index, tcfg.max_rounds, cfg.tools.max_tool_calls,
+        )
+
+    req_rows, resp_rows = [], []
+    for req in requests:
+        res = by_id[req.custom_id]
+        tid = req.metadata["trajectory_id"]
+        req_rows.append(
+            dict(
+                request_id=req.custom_id, trajectory_id=tid, query_id=by_traj[tid].query_id,
+                round=round_index, model=req.model, mode=tcfg.mode, batch_id=res.batch_id,
+                status=res.status, n_messages=len(req.messages), last_message=req.messages[-1]["content"],
+                submitted_at=submitted_at,
+            )
+        )
+        resp_rows.append(
+            dict(
+                request_id=req.custom_id, trajectory_id=tid, query_id=by_traj[tid].query_id,
+                round=round_index, model=req.model, status=res.status, response=res.text, error=res.error,
+                finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
+                completion_tokens=res.completion_tokens, cost_usd=res.cost_usd, attempts=res.attempts,
+                latency_s=res.latency_s, batch_id=res.batch_id,
+            )
+        )
+    store.write_table("teacher_requests", req_rows, _round_key(round_index), schema=TEACHER_REQUESTS_SCHEMA)
+    store.write_table("teacher_responses", resp_rows, _round_key(round_index), schema=TEACHER_RESPONSES_SCHEMA)
+    state_rows = [dict(s.to_row(), round=round_index) for s in active]
+    store.write_table("teacher_state", state_rows, _round_key(round_index))
+    marker.unlink(missing_ok=True)
+
+    failed = sum(r.status != "ok" for r in results)
+    unfinished = sum(not s.finished for s in load_states(store, cfg, round_index))
+    log.info(
+        "round %d done: %d requests, %d failed, %d trajectories still unfinished",
+        round_index, len(requests), failed, unfinished,
+    )
+    return {
+        "round": round_index, "cached": False, "requests": len(requests), "failed": failed,
+        "unfinished": unfinished,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
+        "completion_tokens": sum(r.completion_tokens or 0 for r in results),
+        "cost_usd": sum(r.cost_usd or 0.0 for r in results),
+    }
+
+
+@task(name="filter-trajectories", cache_policy=NO_CACHE)
+def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[str, Any]:
+    """Rejection filtering of every trajectory → `sft_trajectories` (accepted and rejected rows)."""
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    states = load_states(store, cfg, last_round)
+    rows = []
+    for s in states:
+        if not s.finished:  # rounds ran out in the flow: the trace never reached an answer
+            s.finish_reason = "max_rounds"
+        decision = filter_trace(
+            s.text, s.n_tool_calls, s.finish_reason,
+            min_tool_calls=cfg.filter.min_tool_calls,
+            require_grounding=cfg.filter.require_grounding,
+            allowed_violations=cfg.filter.allowed_violations,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
+        rows.append(
+            dict(
+                trajectory_id=s.trajectory_id, query_id=s.query_id, accepted=decision.accepted,
+                reject_reasons=decision.reject_reasons, reject_details=decision.details,
+                n_tool_calls=s.n_tool_calls, n_rounds=s.n_rounds, finish_reason=s.finish_reason,
+                text=s.text, messages=json.dumps(s.messages, ensure_ascii=False), model=cfg.teacher.model,
+                prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cost_usd=s.cost_usd,
+            )
+        )
+    store.write_table("sft_trajectories", rows, schema=SFT_TRAJECTORIES_SCHEMA)
+    accepted = sum(r["accepted"] for r in rows)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for code in r["reject_reasons"]:
+            reasons[code] = reasons.get(code, 0) + 1
+    log.info("filtered %d trajectories: %d accepted, %d rejected %s", len(rows), accepted, len(rows) - accepted, reasons)
+    return {
+        "trajectories": len(rows),
+        "accepted": accepted,
+        "acceptance_rate": accepted / len(rows) if rows else 0.0,
+        "reject_reasons": reasons,
+        "mean_tool_calls": sum(r["n_tool_calls"] for r in rows) / len(rows) if rows else 0.0,
+        "cost_usd": sum(r["cost_usd"] for r in rows),
+        "path": str(Path(store.table_dir("sft_trajectories"))),
+    }

@@ -1,0 +1,505 @@
+"""A fake OpenAI-compatible HTTP server for tests (chat completions, files, batches).
+
+Runs a stdlib ``ThreadingHTTPServer`` on 127.0.0.1 with a free port in a background thread, so
+litellm and the openai SDK talk to it over real HTTP — the same code path as a real provider::
+
+    with FakeOpenAIServer(respond=lambda body: "hello") as server:
+        litellm.completion(model="openai/any", api_base=server.base_url, api_key="k", messages=[...])
+
+``respond(body) -> str`` receives the chat-completions request body (a dict; for batches, the
+``body`` of each JSONL line) and returns the full generation; ``body["stop"]`` and
+``body["max_tokens"]`` are applied like OpenAI does. Usage counts whitespace words.
+
+Endpoints: POST /v1/chat/completions, POST /v1/files (multipart upload), GET /v1/files/{id},
+GET /v1/files/{id}/content, POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel.
+A batch moves validating → in_progress → completed over successive GET polls
+(``polls_in_progress`` polls stay in_progress); it is processed when it leaves in_progress.
+
+Fault injection (all mutable attributes, change them between calls):
+
+- ``fail_custom_ids``: batch lines with these custom ids always fail; how depends on
+  ``failure_style``: ``"error_file"`` (a line in the batch's error file with an ``error`` object) or
+  ``"status_500"`` (a line in the output file whose response has status_code ``fail_status``).
+- ``fail_times``: {custom_id: k} fails that id (as above) only the first k times it is seen in a
+  batch, to test resubmission.
+- ``bad_request_ids``: batch lines answered with status_code 400 (a permanent error).
+- ``malformed_ids``: batch lines that come back broken; ``malformed_style`` ``"truncated_line"``
+  writes a cut-off JSON line, ``"bad_content"`` returns content that is truncated JSON text.
+- ``http_errors``: a queue of status codes; each of the next chat calls pops one and returns it
+  as an error response instead of answering.
+- ``expire_next_batch``: the next created batch ends "expired" with output for only the first
+  half of its lines (the flag resets itself). ``fail_next_batch``: the next batch ends "failed"
+  with a validation error and no output.
+- ``delay_s``: seconds each chat call waits before answering (to provoke client timeouts).
+- ``api_key``: when set, requests without ``Authorization: Bearer <api_key>`` get a 401.
+
+Records for assertions: ``chat_calls`` (bodies of chat calls that were answered or failed),
+``uploaded_lines`` (every parsed JSONL line of every batch upload, in order), ``uploads`` (file
+metadata), ``batches`` (the live batch objects, each with an extra ``custom_ids`` list),
+``request_log`` ((method, path) of every HTTP request).
+"""
+from __future__ import annotations
+
+import collections
+import email.parser
+import email.policy
+import json
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterable
+
+from rubricem_core.llm.provider import count_prompt_words, count_words, truncate_like_openai
+
+RespondToBody = Callable[[dict[str, Any]], str]
+
+_TERMINAL = {"completed", "expired", "failed", "cancelled"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class FakeOpenAIServer:
+    """See the module docstring. Use as a context manager, or call ``start()`` / ``stop()``."""
+
+    def __init__(
+        self,
+        respond: RespondToBody,
+        *,
+        fail_custom_ids: Iterable[str] = (),
+        fail_times: dict[str, int] | None = None,
+        failure_style: str = "error_file",
+        fail_status: int = 500,
+        bad_request_ids: Iterable[str] = (),
+        malformed_ids: Iterable[str] = (),
+        malformed_style: str = "truncated_line",
+        http_errors: Iterable[int] = (),
+        expire_next_batch: bool = False,
+        fail_next_batch: bool = False,
+        delay_s: float = 0.0,
+        polls_in_progress: int = 1,
+        api_key: str | None = None,
+    ) -> None:
+        if failure_style not in ("error_file", "status_500"):
+            raise ValueError(f"failure_style must be 'error_file' or 'status_500', got {failure_style!r}")
+        if malformed_style not in ("truncated_line", "bad_content"):
+            raise ValueError(f"malformed_style must be 'truncated_line' or 'bad_content', got {malformed_style!r}")
+        self.respond = respond
+        self.fail_custom_ids: set[str] = set(fail_custom_ids)
+        self.fail_times: dict[str, int] = dict(fail_times or {})
+        self.failure_style = failure_style
+        self.fail_status = fail_status
+        self.bad_request_ids: set[str] = set(bad_request_ids)
+        self.malformed_ids: set[str] = set(malformed_ids)
+        self.malformed_style = malformed_style
+        self.http_errors: collections.deque[int] = collections.deque(http_errors)
+        self.expire_next_batch = expire_next_batch
+        self.fail_next_batch = fail_next_batch
+        self.delay_s = delay_s
+        self.polls_in_progress = polls_in_progress
+        self.api_key = api_key
+
+        self.chat_calls: list[dict[str, Any]] = []
+        self.uploaded_lines: list[dict[str, Any]] = []
+        self.uploads: list[dict[str, Any]] = []
+        self.batches: list[dict[str, Any]] = []
+        self.request_log: list[tuple[str, str]] = []
+        self.seen_counts: collections.Counter[str] = collections.Counter()
+
+        self._files: dict[str, dict[str, Any]] = {}
+        self._file_bytes: dict[str, bytes] = {}
+        self._batches_by_id: dict[str, dict[str, Any]] = {}
+        self._batch_plan: dict[str, dict[str, Any]] = {}  # batch id -> {expire, fail, polls}
+        self._lock = threading.RLock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("FakeOpenAIServer is not running; use it as a context manager or call start()")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> "FakeOpenAIServer":
+        handler = _make_handler(self)
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        httpd.daemon_threads = True
+        httpd.block_on_close = False  # a handler sleeping in delay_s must not hold up stop()
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> "FakeOpenAIServer":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # ---- helpers for assertions ------------------------------------------------------------
+    def batch_custom_ids(self) -> list[list[str]]:
+        """The custom ids of each created batch, in creation order."""
+        with self._lock:
+            return [list(batch["custom_ids"]) for batch in self.batches]
+
+    def file_text(self, file_id: str) -> str:
+        with self._lock:
+            return self._file_bytes[file_id].decode("utf-8")
+
+    # ---- chat completions ------------------------------------------------------------------
+    def completion_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The OpenAI chat.completion object answering ``body``."""
+        raw = self.respond(body)
+        text, finish_reason = truncate_like_openai(raw, body.get("stop"), body.get("max_tokens")
+                                                   or body.get("max_completion_tokens"))
+        prompt_tokens = count_prompt_words(body.get("messages") or [])
+        completion_tokens = count_words(text)
+        return {
+            "id": _new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "fake-model"),
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+    def handle_chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.chat_calls.append(body)
+            injected = self.http_errors.popleft() if self.http_errors else None
+        if injected is not None:
+            return injected, _error_payload(injected, "injected error")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return 200, self.completion_body(body)
+
+    # ---- files -----------------------------------------------------------------------------
+    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+        file_id = _new_id("file")
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+        }
+        with self._lock:
+            self._files[file_id] = meta
+            self._file_bytes[file_id] = data
+        return meta
+
+    def handle_upload(self, content_type: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+        fields = _parse_multipart(content_type, raw)
+        if "file" not in fields:
+            return 400, _error_payload(400, "multipart upload has no 'file' part")
+        purpose = fields.get("purpose", (None, b"batch"))[1].decode("utf-8")
+        filename, data = fields["file"]
+        meta = self.add_file(data, filename or "upload.jsonl", purpose)
+        with self._lock:
+            self.uploads.append(dict(meta))
+            if purpose == "batch":
+                for line in data.decode("utf-8").splitlines():
+                    if line.strip():
+                        self.uploaded_lines.append(json.loads(line))
+        return 200, meta
+
+    # ---- batches ---------------------------------------------------------------------------
+    def handle_create_batch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        input_file_id = body.get("input_file_id")
+        with self._lock:
+            if input_file_id not in self._file_bytes:
+                return 400, _error_payload(400, f"input_file_id {input_file_id!r} not found")
+            lines = [json.loads(line) for line in self._file_bytes[input_file_id].decode("utf-8").splitlines()
+                     if line.strip()]
+            now = int(time.time())
+            batch = {
+                "id": _new_id("batch"),
+                "object": "batch",
+                "endpoint": body.get("endpoint", "/v1/chat/completions"),
+                "errors": None,
+                "input_file_id": input_file_id,
+                "completion_window": body.get("completion_window", "24h"),
+                "status": "validating",
+                "output_file_id": None,
+                "error_file_id": None,
+                "created_at": now,
+                "in_progress_at": None,
+                "expires_at": now + 86400,
+                "finalizing_at": None,
+                "completed_at": None,
+                "failed_at": None,
+                "expired_at": None,
+                "cancelling_at": None,
+                "cancelled_at": None,
+                "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+                "metadata": body.get("metadata"),
+            }
+            self._batches_by_id[batch["id"]] = batch
+            self._batch_plan[batch["id"]] = {
+                "expire": self.expire_next_batch,
+                "fail": self.fail_next_batch,
+                "polls_left": self.polls_in_progress,
+                "lines": lines,
+            }
+            self.expire_next_batch = False
+            self.fail_next_batch = False
+            recorded = dict(batch)
+            recorded["custom_ids"] = [line.get("custom_id") for line in lines]
+            self.batches.append(recorded)
+            self._sync_record(batch)
+            return 200, self._public(batch)
+
+    def handle_get_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            batch = self._batches_by_id.get(batch_id)
+            if batch is None:
+                return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
+            self._advance(batch)
+            return 200, self._public(batch)
+
+    def handle_cancel_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            batch = self._batches_by_id.get(batch_id)
+            if batch is None:
+                return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
+            if batch["status"] not in _TERMINAL:
+                now = int(time.time())
+                batch["status"] = "cancelled"
+                batch["cancelling_at"] = now
+                batch["cancelled_at"] = now
+                self._sync_record(batch)
+            return 200, self._public(batch)
+
+    def _advance(self, batch: dict[str, Any]) -> None:
+        plan = self._batch_plan[batch["id"]]
+        now = int(time.time())
+        if batch["status"] == "validating":
+            if plan["fail"]:
+                batch["status"] = "failed"
+                batch["failed_at"] = now
+                batch["errors"] = {"object": "list", "data": [
+                    {"code": "invalid_request", "message": "injected validation failure", "line": None,
+                     "param": None}]}
+            else:
+                batch["status"] = "in_progress"
+                batch["in_progress_at"] = now
+        elif batch["status"] == "in_progress":
+            if plan["polls_left"] > 1:
+                plan["polls_left"] -= 1
+            else:
+                self._finish(batch, plan)
+        self._sync_record(batch)
+
+    def _finish(self, batch: dict[str, Any], plan: dict[str, Any]) -> None:
+        lines = plan["lines"]
+        if plan["expire"]:
+            lines = lines[: len(lines) // 2]
+        output_lines: list[str] = []
+        error_lines: list[str] = []
+        completed = failed = 0
+        for line in lines:
+            custom_id = line.get("custom_id")
+            self.seen_counts[custom_id] += 1
+            request_id = _new_id("req")
+            if custom_id in self.fail_custom_ids or self.seen_counts[custom_id] <= self.fail_times.get(custom_id, 0):
+                failed += 1
+                if self.failure_style == "error_file":
+                    error_lines.append(json.dumps({
+                        "id": _new_id("batch_req"), "custom_id": custom_id, "response": None,
+                        "error": {"code": "server_error", "message": "injected failure"}}))
+                else:
+                    output_lines.append(json.dumps({
+                        "id": _new_id("batch_req"), "custom_id": custom_id,
+                        "response": {"status_code": self.fail_status, "request_id": request_id,
+                                     "body": _error_payload(self.fail_status, "injected failure")},
+                        "error": None}))
+                continue
+            if custom_id in self.bad_request_ids:
+                failed += 1
+                output_lines.append(json.dumps({
+                    "id": _new_id("batch_req"), "custom_id": custom_id,
+                    "response": {"status_code": 400, "request_id": request_id,
+                                 "body": _error_payload(400, "injected bad request")},
+                    "error": None}))
+                continue
+            body = self.completion_body(line.get("body") or {})
+            if custom_id in self.malformed_ids and self.malformed_style == "bad_content":
+                body["choices"][0]["message"]["content"] = '{"scores": [1, 2'
+            encoded = json.dumps({
+                "id": _new_id("batch_req"), "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": request_id, "body": body},
+                "error": None})
+            if custom_id in self.malformed_ids and self.malformed_style == "truncated_line":
+                encoded = encoded[: len(encoded) // 2]
+            output_lines.append(encoded)
+            completed += 1
+        now = int(time.time())
+        batch["finalizing_at"] = now
+        if output_lines:
+            batch["output_file_id"] = self.add_file(("\n".join(output_lines) + "\n").encode("utf-8"),
+                                                    f"{batch['id']}_output.jsonl", "batch_output")["id"]
+        if error_lines:
+            batch["error_file_id"] = self.add_file(("\n".join(error_lines) + "\n").encode("utf-8"),
+                                                   f"{batch['id']}_error.jsonl", "batch_output")["id"]
+        batch["request_counts"] = {"total": len(plan["lines"]), "completed": completed, "failed": failed}
+        if plan["expire"]:
+            batch["status"] = "expired"
+            batch["expired_at"] = now
+        else:
+            batch["status"] = "completed"
+            batch["completed_at"] = now
+
+    def _sync_record(self, batch: dict[str, Any]) -> None:
+        for record in self.batches:
+            if record["id"] == batch["id"]:
+                record.update(batch)
+
+    @staticmethod
+    def _public(batch: dict[str, Any]) -> dict[str, Any]:
+        return json.loads(json.dumps(batch))
+
+
+def _error_payload(status: int, message: str) -> dict[str, Any]:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_exceeded"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+
+
+def _parse_multipart(content_type: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """{field name: (filename, bytes)} of a multipart/form-data body."""
+    parser = email.parser.BytesParser(policy=email.policy.HTTP)
+    message = parser.parsebytes(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw)
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    if not message.is_multipart():
+        return fields
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name:
+            fields[str(name)] = (part.get_filename(), part.get_payload(decode=True) or b"")
+    return fields
+
+
+_FILE_PATH = re.compile(r"^/v1/files/([^/]+)$")
+_FILE_CONTENT_PATH = re.compile(r"^/v1/files/([^/]+)/content$")
+_BATCH_PATH = re.compile(r"^/v1/batches/([^/]+)$")
+_BATCH_CANCEL_PATH = re.compile(r"^/v1/batches/([^/]+)/cancel$")
+
+
+def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+            return
+
+        def _send_json(self, status: int, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _send_bytes(self, data: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _read_body(self) -> bytes:
+            length = int(self.headers.get("Content-Length") or 0)
+            return self.rfile.read(length) if length else b""
+
+        def _authorized(self) -> bool:
+            if server.api_key is None:
+                return True
+            if self.headers.get("Authorization") == f"Bearer {server.api_key}":
+                return True
+            self._send_json(401, _error_payload(401, "Incorrect API key provided"))
+            return False
+
+        def _path(self) -> str:
+            return self.path.split("?", 1)[0].rstrip("/")
+
+        def do_POST(self) -> None:
+            try:
+                self._post()
+            except Exception as exc:  # a bug in respond() must reach the test as a 500, not a hang
+                self._send_json(500, _error_payload(500, f"fake server error: {type(exc).__name__}: {exc}"))
+
+        def do_GET(self) -> None:
+            try:
+                self._get()
+            except Exception as exc:
+                self._send_json(500, _error_payload(500, f"fake server error: {type(exc).__name__}: {exc}"))
+
+        def _post(self) -> None:
+            path = self._path()
+            raw = self._read_body()
+            with server._lock:
+                server.request_log.append(("POST", path))
+            if not self._authorized():
+                return
+            if path == "/v1/chat/completions":
+                self._send_json(*server.handle_chat(json.loads(raw or b"{}")))
+            elif path == "/v1/files":
+                self._send_json(*server.handle_upload(self.headers.get("Content-Type", ""), raw))
+            elif path == "/v1/batches":
+                self._send_json(*server.handle_create_batch(json.loads(raw or b"{}")))
+            elif match := _BATCH_CANCEL_PATH.match(path):
+                self._send_json(*server.handle_cancel_batch(match.group(1)))
+            else:
+                self._send_json(404, _error_payload(404, f"no route POST {path}"))
+
+        def _get(self) -> None:
+            path = self._path()
+            with server._lock:
+                server.request_log.append(("GET", path))
+            if not self._authorized():
+                return
+            if match := _FILE_CONTENT_PATH.match(path):
+                with server._lock:
+                    data = server._file_bytes.get(match.group(1))
+                if data is None:
+                    self._send_json(404, _error_payload(404, f"No such File object: {match.group(1)}"))
+                else:
+                    self._send_bytes(data)
+            elif match := _FILE_PATH.match(path):
+                with server._lock:
+                    meta = server._files.get(match.group(1))
+                if meta is None:
+                    self._send_json(404, _error_payload(404, f"No such File object: {match.group(1)}"))
+                else:
+                    self._send_json(200, meta)
+            elif match := _BATCH_PATH.match(path):
+                self._send_json(*server.handle_get_batch(match.group(1)))
+            else:
+                self._send_json(404, _error_payload(404, f"no route GET {path}"))
+
+    return Handler

@@ -1,0 +1,113 @@
+"""The built-in teacher through litellm, the multi-round loop, and rejection filtering (no Prefect)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rubricem_core.config import TeacherConfig
+from rubricem_core.filtering import filter_trace
+from rubricem_core.llm.concurrent import run_concurrent
+from rubricem_core.llm.types import EndpointSettings
+from rubricem_core.scaffold import validate
+from rubricem_core.teacher.builtin import register_builtin_teacher, understand_question
+from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
+from rubricem_core.tools.base import ToolEnv
+from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
+from rubricem_core.world import WorldConfig, generate_world
+
+MODEL = "rubricem-teacher/scripted"
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=16, eval_fraction=0.0))
+
+
+@pytest.fixture(scope="module")
+def tools(world):
+    corpus = world.corpus_table()
+    return {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
+
+
+def collect(world, tools, max_rounds=12, max_tool_calls=10, **rates):
+    cfg = TeacherConfig(**{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0, **rates})
+    register_builtin_teacher(cfg, max_tool_calls=max_tool_calls)
+    settings = EndpointSettings(model=MODEL, max_concurrency=4, max_retries=0, timeout_s=30)
+    queries = [q for q in world.queries_table().to_pylist()]
+    states = initial_states(queries, trajectories_per_query=1, seed=0)
+    env = ToolEnv(tools, max_calls=10**6)
+    for r in range(max_rounds):
+        reqs = build_requests(states, r, MODEL, 2048, 0.7)
+        if not reqs:
+            break
+        results = {x.custom_id: x for x in run_concurrent(reqs, settings)}
+        by_traj = {s.trajectory_id: s for s in states}
+        for req in reqs:
+            apply_result(by_traj[req.metadata["trajectory_id"]], results[req.custom_id],
+                         lambda c: env.execute(c).text, r, max_rounds, max_tool_calls)
+    return queries, states
+
+
+def test_question_forms_of_every_kind_are_understood(world):
+    kinds = {q.kind for q in world.queries}
+    assert kinds == {"comparison", "multi_hop", "aggregation", "timeline"}
+    for q in world.queries:
+        task = understand_question(q.question)
+        assert task is not None, q.question
+        assert task.subjects == json.loads(json.dumps(q.spec))["subjects"]
+
+
+def test_clean_teacher_writes_valid_grounded_correct_traces(world, tools):
+    queries, states = collect(world, tools)
+    assert all(s.finished for s in states)
+    ref = {q["query_id"]: q["reference_answer"] for q in queries}
+    accepted = correct = 0
+    for s in states:
+        decision = filter_trace(s.text, s.n_tool_calls, s.finish_reason)
+        accepted += decision.accepted
+        answer = s.text.split("<answer>")[-1]
+        correct += ref[s.query_id].replace(",", "") in answer.replace(",", "")
+    assert sum(s.n_tool_calls for s in states) / len(states) >= 2, "queries need several searches"
+    assert accepted / len(states) >= 0.8
+    assert correct / len(states) >= 0.7
+
+
+@pytest.mark.parametrize(
+    "rates, code",
+    [
+        ({"uncited_rate": 1.0}, "uncited_answer"),
+        ({"ungrounded_rate": 1.0}, "ungrounded_citation"),
+        ({"malformed_call_rate": 1.0}, "malformed_tool_call"),
+    ],
+)
+def test_injected_errors_are_rejected_with_their_code(world, tools, rates, code):
+    _, states = collect(world, tools, **rates)
+    decisions = [filter_trace(s.text, s.n_tool_calls, s.finish_reason) for s in states]
+    hits = sum(code in d.reject_reasons for d in decisions)
+    assert hits / len(states) >= 0.6, [d.reject_reasons for d in decisions]
+
+
+def test_skipped_stages_fail_validation(world, tools):
+    _, states = collect(world, tools, skip_stage_rate=1.0)
+    assert all(not filter_trace(s.text, s.n_tool_calls, s.finish_reason).accepted for s in states)
+
+
+def test_tool_budget_ends_the_search(world, tools):
+    _, states = collect(world, tools, max_tool_calls=1)
+    for s in states:
+        assert s.finished
+        # one real call, then the teacher must answer (possibly admitting gaps)
+        assert s.n_tool_calls <= 2
+        assert "<answer>" in s.text or s.finish_reason != "answered"
+
+
+def test_teacher_never_reads_ground_truth(world, tools):
+    """With search disabled the teacher cannot find facts, so it must not state the answer."""
+    broken = {"search": lambda q: (_ for _ in ()).throw(RuntimeError("index down")), "browse": tools["browse"]}
+    queries, states = collect(world, broken, max_rounds=6)
+    ref = {q["query_id"]: q["reference_answer"] for q in queries}
+    for s in states:
+        answer = s.text.split("<answer>")[-1] if "<answer>" in s.text else ""
+        assert "<cite" not in answer
+        assert validate(s.text)  # not a clean trace
