@@ -30,3 +30,12 @@ def shared_file(shared_data: Path, relative: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared data file missing: {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API (SQLite) for every flow test of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -188,6 +188,12 @@ def test_unknown_batch_id_raises_batch_error() -> None:
             BatchClient(make_settings(server)).run(make_requests(["a"]), resume_batch_id="batch-missing")
 
 
+def test_empty_request_list_submits_nothing() -> None:
+    with FakeOpenAIServer(answer, api_key=API_KEY) as server:
+        assert BatchClient(make_settings(server)).run([]) == []
+        assert server.request_log == []
+
+
 def test_duplicate_custom_ids_raise_before_uploading() -> None:
     with FakeOpenAIServer(answer, api_key=API_KEY) as server:
         with pytest.raises(ValueError, match="duplicate custom_id 'a'"):

@@ -230,3 +230,17 @@ def test_scales_to_100k_documents():
     assert elapsed < 45, f"100k-document world took {elapsed:.1f}s"
     for doc in w.documents[::997]:  # a sample stays parseable at scale (names remain unambiguous)
         assert set(read_facts(doc.text)) == set(w.doc_facts[doc.doc_id])
+
+
+@pytest.mark.parametrize("n_documents", [50, 51, 333])
+@pytest.mark.parametrize("distractor_rate, near_duplicate_rate", [(0.0, 0.0), (0.5, 1.0), (0.1, 0.35)])
+def test_size_is_exact_and_facts_readable_for_any_rates(n_documents, distractor_rate, near_duplicate_rate):
+    w = generate_world(WorldConfig(seed=11, n_documents=n_documents, n_queries=8, distractor_rate=distractor_rate,
+                                   near_duplicate_rate=near_duplicate_rate))
+    assert len(w.documents) == n_documents
+    assert len(w.queries) == 8
+    assert {f for d in w.documents for f in read_facts(d.text)} == set(w.facts)
+    if distractor_rate == 0.0:
+        assert not any(o.is_distractor for o in w.organizations)
+    if near_duplicate_rate == 0.0:
+        assert len({d.title for d in w.documents}) == n_documents

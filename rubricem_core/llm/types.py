@@ -105,7 +105,8 @@ class EndpointSettings:
             if not isinstance(value, int) or value < 0:
                 raise LLMSettingsError(f"EndpointSettings.{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise LLMSettingsError(f"EndpointSettings.max_concurrency must be an int >= 1, got {self.max_concurrency!r}")
+            raise LLMSettingsError(
+                f"EndpointSettings.max_concurrency must be an int >= 1, got {self.max_concurrency!r}")
         if self.backoff_base_s < 0:
             raise LLMSettingsError(f"EndpointSettings.backoff_base_s must be >= 0, got {self.backoff_base_s!r}")
         if self.batch_poll_max_interval_s < self.batch_poll_interval_s:

@@ -1,0 +1,125 @@
+"""The collect_sft_data flow end to end: built-in teacher (litellm provider), the Batch API path
+against a fake OpenAI server on 127.0.0.1, and resume after a failure injected in round 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.collect_sft_data import collect_sft_data
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+SMALL = {
+    "data.world.n_documents": 120,
+    "data.world.n_queries": 10,
+    "data.world.eval_fraction": 0.2,
+    "teacher.trajectories_per_query": 2,
+}
+
+
+def test_tiny_flow_writes_tables_sql_and_mlflow(tmp_path):
+    run_dir = str(tmp_path / "run")
+    result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SMALL)
+    store = RunStore(run_dir)
+    for table in ("queries", "corpus", "teacher_requests", "teacher_responses", "sft_trajectories", "metrics"):
+        assert store.files(table), table
+    rows = json.loads(run_sql(run_dir, "SELECT accepted, count(*) AS n FROM sft_trajectories GROUP BY ALL", fmt="json"))
+    counts = {r["accepted"]: r["n"] for r in rows}
+    assert sum(counts.values()) == result["trajectories"] == 8 * 2
+    assert counts.get(True, 0) >= 8, counts
+    # requests and responses line up, one per round per unfinished trajectory, all with usage
+    joined = json.loads(run_sql(run_dir, """
+        SELECT count(*) AS n, count(r.request_id) AS matched, sum(r.prompt_tokens) AS pt
+        FROM teacher_requests q LEFT JOIN teacher_responses r USING (request_id)""", fmt="json"))[0]
+    assert joined["n"] == joined["matched"] > 16 and joined["pt"] > 0
+    # partitioned by round, every file whole
+    assert store.partitions("teacher_requests", "round")[0] == 0
+    assert (tmp_path / "run" / "mlflow" / "mlflow.db").exists()
+    metrics = json.loads(run_sql(run_dir, "SELECT name, value FROM metrics WHERE name = 'sft/accepted'", fmt="json"))
+    assert metrics and metrics[0]["value"] == counts.get(True, 0)
+
+    # a second run of the same flow on the same run dir recomputes nothing
+    again = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SMALL)
+    assert again["accepted"] == result["accepted"]
+
+
+def test_rejected_rows_say_why(tmp_path):
+    run_dir = str(tmp_path / "run")
+    collect_sft_data(run_dir=run_dir, profile="tiny", overrides={**SMALL, "teacher.uncited_rate": 0.5, "teacher.ungrounded_rate": 0.3})
+    reasons = json.loads(run_sql(run_dir, """
+        SELECT reason, count(*) AS n FROM (SELECT unnest(reject_reasons) AS reason FROM sft_trajectories)
+        GROUP BY ALL""", fmt="json"))
+    codes = {r["reason"] for r in reasons}
+    assert {"uncited_answer", "ungrounded_citation"} <= codes
+
+
+@pytest.fixture()
+def fake_provider(monkeypatch):
+    from fakes.openai_server import FakeOpenAIServer
+
+    teacher = ScriptedTeacher(TeacherRates(max_tool_calls=10))
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", "sk-fake-test-key")
+    with FakeOpenAIServer(respond=lambda body: teacher.respond(body["messages"], body), polls_in_progress=1) as server:
+        yield server
+
+
+def batch_overrides(server) -> dict:
+    return {
+        **SMALL,
+        "teacher.model": "openai/frontier-teacher",
+        "teacher.mode": "batch",
+        "teacher.api_base": server.base_url,
+        "teacher.api_key_env": "FAKE_PROVIDER_KEY",
+        "teacher.batch_poll_interval_s": 0.05,
+        "teacher.batch_poll_max_interval_s": 0.1,
+        "teacher.max_retries": 1,
+    }
+
+
+def test_batch_api_path_with_partial_failure(tmp_path, fake_provider):
+    # the first request of round 1 fails once inside its batch and is resubmitted alone
+    fake_provider.fail_times = {"syn-00001-t0:r01": 1}
+    run_dir = str(tmp_path / "run")
+    result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=batch_overrides(fake_provider))
+    assert result["accepted"] > 0
+    per_batch = fake_provider.batch_custom_ids()
+    assert len(per_batch) >= 3  # one batch per round, plus the resubmission
+    assert ["syn-00001-t0:r01"] in per_batch or any(b == ["syn-00001-t0:r01"] for b in per_batch)
+    statuses = json.loads(run_sql(run_dir, "SELECT status, count(*) AS n FROM teacher_responses GROUP BY ALL", fmt="json"))
+    assert {r["status"] for r in statuses} == {"ok"}
+    # the key never lands in a table
+    for path in RunStore(run_dir).tables_dir.rglob("*.parquet"):
+        assert b"sk-fake-test-key" not in path.read_bytes()
+
+
+def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provider, monkeypatch):
+    import tasks.collect as collect_tasks
+
+    real_apply = collect_tasks.apply_result
+
+    def crash_in_round_2(state, result, run_tool, round_index, *args):
+        if round_index == 2:
+            raise RuntimeError("injected failure in round 2")
+        return real_apply(state, result, run_tool, round_index, *args)
+
+    run_dir = str(tmp_path / "run")
+    overrides = batch_overrides(fake_provider)
+    monkeypatch.setattr(collect_tasks, "apply_result", crash_in_round_2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    store = RunStore(run_dir)
+    assert store.partitions("teacher_state", "round") == [0, 1]
+    uploaded_before = [line["custom_id"] for line in fake_provider.uploaded_lines]
+
+    monkeypatch.setattr(collect_tasks, "apply_result", real_apply)
+    result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    uploaded_after = [line["custom_id"] for line in fake_provider.uploaded_lines][len(uploaded_before):]
+    assert not any(cid.endswith((":r00", ":r01", ":r02")) for cid in uploaded_after), "completed rounds re-requested"
+    assert result["trajectories"] == 16
+    # every request id appears once in the responses table
+    dupes = json.loads(run_sql(run_dir, "SELECT request_id FROM teacher_responses GROUP BY 1 HAVING count(*) > 1", fmt="json"))
+    assert dupes == []
