@@ -52,10 +52,30 @@ METRICS_SCHEMA = pa.schema(
 )
 
 STATE_FILE = "mlflow_parent.json"
-# Substrings that mark a secret wherever they occur; "key"/"token" only count as the last word of a
-# name ("api_key", "hf_token") so that ordinary settings like "max_tokens" or "key_findings" pass.
-SECRET_SUBSTRINGS = ("secret", "password", "passwd", "apikey", "api_key", "credential", "private_key")
-SECRET_LAST_WORDS = ("key", "token")
+# A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
+# "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
+# the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
+SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"})
+_KEY_CHARS = 250
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+
+METRICS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("name", pa.string()),
+        ("value", pa.float64()),
+        ("flow", pa.string()),
+        ("run_id", pa.string()),
+        ("logged_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+STATE_FILE = "mlflow_parent.json"
+# A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
+# "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
+# the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
+SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"})
 _KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
 _WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
@@ -65,12 +85,11 @@ class TrackingError(RuntimeError):
 
 
 def is_secret_name(name: str) -> bool:
-    lowered = name.lower()
-    if any(s in lowered for s in SECRET_SUBSTRINGS):
-        return True
-    leaf = name.rsplit(".", 1)[-1]
+    leaf = str(name).rsplit(".", 1)[-1]
     words = [w.lower() for part in re.split(r"[^A-Za-z0-9]+", leaf) for w in _WORDS.findall(part)]
-    return bool(words) and words[-1] in SECRET_LAST_WORDS
+    if not words or words[-1] not in SECRET_LAST_WORDS:
+        return False
+    return not (len(words) > 1 and words[-2] == "per")  # a unit such as cost_per_token
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

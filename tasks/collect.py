@@ -21,7 +21,7 @@ from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.builtin import register_builtin_teacher
 from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
 from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests, initial_states
-from tasks.inputs import load_inputs, search_env
+from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
 
 TEACHER_REQUESTS_SCHEMA = pa.schema(

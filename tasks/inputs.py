@@ -89,4 +89,4 @@ def search_env(run_dir: str, cfg: RunConfig) -> ToolEnv:
             _TOOLS_CACHE.clear()  # one corpus index in memory at a time
             _TOOLS_CACHE[key] = tools
     # The per-trajectory budget is enforced by the caller from the persisted call count.
-    return ToolEnv(tools, max_calls=None)
+    return ToolEnv(tools, max_calls=2**31 - 1)

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import duckdb
-import pyarrow as pa
 import pytest
 
 from rubricem_core.sql import RunSqlError, open_run_db, read_only_statements, run_sql, table_names

@@ -8,8 +8,9 @@ from rubricem_core.tools.base import (
     ToolResult,
     ToolSpec,
     error_result,
-    format_tool_output,
+    format_search_results,
     neutralize_tags,
+    no_results,
 )
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool, load_corpus
 
@@ -24,7 +25,8 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "error_result",
-    "format_tool_output",
+    "format_search_results",
     "load_corpus",
     "neutralize_tags",
+    "no_results",
 ]

@@ -12,26 +12,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-try:  # the scaffold module owns the canonical ToolCall once it exists
-    from rubricem_core.scaffold import ToolCall  # type: ignore[attr-defined]
-except ImportError:
+from rubricem_core import scaffold
+from rubricem_core.scaffold import ToolCall, ToolSpec
 
-    @dataclass(frozen=True)
-    class ToolCall:  # type: ignore[no-redef]
-        """One ``<call_tool name="…">query</call_tool>`` parsed from a trajectory."""
-
-        name: str
-        query: str
+__all__ = [
+    "Tool", "ToolBudget", "ToolCall", "ToolEnv", "ToolError", "ToolResult", "ToolSpec",
+    "error_result", "format_search_results", "neutralize_tags", "no_results",
+]
 
 
 class ToolError(RuntimeError):
     """A tool was configured with bad inputs (e.g. a corpus missing a required column)."""
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    name: str
-    description: str
 
 
 @dataclass(frozen=True)
@@ -52,51 +43,42 @@ class Tool(ABC):
     def __call__(self, query: str) -> ToolResult: ...
 
 
-# ---- output formatting ---------------------------------------------------------------------
-# Every tag the scaffold parser reacts to, plus the chat-template think tag; a document containing
-# one of these could otherwise end the tool output early or forge a stage.
-SCAFFOLD_TAGS = (
-    "structured_plan", "deep_analysis", "rubric", "knowledge_checklist", "analytical_criteria",
-    "negative_constraints", "research_plan", "call_tool", "tool_output", "snippet", "state_evaluation",
-    "review", "rubric_review", "writing_plan", "thesis", "outline", "answer", "cite", "think",
-)
-_TAG_PATTERN = re.compile(
-    r"<(\s*/?\s*(?:" + "|".join(sorted(SCAFFOLD_TAGS, key=len, reverse=True)) + r")\b[^<>]*)(>?)",
-    re.IGNORECASE,
-)
-# chat-template control tokens such as <|im_end|>
-_SPECIAL_TOKEN_PATTERN = re.compile(r"<\|([^<>|]{0,64})\|>")
-_OPEN_GUARD, _CLOSE_GUARD = "\u2039", "\u203a"  # ‹ › : look like brackets, never parse as tags
+# ---- output formatting (the scaffold owns the format; tools add chat-template guards) -----------
+# Chat-template control tokens (<|im_end|>) and the think tag are not scaffold tags, but a tokenizer
+# may map them to special ids, so document text must not carry them into a trajectory either.
+_CONTROL_PATTERN = re.compile(r"<(\|[^<>|]{0,64}\||\s*/?\s*think\b[^<>]*)(>?)", re.IGNORECASE)
+
+
+def _escape_control(text: str) -> str:
+    return _CONTROL_PATTERN.sub(lambda m: "&lt;" + m.group(1) + ("&gt;" if m.group(2) else ""), text)
 
 
 def neutralize_tags(text: str) -> str:
-    """Replace the angle brackets of scaffold tags and chat control tokens inside untrusted text."""
-    text = _TAG_PATTERN.sub(lambda m: _OPEN_GUARD + m.group(1) + (_CLOSE_GUARD if m.group(2) else ""), text)
-    return _SPECIAL_TOKEN_PATTERN.sub(lambda m: f"{_OPEN_GUARD}|{m.group(1)}|{_CLOSE_GUARD}", text)
+    """Escape scaffold tags (scaffold.neutralize_tags) and chat control tokens in untrusted text."""
+    return scaffold.neutralize_tags(_escape_control(text))
 
 
-_SNIPPET_ID = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+def format_search_results(snippets: Iterable[tuple[str, str, str]]) -> str:
+    """``(doc_id, title, text)`` triples → ``<tool_output><snippet id="D12">Title: text</snippet>…</tool_output>``."""
+    pairs = []
+    for doc_id, title, text in snippets:
+        body = f"{title}: {text}" if title else text
+        pairs.append((doc_id, _escape_control(body)))  # scaffold escapes its own tags
+    if not pairs:
+        raise ToolError("format_search_results needs at least one snippet; use no_results()")
+    try:
+        return scaffold.format_tool_output(pairs)
+    except scaffold.ScaffoldError as exc:
+        raise ToolError(str(exc)) from exc
 
 
-def format_snippet(snippet_id: str, title: str, text: str) -> str:
-    if not _SNIPPET_ID.match(snippet_id):
-        raise ToolError(f"snippet id {snippet_id!r} must match {_SNIPPET_ID.pattern}")
-    body = neutralize_tags(f"{title}: {text}" if title else text)
-    return f'<snippet id="{snippet_id}">{body}</snippet>'
-
-
-def format_tool_output(snippets: Iterable[tuple[str, str, str]]) -> str:
-    """``(id, title, text)`` triples → ``<tool_output><snippet id="…">Title: text</snippet>…</tool_output>``."""
-    return "<tool_output>" + "".join(format_snippet(*s) for s in snippets) + "</tool_output>"
-
-
-def format_tool_message(message: str) -> str:
-    """A plain (non-snippet) tool message, e.g. "no results"."""
-    return f"<tool_output>{neutralize_tags(message)}</tool_output>"
+def no_results(message: str) -> ToolResult:
+    """An empty search: not a failure of the call, but the scaffold writes it as an error element."""
+    return ToolResult(text=scaffold.format_tool_output(error=_escape_control(message)), snippet_ids=[], error=None)
 
 
 def error_result(message: str) -> ToolResult:
-    return ToolResult(text=format_tool_message(f"error: {message}"), snippet_ids=[], error=message)
+    return ToolResult(text=scaffold.format_tool_output(error=_escape_control(message)), snippet_ids=[], error=message)
 
 
 # ---- budget and environment ----------------------------------------------------------------

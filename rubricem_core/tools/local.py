@@ -20,12 +20,12 @@ from rubricem_core.tools.base import (
     ToolResult,
     ToolSpec,
     error_result,
-    format_tool_message,
-    format_tool_output,
+    format_search_results,
+    no_results,
 )
 
 REQUIRED_COLUMNS = ("doc_id", "title", "text")
-_DOC_ID = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+_DOC_ID = re.compile(r"^[A-Za-z0-9_.:\-/#]+$")  # what the scaffold can write in a snippet id
 _QUERY_WORD = re.compile(r"\w\w+")  # same notion of a word as bm25s' default splitter
 _ANY_WORD = re.compile(r"\S+")
 RRF_K = 60  # the usual reciprocal-rank-fusion constant; damps the weight of the very top ranks
@@ -55,7 +55,7 @@ def load_corpus(table: pa.Table, source: str = "corpus") -> Corpus:
     index_of: dict[str, int] = {}
     for row, doc_id in enumerate(doc_ids):
         if doc_id is None or not _DOC_ID.match(str(doc_id)):
-            raise ToolError(f"{source}: row {row} has an invalid doc_id {doc_id!r} (letters, digits, _.:- only)")
+            raise ToolError(f"{source}: row {row} has an invalid doc_id {doc_id!r} (letters, digits, _.:-/# only)")
         doc_id = str(doc_id)
         if doc_id in index_of:
             raise ToolError(f"{source}: duplicate doc_id {doc_id!r} (rows {index_of[doc_id]} and {row})")
@@ -211,12 +211,12 @@ class LocalSearchTool(Tool):
             return error_result("empty search query")
         hits = self.search(query)
         if not hits:
-            return ToolResult(text=format_tool_message(f"no results for {query!r}"), snippet_ids=[])
+            return no_results(f"no results for {query!r}")
         ids = [self.corpus.doc_ids[doc] for doc, _ in hits]
         snippets = [
             (self.corpus.doc_ids[doc], self.corpus.titles[doc], self.snippet(doc, passage, query)) for doc, passage in hits
         ]
-        return ToolResult(text=format_tool_output(snippets), snippet_ids=ids)
+        return ToolResult(text=format_search_results(snippets), snippet_ids=ids)
 
 
 class LocalBrowseTool(Tool):
@@ -244,4 +244,4 @@ class LocalBrowseTool(Tool):
             cut = text.rfind(" ", 0, self.max_chars)
             text = text[: cut if cut > self.max_chars // 2 else self.max_chars] + "…"
         real_id = self.corpus.doc_ids[row]
-        return ToolResult(text=format_tool_output([(real_id, self.corpus.titles[row], text)]), snippet_ids=[real_id])
+        return ToolResult(text=format_search_results([(real_id, self.corpus.titles[row], text)]), snippet_ids=[real_id])

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from rubricem_core.sql import run_sql
+from rubricem_core.tracking import Tracker, TrackingError, flatten_params, is_secret_name
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # one MLflow database for the module: creating its schema takes seconds
+    return tmp_path_factory.mktemp("tracking") / "run-0001"
+
+
+@pytest.fixture(scope="module")
+def tracker(run_dir: Path) -> Tracker:
+    return Tracker(run_dir)
+
+
+def test_parent_and_child_structure(tracker: Tracker, run_dir: Path):
+    parent = tracker.parent_run_id()
+    assert tracker.parent_run_id() == parent
+    state = json.loads((run_dir / "state" / "mlflow_parent.json").read_text())
+    assert state["run_id"] == parent
+    assert tracker.tracking_uri == f"sqlite:///{run_dir.resolve()}/mlflow/mlflow.db"
+    assert (run_dir / "mlflow" / "mlflow.db").exists()
+    experiment = tracker.client.get_experiment(tracker.experiment_id())
+    assert experiment.name == "rubricem"
+    assert experiment.artifact_location == (run_dir.resolve() / "mlflow" / "artifacts").as_uri()
+
+    with tracker.child_run("collect_sft_data", {"teacher": {"model": "builtin", "rounds": 3}, "tags": ["a", "b"]}) as child:
+        run = tracker.client.get_run(child.run_id)
+        assert run.info.status == "RUNNING"
+        assert run.data.tags["mlflow.parentRunId"] == parent
+        assert run.info.run_name == "collect_sft_data"
+        assert run.data.params == {"teacher.model": "builtin", "teacher.rounds": "3", "tags": '["a", "b"]'}
+        child.set_tags({"stage": "sft"})
+    done = tracker.client.get_run(child.run_id)
+    assert done.info.status == "FINISHED" and done.data.tags["stage"] == "sft"
+
+
+def test_reentry_after_crash_resumes_same_child(tracker: Tracker, run_dir: Path):
+    with pytest.raises(RuntimeError, match="crash"):
+        with tracker.child_run("rl_step/0001", {"lr": 1e-6}) as child:
+            raise RuntimeError("crash")
+    first_id = child.run_id
+    assert tracker.client.get_run(first_id).info.status == "FAILED"
+    # a new process (new Tracker) re-entering the same flow resumes the same run
+    again = Tracker(run_dir)
+    with again.child_run("rl_step/0001", {"lr": 1e-6}) as resumed:
+        assert resumed.run_id == first_id
+        assert again.client.get_run(first_id).info.status == "RUNNING"
+    assert again.client.get_run(first_id).info.status == "FINISHED"
+    runs = again.client.search_runs([again.experiment_id()], filter_string="attributes.run_name = 'rl_step/0001'")
+    assert len(runs) == 1
+    # a changed value on resume keeps the first one and records the conflict
+    with again.child_run("rl_step/0001", {"lr": 2e-6}) as resumed:
+        pass
+    run = again.client.get_run(first_id)
+    assert run.data.params["lr"] == "1e-06" and run.data.tags["rubricem.param_conflicts"] == "lr"
+
+
+def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
+    with tracker.child_run("rl_step/0002") as child:
+        child.log_metrics({"reward/mean": 0.25, "kl": 0.001, "n_failed": 2}, step=2)
+        child.log_metrics({"reward/mean": 0.5}, step=3)
+    history = tracker.client.get_metric_history(child.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(2, 0.25), (3, 0.5)]
+    out = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT step, name, value, flow, run_id, typeof(logged_at) AS t FROM metrics "
+            "WHERE flow = 'rl_step/0002' ORDER BY step, name",
+            fmt="json",
+        )
+    )
+    assert [(r["step"], r["name"], r["value"]) for r in out] == [(2, "kl", 0.001), (2, "n_failed", 2.0), (2, "reward/mean", 0.25), (3, "reward/mean", 0.5)]
+    assert {r["run_id"] for r in out} == {child.run_id}
+    assert out[0]["t"].startswith("TIMESTAMP")
+    assert sorted(p.parent.name for p in tracker.store.files("metrics")) == ["step=0002", "step=0003"]
+    with pytest.raises(ValueError, match="metric 'bad'"):
+        child.log_metrics({"bad": "high"}, step=4)
+
+
+def test_secret_like_params_are_refused(tracker: Tracker):
+    with tracker.child_run("secrets") as child:
+        for params in ({"judge": {"api_key": "sk-123"}}, {"hf_token": "x"}, {"db_password": "x"}, {"openaiApiKey": "x"}):
+            with pytest.raises(ValueError, match="looks like a secret"):
+                child.log_params(params)
+        with pytest.raises(ValueError, match="looks like a secret"):
+            child.set_tags({"client_secret": "x"})
+        logged = child.log_params({"max_tokens": 512, "teacher": {"api_key_env": "OPENAI_API_KEY"}, "loss": {"token_level": True}})
+        assert set(logged) == {"max_tokens", "teacher.api_key_env", "loss.token_level"}
+    assert "sk-123" not in json.dumps(tracker.client.get_run(child.run_id).data.params)
+
+
+def test_secret_name_rule_and_flattening():
+    for name in ("teacher.api_key", "ACCESS_TOKEN", "client_secret", "openaiApiKey", "db.password", "judge.apikey"):
+        assert is_secret_name(name), name
+    for name in ("max_new_tokens", "monkey", "token_budget", "teacher.api_key_env", "api_key_secret_block",
+                 "input_cost_per_token", "tokenizer", "key_findings"):
+        assert not is_secret_name(name), name
+    assert flatten_params({"a": {"b": {"c": 1}, "d": {}}, "e": None}) == {"a.b.c": 1, "a.d": {}, "e": None}
+
+
+def test_long_param_values_are_truncated(tracker: Tracker):
+    with tracker.child_run("long-values") as child:
+        logged = child.log_params({"prompt": "x" * 10_000})
+    assert len(logged["prompt"]) == 6000 and logged["prompt"].endswith("…")
+    assert tracker.client.get_run(child.run_id).data.params["prompt"] == logged["prompt"]
+
+
+def test_artifacts(tracker: Tracker, tmp_path: Path):
+    report = tmp_path / "report.txt"
+    report.write_text("hello")
+    with tracker.child_run("evaluate") as child:
+        child.log_artifact(report, artifact_path="reports")
+        child.log_dict({"score": 0.5}, "summary")
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            child.log_artifact(tmp_path / "missing.txt")
+    paths = {a.path for a in tracker.client.list_artifacts(child.run_id)}
+    assert paths == {"reports", "summary.json"}
+    artifact_root = Path(tracker.artifact_uri.removeprefix("file://"))
+    assert list(artifact_root.rglob("summary.json"))[0].read_text().strip().startswith("{")
+
+
+def test_concurrent_children_in_threads(tracker: Tracker, run_dir: Path):
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        try:
+            with tracker.child_run(f"reflection/{index}") as child:
+                for step in range(3):
+                    child.log_metrics({"score": float(index + step)}, step=10 + step)
+        except BaseException as exc:  # collected and asserted in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    rows = json.loads(run_sql(run_dir, "SELECT count(*) AS n, count(DISTINCT run_id) AS runs FROM metrics WHERE flow LIKE 'reflection/%'", fmt="json"))
+    assert rows == [{"n": 12, "runs": 4}]
+
+
+def test_corrupt_state_file_is_reported(tmp_path: Path):
+    state = tmp_path / "run" / "state" / "mlflow_parent.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{not json")
+    with pytest.raises(TrackingError, match="mlflow_parent.json"):
+        Tracker(tmp_path / "run")._read_state()
