@@ -24,16 +24,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _overrides(args: argparse.Namespace) -> dict:
-    from rubricem_core.config import parse_override
+def _config(args: argparse.Namespace):
+    """Resolve the config before any flow starts, so a bad profile or --set fails in milliseconds."""
+    from rubricem_core.config import load_config
 
-    return dict(parse_override(item) for item in args.overrides)
+    return load_config(args.profile, args.overrides)
 
 
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
     from flows.collect_sft_data import collect_sft_data
 
-    result = collect_sft_data(run_dir=args.run_dir, profile=args.profile, overrides=_overrides(args))
+    result = collect_sft_data(run_dir=args.run_dir, config=_config(args))
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -46,7 +47,7 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
 
-    result = pipeline(run_dir=args.run_dir, profile=args.profile, overrides=_overrides(args))
+    result = pipeline(run_dir=args.run_dir, config=_config(args))
     print("\npipeline finished:", json.dumps(result, default=str, indent=2))
     _print_next_steps(args.run_dir)
     return 0
@@ -94,13 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import duckdb
+
     from rubricem_core.config import ConfigError, MissingSecretError
+    from rubricem_core.sql import RunSqlError
     from rubricem_core.store import StoreError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, MissingSecretError, StoreError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, MissingSecretError, StoreError, RunSqlError, duckdb.Error, OSError, ValueError) as exc:
         print(f"rubricem: error: {exc}", file=sys.stderr)
         return 2
 
