@@ -32,9 +32,10 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
-    from flows.collect_sft_data import collect_sft_data
+    cfg = _config(args)
+    from flows.collect_sft_data import collect_sft_data  # imports prefect and litellm: seconds
 
-    result = collect_sft_data(run_dir=args.run_dir, config=_config(args))
+    result = collect_sft_data(run_dir=args.run_dir, config=cfg)
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -45,9 +46,10 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
     from flows.pipeline import pipeline
 
-    result = pipeline(run_dir=args.run_dir, config=_config(args))
+    result = pipeline(run_dir=args.run_dir, config=cfg)
     print("\npipeline finished:", json.dumps(result, default=str, indent=2))
     _print_next_steps(args.run_dir)
     return 0
