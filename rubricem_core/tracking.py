@@ -56,26 +56,6 @@ STATE_FILE = "mlflow_parent.json"
 # "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
 # the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
 SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"})
-_KEY_CHARS = 250
-MAX_PARAMS_PER_BATCH = 100
-MAX_METRICS_PER_BATCH = 1000
-
-METRICS_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("name", pa.string()),
-        ("value", pa.float64()),
-        ("flow", pa.string()),
-        ("run_id", pa.string()),
-        ("logged_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-
-STATE_FILE = "mlflow_parent.json"
-# A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
-# "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
-# the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
-SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"})
 _KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
 _WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
