@@ -111,6 +111,39 @@ class FilterConfig(_Strict):
     )
 
 
+class PolicyConfig(_Strict):
+    name_or_path: str = Field(
+        default="tiny",
+        description="'tiny': a random-init tiny Qwen3 with a BPE tokenizer trained on the run's corpus; "
+        "else any Hugging Face causal LM directory (or hub name where a hub is reachable).",
+    )
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(default="float32", description="Weights dtype.")
+    max_seq_len: int = Field(default=4096, ge=128, description="Longest trajectory (tokens) used in training.")
+    vocab_size: int = Field(default=4096, ge=512, description="tiny: BPE vocabulary size.")
+    hidden_size: int = Field(default=128, ge=16, description="tiny: model width.")
+    n_layers: int = Field(default=4, ge=1, description="tiny: transformer layers.")
+    n_heads: int = Field(default=4, ge=1, description="tiny: attention heads.")
+    n_kv_heads: int = Field(default=2, ge=1, description="tiny: key/value heads (GQA).")
+    intermediate_size: int = Field(default=384, ge=16, description="tiny: MLP width.")
+
+
+class SFTConfig(_Strict):
+    backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
+    zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    epochs: float = Field(default=12.0, gt=0, description="Passes over the accepted trajectories.")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
+    log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
+
+
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="Log params, metrics and artifacts to MLflow.")
     experiment: str = Field(default="rubricem", description="MLflow experiment name.")
@@ -123,6 +156,8 @@ class RunConfig(_Strict):
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     filter: FilterConfig = Field(default_factory=FilterConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 
