@@ -41,18 +41,20 @@ def _tokenizer_name(tokenizer: Any) -> str:
     return getattr(tokenizer, "name_or_path", "") or f"<in-memory {type(tokenizer).__name__}>"
 
 
+def _render_prompt(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise EncodingError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat_template; set one in its tokenizer_config")
+    if not messages:
+        raise EncodingError("encode_prompt needs at least one message")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+
+
 def encode_prompt(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> list[int]:
     """Chat-template ids for ``messages`` ending in the assistant generation prompt.
 
     ``template_kwargs`` reach the template (e.g. ``enable_thinking=False`` for Qwen3).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise EncodingError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat_template; set one in its tokenizer_config")
-    if not messages:
-        raise EncodingError("encode_prompt needs at least one message")
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **template_kwargs
-    )
+    rendered = _render_prompt(tokenizer, messages, **template_kwargs)
     # The template already wrote every special token; a BOS added here would appear twice.
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
@@ -117,10 +119,8 @@ def encode_trajectory(
 ) -> TokenTrajectory:
     """The SFT view of one trace: prompt, policy runs and tool outputs, each tokenized once."""
     traj = TokenTrajectory.empty()
-    prompt_ids = encode_prompt(tokenizer, prompt_messages, **template_kwargs)
-    prompt_text = tokenizer.apply_chat_template(
-        prompt_messages, tokenize=False, add_generation_prompt=True, **template_kwargs
-    )
+    prompt_text = _render_prompt(tokenizer, prompt_messages, **template_kwargs)
+    prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))  # = encode_prompt
     traj.append("prompt", None, prompt_ids, prompt_text)
     traj.prompt_len = len(prompt_ids)
 
