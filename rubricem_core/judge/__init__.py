@@ -1,0 +1,52 @@
+"""The stagewise rubric judge.
+
+- ``types``: Rubric, RubricScore, TrajectoryJudgment, JudgeUsage, JudgeQuery, JudgeRollout
+- ``prompts``: the two calls' prompts, JSON schemas and reply validation
+- ``llm_judge``: LLMJudge (generation + scoring through litellm, repair, failure handling), judge_step
+- ``builtin``: the offline judge, a litellm provider answering the same prompts deterministically
+- ``buffer``: RubricBuffer, the evolving per-query rubric set
+- ``aggregate``: stage_scores, R[i, k] = Σ w·s′ / (2 Σ w)
+
+Names are imported lazily: ``llm_judge`` and ``builtin`` pull in litellm, which takes seconds to
+import; table and buffer code should not pay for it.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rubricem_core.judge.types import (
+    JudgeError,
+    JudgeQuery,
+    JudgeRollout,
+    JudgeUsage,
+    Rubric,
+    RubricScore,
+    TrajectoryJudgment,
+)
+
+_LAZY = {
+    "RubricBuffer": "rubricem_core.judge.buffer",
+    "stage_scores": "rubricem_core.judge.aggregate",
+    "stage_scores_loop": "rubricem_core.judge.aggregate",
+    "stage_reward_rows": "rubricem_core.judge.aggregate",
+    "LLMJudge": "rubricem_core.judge.llm_judge",
+    "JudgeOptions": "rubricem_core.judge.llm_judge",
+    "GenerationInput": "rubricem_core.judge.llm_judge",
+    "ScoringInput": "rubricem_core.judge.llm_judge",
+    "GroupJudgment": "rubricem_core.judge.llm_judge",
+    "judge_step": "rubricem_core.judge.llm_judge",
+    "register_builtin_judge": "rubricem_core.judge.builtin",
+    "BUILTIN_JUDGE_MODEL": "rubricem_core.judge.builtin",
+}
+
+__all__ = ["JudgeError", "JudgeQuery", "JudgeRollout", "JudgeUsage", "Rubric", "RubricScore", "TrajectoryJudgment",
+           *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rubricem_core.judge' has no attribute {name!r}")
+    attribute = "MODEL" if name == "BUILTIN_JUDGE_MODEL" else name
+    return getattr(importlib.import_module(module), attribute)

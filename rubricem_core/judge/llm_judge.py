@@ -1,0 +1,277 @@
+"""The stagewise LLM judge: rubric generation and trajectory scoring through litellm.
+
+Both calls go through ``run_concurrent`` (bounded concurrency, retries with backoff on 429/5xx/
+timeouts, resampling of replies that are not JSON). A reply that still fails validation (not JSON,
+wrong shape, unknown or missing rubric ids, scores outside 0/1/2) gets one repair: the reply and
+its validation error are sent back once. A scoring call that fails after that marks the
+trajectory's judgment failed — it is never read as a zero.
+
+``judge_step`` runs one RL step's judging for many queries: all generation calls at once, the
+buffers updated, all scoring calls at once, stage rewards, then pruning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rubricem_core.judge.aggregate import stage_scores
+from rubricem_core.judge.buffer import RubricBuffer
+from rubricem_core.judge.prompts import (
+    GeneratedRubric,
+    ReplyError,
+    generation_messages,
+    generation_schema,
+    parse_generation,
+    parse_scores,
+    repair_message,
+    scoring_messages,
+    scoring_schema,
+)
+from rubricem_core.judge.types import (
+    GENERATE,
+    SCORE,
+    JudgeError,
+    JudgeQuery,
+    JudgeRollout,
+    JudgeUsage,
+    Rubric,
+    RubricScore,
+    TrajectoryJudgment,
+)
+from rubricem_core.llm.concurrent import run_concurrent
+from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
+from rubricem_core.scaffold import STAGES
+
+log = logging.getLogger(__name__)
+
+STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "none")
+
+
+@dataclass
+class JudgeOptions:
+    """Sampling and prompt options of the judge (the endpoint itself is an ``EndpointSettings``)."""
+
+    temperature: float | None = field(default=0.0, metadata={"help": "Sampling temperature; None = provider default."})
+    max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one judge call."})
+    seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
+    max_new_rubrics_per_stage: int = field(
+        default=3, metadata={"help": "Most new rubrics one generation call may add to a stage."})
+    rubric_stages: tuple[str, ...] = field(
+        default=STAGES,
+        metadata={"help": "Stages that get adaptive rubrics; ('answer',) is the answer-only baseline."})
+    max_block_chars: int | None = field(
+        default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."})
+    structured_output: str = field(
+        default="json_schema",
+        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
+    repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
+
+    def __post_init__(self) -> None:
+        if self.structured_output not in STRUCTURED_OUTPUT_MODES:
+            raise JudgeError(f"JudgeOptions.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, "
+                             f"got {self.structured_output!r}")
+        if not isinstance(self.max_new_rubrics_per_stage, int) or self.max_new_rubrics_per_stage < 0:
+            raise JudgeError("JudgeOptions.max_new_rubrics_per_stage must be an int >= 0")
+        unknown = [s for s in self.rubric_stages if s not in STAGES]
+        if unknown:
+            raise JudgeError(f"JudgeOptions.rubric_stages has unknown stages {unknown}; expected some of {STAGES}")
+        if self.max_tokens < 1:
+            raise JudgeError("JudgeOptions.max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    query: JudgeQuery
+    rollouts: Sequence[JudgeRollout]
+    existing: Sequence[Rubric]  # the rubrics already in force, shown so the judge does not repeat them
+
+
+@dataclass
+class GenerationOutcome:
+    query_id: str
+    rubrics: list[GeneratedRubric] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # rejected for breaking the writing principles
+    failed: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ScoringInput:
+    query: JudgeQuery
+    rollout: JudgeRollout
+    rubrics: Sequence[Rubric]
+
+
+@dataclass
+class _Pending:
+    """One logical call while it goes through first try and repair."""
+
+    request: ChatRequest
+    validate: Callable[[str | None], Any]
+    value: Any = None
+    error: str | None = None
+    last_text: str | None = None
+
+
+class LLMJudge:
+    """The two judge calls against one endpoint; ``usage`` accumulates over every call made."""
+
+    def __init__(self, settings: EndpointSettings, options: JudgeOptions | None = None) -> None:
+        self.settings = settings
+        self.options = options or JudgeOptions()
+        self.usage = JudgeUsage()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _response_format(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
+        mode = self.options.structured_output
+        if mode == "json_schema":
+            return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": False}}
+        if mode == "json_object":
+            return {"type": "json_object"}
+        return None
+
+    def _request(self, custom_id: str, messages: list[dict[str, str]], response_format: dict | None) -> ChatRequest:
+        return ChatRequest(custom_id=custom_id, model="", messages=messages, max_tokens=self.options.max_tokens,
+                           temperature=self.options.temperature, seed=self.options.seed,
+                           response_format=response_format)
+
+    def _run(self, kind: str, pending: list[_Pending], repair: bool) -> None:
+        """Send each pending call once; validated values land in ``value``, problems in ``error``."""
+        if not pending:
+            return
+        requests = [p.request for p in pending]
+        results: list[ChatResult] = run_concurrent(requests, self.settings)
+        for item, result in zip(pending, results):
+            self.usage.record(kind, result.prompt_tokens, result.completion_tokens, result.cost_usd,
+                              result.attempts, repair=repair)
+            item.last_text = result.text
+            if not result.ok and result.text is None:
+                item.error = result.error or "judge call failed"
+                continue
+            try:
+                item.value, item.error = item.validate(result.text), None
+            except ReplyError as exc:
+                item.error = str(exc)
+
+    def _ask(self, kind: str, pending: list[_Pending]) -> None:
+        """First try for all, then one repair for those whose reply came back but was unusable."""
+        self._run(kind, pending, repair=False)
+        if not self.options.repair:
+            return
+        to_repair = [p for p in pending if p.error is not None and p.last_text is not None]
+        for item in to_repair:
+            messages = [*item.request.messages, {"role": "assistant", "content": item.last_text},
+                        repair_message(item.error)]
+            item.request = dataclasses.replace(item.request, custom_id=item.request.custom_id + ":repair",
+                                               messages=messages)
+        self._run(kind, to_repair, repair=True)
+
+    # ---- rubric generation ---------------------------------------------------------------------
+    def generate(self, inputs: Sequence[GenerationInput]) -> list[GenerationOutcome]:
+        """One call per query: new rubrics (not yet in any buffer), in input order."""
+        limit = self.options.max_new_rubrics_per_stage
+        schema = generation_schema(limit)
+        pending = []
+        for index, item in enumerate(inputs):
+            messages = generation_messages(item.query, item.rollouts, item.existing, limit,
+                                           self.options.max_block_chars)
+            pending.append(_Pending(
+                self._request(f"generate:{index}:{item.query.query_id}", messages,
+                              self._response_format("new_rubrics", schema)),
+                lambda text: parse_generation(text, limit)))
+        self._ask(GENERATE, pending)
+        outcomes = []
+        for item, call in zip(inputs, pending):
+            if call.error is not None:
+                self.usage.fail(GENERATE)
+                log.warning("rubric generation for query %r failed: %s", item.query.query_id, call.error)
+                outcomes.append(GenerationOutcome(item.query.query_id, failed=True, error=call.error))
+                continue
+            rubrics, dropped = call.value
+            kept = [r for r in rubrics if r.stage in self.options.rubric_stages]
+            dropped += [f"{r.stage}: {r.title!r} (stage not judged)" for r in rubrics if r not in kept]
+            outcomes.append(GenerationOutcome(item.query.query_id, kept, dropped))
+        return outcomes
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def score(self, inputs: Sequence[ScoringInput]) -> list[TrajectoryJudgment]:
+        """One call per trajectory scoring all its rubrics; failed judgments carry the reason."""
+        pending: list[_Pending | None] = []
+        for index, item in enumerate(inputs):
+            ids = [r.rubric_id for r in item.rubrics]
+            if len(set(ids)) != len(ids):
+                raise JudgeError(f"rollout {item.rollout.rollout_id!r}: the rubric list repeats an id")
+            if not ids:
+                pending.append(None)  # nothing to score: no call
+                continue
+            messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars)
+            pending.append(_Pending(
+                self._request(f"score:{index}:{item.rollout.rollout_id}", messages,
+                              self._response_format("rubric_scores", scoring_schema(ids))),
+                lambda text, ids=ids: parse_scores(text, ids)))
+        self._ask(SCORE, [p for p in pending if p is not None])
+        judgments = []
+        for item, call in zip(inputs, pending):
+            rollout_id = item.rollout.rollout_id
+            if call is None:
+                judgments.append(TrajectoryJudgment(rollout_id))
+            elif call.error is not None:
+                self.usage.fail(SCORE)
+                judgments.append(TrajectoryJudgment(rollout_id, failed=True, error=call.error))
+            else:
+                judgments.append(TrajectoryJudgment(rollout_id, [
+                    RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, *call.value[r.rubric_id])
+                    for r in item.rubrics
+                ]))
+        return judgments
+
+
+# ---- one RL step -----------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupJudgment:
+    """The judge's output for one query's rollout group at one step."""
+
+    query_id: str
+    rollout_ids: list[str]
+    judgments: list[TrajectoryJudgment]
+    rubrics: list[Rubric]  # the rubrics the group was scored against (before pruning)
+    R: np.ndarray  # n × 4 stage rewards, NaN rows for failed judgments
+    added: list[Rubric]
+    pruned: list[Rubric]
+    generation: GenerationOutcome
+
+    @property
+    def n_failed(self) -> int:
+        return sum(j.failed for j in self.judgments)
+
+
+def judge_step(judge: LLMJudge, groups: Sequence[tuple[JudgeQuery, Sequence[JudgeRollout]]],
+               buffers: dict[str, RubricBuffer], step: int, generate: bool = True) -> list[GroupJudgment]:
+    """Generate rubrics for every group, score every rollout, aggregate, prune; buffers are updated."""
+    for query, _ in groups:
+        if query.query_id not in buffers:
+            raise JudgeError(f"no RubricBuffer for query {query.query_id!r}")
+    if generate:
+        outcomes = judge.generate([GenerationInput(q, list(r), buffers[q.query_id].active()) for q, r in groups])
+    else:
+        outcomes = [GenerationOutcome(q.query_id) for q, _ in groups]
+    added = [buffers[o.query_id].add(o.rubrics, step) for o in outcomes]
+    in_force = [[r for r in buffers[q.query_id].active()
+                 if r.origin == "persistent" or r.stage in judge.options.rubric_stages] for q, _ in groups]
+    inputs = [ScoringInput(q, rollout, rubrics) for (q, rollouts), rubrics in zip(groups, in_force)
+              for rollout in rollouts]
+    judgments = judge.score(inputs)
+    out, start = [], 0
+    for (query, rollouts), rubrics, outcome, new in zip(groups, in_force, outcomes, added):
+        group = judgments[start:start + len(rollouts)]
+        start += len(rollouts)
+        pruned = buffers[query.query_id].after_scoring(group, step)
+        out.append(GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics,
+                                 stage_scores(group, rubrics), new, pruned, outcome))
+    return out
