@@ -1,0 +1,206 @@
+"""A fake web-search HTTP server for tests: Serper, Semantic Scholar and plain web pages.
+
+A stdlib ``ThreadingHTTPServer`` on 127.0.0.1 (free port, background thread), so the web tools talk
+to it over real HTTP::
+
+    with FakeWebSearchServer(api_key="k") as server:
+        tool = SerperSearchTool(base_url=server.base_url, ...)
+
+Endpoints:
+- ``POST /search`` (Serper): JSON ``{"q", "num"}``, header ``X-API-KEY``; answers ``{"organic": [...]}``
+  with ``num`` results from ``results_for(query)`` (default: deterministic fake pages about the query).
+- ``GET /graph/v1/paper/search`` (Semantic Scholar): ``query``, ``limit``, ``fields``; header
+  ``x-api-key`` when ``s2_api_key`` is set; answers ``{"total", "offset", "data": [...]}``.
+- ``GET /page/<slug>``: an HTML page (``pages[slug]`` or a generated one) for the browse tool.
+
+Fault knobs (mutable attributes; change them between calls):
+- ``faults``: a queue of faults, each consumed by one API request (search or paper search):
+  an int status (e.g. 429 → answered with that status and ``Retry-After: 0``), ``"malformed"``
+  (a 200 with broken JSON), ``"slow"`` (sleeps ``slow_s`` before answering normally),
+  ``"echo_key"`` (a 403 whose body echoes the API key, as careless servers do).
+- ``page_faults``: the same for ``/page/...`` requests.
+- ``api_key`` / ``s2_api_key``: when set, a request without the matching header gets a 401.
+
+Records: ``requests`` — (method, path, headers dict, body dict or query dict) of every request.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
+
+
+def default_results(query: str, n: int) -> list[dict[str, str]]:
+    words = query.split() or ["nothing"]
+    return [
+        {
+            "title": f"Result {i} about {query}",
+            "slug": f"{words[0].lower()}-{i}",
+            "snippet": f"Snippet {i}: facts on {query} with number {100 + i}.",
+        }
+        for i in range(n)
+    ]
+
+
+class FakeWebSearchServer:
+    def __init__(
+        self,
+        api_key: str | None = None,
+        s2_api_key: str | None = None,
+        results_for: Callable[[str, int], list[dict[str, str]]] = default_results,
+        pages: dict[str, tuple[str, str]] | None = None,
+        slow_s: float = 1.0,
+    ):
+        self.api_key = api_key
+        self.s2_api_key = s2_api_key
+        self.results_for = results_for
+        self.pages = dict(pages or {})  # slug -> (content type, body)
+        self.slow_s = slow_s
+        self.faults: collections.deque[Any] = collections.deque()
+        self.page_faults: collections.deque[Any] = collections.deque()
+        self.requests: list[tuple[str, str, dict[str, str], dict[str, Any]]] = []
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "server not started"
+        return self._httpd.server_address[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def page_url(self, slug: str) -> str:
+        return f"{self.base_url}/page/{slug}"
+
+    def start(self) -> "FakeWebSearchServer":
+        handler = type("Handler", (_Handler,), {"fake": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> "FakeWebSearchServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def next_fault(self, queue: collections.deque[Any]) -> Any:
+        with self._lock:
+            return queue.popleft() if queue else None
+
+    def record(self, method: str, path: str, headers: dict[str, str], payload: dict[str, Any]) -> None:
+        with self._lock:
+            self.requests.append((method, path, headers, payload))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeWebSearchServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
+        pass
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, payload: Any) -> None:
+        self._send(status, json.dumps(payload).encode("utf-8"))
+
+    def _fault(self, fault: Any, key: str | None) -> bool:
+        """Apply an injected fault; True when the request was answered by it."""
+        if fault is None:
+            return False
+        if fault == "slow":
+            time.sleep(self.fake.slow_s)
+            return False
+        if fault == "malformed":
+            self._send(200, b'{"organic": [{"title": "cut off')
+        elif fault == "echo_key":
+            self._send(403, f"forbidden: key {key} is not allowed".encode("utf-8"), "text/plain")
+        else:
+            status = int(fault)
+            retry = {"Retry-After": "0"} if status == 429 else {}
+            self._send(status, json.dumps({"message": f"injected {status}"}).encode("utf-8"), headers=retry)
+        return True
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0") or 0)
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            body = {}
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        self.fake.record("POST", self.path, headers, body)
+        if urlparse(self.path).path != "/search":
+            return self._json(404, {"message": "not found"})
+        key = headers.get("x-api-key")
+        if self._fault(self.fake.next_fault(self.fake.faults), key):
+            return
+        if self.fake.api_key is not None and key != self.fake.api_key:
+            return self._json(401, {"message": "Unauthorized."})
+        query, num = str(body.get("q", "")), int(body.get("num", 10))
+        organic = [
+            {"title": r["title"], "link": self.fake.page_url(r["slug"]), "snippet": r["snippet"], "position": i + 1}
+            for i, r in enumerate(self.fake.results_for(query, num)[:num])
+        ]
+        self._json(200, {"searchParameters": {"q": query}, "organic": organic})
+
+    def do_GET(self) -> None:
+        parsed = urlparse(self.path)
+        params = {k: v[0] for k, v in parse_qs(parsed.query).items()}
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        self.fake.record("GET", parsed.path, headers, params)
+        if parsed.path == "/graph/v1/paper/search":
+            key = headers.get("x-api-key")
+            if self._fault(self.fake.next_fault(self.fake.faults), key):
+                return
+            if self.fake.s2_api_key is not None and key != self.fake.s2_api_key:
+                return self._json(401, {"message": "Forbidden"})
+            query, limit = params.get("query", ""), int(params.get("limit", 10))
+            data = [
+                {
+                    "paperId": hashlib.sha1(r["slug"].encode("utf-8")).hexdigest(),
+                    "title": r["title"],
+                    "abstract": r["snippet"],
+                    "year": 2020 + i,
+                    "url": self.fake.page_url(r["slug"]),
+                }
+                for i, r in enumerate(self.fake.results_for(query, limit)[:limit])
+            ]
+            return self._json(200, {"total": len(data), "offset": 0, "data": data})
+        if parsed.path.startswith("/page/"):
+            fault = self.fake.next_fault(self.fake.page_faults)
+            if self._fault(fault, None):
+                return
+            slug = parsed.path[len("/page/") :]
+            content_type, body = self.fake.pages.get(
+                slug,
+                ("text/html; charset=utf-8", f"<html><head><title>Page {slug}</title><script>var x=1;</script></head>"
+                 f"<body><h1>Heading {slug}</h1><p>Body text of {slug}.</p></body></html>"),
+            )
+            return self._send(200, body.encode("utf-8"), content_type)
+        self._json(404, {"message": "not found"})
