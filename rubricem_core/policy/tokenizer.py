@@ -108,6 +108,7 @@ def train_bpe_tokenizer(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,  # decode must return the exact text
         model_max_length=1 << 20,
@@ -118,7 +119,7 @@ def train_bpe_tokenizer(
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
-    """Save as HF files readable by transformers 4.x and 5.x (and so by vLLM)."""
+    """Save as HF files readable by transformers 4.x and 5.x (and so by vLLM); works for any fast tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
@@ -127,6 +128,11 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> P
     # transformers 5 names its fast class TokenizersBackend; 4.x only knows PreTrainedTokenizerFast,
     # which 5.x still resolves. The template also goes inline for readers that ignore the .jinja file.
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # 5.x writes extra special tokens as a list, which 4.x rejects (it expects a dict there).
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        config.pop("extra_special_tokens")
+        config["additional_special_tokens"] = extra
     config["chat_template"] = tokenizer.chat_template
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
     return out

@@ -1,0 +1,175 @@
+"""Load a policy (causal LM + tokenizer) from a local Hugging Face directory or, when allowed, the hub.
+
+Everything downstream needs a chat template (prompts are rendered with it) and a pad token
+(batched generation and training pad), so both are checked here, once, with the path named.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",  # whatever the checkpoint's config says
+}
+WEIGHT_FILES: tuple[str, ...] = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class PolicyLoadError(RuntimeError):
+    """A policy cannot be loaded: missing directory or weights, no chat template, or not available offline."""
+
+
+def hub_offline() -> bool:
+    # Read at call time: the project sets HF_HUB_OFFLINE after huggingface_hub may have been imported.
+    return any(os.environ.get(key, "").strip().lower() in _TRUE for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _is_hub_name(name: str) -> bool:
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_local_dir(path: Path) -> None:
+    if not path.exists():
+        raise PolicyLoadError(f"policy directory {path} does not exist")
+    if not path.is_dir():
+        raise PolicyLoadError(f"policy path {path} is a file, not a model directory")
+    if not (path / "config.json").is_file():
+        raise PolicyLoadError(f"policy directory {path} has no config.json")
+    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        raise PolicyLoadError(
+            f"policy directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_policy(
+    name_or_path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from a local HF causal-LM directory or a hub name.
+
+    A hub name is tried only when no such local path exists; with ``HF_HUB_OFFLINE`` set it must
+    already be in the local Hugging Face cache. The model is returned in eval mode on ``device``.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    local = path.exists() or not _is_hub_name(name)
+    if local:
+        _check_local_dir(path)
+        source, where = str(path), f"policy directory {path}"
+    else:
+        source, where = name, f"hub model {name!r}"
+    offline = hub_offline()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=offline)
+    except OSError as error:
+        if not local and offline:
+            raise PolicyLoadError(
+                f"{where} is not available locally: no directory of that name and not in the Hugging Face "
+                f"cache, and HF_HUB_OFFLINE=1 forbids downloading it (build or convert a local model directory, "
+                f"or unset HF_HUB_OFFLINE on a machine with hub access)"
+            ) from error
+        raise PolicyLoadError(f"cannot load {where}: {error}") from error
+    if not getattr(tokenizer, "chat_template", None):
+        raise PolicyLoadError(
+            f"the tokenizer of {where} has no chat template; prompts are rendered with it "
+            f"(add chat_template.jinja or a chat_template entry in tokenizer_config.json)"
+        )
+    _ensure_pad_token(model, tokenizer, where)
+    return model.to(device).eval(), tokenizer
+
+
+def _ensure_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise PolicyLoadError(f"the tokenizer of {where} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+
+
+def model_summary(model: PreTrainedModel) -> dict[str, Any]:
+    """Size and shape of a loaded policy, for logs and MLflow params."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    first = next(model.parameters())
+    return {
+        "architecture": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "layers": text_config.num_hidden_layers,
+        "hidden_size": text_config.hidden_size,
+        "vocab": text_config.vocab_size,
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "device": str(first.device),
+    }
+
+
+def add_legacy_config_keys(model_dir: str | os.PathLike[str]) -> None:
+    """Also write a saved config.json's RoPE theta and dtype under the transformers 4.x key names.
+
+    transformers 5 saves ``rope_parameters`` and ``dtype``; 4.x (which a vLLM node may pin) reads
+    ``rope_theta`` and ``torch_dtype`` and would silently fall back to its defaults. 5.x ignores
+    the extra keys because ``rope_parameters`` is present.
+    """
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    if "dtype" in config:
+        config.setdefault("torch_dtype", config["dtype"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def staged_directory(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a sibling staging folder that is renamed to ``out_dir`` on success, removed on failure,
+    so a model directory exists whole or not at all. ``out_dir`` must be absent or empty."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not an empty directory; remove it or pick another")
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename needs the name free
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

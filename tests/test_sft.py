@@ -1,0 +1,93 @@
+"""SFT: the flow end to end on tiny, exact resume, and clear errors for unusable data."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rubricem_core.config import load_config
+from rubricem_core.sft import SFTDataError, encode_sft_rows, prepare_policy, run_sft
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+
+SMALL = {
+    "data.world.n_documents": 120,
+    "data.world.n_queries": 10,
+    "data.world.eval_fraction": 0.2,
+    "teacher.trajectories_per_query": 2,
+    "policy.vocab_size": 1024,
+    "policy.hidden_size": 64,
+    "policy.n_layers": 2,
+    "policy.intermediate_size": 128,
+    "sft.max_steps": 8,
+    "sft.warmup_steps": 2,
+    "sft.checkpoint_every": 3,
+    "sft.log_every": 2,
+    "sft.max_tokens_per_batch": 8192,
+}
+
+
+@pytest.fixture(scope="module")
+def collected_run(tmp_path_factory, prefect_harness):
+    from flows.collect_sft_data import collect_sft_data
+
+    run_dir = str(tmp_path_factory.mktemp("sft") / "run")
+    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SMALL)
+    return run_dir
+
+
+def test_sft_flow_trains_and_logs(collected_run):
+    from flows.sft import sft
+
+    result = sft(run_dir=collected_run, profile="tiny", overrides=SMALL)
+    assert result["steps"] == 8 and result["trajectories"] > 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(result["final_dir"])
+    tok = AutoTokenizer.from_pretrained(result["final_dir"])
+    assert tok.chat_template and model.num_parameters() > 0
+    losses = json.loads(run_sql(collected_run, "SELECT step, value FROM metrics WHERE name = 'sft/loss' ORDER BY step", fmt="json"))
+    assert len(losses) >= 3
+    assert losses[-1]["value"] < losses[0]["value"], "loss must fall during SFT"
+    # a second call finds the final checkpoint and does not train again
+    assert sft(run_dir=collected_run, profile="tiny", overrides=SMALL)["cached"] is True
+
+
+def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
+    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3})
+    rows = RunStore(collected_run).read_rows("sft_trajectories")
+    corpus = RunStore(collected_run).read_table("corpus")
+    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
+
+    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0)
+    stopped = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, stop_after=3)
+    assert stopped["stopped_at"] == 3
+    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0)
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
+    cfg = load_config("tiny", SMALL)
+    corpus = RunStore(collected_run).read_table("corpus")
+    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist()[:50], seed=0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    rows = [dict(r, accepted=False) for r in RunStore(collected_run).read_rows("sft_trajectories")]
+    with pytest.raises(SFTDataError, match="no accepted rows"):
+        encode_sft_rows(tok, rows, 4096)
+    rows = RunStore(collected_run).read_rows("sft_trajectories")
+    with pytest.raises(SFTDataError, match="longer than policy.max_seq_len=64"):
+        encode_sft_rows(tok, rows, 64)
+    lengths = sorted(len(t) for t in encode_sft_rows(tok, rows, 10**6).trajectories)
+    data = encode_sft_rows(tok, rows, lengths[len(lengths) // 2])  # about half fit, the rest are counted
+    assert data.trajectories and data.skipped_too_long
+    assert len(data.trajectories) + len(data.skipped_too_long) == sum(r["accepted"] for r in rows)
