@@ -64,7 +64,26 @@ class ToolsConfig(_Strict):
     )
 
 
-class TeacherConfig(_Strict):
+class EndpointConfig(_Strict):
+    """How to reach an LLM through litellm (any provider). Keys are named, never stored."""
+
+    model: str = Field(default="", description="litellm model string, e.g. openai/gpt-4.1-mini.")
+    api_base: str | None = Field(default=None, description="Provider base URL (None: provider default).")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the API key (None for built-in models)."
+    )
+    api_key_secret_block: str | None = Field(
+        default=None, description="Prefect Secret block name to read the key from when the variable is unset."
+    )
+    custom_llm_provider: str | None = Field(default=None, description="litellm provider override.")
+    max_concurrency: int = Field(default=16, ge=1, description="Concurrent requests.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(default=4, ge=0, description="Retries on 429/5xx/timeouts.")
+    input_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
+    output_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
+
+
+class TeacherConfig(EndpointConfig):
     model: str = Field(
         default="rubricem-teacher/scripted",
         description="litellm model string. 'rubricem-teacher/...' is the built-in scripted teacher.",
@@ -73,27 +92,14 @@ class TeacherConfig(_Strict):
         default="concurrent",
         description="batch: one Batch API job per round (OpenAI-format); concurrent: parallel calls.",
     )
-    api_base: str | None = Field(default=None, description="Provider base URL (None: provider default).")
-    api_key_env: str | None = Field(
-        default=None, description="Environment variable holding the API key (None for the built-in teacher)."
-    )
-    api_key_secret_block: str | None = Field(
-        default=None, description="Prefect Secret block name to read the key from when the variable is unset."
-    )
-    custom_llm_provider: str | None = Field(default=None, description="litellm provider override.")
     trajectories_per_query: int = Field(default=2, ge=1, description="Teacher traces sampled per query.")
     max_rounds: int = Field(default=8, ge=1, description="Model turns per trajectory (one batch per round).")
     max_tokens: int = Field(default=2048, ge=16, description="Completion tokens per turn.")
     temperature: float = Field(default=0.7, ge=0.0, le=2.0, description="Sampling temperature.")
-    max_concurrency: int = Field(default=16, ge=1, description="Concurrent requests (concurrent mode).")
-    timeout_s: float = Field(default=120.0, gt=0, description="Per-request timeout.")
-    max_retries: int = Field(default=4, ge=0, description="Retries on 429/5xx/timeouts.")
     max_batch_resubmits: int = Field(default=2, ge=0, description="Resubmissions of failed batch requests.")
     batch_poll_interval_s: float = Field(default=5.0, gt=0, description="First batch poll interval.")
     batch_poll_max_interval_s: float = Field(default=60.0, gt=0, description="Longest batch poll interval.")
     batch_timeout_s: float = Field(default=24 * 3600.0, gt=0, description="Give up on a batch after this.")
-    input_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
-    output_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
     # Error injection for the built-in teacher, so rejection filtering has real work to do.
     skip_stage_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: drop a stage.")
     malformed_call_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: malformed tool call.")
@@ -144,6 +150,52 @@ class SFTConfig(_Strict):
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
 
 
+class JudgeConfig(EndpointConfig):
+    model: str = Field(
+        default="rubricem-judge/builtin",
+        description="litellm model string. 'rubricem-judge/...' is the built-in checkable judge.",
+    )
+    temperature: float = Field(default=0.0, ge=0, le=2, description="Judge sampling temperature.")
+    max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per judge call.")
+    max_new_rubrics_per_stage: int = Field(default=3, ge=0, description="Adaptive rubrics generated per stage per step.")
+    cap_per_stage: int = Field(default=5, ge=1, description="Active adaptive rubrics kept per stage.")
+    structured_output: Literal["json_schema", "json_object", "none"] = Field(
+        default="json_schema", description="How JSON replies are requested from the provider."
+    )
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["hf", "vllm"] = Field(default="hf", description="hf: transformers engine; vllm: vLLM offline engine.")
+    group_size: int = Field(default=4, ge=2, description="Rollouts per query (the GRPO group).")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
+    max_new_tokens: int = Field(default=384, ge=8, description="Tokens per model turn.")
+    max_total_tokens: int = Field(default=4096, ge=128, description="Context limit of a trajectory.")
+    max_batch_rows: int | None = Field(default=None, ge=1, description="Rows decoded at once (None: all).")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor parallelism.")
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1, description="vLLM memory fraction.")
+
+
+class RLConfig(_Strict):
+    recipe: Literal["baseline", "ss_grpo", "meta_policy", "full"] = Field(
+        default="full", description="Paper recipe: Λ preset, judged stages, reflection on/off."
+    )
+    lambda_spec: str | list[list[float]] | None = Field(
+        default=None, description="Override the recipe's Λ: a preset name, 'discounted(0.9)', or a K×K matrix."
+    )
+    window: int = Field(default=3, ge=1, description="K: fresh steps per window, then the same K replayed.")
+    n_windows: int = Field(default=2, ge=1, description="Windows to run (each is 2K steps).")
+    queries_per_step: int = Field(default=6, ge=1, description="Queries per RL step.")
+    lr: float = Field(default=2e-4, gt=0, description="Learning rate.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    kl_coef: float | None = Field(default=None, ge=0, description="k3 KL coefficient (None: the recipe's).")
+    backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
+    zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+
+
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="Log params, metrics and artifacts to MLflow.")
     experiment: str = Field(default="rubricem", description="MLflow experiment name.")
@@ -158,6 +210,9 @@ class RunConfig(_Strict):
     filter: FilterConfig = Field(default_factory=FilterConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

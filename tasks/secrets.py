@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 
-from rubricem_core.config import MissingSecretError, TeacherConfig
+from rubricem_core.config import EndpointConfig, MissingSecretError
 
 
-def resolve_api_key(cfg: TeacherConfig) -> str | None:
+def resolve_api_key(cfg: EndpointConfig) -> str | None:
     """The key named by ``api_key_env``, else the ``api_key_secret_block`` Secret; None if neither is set
     in the config (built-in or keyless providers). Fails fast naming the variable when it is required."""
     if cfg.api_key_env and os.environ.get(cfg.api_key_env):
@@ -22,5 +22,5 @@ def resolve_api_key(cfg: TeacherConfig) -> str | None:
                 + (f" and environment variable {cfg.api_key_env} is not set" if cfg.api_key_env else "")
             ) from exc
     if cfg.api_key_env:
-        raise MissingSecretError(f"environment variable {cfg.api_key_env} is not set (needed for teacher model {cfg.model})")
+        raise MissingSecretError(f"environment variable {cfg.api_key_env} is not set (needed for model {cfg.model})")
     return None
