@@ -11,12 +11,11 @@ from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
 from rubricem_core.corpus import load_corpus
-from rubricem_core.embedders import make_embedder
+from rubricem_core.environment import local_tool_env
 from rubricem_core.readers import read_queries
 from rubricem_core.schemas import CORPUS_SCHEMA, queries_to_table
 from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
-from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 from rubricem_core.world import generate_world
 
 
@@ -65,28 +64,22 @@ def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     return {"documents": n_docs, "queries": queries.num_rows, "train_queries": n_train}
 
 
-_TOOLS_CACHE: dict[tuple, dict] = {}
-_TOOLS_LOCK = threading.Lock()
+_ENV_CACHE: dict[tuple, ToolEnv] = {}
+_ENV_LOCK = threading.Lock()
 
 
 def search_env(run_dir: str, cfg: RunConfig) -> ToolEnv:
     """A ToolEnv over the run's corpus. Index building is cached per process and corpus file,
     since every round of every task reuses the same index."""
     store = RunStore(run_dir)
-    files = store.files("corpus")
-    key = (str(store.run_dir), tuple((str(f), f.stat().st_mtime_ns) for f in files), cfg.tools.model_dump_json())
-    with _TOOLS_LOCK:
-        tools = _TOOLS_CACHE.get(key)
-        if tools is None:
+    key = (str(store.run_dir), tuple((str(f), f.stat().st_mtime_ns) for f in store.files("corpus")), cfg.tools.model_dump_json())
+    with _ENV_LOCK:
+        env = _ENV_CACHE.get(key)
+        if env is None:
             corpus = store.read_table("corpus")
             if corpus.num_rows == 0:
                 raise InputError(f"corpus of {run_dir} is empty: set data.corpus to use the local search tool")
-            embedder = make_embedder(cfg.tools.embedder)
-            tools = {
-                "search": LocalSearchTool(corpus, top_k=cfg.tools.top_k, snippet_chars=cfg.tools.snippet_chars, embedder=embedder),
-                "browse": LocalBrowseTool(corpus, max_chars=cfg.tools.browse_chars),
-            }
-            _TOOLS_CACHE.clear()  # one corpus index in memory at a time
-            _TOOLS_CACHE[key] = tools
-    # The per-trajectory budget is enforced by the caller from the persisted call count.
-    return ToolEnv(tools, max_calls=2**31 - 1)
+            env = local_tool_env(corpus, cfg.tools)
+            _ENV_CACHE.clear()  # one corpus index in memory at a time
+            _ENV_CACHE[key] = env
+    return env.fork()

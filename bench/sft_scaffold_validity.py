@@ -1,0 +1,81 @@
+"""After SFT: sample the policy on held-out queries with the real tools; print the fraction of
+trajectories that pass the scaffold validator (goal: >= 0.8).
+
+    .venv/bin/python bench/sft_scaffold_validity.py --run-dir runs/tiny      # after `make run`
+
+The run directory must hold `queries`, `corpus` and checkpoints/sft/final (from `rubricem run` or
+`rubricem sft`). Sampling uses the transformers rollout engine at the configured temperature.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+
+from rubricem_core.config import load_config  # noqa: E402
+from rubricem_core.encoding import encode_prompt  # noqa: E402
+from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.policy.loading import load_policy  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.scaffold import validate  # noqa: E402
+from rubricem_core.store import RunStore  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default="runs/tiny")
+    parser.add_argument("--checkpoint", default=None, help="default: <run-dir>/checkpoints/sft/final")
+    parser.add_argument("--samples", type=int, default=2, help="samples per held-out query")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-queries", type=int, default=24)
+    args = parser.parse_args()
+
+    store = RunStore(args.run_dir)
+    cfg = load_config(Path(args.run_dir) / "config.yaml")
+    checkpoint = args.checkpoint or str(Path(args.run_dir) / "checkpoints" / "sft" / "final")
+    model, tokenizer = load_policy(checkpoint)
+    queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]
+    env = local_tool_env(store.read_table("corpus"), cfg.tools)
+    sampling = SamplingParams(
+        temperature=args.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed,
+    )
+    requests = [
+        RolloutRequest(request_id=q["query_id"], prompt_ids=encode_prompt(tokenizer, prompt_messages(q)),
+                       n=args.samples, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
+        for q in queries
+    ]
+    engine = HFRolloutEngine(model, tokenizer)
+    t0 = time.perf_counter()
+    groups = engine.generate(requests, env)
+    seconds = time.perf_counter() - t0
+
+    valid, codes, finish = 0, Counter(), Counter()
+    n = generated = 0
+    for group in groups:
+        for traj in group:
+            n += 1
+            generated += traj.n_policy_tokens
+            text = "".join(seg.text for seg in traj.segments if seg.kind != "prompt")
+            violations = validate(text, max_tool_calls=cfg.tools.max_tool_calls)
+            valid += not violations
+            codes.update({v.code for v in violations})
+            finish[traj.finish_reason] += 1
+    print(f"checkpoint: {checkpoint}")
+    print(f"held-out queries: {len(queries)} x {args.samples} samples = {n} trajectories, "
+          f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)")
+    print(f"finish reasons: {dict(finish)}")
+    print(f"violations (trajectories with each code): {dict(codes.most_common())}")
+    print(f"figure: {valid / max(n, 1):.3f} of trajectories pass the scaffold validator  goal: >= 0.8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Flow `rl`: the windowed RL loop; every step is the subflow `rl_step`.
+
+Window K (rl.window): K steps of fresh query batches, then the same K batches replayed. Each rl_step
+runs the tasks rollout → judge (rubric generation, scoring, buffer update) → ss-grpo-update (with its
+checkpoint); a retried run skips every step and task whose Parquet and checkpoint exist.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.common import resolve_config
+from rubricem_core.config import RunConfig, flatten
+from rubricem_core.recipes import get_recipe
+from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
+from rubricem_core.store import RunStore
+from rubricem_core.tracking import Tracker
+from tasks.rl import completed_step, judge_task, recipe_settings, rollout_task, step_checkpoint, update_task
+
+
+@flow(name="rl_step")
+def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, float]:
+    """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update."""
+    rolled = rollout_task(run_dir, cfg, plan)
+    judged = judge_task(run_dir, cfg, plan)
+    updated = update_task(run_dir, cfg, plan)
+    metrics: dict[str, float] = {}
+    for part in (rolled, judged, updated):
+        metrics.update(part.get("metrics", {}))
+    if "rollout_tokens_per_s" in rolled:
+        metrics["rollout/tokens_per_s"] = rolled["rollout_tokens_per_s"]
+    return metrics
+
+
+def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
+    queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
+    reflection = get_recipe(cfg.rl.recipe).reflection
+    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection)
+
+
+@flow(name="rl")
+def rl(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+) -> dict[str, Any]:
+    """Windowed RL from the run's SFT checkpoint.
+
+    Args:
+        run_dir: a run directory with `queries`, `corpus` and checkpoints/sft/final.
+        profile: profile name under data/profiles or a YAML path.
+        overrides: dotted-key overrides, e.g. {"rl.recipe": "baseline"}.
+        config: a complete run config; when given, profile and overrides are ignored.
+    """
+    log = get_run_logger()
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    plans = rl_plans(run_dir, cfg)
+    rs = recipe_settings(cfg)
+    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    params = flatten({"rl": cfg.rl.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
+                      "judge": cfg.judge.model_dump(mode="json")})
+    params["rl.lambda"] = str(rs["lam"].tolist())
+    params["rl.kl_coef_effective"] = rs["kl_coef"]
+    last: dict[str, float] = {}
+    with (tracker.child_run("rl", params=params) if tracker else nullcontext()) as child:
+        done = completed_step(run_dir)
+        if done >= 0:
+            log.info("resuming RL after step %d", done)
+        for plan in plans:
+            if plan.step <= done:
+                continue  # its update is in the newest checkpoint
+            metrics = rl_step(run_dir, cfg, plan)
+            if metrics and child is not None:
+                child.log_metrics(metrics, step=plan.step)
+            last = metrics or last
+            log.info("RL step %d/%d (%s, %s) done", plan.step + 1, len(plans), plan.phase, plan.retrieval)
+    final = step_checkpoint(run_dir, plans[-1].step)
+    return {"steps": len(plans), "final_checkpoint": str(final), "recipe": cfg.rl.recipe,
+            "last_metrics": {k: v for k, v in last.items() if k.startswith(("reward/", "rl/loss", "rl/kl"))}}

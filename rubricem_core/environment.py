@@ -1,0 +1,36 @@
+"""The research environment the policy acts in: local tools over a corpus and prompt assembly.
+
+One place builds both, so SFT data collection, rollouts and evaluation see the same tools and the
+same prompt (system prompt with an optional guidance block, then the query).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+
+from rubricem_core.config import ToolsConfig
+from rubricem_core.embedders import make_embedder
+from rubricem_core.scaffold import system_prompt
+from rubricem_core.tools.base import ToolEnv
+from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
+
+
+def local_tool_env(corpus: pa.Table, tools: ToolsConfig) -> ToolEnv:
+    """`search` (BM25, fused with dense retrieval when an embedder is set) and `browse` over a corpus.
+    The budget here is unlimited: callers enforce the per-trajectory budget themselves."""
+    if corpus.num_rows == 0:
+        raise ValueError("the corpus is empty: set data.corpus to use the local search tool")
+    embedder = make_embedder(tools.embedder)
+    search = LocalSearchTool(corpus, top_k=tools.top_k, snippet_chars=tools.snippet_chars, embedder=embedder)
+    browse = LocalBrowseTool(corpus, max_chars=tools.browse_chars)
+    return ToolEnv({"search": search, "browse": browse}, max_calls=2**31 - 1)
+
+
+def prompt_messages(query: dict[str, Any], guidance: str | None = None) -> list[dict[str, str]]:
+    """System prompt (with the retrieved guidance block, if any) followed by the query's conversation."""
+    conversation = json.loads(query["messages"]) if query.get("messages") else [
+        {"role": "user", "content": query["question"]}
+    ]
+    return [{"role": "system", "content": system_prompt(guidance=guidance)}, *conversation]

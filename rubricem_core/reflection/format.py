@@ -1,0 +1,284 @@
+"""The reflection the policy writes about one of its own rollouts: prompt, output format, checks.
+
+The shared backbone sees only the question and the raw trajectory (its own text plus the tool
+outputs it got) — never rubrics, scores or justifications: those are privileged inputs of the
+reflection judge. It answers in one fixed format::
+
+    <reflection>
+    <reflection_rubrics>
+    - criteria a strong report on this question meets, one per line
+    </reflection_rubrics>
+    <takeaways>
+    - concrete lessons for the next attempt, one per line
+    </takeaways>
+    </reflection>
+
+Generation stops at ``</reflection>`` (``REFLECTION_STOP``); engines that strip the stop string
+give text without it, so the parser accepts a missing final ``</reflection>``.
+The accepted reflection is injected into later prompts through ``guidance_text`` →
+``scaffold.system_prompt(guidance=...)``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rubricem_core.scaffold import TAG_NAMES, neutralize_tags
+
+REFLECTION_STOP = "</reflection>"
+DEFAULT_MAX_TRAJECTORY_CHARS = 24_000
+MAX_REFLECTION_CHARS = 3_000  # longer guidance crowds the prompt and is rarely read
+MAX_ITEMS = 8  # per list
+MAX_ITEM_CHARS = 400
+COPY_MIN_WORDS = 12  # a run of this many words shared with the trajectory is a verbatim copy
+
+# Validation codes (reflections.valid is False when any is present).
+MISSING_REFLECTION = "missing_reflection"
+MISSING_RUBRICS = "missing_rubrics"
+MISSING_TAKEAWAYS = "missing_takeaways"
+REPEATED_TAG = "repeated_tag"
+TEXT_OUTSIDE_TAGS = "text_outside_tags"
+EMPTY_RUBRICS = "empty_rubrics"
+EMPTY_TAKEAWAYS = "empty_takeaways"
+TOO_LONG = "too_long"
+TOO_MANY_ITEMS = "too_many_items"
+COPIES_TRAJECTORY = "copies_trajectory"
+SCAFFOLD_TAGS = "scaffold_tags"
+MENTIONS_SCORES = "mentions_scores"
+
+REFLECTION_CODES: dict[str, str] = {
+    MISSING_REFLECTION: "no <reflection> element",
+    MISSING_RUBRICS: "no <reflection_rubrics> element inside the reflection",
+    MISSING_TAKEAWAYS: "no <takeaways> element inside the reflection",
+    REPEATED_TAG: "a reflection tag opens more than once",
+    TEXT_OUTSIDE_TAGS: "text before <reflection>, after </reflection>, or between the two lists",
+    EMPTY_RUBRICS: "the rubric list has no items",
+    EMPTY_TAKEAWAYS: "the takeaway list has no items",
+    TOO_LONG: f"over {MAX_REFLECTION_CHARS} characters, or an item over {MAX_ITEM_CHARS}",
+    TOO_MANY_ITEMS: f"a list has more than {MAX_ITEMS} items",
+    COPIES_TRAJECTORY: f"repeats {COPY_MIN_WORDS}+ consecutive words of the trajectory verbatim",
+    SCAFFOLD_TAGS: "contains scaffold tags (<answer>, <cite>, <call_tool>, ...)",
+    MENTIONS_SCORES: "talks about scores, rewards or grading, which the policy never saw",
+}
+
+REFLECTION_SYSTEM = f"""You review one of your own earlier research attempts so that the next attempt at this question, or at a similar one, goes better. You see the question and the attempt exactly as it happened: your plan, your tool calls, the tool outputs you got, your review and your final answer. Nobody tells you how good it was; judge that yourself from the evidence.
+
+Write two lists:
+1. reflection_rubrics: the criteria a strong report on this question must meet — the specific facts, entities, comparisons and sources it needs, and the specific mistakes it must avoid (look-alike names, wrong values, unsupported claims).
+2. takeaways: concrete, actionable lessons for the next attempt — what to search for and how, which documents to browse, what to verify before answering, what went wrong here and how to avoid it.
+
+Rules: be specific to this question (name entities, attributes, search queries); no generic advice such as "be thorough"; at most {MAX_ITEMS} items per list, one per line starting with "- "; do not copy passages of the attempt; do not write any research tags (no <answer>, <cite>, <call_tool>); under {MAX_REFLECTION_CHARS} characters in all.
+
+Reply in exactly this format and nothing else:
+<reflection>
+<reflection_rubrics>
+- ...
+</reflection_rubrics>
+<takeaways>
+- ...
+</takeaways>
+</reflection>"""
+
+
+@dataclass(frozen=True)
+class Reflection:
+    rubrics: tuple[str, ...]
+    takeaways: tuple[str, ...]
+
+    def render(self) -> str:
+        """The canonical text of the reflection (what the bank stores)."""
+        rubrics = "\n".join(f"- {item}" for item in self.rubrics)
+        takeaways = "\n".join(f"- {item}" for item in self.takeaways)
+        return (f"<reflection>\n<reflection_rubrics>\n{rubrics}\n</reflection_rubrics>\n"
+                f"<takeaways>\n{takeaways}\n</takeaways>\n</reflection>")
+
+    @property
+    def items(self) -> tuple[str, ...]:
+        return self.rubrics + self.takeaways
+
+
+def clip_middle(text: str, max_chars: int | None) -> tuple[str, int]:
+    """``text`` cut to about ``max_chars`` by dropping its middle (plan and answer are kept), and how
+    many characters were dropped."""
+    if max_chars is None or len(text) <= max_chars:
+        return text, 0
+    if max_chars < 2:
+        raise ValueError(f"max_chars must be >= 2 to keep a head and a tail, got {max_chars}")
+    omitted = len(text) - max_chars
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n[... {omitted} characters of the attempt omitted here ...]\n{text[-tail:]}", omitted
+
+
+def reflection_messages(question: str, trajectory_text: str,
+                        max_chars: int | None = DEFAULT_MAX_TRAJECTORY_CHARS) -> list[dict[str, str]]:
+    """Chat messages asking the policy for a reflection on ``trajectory_text``.
+
+    Deliberately takes no rubrics or scores: the policy must not see privileged judge inputs.
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("reflection_messages: question must be a non-empty string")
+    if not isinstance(trajectory_text, str) or not trajectory_text.strip():
+        raise ValueError("reflection_messages: trajectory_text must be a non-empty string")
+    shown, omitted = clip_middle(trajectory_text.strip(), max_chars)
+    shown = shown.replace("<<<", "<< <")  # the attempt cannot close its own delimiters
+    note = (f"\n(The attempt is {len(trajectory_text.strip())} characters long; {omitted} characters from "
+            "its middle are omitted below.)" if omitted else "")
+    user = (f"Question:\n{question.strip()}\n\nYour earlier attempt:{note}\n"
+            f"<<<ATTEMPT>>>\n{shown}\n<<<END OF ATTEMPT>>>\n\n"
+            "Write your reflection now, in the required format.")
+    return [{"role": "system", "content": REFLECTION_SYSTEM}, {"role": "user", "content": user}]
+
+
+# ---- parsing and validation ----------------------------------------------------------------------
+
+_OPEN = {name: re.compile(rf"<\s*{name}\s*>", re.I) for name in ("reflection", "reflection_rubrics", "takeaways")}
+_CLOSE = {name: re.compile(rf"<\s*/\s*{name}\s*>", re.I) for name in ("reflection", "reflection_rubrics", "takeaways")}
+_BULLET = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s*")
+_SCAFFOLD_TAG = re.compile(rf"<\s*/?\s*(?:{'|'.join(sorted(TAG_NAMES, key=len, reverse=True))})\b", re.I)
+_SCORE_TALK = re.compile(
+    r"\b(?:scor(?:e|es|ed|ing)|rewards?|rewarded|grad(?:er|ers|ed|ing)|judged|judge's|the judge)\b"
+    r"|\b[0-2]\s*/\s*2\b", re.I)
+_WORD = re.compile(r"\w+")
+
+
+@dataclass(frozen=True)
+class _Span:
+    inner_start: int
+    inner_end: int
+    outer_start: int
+    outer_end: int
+
+
+def _element(text: str, name: str, start: int = 0, end: int | None = None,
+             open_ended: bool = False) -> tuple[_Span | None, int]:
+    """The first ``<name>…</name>`` in text[start:end], and how many times ``<name>`` opens there."""
+    end = len(text) if end is None else end
+    opens = list(_OPEN[name].finditer(text, start, end))
+    if not opens:
+        return None, 0
+    first = opens[0]
+    close = _CLOSE[name].search(text, first.end(), end)
+    if close is None:
+        if not open_ended:
+            return None, len(opens)
+        return _Span(first.end(), end, first.start(), end), len(opens)
+    return _Span(first.end(), close.start(), first.start(), close.end()), len(opens)
+
+
+def _items(body: str) -> tuple[str, ...]:
+    items = []
+    for line in body.splitlines():
+        item = _BULLET.sub("", line, count=1).strip()
+        if item:
+            items.append(item)
+    return tuple(items)
+
+
+def _structure(text: str) -> tuple[Reflection | None, list[str]]:
+    codes: list[str] = []
+    # The closing tag may be missing when the engine strips the stop string.
+    outer, n_outer = _element(text, "reflection", open_ended=True)
+    if outer is None:
+        return None, [MISSING_REFLECTION]
+    if n_outer > 1:
+        codes.append(REPEATED_TAG)
+    if text[:outer.outer_start].strip() or text[outer.outer_end:].strip():
+        codes.append(TEXT_OUTSIDE_TAGS)
+    rubrics, n_rubrics = _element(text, "reflection_rubrics", outer.inner_start, outer.inner_end)
+    takeaways, n_takeaways = _element(text, "takeaways", outer.inner_start, outer.inner_end)
+    if rubrics is None:
+        codes.append(MISSING_RUBRICS)
+    if takeaways is None:
+        codes.append(MISSING_TAKEAWAYS)
+    if (n_rubrics > 1 or n_takeaways > 1) and REPEATED_TAG not in codes:
+        codes.append(REPEATED_TAG)
+    if rubrics is None or takeaways is None:
+        return None, codes
+    # Everything inside <reflection> must belong to one of the two lists.
+    leftover = text[outer.inner_start:outer.inner_end]
+    for span in sorted((rubrics, takeaways), key=lambda s: s.outer_start, reverse=True):
+        a, b = span.outer_start - outer.inner_start, span.outer_end - outer.inner_start
+        leftover = leftover[:a] + leftover[b:]
+    if leftover.strip() and TEXT_OUTSIDE_TAGS not in codes:
+        codes.append(TEXT_OUTSIDE_TAGS)
+    reflection = Reflection(_items(text[rubrics.inner_start:rubrics.inner_end]),
+                            _items(text[takeaways.inner_start:takeaways.inner_end]))
+    return reflection, codes
+
+
+def parse_reflection(text: str | None) -> Reflection | None:
+    """The two lists of a reflection, or None when its tags are missing (lists may be empty)."""
+    if not isinstance(text, str):
+        return None
+    reflection, _ = _structure(text)
+    return reflection
+
+
+def _word_ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def copies_text(candidate: str, source: str, min_words: int = COPY_MIN_WORDS) -> bool:
+    """True when ``candidate`` repeats ``min_words`` consecutive words of ``source`` (case-insensitive)."""
+    words = [w.lower() for w in _WORD.findall(candidate)]
+    if len(words) < min_words:
+        return False
+    source_grams = _word_ngrams([w.lower() for w in _WORD.findall(source)], min_words)
+    return any(gram in source_grams for gram in _word_ngrams(words, min_words))
+
+
+def _mentions_scores(text: str, question: str | None) -> bool:
+    allowed = question.lower() if question else ""
+    # a question about a match score may name the word; only talk the question itself does not use counts
+    return any(match.group(0).lower() not in allowed for match in _SCORE_TALK.finditer(text))
+
+
+def validate_reflection(text: str, trajectory_text: str | None = None, question: str | None = None,
+                        max_chars: int = MAX_REFLECTION_CHARS) -> list[str]:
+    """Codes (``REFLECTION_CODES``) of everything wrong with a generated reflection; [] = valid.
+
+    ``trajectory_text`` enables the verbatim-copy check; words of ``question`` never count as talk
+    about scores.
+    """
+    if not isinstance(text, str):
+        return [MISSING_REFLECTION]
+    reflection, codes = _structure(text)
+    if reflection is not None:
+        if not reflection.rubrics:
+            codes.append(EMPTY_RUBRICS)
+        if not reflection.takeaways:
+            codes.append(EMPTY_TAKEAWAYS)
+        if len(reflection.rubrics) > MAX_ITEMS or len(reflection.takeaways) > MAX_ITEMS:
+            codes.append(TOO_MANY_ITEMS)
+    too_long_item = reflection is not None and any(len(item) > MAX_ITEM_CHARS for item in reflection.items)
+    if len(text.strip()) > max_chars or too_long_item:
+        codes.append(TOO_LONG)
+    if _SCAFFOLD_TAG.search(text):
+        codes.append(SCAFFOLD_TAGS)
+    if _mentions_scores(text, question):
+        codes.append(MENTIONS_SCORES)
+    if trajectory_text and copies_text(text, trajectory_text):
+        codes.append(COPIES_TRAJECTORY)
+    return codes
+
+
+def guidance_text(reflection: Reflection, source_question: str | None = None) -> str:
+    """The text injected into the prompt's guidance block (``scaffold.system_prompt(guidance=...)``).
+
+    ``source_question`` names the question the reflection was written for, when it is another
+    one (cross-episode retrieval). Scaffold tags are escaped: guidance must never open an element.
+    """
+    if not reflection.rubrics and not reflection.takeaways:
+        raise ValueError("guidance_text: the reflection has no items")
+    lines = []
+    if source_question:
+        lines.append(f"These notes come from an earlier attempt at a similar question: "
+                     f"\"{' '.join(source_question.split())}\"")
+    if reflection.rubrics:
+        lines.append("A strong report meets these criteria:")
+        lines += [f"- {item}" for item in reflection.rubrics]
+    if reflection.takeaways:
+        lines.append("Lessons from the earlier attempt:")
+        lines += [f"- {item}" for item in reflection.takeaways]
+    return neutralize_tags("\n".join(lines))

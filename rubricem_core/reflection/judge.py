@@ -1,0 +1,583 @@
+"""The reflection judge: how useful is each reflection candidate for a future attempt?
+
+It sees what the policy did not: the judge rubrics of the query and the source trajectory's
+rubric scores with their justifications. It returns a usefulness score in [0, 1] with a
+justification for every candidate.
+
+Calls: ONE structured-JSON call per source trajectory scores all of its valid candidates. That is
+n times fewer calls (and prompt tokens: the rubrics and the attempt are sent once) than a call per
+candidate, and the judge sees the candidates side by side, which keeps its scale consistent within
+the GRPO group. The price: a call that still fails after retries and one repair marks every
+candidate of that trajectory ``judge_failed`` — excluded from the group, never scored 0.
+
+Invalid candidates (``validate_reflection`` codes) are scored 0 and marked invalid WITHOUT a call;
+a trajectory whose candidates are all invalid costs no call at all.
+
+The offline built-in judge (litellm provider ``rubricem-reflection-judge``) reads the same prompt
+and scores deterministically from the privileged inputs: coverage of the failed rubrics by the
+candidate's items (lexical overlap of key terms and entity names), specificity, actionable
+takeaways, and a penalty for redundant items.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jsonschema
+import numpy as np
+
+from rubricem_core.judge.prompts import (
+    ReplyError,
+    escape_section_markers,
+    repair_message,
+    split_sections,
+    unescape_section_markers,
+)
+from rubricem_core.judge.types import JudgeError, JudgeQuery, Rubric, TrajectoryJudgment
+from rubricem_core.llm.concurrent import run_concurrent
+from rubricem_core.llm.provider import message_text, register_completion_provider
+from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
+from rubricem_core.reflection.format import (
+    MAX_REFLECTION_CHARS,
+    Reflection,
+    clip_middle,
+    parse_reflection,
+    validate_reflection,
+)
+
+log = logging.getLogger(__name__)
+
+PROVIDER = "rubricem-reflection-judge"
+MODEL = f"{PROVIDER}/builtin"
+TASK_LINE = "TASK: score reflection candidates"
+JUSTIFICATION_MAX_CHARS = 2000
+MAX_ERROR_CHARS = 600
+STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "none")
+
+
+# ---- inputs and outputs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReflectionJudgeInput:
+    """The candidates written about one source trajectory, with the judge's privileged view of it."""
+
+    query: JudgeQuery
+    source_rollout_id: str
+    trajectory_text: str
+    candidates: Sequence[str]
+    rubrics: Sequence[Rubric]  # the rubrics the trajectory was scored against
+    judgment: TrajectoryJudgment  # its scores and justifications
+
+
+@dataclass
+class CandidateScore:
+    """One candidate's verdict. ``score`` is None exactly when ``judge_failed``."""
+
+    query_id: str
+    source_rollout_id: str
+    candidate: int
+    text: str
+    valid: bool
+    codes: list[str] = field(default_factory=list)
+    score: float | None = None
+    justification: str = ""
+    judge_failed: bool = False
+    error: str | None = None
+
+    def row(self, step: int, accepted: bool) -> dict[str, Any]:
+        """One ``reflections`` table row."""
+        return {"step": int(step), "query_id": self.query_id, "source_rollout_id": self.source_rollout_id,
+                "candidate": int(self.candidate), "text": self.text, "valid": bool(self.valid),
+                "score": None if self.score is None else float(self.score), "accepted": bool(accepted),
+                "judge_failed": bool(self.judge_failed), "codes": list(self.codes),
+                "justification": self.justification}
+
+
+@dataclass
+class ReflectionJudgeUsage:
+    """Reflection-judge traffic and outcomes, for the ``metrics`` table / MLflow."""
+
+    calls: int = 0
+    repairs: int = 0
+    failed_calls: int = 0
+    attempts: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    candidates: int = 0
+    invalid_candidates: int = 0
+    failed_candidates: int = 0
+
+    def record(self, result: ChatResult, repair: bool) -> None:
+        if repair:
+            self.repairs += 1
+        else:
+            self.calls += 1
+        self.attempts += result.attempts
+        self.prompt_tokens += result.prompt_tokens
+        self.completion_tokens += result.completion_tokens
+        self.cost_usd += result.cost_usd
+
+    def metrics(self, prefix: str = "reflection_judge/") -> dict[str, float]:
+        return {f"{prefix}{name}": float(value) for name, value in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class ReflectionJudgeOptions:
+    """Sampling and prompt options of the reflection judge (the endpoint is an ``EndpointSettings``)."""
+
+    temperature: float | None = field(default=0.0, metadata={"help": "Sampling temperature; None = provider default."})
+    max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one call (all candidates)."})
+    seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
+    max_trajectory_chars: int | None = field(
+        default=20_000,
+        metadata={"help": "Longest source trajectory shown (its middle is cut); 0 = not shown; None = all."})
+    max_reflection_chars: int = field(
+        default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."})
+    structured_output: str = field(
+        default="json_schema",
+        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
+    repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
+
+    def __post_init__(self) -> None:
+        if self.structured_output not in STRUCTURED_OUTPUT_MODES:
+            raise JudgeError(f"ReflectionJudgeOptions.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, "
+                             f"got {self.structured_output!r}")
+        if self.max_tokens < 1:
+            raise JudgeError("ReflectionJudgeOptions.max_tokens must be >= 1")
+        if self.max_trajectory_chars is not None and self.max_trajectory_chars < 0:
+            raise JudgeError("ReflectionJudgeOptions.max_trajectory_chars must be >= 0 or None")
+        if self.max_reflection_chars < 1:
+            raise JudgeError("ReflectionJudgeOptions.max_reflection_chars must be >= 1")
+
+
+# ---- prompt, schema, reply -------------------------------------------------------------------------
+
+SYSTEM = """You judge reflections that a research agent wrote about one of its own attempts at a question. A reflection has reflection rubrics (criteria a strong report meets) and takeaways (lessons for the next attempt). It will be shown to the agent as guidance on a later attempt at this question or a similar one.
+
+You see privileged information the agent did not: the judge rubrics of the question, and how the attempt scored on each (score 0/1/2 with a justification; "credit" is the score with negative rubrics inverted, so credit 2 means the rubric was fully satisfied and credit < 2 means it was failed or partly failed).
+
+Score each candidate's usefulness for a future attempt, from 0.0 to 1.0:
+- It identifies what actually went wrong: the failed rubrics (credit < 2), especially heavy ones, in specific terms — the entities, facts, sources or mistakes involved. The agent never saw the rubrics, so reward reflections that reach the same conclusions on their own; do not require the rubric wording.
+- Its takeaways are concrete and actionable (what to search, what to verify, which look-alike to avoid), not generic advice ("be thorough", "double-check").
+- It is faithful to the attempt (no invented failures or facts) and not redundant (no item repeated in other words).
+1.0: would clearly fix the failures; 0.5: partly useful; 0.0: useless or misleading.
+Write a short justification for each candidate (which failures it addresses, what it misses), then its score. Score every candidate listed exactly once, by its number.
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+
+def reply_schema(candidates: Sequence[int]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "scores": {
+                "type": "array",
+                "minItems": len(candidates),
+                "maxItems": len(candidates),
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "candidate": {"enum": list(candidates)},
+                        "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+                        "score": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                    "required": ["candidate", "justification", "score"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["scores"],
+        "additionalProperties": False,
+    }
+
+
+def _section(name: str, body: str) -> str:
+    return f"<<<{name}>>>\n{body.strip()}"
+
+
+def credit(polarity: str, score: int) -> int:
+    """Score with negative rubrics inverted: 2 = fully satisfied."""
+    return 2 - score if polarity == "negative" else score
+
+
+def rubric_score_lines(rubrics: Sequence[Rubric], judgment: TrajectoryJudgment) -> list[str]:
+    """One JSON line per rubric: the rubric, its score on the trajectory and the justification."""
+    by_id = {s.rubric_id: s for s in judgment.scores}
+    known = {r.rubric_id for r in rubrics}
+    unknown = sorted(set(by_id) - known)
+    if unknown:
+        raise JudgeError(f"rollout {judgment.rollout_id!r}: scores for rubrics not in the rubric list: {unknown}")
+    lines = []
+    for rubric in rubrics:
+        scored = by_id.get(rubric.rubric_id)
+        record = {"id": rubric.rubric_id, "stage": rubric.stage, "polarity": rubric.polarity,
+                  "weight": rubric.weight, "title": rubric.title, "description": rubric.description,
+                  "score": None if scored is None else scored.score,
+                  "credit": None if scored is None else credit(rubric.polarity, scored.score),
+                  "justification": None if scored is None else scored.justification}
+        lines.append(escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True)))
+    return lines
+
+
+def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
+                   max_trajectory_chars: int | None) -> list[dict[str, str]]:
+    # The system prompt shows the reply shape with a generic candidate field so it is identical for
+    # every call (providers cache shared prefixes); the exact schema travels as response_format.
+    shape = reply_schema([])
+    scores = shape["properties"]["scores"]
+    scores.pop("minItems")
+    scores.pop("maxItems")
+    scores["items"]["properties"]["candidate"] = {"type": "integer", "description": "a listed candidate number"}
+    parts = [TASK_LINE, _section("QUESTION", escape_section_markers(item.query.question))]
+    parts.append(_section("JUDGE RUBRICS AND SCORES", "\n".join(rubric_score_lines(item.rubrics, item.judgment))
+                          or "(none)"))
+    if max_trajectory_chars != 0:
+        shown, omitted = clip_middle(item.trajectory_text, max_trajectory_chars)
+        head = f"({omitted} characters omitted from the middle)\n" if omitted else ""
+        parts.append(_section("ATTEMPT", head + escape_section_markers(shown)))
+    for index in candidates:
+        parts.append(_section(f"CANDIDATE {index}", escape_section_markers(item.candidates[index])))
+    parts.append(_section("END", "Score candidates " + ", ".join(str(i) for i in candidates) + "."))
+    return [{"role": "system", "content": SYSTEM.format(schema=json.dumps(shape))},
+            {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def _load_json(text: str | None) -> Any:
+    if text is None:
+        raise ReplyError("the reply has no text")
+    stripped = text.strip()
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", stripped, re.S)  # models often fence JSON
+    if fenced:
+        stripped = fenced.group(1)
+    try:
+        return json.loads(stripped)
+    except json.JSONDecodeError as exc:
+        raise ReplyError(f"the reply is not valid JSON: {exc}") from exc
+
+
+def parse_reply(text: str | None, candidates: Sequence[int]) -> dict[int, tuple[float, str]]:
+    """{candidate: (score, justification)} with every asked candidate exactly once, or ReplyError."""
+    data = _load_json(text)
+    validator = jsonschema.Draft202012Validator(reply_schema(list(candidates)))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
+        raise ReplyError(f"at {where}: {error.message}"[:MAX_ERROR_CHARS])
+    out: dict[int, tuple[float, str]] = {}
+    for entry in data["scores"]:
+        index = int(entry["candidate"])
+        if index in out:
+            raise ReplyError(f"candidate {index} is scored twice")
+        score = float(entry["score"])
+        if not math.isfinite(score):
+            raise ReplyError(f"candidate {index}: score is not a finite number")
+        out[index] = (score, entry["justification"].strip() or "-")
+    missing = [index for index in candidates if index not in out]
+    if missing:
+        raise ReplyError(f"candidates not scored: {missing}")
+    return out
+
+
+# ---- the judge ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    item_index: int
+    candidates: list[int]
+    request: ChatRequest
+    value: dict[int, tuple[float, str]] | None = None
+    error: str | None = None
+    last_text: str | None = None
+
+
+class ReflectionJudge:
+    """Scores reflection candidates against one endpoint; ``usage`` accumulates over every call."""
+
+    def __init__(self, settings: EndpointSettings, options: ReflectionJudgeOptions | None = None) -> None:
+        self.settings = settings
+        self.options = options or ReflectionJudgeOptions()
+        self.usage = ReflectionJudgeUsage()
+
+    def _response_format(self, candidates: Sequence[int]) -> dict[str, Any] | None:
+        mode = self.options.structured_output
+        if mode == "json_schema":
+            return {"type": "json_schema", "json_schema": {"name": "reflection_scores",
+                                                           "schema": reply_schema(candidates), "strict": False}}
+        if mode == "json_object":
+            return {"type": "json_object"}
+        return None
+
+    def _send(self, calls: list[_Call], repair: bool) -> None:
+        if not calls:
+            return
+        results = run_concurrent([c.request for c in calls], self.settings)
+        for call, result in zip(calls, results):
+            self.usage.record(result, repair)
+            call.last_text = result.text
+            if not result.ok and result.text is None:
+                call.error = result.error or "reflection judge call failed"
+                continue
+            try:
+                call.value, call.error = parse_reply(result.text, call.candidates), None
+            except ReplyError as exc:
+                call.error = str(exc)
+
+    def score(self, inputs: Sequence[ReflectionJudgeInput]) -> list[CandidateScore]:
+        """Every candidate of every input, in input order then candidate order."""
+        out: list[list[CandidateScore]] = []
+        calls: list[_Call] = []
+        for index, item in enumerate(inputs):
+            if item.judgment.rollout_id != item.source_rollout_id:
+                raise JudgeError(f"input {index}: judgment is for rollout {item.judgment.rollout_id!r}, "
+                                 f"not the source rollout {item.source_rollout_id!r}")
+            scores = []
+            for number, text in enumerate(item.candidates):
+                codes = validate_reflection(text, item.trajectory_text, item.query.question,
+                                            self.options.max_reflection_chars)
+                scores.append(CandidateScore(item.query.query_id, item.source_rollout_id, number, text,
+                                             valid=not codes, codes=codes))
+                if codes:  # invalid: a zero, decided without the judge
+                    scores[-1].score = 0.0
+                    scores[-1].justification = "invalid: " + ", ".join(codes)
+            out.append(scores)
+            valid = [s.candidate for s in scores if s.valid]
+            if not valid:
+                continue
+            if item.judgment.failed:
+                # no privileged inputs to judge with: the candidates cannot be scored, not scored 0
+                for s in scores:
+                    if s.valid:
+                        s.judge_failed, s.error = True, f"source trajectory judgment failed: {item.judgment.error}"
+                continue
+            messages = judge_messages(item, valid, self.options.max_trajectory_chars)
+            request = ChatRequest(custom_id=f"reflect:{index}:{item.source_rollout_id}", model="",
+                                  messages=messages, max_tokens=self.options.max_tokens,
+                                  temperature=self.options.temperature, seed=self.options.seed,
+                                  response_format=self._response_format(valid))
+            calls.append(_Call(index, valid, request))
+        self._send(calls, repair=False)
+        if self.options.repair:
+            to_repair = [c for c in calls if c.error is not None and c.last_text is not None]
+            for call in to_repair:
+                messages = [*call.request.messages, {"role": "assistant", "content": call.last_text},
+                            repair_message(call.error)]
+                call.request = dataclasses.replace(call.request, custom_id=call.request.custom_id + ":repair",
+                                                   messages=messages)
+            self._send(to_repair, repair=True)
+        for call in calls:
+            scores = out[call.item_index]
+            if call.error is not None:
+                self.usage.failed_calls += 1
+                log.warning("reflection judge call for rollout %r failed: %s",
+                            scores[0].source_rollout_id, call.error)
+                for number in call.candidates:
+                    scores[number].judge_failed, scores[number].error = True, call.error
+                continue
+            for number, (value, why) in call.value.items():
+                scores[number].score, scores[number].justification = value, why
+        flat = [s for scores in out for s in scores]
+        self.usage.candidates += len(flat)
+        self.usage.invalid_candidates += sum(not s.valid for s in flat)
+        self.usage.failed_candidates += sum(s.judge_failed for s in flat)
+        return flat
+
+
+# ---- using the verdicts -----------------------------------------------------------------------------
+
+
+def best_candidate(scores: Sequence[CandidateScore], min_score: float = 0.0) -> CandidateScore | None:
+    """The valid, judged candidate with the highest score above ``min_score`` (ties: lowest number).
+
+    A candidate the judge found useless (score <= min_score) never enters the bank.
+    """
+    eligible = [s for s in scores if s.valid and not s.judge_failed and s.score is not None and s.score > min_score]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda s: (-s.score, s.candidate))
+
+
+def candidate_rewards(scores: Sequence[CandidateScore]) -> np.ndarray:
+    """Rewards for the GRPO group of one source trajectory: NaN marks judge failures (excluded)."""
+    return np.array([np.nan if s.judge_failed or s.score is None else s.score for s in scores], dtype=np.float64)
+
+
+def reflection_rows(step: int, scores: Sequence[CandidateScore], min_score: float = 0.0) -> list[dict[str, Any]]:
+    """``reflections`` rows; ``accepted`` marks the best candidate of each source trajectory."""
+    groups: dict[tuple[str, str], list[CandidateScore]] = {}
+    for s in scores:
+        groups.setdefault((s.query_id, s.source_rollout_id), []).append(s)
+    accepted = {id(best) for group in groups.values() if (best := best_candidate(group, min_score)) is not None}
+    return [s.row(step, id(s) in accepted) for s in scores]
+
+
+# ---- the built-in judge -----------------------------------------------------------------------------
+
+_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
+_DIGITS = re.compile(r"\d")
+_SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|\n\s*(?:[-*\u2022]\s*)?)$")
+_STOPWORDS = frozenset(
+    "a an and are as at be by does do for from has have in is it its of on or that the their this to was were "
+    "what which who with how when where why should must not any all each every other than more most less least "
+    "about into also been being whether there these those them they then only one two both per next time "
+    "your you our we us it's its' don't can could would will may might".split())
+# Words every research reflection uses: they say nothing about this question.
+_GENERIC = frozenset(
+    "search searches searched searching query queries answer answers report reports evidence source sources "
+    "claim claims cite cites cited citation citations fact facts information info result results question "
+    "questions attempt attempts research researching thorough thoroughly careful carefully verify verifying "
+    "check checking double make sure good better best important relevant accurate accuracy complete clear "
+    "clearly correct correctly detail details detailed quality step steps final well write writing written "
+    "use using used find finding found read reading document documents data mention mentions mentioned "
+    "state states stated include includes including criteria criterion plan planning review improve "
+    "strong weak lesson lessons future again look looking sure always never rubric rubrics".split())
+_ACTIONS = ("search", "query", "queri", "brows", "read", "verif", "check", "compar", "confirm", "distinguish",
+            "cite", "look", "find", "use", "avoid", "state", "map", "cross", "prefer", "record", "note", "open",
+            "separat", "list", "comput", "calculat", "rank", "order", "quote", "attribut", "name", "report",
+            "includ", "ask", "start", "follow", "trac", "match", "identif", "tie", "link")
+
+
+def _stem(word: str) -> str:
+    for suffix in ("ing", "ed", "es", "s"):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 4:
+            return word[: -len(suffix)]
+    return word
+
+
+def _words(text: str) -> list[str]:
+    return [w.lower().strip("'-") for w in _WORD.findall(text)]
+
+
+def _terms(text: str) -> set[str]:
+    return {_stem(w) for w in _words(text) if len(w) >= 3 and w not in _STOPWORDS}
+
+
+def _entities(text: str) -> set[str]:
+    """Lower-cased capitalized words that do not open a sentence or list item, and numbers."""
+    out = set()
+    for match in _WORD.finditer(text):
+        word = match.group(0).strip("'-")
+        if any(ch.isdigit() for ch in word):
+            out.add(word.lower())
+        elif word[:1].isupper() and not _SENTENCE_START.search(text[:match.start()]):
+            lowered = word.lower()
+            if lowered not in _STOPWORDS:
+                out.add(lowered.removesuffix("'s"))
+    return out
+
+
+@dataclass
+class _RubricView:
+    weight: float
+    credit: int | None
+    title: str
+    terms: set[str]
+    entities: set[str]
+
+
+def _coverage(rubric: _RubricView, words: set[str], terms: set[str]) -> float:
+    """How much of one rubric an item set addresses: key terms (saturating at 4) and entity names."""
+    if not rubric.terms and not rubric.entities:
+        return 0.0
+    term_hit = min(1.0, len(rubric.terms & terms) / max(1, min(len(rubric.terms), 4))) if rubric.terms else 0.0
+    if not rubric.entities:
+        return term_hit
+    entity_hit = len({e for e in rubric.entities if e in words}) / len(rubric.entities)
+    return 0.5 * term_hit + 0.5 * entity_hit
+
+
+def builtin_score(reflection: Reflection, question: str, rubrics: Sequence[dict[str, Any]]) -> tuple[float, str]:
+    """Deterministic usefulness of a parsed reflection given the rubric records of the prompt."""
+    views = []
+    for record in rubrics:
+        text = f"{record.get('title', '')}. {record.get('description', '')}"
+        views.append(_RubricView(float(record.get("weight") or 1.0), record.get("credit"), str(record.get("title", "")),
+                                 _terms(text) - _GENERIC, _entities(text)))
+    failed = [v for v in views if v.credit is not None and v.credit < 2]
+    # Nothing failed: a reflection can still restate what mattered; no rubrics: the question is the target.
+    targets = failed or views or [_RubricView(1.0, None, "the question", _terms(question) - _GENERIC,
+                                              _entities(question))]
+    weights = [v.weight * (2 - v.credit) if failed else v.weight for v in targets]
+
+    items = list(reflection.items)
+    all_text = "\n".join(items)
+    words = set(_words(all_text)) | {w.removesuffix("'s") for w in _words(all_text)}
+    terms = _terms(all_text)
+    coverages = [_coverage(v, words, terms) for v in targets]
+    coverage = sum(w * c for w, c in zip(weights, coverages)) / sum(weights)
+
+    vocab_entities = set().union(_entities(question), *(v.entities for v in views))
+    vocab_terms = (_terms(question) | set().union(*(v.terms for v in views))) - _GENERIC
+
+    def specific(item: str) -> bool:
+        item_words = set(_words(item))
+        return bool(item_words & vocab_entities) or bool(_DIGITS.search(item)) or len(_terms(item) & vocab_terms) >= 2
+
+    specific_flags = [specific(item) for item in items]
+    specificity = sum(specific_flags) / len(items)
+    takeaways = list(reflection.takeaways)
+    actionable = sum(
+        1 for item in takeaways
+        if specific(item) and any(w.startswith(_ACTIONS) for w in _words(item))) / len(takeaways)
+    item_terms = [_terms(item) for item in items]
+    redundant = 0
+    for j in range(1, len(items)):
+        for i in range(j):
+            union = item_terms[i] | item_terms[j]
+            if union and len(item_terms[i] & item_terms[j]) / len(union) >= 0.6:
+                redundant += 1
+                break
+    redundancy = redundant / len(items)
+    score = (0.6 * coverage + 0.25 * specificity + 0.15 * actionable) * (1.0 - 0.5 * redundancy)
+    score = round(min(1.0, max(0.0, score)), 4)
+    covered = [v.title for v, c in zip(targets, coverages) if c >= 0.5]
+    kind = "failed rubrics" if failed else ("rubrics" if views else "question terms")
+    why = (f"addresses {len(covered)}/{len(targets)} {kind}"
+           + (f" ({'; '.join(t[:60] for t in covered[:3])})" if covered else "")
+           + f"; coverage {coverage:.2f}; {sum(specific_flags)}/{len(items)} items specific; "
+           f"{round(actionable * len(takeaways))}/{len(takeaways)} takeaways actionable; {redundant} redundant")
+    return score, why
+
+
+def _read_prompt(content: str) -> tuple[str, list[dict[str, Any]], dict[int, str], list[int]]:
+    first = content.lstrip().split("\n", 1)[0]
+    if not first.startswith(TASK_LINE):
+        raise ValueError(f"not a reflection-judge prompt (first line {first[:80]!r})")
+    question, rubrics, candidates = "", [], {}
+    for name, body in split_sections(content):
+        if name == "QUESTION":
+            question = unescape_section_markers(body)
+        elif name == "JUDGE RUBRICS AND SCORES" and body.strip() != "(none)":
+            rubrics = [json.loads(unescape_section_markers(line)) for line in body.splitlines() if line.strip()]
+        elif match := re.fullmatch(r"CANDIDATE (\d+)", name):
+            candidates[int(match.group(1))] = unescape_section_markers(body)
+    return question, rubrics, candidates, sorted(candidates)
+
+
+def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
+    """The built-in reflection judge's reply (a repair turn gets the same, valid reply)."""
+    user = next((message_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    question, rubrics, candidates, order = _read_prompt(user)
+    scores = []
+    for index in order:
+        reflection = parse_reflection(candidates[index])
+        if reflection is None or not reflection.rubrics or not reflection.takeaways:
+            score, why = 0.0, "not a complete reflection"
+        else:
+            score, why = builtin_score(reflection, question, rubrics)
+        scores.append({"candidate": index, "justification": why, "score": score})
+    return json.dumps({"scores": scores})
+
+
+def register_builtin_reflection_judge() -> str:
+    """Register (idempotently) the built-in reflection judge as a litellm provider; returns its model."""
+    register_completion_provider(PROVIDER, respond)
+    return MODEL

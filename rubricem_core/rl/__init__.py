@@ -1,0 +1,1 @@
+"""The windowed RL loop's pure parts: curriculum, per-step advantages and the SS-GRPO update."""

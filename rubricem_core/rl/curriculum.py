@@ -1,0 +1,63 @@
+"""Windowed curriculum: K steps of fresh batches, then the same K batches replayed.
+
+New-query steps retrieve reflections across episodes (similar other queries); replay steps retrieve
+the query's own reflection (within-episode). The schedule is a pure function of its inputs, so a
+resumed run sees exactly the batches an uninterrupted run would.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    window: int
+    phase: str  # "new" | "repeat"
+    retrieval: str  # "cross" | "within" | "none"
+    query_ids: tuple[str, ...]
+
+
+def windowed_schedule(
+    query_ids: list[str],
+    window: int,
+    n_windows: int,
+    queries_per_step: int,
+    seed: int,
+    reflection: bool = True,
+) -> list[StepPlan]:
+    """2·K·n_windows steps. Fresh batches walk a seeded shuffle of the queries (reshuffled on each
+    pass), so every query is used before any repeats. Without reflection, retrieval is ``none``."""
+    if not query_ids:
+        raise ValueError("the RL curriculum needs at least one training query")
+    if window < 1 or n_windows < 1 or queries_per_step < 1:
+        raise ValueError("window, n_windows and queries_per_step must be >= 1")
+    rng = random.Random(seed)
+    order: list[str] = []
+    cursor = 0
+
+    def next_batch() -> tuple[str, ...]:
+        nonlocal order, cursor
+        batch: list[str] = []
+        while len(batch) < min(queries_per_step, len(query_ids)):
+            if cursor >= len(order):
+                order = sorted(query_ids)
+                rng.shuffle(order)
+                cursor = 0
+            if order[cursor] not in batch:
+                batch.append(order[cursor])
+            cursor += 1
+        return tuple(batch)
+
+    plans: list[StepPlan] = []
+    step = 0
+    for w in range(n_windows):
+        fresh = [next_batch() for _ in range(window)]
+        for batch in fresh:
+            plans.append(StepPlan(step, w, "new", "cross" if reflection else "none", batch))
+            step += 1
+        for batch in fresh:
+            plans.append(StepPlan(step, w, "repeat", "within" if reflection else "none", batch))
+            step += 1
+    return plans
