@@ -49,7 +49,7 @@ def main() -> None:
         max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed,
     )
     requests = [
-        RolloutRequest(request_id=q["query_id"], prompt_ids=encode_prompt(tokenizer, prompt_messages(q)),
+        RolloutRequest(request_id=q["query_id"], prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
                        n=args.samples, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
         for q in queries
     ]

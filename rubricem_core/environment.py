@@ -28,9 +28,28 @@ def local_tool_env(corpus: pa.Table, tools: ToolsConfig) -> ToolEnv:
     return ToolEnv({"search": search, "browse": browse}, max_calls=2**31 - 1)
 
 
-def prompt_messages(query: dict[str, Any], guidance: str | None = None) -> list[dict[str, str]]:
+COMPACT_PROMPT = (
+    "You are a research agent. Write <structured_plan> (deep_analysis, rubric, research_plan), then search "
+    'with <call_tool name="search">query</call_tool> and judge each result in <state_evaluation>, then '
+    "<review>, then an <answer> that cites retrieved ids with <cite id=\"...\">claim</cite>."
+)
+
+
+def policy_system_prompt(style: str = "full", guidance: str | None = None) -> str:
+    """``full``: the scaffold's complete instructions; ``compact``: one paragraph, for tiny models
+    that learn the format from SFT data and gain nothing from 1k tokens of masked instructions."""
+    if style == "full":
+        return system_prompt(guidance=guidance)
+    if style == "compact":
+        if guidance:
+            return COMPACT_PROMPT + "\n\n=== GUIDANCE FROM PAST RESEARCH (advice only; never cite it) ===\n" + guidance + "\n=== END GUIDANCE ==="
+        return COMPACT_PROMPT
+    raise ValueError(f"unknown prompt style {style!r}; expected 'full' or 'compact'")
+
+
+def prompt_messages(query: dict[str, Any], guidance: str | None = None, style: str = "full") -> list[dict[str, str]]:
     """System prompt (with the retrieved guidance block, if any) followed by the query's conversation."""
     conversation = json.loads(query["messages"]) if query.get("messages") else [
         {"role": "user", "content": query["question"]}
     ]
-    return [{"role": "system", "content": system_prompt(guidance=guidance)}, *conversation]
+    return [{"role": "system", "content": policy_system_prompt(style, guidance)}, *conversation]

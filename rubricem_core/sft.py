@@ -147,8 +147,9 @@ def run_sft(
         # weight micro-batches by their trained tokens: the step is a token-level mean
         metrics = trainer.step(micro_batches, sft_loss, weights=[float(b.loss_mask.sum()) for b in micro_batches])
         done = trainer.global_step
-        metrics["padding_fraction"] = padded / max(1, real + padded)
-        metrics["tokens_per_s"] = (real + padded) / max(1e-9, time.perf_counter() - t0)
+        # n_padded_tokens is the padded batch size (rows × width), real tokens included
+        metrics["padding_fraction"] = (padded - real) / max(1, padded)
+        metrics["tokens_per_s"] = real / max(1e-9, time.perf_counter() - t0)
         if log_metrics is not None and (done % sft.log_every == 0 or done == len(schedule)):
             log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
         if done % sft.checkpoint_every == 0 and done < len(schedule):
@@ -164,7 +165,7 @@ def run_sft(
         "rejected_rows": data.n_rejected,
         "train_tokens": sum(lengths),
         "policy_tokens": sum(t.n_policy_tokens for t in data.trajectories),
-        "padding_fraction": padded / max(1, real + padded),
+        "padding_fraction": (padded - real) / max(1, padded),
         "final_loss": float(metrics.get("loss", float("nan"))),
         "final_dir": str(final_dir),
     }

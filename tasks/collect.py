@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
+from rubricem_core.environment import policy_system_prompt
 from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.types import ChatResult
 from rubricem_core.store import RunStore, atomic_write_text
@@ -85,7 +86,8 @@ def _round_key(round_index: int) -> dict[str, int]:
 def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[TrajectoryState]:
     """Initial states (rebuilt from `queries`) overlaid with each completed round's updates."""
     queries = [q for q in store.read_rows("queries") if q["split"] == "train"]
-    states = {s.trajectory_id: s for s in initial_states(queries, cfg.teacher.trajectories_per_query, cfg.seed)}
+    system = policy_system_prompt(cfg.policy.prompt_style)
+    states = {s.trajectory_id: s for s in initial_states(queries, cfg.teacher.trajectories_per_query, cfg.seed, system)}
     for r in range(upto_round + 1):
         if not store.has("teacher_state", _round_key(r)):
             break

@@ -164,7 +164,7 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_003 + plan.step,
     )
     requests = [
-        RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(queries[qid])),
+        RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(queries[qid], style=cfg.policy.prompt_style)),
                        n=cfg.rollout.group_size, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
         for qid in plan.query_ids
     ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -229,27 +230,27 @@ def test_save_without_a_directory_is_an_error(bank):
 
 def test_concurrent_adds_and_retrievals_stay_consistent():
     bank = ReflectionBank(HashingEmbedder(dim=128))
-    query_ids = [f"q{i:02d}" for i in range(24)]
-    texts = {q: f"question number {q} about entity {q[-1]} and topic {int(q[1:]) % 5}" for q in query_ids}
-    best: dict[str, float] = {}
-    best_lock = threading.Lock()
+    n_writers, n_readers, rounds = 4, 2, 200
+    # every round, all writers add the same NEW query at once (the check-then-insert race) with
+    # different scores (the check-then-replace race), while readers retrieve without pause
+    query_ids = [f"q{r:03d}" for r in range(rounds)]
+    texts = {q: f"question number {q} about entity {q[-1]} and topic {int(q[1:]) % 7}" for q in query_ids}
+    submitted: dict[str, list[float]] = {q: [] for q in query_ids}
     errors: list[BaseException] = []
-    barrier = threading.Barrier(8)
+    round_barrier = threading.Barrier(n_writers)
+    done = threading.Event()
 
     def writer(seed: int) -> None:
         rng = random.Random(seed)
-        barrier.wait()
-        for _ in range(150):
-            q = rng.choice(query_ids)
+        for q in query_ids:
             score = rng.random()
+            submitted[q].append(score)  # list.append is atomic
+            round_barrier.wait()
             bank.add(BankEntry(q, texts[q], reflection(f"{q}-{score}"), score, seed))
-            with best_lock:
-                best[q] = max(best.get(q, -1.0), score)
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
-        barrier.wait()
-        for _ in range(150):
+        while not done.is_set():
             q = rng.choice(query_ids)
             for hit in bank.retrieve(q, texts[q], "cross", k=3):
                 if hit.query_id == q:
@@ -263,28 +264,40 @@ def test_concurrent_adds_and_retrievals_stay_consistent():
             target(seed)
         except BaseException as exc:  # surfaced in the main thread below
             errors.append(exc)
+            round_barrier.abort()
 
-    threads = [threading.Thread(target=run, args=(writer if i % 2 else reader, i)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    writers = [threading.Thread(target=run, args=(writer, i)) for i in range(n_writers)]
+    readers = [threading.Thread(target=run, args=(reader, 100 + i)) for i in range(n_readers)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so unguarded check-then-act races would show
+    try:
+        for thread in readers + writers:
+            thread.start()
+        for thread in writers:
+            thread.join()
+        done.set()
+        for thread in readers:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert errors == []
-    assert len(bank) == len(best) == bank._index.ntotal
-    assert {q: bank.get(q).score for q in best} == best  # if_better kept each query's maximum
-    ids = [bank.faiss_id(q) for q in best]
-    assert len(set(ids)) == len(ids)
+    assert len(bank) == bank._index.ntotal == rounds
+    assert {q: bank.get(q).score for q in query_ids} == {q: max(s) for q, s in submitted.items()}
+    ids = [bank.faiss_id(q) for q in query_ids]
+    assert sorted(ids) == list(range(rounds))  # one id per query, none leaked by a lost race
     stats = bank.stats()
-    assert stats["cross"]["requests"] == stats["within"]["requests"] == 4 * 150
-    assert stats["adds"]["inserted"] + stats["adds"]["replaced"] + stats["adds"]["kept"] == 4 * 150
-    # after the storm, the index answers like a bank rebuilt from the same entries (equal
-    # similarities; ids may swap places where two neighbours tie) and each vector is its query's
+    assert stats["cross"]["requests"] == stats["within"]["requests"] > 0
+    assert stats["adds"] == {"inserted": rounds, "replaced": stats["adds"]["replaced"],
+                             "kept": n_writers * rounds - rounds - stats["adds"]["replaced"]}
+    # the index answers like a bank rebuilt from the same entries (equal similarities; ids may
+    # swap places where two neighbours tie), and each stored vector is its own query's
     fresh = ReflectionBank(HashingEmbedder(dim=128))
-    fresh.add_many([bank.get(q) for q in sorted(best)])
+    fresh.add_many([bank.get(q) for q in query_ids])
     vectors = dict(zip(query_ids, HashingEmbedder(dim=128).encode([texts[q] for q in query_ids])))
     for q in query_ids:
         hits = bank.retrieve_scored(q, texts[q], "cross", k=3)
-        assert [round(s, 5) for _, s in hits] == [round(s, 5) for _, s in fresh.retrieve_scored(q, texts[q], "cross", k=3)]
+        expected = fresh.retrieve_scored(q, texts[q], "cross", k=3)
+        assert [round(s, 5) for _, s in hits] == [round(s, 5) for _, s in expected]
         assert all(s == pytest.approx(float(vectors[q] @ vectors[e.query_id]), abs=1e-5) for e, s in hits)
 
 
@@ -313,5 +326,7 @@ def test_minilm_bank_retrieves_by_meaning_and_round_trips(minilm, tmp_path: Path
     [hit] = bank.retrieve("q-new2", "When was the town of Tessel established?", "cross")
     assert hit.query_id == "q-age"
     loaded = ReflectionBank.load(bank.save(tmp_path / "bank"), minilm)
-    assert loaded.retrieve_scored("q-new", "What is the workforce size of that firm?", "cross", k=3) == \
-        pytest.approx(bank.retrieve_scored("q-new", "What is the workforce size of that firm?", "cross", k=3))
+    question = "What is the workforce size of that firm?"
+    before, after = (b.retrieve_scored("q-new", question, "cross", k=3) for b in (bank, loaded))
+    assert [e for e, _ in after] == [e for e, _ in before]
+    assert [s for _, s in after] == pytest.approx([s for _, s in before], abs=1e-5)

