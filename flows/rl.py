@@ -36,8 +36,13 @@ def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, float]:
 
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
-    reflection = get_recipe(cfg.rl.recipe).reflection
-    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection)
+    if get_recipe(cfg.rl.recipe).reflection:
+        # Refuse rather than silently train a different objective than the recipe names.
+        raise NotImplementedError(
+            f"rl.recipe={cfg.rl.recipe!r} needs the reflection meta-policy loop, which the rl flow does not run "
+            "yet (rubricem_core/reflection has the format, judge and bank); use 'baseline' or 'ss_grpo'"
+        )
+    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=False)
 
 
 @flow(name="rl")

@@ -183,7 +183,9 @@ class RolloutConfig(_Strict):
 
 class RLConfig(_Strict):
     recipe: Literal["baseline", "ss_grpo", "meta_policy", "full"] = Field(
-        default="full", description="Paper recipe: Λ preset, judged stages, reflection on/off."
+        default="ss_grpo",
+        description="Paper recipe: Λ preset, judged stages, reflection on/off (meta_policy and full need the "
+        "reflection loop, which the rl flow does not run yet).",
     )
     lambda_spec: str | list[list[float]] | None = Field(
         default=None, description="Override the recipe's Λ: a preset name, 'discounted(0.9)', or a K×K matrix."

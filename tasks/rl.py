@@ -137,6 +137,10 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
             extra = trainer.load(ckpt)
             buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
+        if cfg.rollout.engine != "hf":
+            raise NotImplementedError(
+                f"rollout.engine={cfg.rollout.engine!r} is not wired into the rl flow yet; use rollout.engine=hf"
+            )
         engine = HFRolloutEngine(trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
         session = RLSession(run_dir, after_step, trainer, tokenizer, ref_model, engine, buffers)
         _SESSIONS.clear()
