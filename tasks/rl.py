@@ -95,7 +95,7 @@ class RLSession:
     trainer: Any
     tokenizer: Any
     ref_model: Any
-    engine: HFRolloutEngine
+    engine: Any  # HFRolloutEngine or VLLMRolloutEngine
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
 
 
@@ -137,11 +137,18 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
             extra = trainer.load(ckpt)
             buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
-        if cfg.rollout.engine != "hf":
-            raise NotImplementedError(
-                f"rollout.engine={cfg.rollout.engine!r} is not wired into the rl flow yet; use rollout.engine=hf"
-            )
-        engine = HFRolloutEngine(trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+        if cfg.rollout.engine == "vllm":
+            from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
+
+            # vLLM holds its own copy of the weights: start from the SFT directory, then sync.
+            engine = VLLMRolloutEngine(str(base), tokenizer, llm_kwargs={
+                "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+            }, max_model_len=cfg.rollout.max_total_tokens)
+            if after_step >= 0:
+                engine.sync_from(trainer.model)
+        else:
+            engine = HFRolloutEngine(trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
         session = RLSession(run_dir, after_step, trainer, tokenizer, ref_model, engine, buffers)
         _SESSIONS.clear()
         _SESSIONS[key] = session

