@@ -198,7 +198,7 @@ class GeneratedRubric:
     check: dict[str, Any] | None = None
 
 
-def _load_json(text: str | None) -> Any:
+def load_json_reply(text: str | None) -> Any:
     if text is None:
         raise ReplyError("the reply has no text")
     stripped = text.strip()
@@ -221,7 +221,7 @@ def _schema_error(data: Any, schema: dict[str, Any]) -> str | None:
 
 def parse_generation(text: str | None, max_new_per_stage: int) -> tuple[list[GeneratedRubric], list[str]]:
     """Validated new rubrics, and notes on the ones dropped for breaking the principles."""
-    data = _load_json(text)
+    data = load_json_reply(text)
     problem = _schema_error(data, generation_schema(max_new_per_stage))
     if problem:
         raise ReplyError(problem)
@@ -306,7 +306,7 @@ def scoring_messages(query: JudgeQuery, rollout: JudgeRollout, rubrics: Sequence
 
 def parse_scores(text: str | None, rubric_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
     """{rubric_id: (score, justification)} with every asked id exactly once, or ReplyError."""
-    data = _load_json(text)
+    data = load_json_reply(text)
     problem = _schema_error(data, scoring_schema(list(rubric_ids)))
     if problem:
         raise ReplyError(problem)

@@ -33,6 +33,7 @@ import numpy as np
 
 from rubricem_core.judge.prompts import (
     ReplyError,
+    load_json_reply,
     escape_section_markers,
     repair_message,
     split_sections,
@@ -250,22 +251,9 @@ def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
             {"role": "user", "content": "\n\n".join(parts)}]
 
 
-def _load_json(text: str | None) -> Any:
-    if text is None:
-        raise ReplyError("the reply has no text")
-    stripped = text.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", stripped, re.S)  # models often fence JSON
-    if fenced:
-        stripped = fenced.group(1)
-    try:
-        return json.loads(stripped)
-    except json.JSONDecodeError as exc:
-        raise ReplyError(f"the reply is not valid JSON: {exc}") from exc
-
-
 def parse_reply(text: str | None, candidates: Sequence[int]) -> dict[int, tuple[float, str]]:
     """{candidate: (score, justification)} with every asked candidate exactly once, or ReplyError."""
-    data = _load_json(text)
+    data = load_json_reply(text)
     validator = jsonschema.Draft202012Validator(reply_schema(list(candidates)))
     error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is not None:
