@@ -50,7 +50,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 raise QueryFileError(path, f"line {line_no}", f"malformed JSON: {exc.msg} (column {exc.colno})") from exc
 
 
-def load_json_reply(path: Path) -> Any:
+def _load_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -60,7 +60,7 @@ def load_json_reply(path: Path) -> Any:
 
 
 def _iter_json_list(path: Path) -> Iterator[tuple[str, Any]]:
-    data = load_json_reply(path)
+    data = _load_json(path)
     if isinstance(data, dict):  # some dumps wrap the list: {"data": [...]}
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
