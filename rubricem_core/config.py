@@ -62,6 +62,15 @@ class ToolsConfig(_Strict):
         default=None,
         description="Dense retrieval fused with BM25: 'hashing', a sentence-transformers model path, or None.",
     )
+    specs: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Explicit tools, replacing the default local search/browse: dicts with name, kind "
+        "(local_search, local_browse, serper, semantic_scholar, web_browse, mcp), timeout_s, "
+        "max_concurrency, cache and the kind's arguments (see rubricem_core/tools/registry.py).",
+    )
+    cache_dir: str | None = Field(
+        default=None, description="On-disk tool result cache shared across runs (needed by specs with cache: true)."
+    )
 
 
 class EndpointConfig(_Strict):

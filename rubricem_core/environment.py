@@ -18,8 +18,14 @@ from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 
 
 def local_tool_env(corpus: pa.Table, tools: ToolsConfig) -> ToolEnv:
-    """`search` (BM25, fused with dense retrieval when an embedder is set) and `browse` over a corpus.
-    The budget here is unlimited: callers enforce the per-trajectory budget themselves."""
+    """`search` (BM25, fused with dense retrieval when an embedder is set) and `browse` over a corpus, or
+    the tools of ``tools.specs`` (web search, MCP, … each behind a timeout, a concurrency limit and the
+    optional on-disk cache). The budget here is unlimited: callers enforce the per-trajectory budget."""
+    if tools.specs:
+        from rubricem_core.tools.registry import build_tools
+
+        built = build_tools(tools.specs, corpus=corpus, cache_dir=tools.cache_dir, embedder=make_embedder(tools.embedder))
+        return ToolEnv(built, max_calls=2**31 - 1)
     if corpus.num_rows == 0:
         raise ValueError("the corpus is empty: set data.corpus to use the local search tool")
     embedder = make_embedder(tools.embedder)

@@ -77,7 +77,7 @@ def search_env(run_dir: str, cfg: RunConfig) -> ToolEnv:
         env = _ENV_CACHE.get(key)
         if env is None:
             corpus = store.read_table("corpus")
-            if corpus.num_rows == 0:
+            if corpus.num_rows == 0 and not cfg.tools.specs:
                 raise InputError(f"corpus of {run_dir} is empty: set data.corpus to use the local search tool")
             env = local_tool_env(corpus, cfg.tools)
             _ENV_CACHE.clear()  # one corpus index in memory at a time

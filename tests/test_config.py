@@ -78,3 +78,28 @@ def test_gpu_profile_names_a_variable_not_a_key():
     cfg = load_config("gpu")
     assert cfg.teacher.api_key_env == "OPENAI_API_KEY"
     assert "sk-" not in config_to_yaml(cfg)
+
+
+def test_tool_specs_build_robust_tools(tmp_path):
+    import pyarrow as pa
+
+    from rubricem_core.environment import local_tool_env
+    from rubricem_core.scaffold import ToolCall
+
+    cfg = load_config("tiny", {
+        "tools.specs": [
+            {"name": "search", "kind": "local_search", "timeout_s": 5, "cache": True},
+            {"name": "browse", "kind": "local_browse"},
+        ],
+        "tools.cache_dir": str(tmp_path / "cache"),
+    })
+    corpus = pa.table({"doc_id": ["D1", "D2"], "title": ["Alpha", "Beta"],
+                       "text": ["Alpha Labs was founded in 1990.", "Beta Works employs 40 people."],
+                       "source": ["t", "t"]})
+    env = local_tool_env(corpus, cfg.tools)
+    out = env.execute(ToolCall("search", "Alpha Labs founded"))
+    assert 'id="D1"' in out.text
+    assert "D2" in env.execute(ToolCall("browse", "D2")).text
+    assert any((tmp_path / "cache").iterdir()), "cached tools write to the configured directory"
+    with pytest.raises(Exception, match="kind"):
+        local_tool_env(corpus, load_config("tiny", {"tools.specs": [{"name": "x", "kind": "nope"}]}).tools)
