@@ -126,7 +126,7 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
         ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype)
         ref_model.requires_grad_(False)
         trainer = make_trainer(model, TrainerConfig(
-            lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, _total_steps(cfg)),
+            lr=cfg.rl.lr, weight_decay=0.0, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, _total_steps(cfg)),
             min_lr_ratio=1.0, max_grad_norm=cfg.rl.max_grad_norm, precision=cfg.rl.precision, seed=cfg.seed,
             backend=cfg.rl.backend, zero_stage=cfg.rl.zero_stage,
         ))
