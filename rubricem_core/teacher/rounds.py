@@ -14,18 +14,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from rubricem_core.llm.types import ChatRequest, ChatResult
+from rubricem_core.rollout.types import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED
 from rubricem_core.scaffold import ToolCall, extract_tool_calls, format_tool_output, system_prompt
 
 CALL_CLOSE = "</call_tool>"
 ANSWER_CLOSE = "</answer>"
 _OPEN_CALL = re.compile(r"<call_tool\b[^>]*>")
 
-# finish reasons, shared with rollouts
-ANSWERED = "answered"
+# finish reasons: the rollout engine's, plus the teacher loop's own round budget
 MAX_ROUNDS = "max_rounds"
-TOOL_BUDGET = "tool_budget"
-TEACHER_ERROR = "error"
-TRUNCATED = "truncated"
+TEACHER_ERROR = ERROR
 
 
 @dataclass
