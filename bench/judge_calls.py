@@ -104,7 +104,8 @@ def main() -> None:
     print(f"judge calls: generate {usage.calls['generate']} + score {usage.calls['score']} "
           f"+ repairs {sum(usage.repairs.values())}; failures {usage.failures}; "
           f"tokens {usage.prompt_tokens} prompt / {usage.completion_tokens} completion")
-    print(f"figure: {ours} calls vs {per_rubric} calls  goal: ours < per-rubric")
+    print(f"figure: judge_calls={ours} calls  goal: < {per_rubric} calls of per-rubric scoring  "
+          f"met: {'yes' if ours < per_rubric else 'no'}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ def main() -> None:
           f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)")
     print(f"finish reasons: {dict(finish)}")
     print(f"violations (trajectories with each code): {dict(codes.most_common())}")
-    print(f"figure: {valid / max(n, 1):.3f} of trajectories pass the scaffold validator  goal: >= 0.8")
+    share = valid / max(n, 1)
+    print(f"figure: scaffold_valid={share:.3f} of trajectories  goal: >= 0.8 pass the scaffold validator  "
+          f"met: {'yes' if share >= 0.8 else 'no'}")
 
 
 if __name__ == "__main__":

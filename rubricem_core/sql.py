@@ -48,6 +48,8 @@ def _parquet_files(table_dir: Path) -> list[Path]:
 
 def _require_run_dir(run_dir: str | os.PathLike[str]) -> Path:
     path = Path(run_dir).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise RunSqlError(f"run directory {path} is a file, not a directory")
     if not path.is_dir():
         raise RunSqlError(f"run directory {path} does not exist")
     return path

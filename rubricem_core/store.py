@@ -26,6 +26,8 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rubricem_core.faults import fault_point
+
 TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -91,6 +93,7 @@ class RunStore:
         pq.write_table(data, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        fault_point("store.before_rename")
         os.replace(tmp, path)
         return path
 

@@ -192,11 +192,14 @@ class ChildRun:
             {"step": step, "name": k, "value": v, "flow": self.flow_name, "run_id": self.run_id, "logged_at": now}
             for k, v in names.items()
         ]
+        # one file per (run, step, metric names): a resumed flow that logs a step again replaces its
+        # rows instead of duplicating them
+        key = "\0".join([self.run_id, *sorted(names)])
         self.tracker.store.write_table(
             "metrics",
             rows,
             partition={"step": step},
-            part=f"{_safe_part_name(self.flow_name)}-{uuid.uuid4().hex[:12]}",
+            part=f"{_safe_part_name(self.flow_name)}-{uuid.uuid5(uuid.NAMESPACE_OID, key).hex[:12]}",
             schema=METRICS_SCHEMA,
         )
 
@@ -369,6 +372,12 @@ class Tracker:
             raise
         else:
             _retry(self.client.set_terminated, run_id, status="FINISHED")
+
+    def log_parent_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> str:
+        """Log a file or folder under the parent run (run-level artifacts: reports, plots); returns its id."""
+        run_id = self.parent_run_id()
+        ChildRun(self, run_id, "parent").log_artifact(path, artifact_path)
+        return run_id
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the parent run at the end of the pipeline (FINISHED, FAILED or KILLED)."""

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
 from rubricem_core.environment import policy_system_prompt
+from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.types import ChatResult
 from rubricem_core.store import RunStore, atomic_write_text
@@ -109,7 +110,15 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         states = load_states(store, cfg, round_index)
         unfinished = sum(not s.finished for s in states)
         log.info("round %d already complete (cached Parquet); %d unfinished", round_index, unfinished)
-        return {"round": round_index, "cached": True, "unfinished": unfinished, "requests": 0}
+        # the round's figures come from its Parquet, so a resumed run reports the same totals
+        resp = store.read_rows("teacher_responses", _round_key(round_index)) if store.has("teacher_responses", _round_key(round_index)) else []
+        return {
+            "round": round_index, "cached": True, "unfinished": unfinished, "requests": len(resp),
+            "failed": sum(r["status"] != "ok" for r in resp),
+            "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in resp),
+            "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
+            "cost_usd": sum(r["cost_usd"] or 0.0 for r in resp),
+        }
 
     states = load_states(store, cfg, round_index - 1)
     active = [s for s in states if not s.finished]
@@ -179,6 +188,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     store.write_table("teacher_responses", resp_rows, _round_key(round_index), schema=TEACHER_RESPONSES_SCHEMA)
     state_rows = [dict(s.to_row(), round=round_index) for s in active]
     store.write_table("teacher_state", state_rows, _round_key(round_index))
+    fault_point("collect.round_written")
     marker.unlink(missing_ok=True)
 
     failed = sum(r.status != "ok" for r in results)

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from rubricem_core.config import RunConfig
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
+from rubricem_core.faults import fault_point
 from rubricem_core.judge.aggregate import stage_reward_rows
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import register_builtin_judge
@@ -33,6 +34,9 @@ from rubricem_core.rl.update import group_advantages, per_token_advantages, ss_g
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES, validate
 from rubricem_core.ssgrpo import as_lambda
+from rubricem_core.embedders import HashingEmbedder, make_embedder
+from rubricem_core.reflection.bank import ReflectionBank
+from rubricem_core.reflection.meta import rebuild_bank, retrieve_guidance
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.endpoint import endpoint_settings
 from rubricem_core.training import TrainerConfig, make_trainer
@@ -97,6 +101,14 @@ class RLSession:
     ref_model: Any
     engine: Any  # HFRolloutEngine or VLLMRolloutEngine
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
+    # The engine's weights are those of the checkpoint after this step (-1: SFT). With the reflection
+    # loop the engine holds its own copy, so the trainer can update while the engine samples.
+    engine_step: int = -1
+    separate_engine: bool = False
+    bank: ReflectionBank | None = None
+    bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
+    reflection_updates: set[int] = field(default_factory=set)  # steps whose reflection update is applied
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 _SESSIONS: dict[str, RLSession] = {}
@@ -110,8 +122,13 @@ def start_policy(run_dir: str) -> Path:
     return final
 
 
+def reflection_on(cfg: RunConfig) -> bool:
+    return bool(get_recipe(cfg.rl.recipe).reflection)
+
+
 def _total_steps(cfg: RunConfig) -> int:
-    return 2 * cfg.rl.window * cfg.rl.n_windows
+    task_updates = 2 * cfg.rl.window * cfg.rl.n_windows
+    return task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
 
 
 def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
@@ -140,24 +157,97 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
         if cfg.rollout.engine == "vllm":
             from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 
-            # vLLM holds its own copy of the weights: start from the SFT directory, then sync.
+            # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
+            # from the trainer before each step's rollouts (ensure_engine_weights).
             engine = VLLMRolloutEngine(str(base), tokenizer, llm_kwargs={
                 "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
                 "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
             }, max_model_len=cfg.rollout.max_total_tokens)
-            if after_step >= 0:
-                engine.sync_from(trainer.model)
+            separate, engine_step = True, -1
+        elif reflection_on(cfg):
+            # Own copy of the weights: the deferred reflection update trains while this engine samples.
+            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype)
+            engine_model.requires_grad_(False)
+            engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+            separate, engine_step = True, -1
         else:
             engine = HFRolloutEngine(trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
-        session = RLSession(run_dir, after_step, trainer, tokenizer, ref_model, engine, buffers)
+            separate, engine_step = False, after_step
+        session = RLSession(run_dir, after_step, trainer, tokenizer, ref_model, engine, buffers,
+                            engine_step=engine_step, separate_engine=separate)
+        if reflection_on(cfg):
+            session.bank = new_bank(cfg)
+            load_bank_steps(session, RunStore(run_dir), [s for s in reflection_steps(run_dir) if s <= after_step])
         _SESSIONS.clear()
         _SESSIONS[key] = session
         return session
 
 
+def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
+    """The live session whatever its step (background reflection work must not force a reload while
+    the update of the same step advances it); a fresh one from the newest checkpoint otherwise."""
+    with _SESSION_LOCK:
+        session = _SESSIONS.get(str(Path(run_dir).resolve()))
+    return session if session is not None else get_session(run_dir, cfg, completed_step(run_dir))
+
+
+def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, float]) -> None:
+    """A task's metrics next to its Parquet, so a retried run that skips the task still logs them."""
+    path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(metrics))
+
+
+def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
+    path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def drop_sessions() -> None:
     with _SESSION_LOCK:
         _SESSIONS.clear()
+
+
+def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
+    """Make the engine sample with the weights of checkpoint ``step`` (-1: SFT). The trainer holds them
+    when ``step`` is the session's step; an older step (a resumed run regenerating reflections) is
+    read from its checkpoint directory."""
+    with session.lock:
+        if session.engine_step == step:
+            return
+        if not session.separate_engine:
+            if step != session.step:
+                raise RuntimeError(f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}")
+            session.engine_step = step
+            return
+        if step == session.step:
+            session.engine.sync_from(session.trainer.model)
+        else:
+            source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
+            model, _ = load_policy(str(source), dtype=cfg.policy.dtype)
+            session.engine.sync_from(model)
+        session.engine_step = step
+
+
+def new_bank(cfg: RunConfig) -> ReflectionBank:
+    embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
+    return ReflectionBank(embedder)
+
+
+def reflection_steps(run_dir: str) -> list[int]:
+    root = RunStore(run_dir).table_dir("reflections")
+    return sorted(int(p.name.split("=", 1)[1]) for p in root.glob("step=*") if (p / "part.parquet").exists()) if root.exists() else []
+
+
+def load_bank_steps(session: RLSession, store: RunStore, steps: list[int]) -> None:
+    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank."""
+    todo = sorted(s for s in steps if s not in session.bank_steps)
+    if not todo or session.bank is None:
+        return
+    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
+    rows = [r for s in todo for r in store.read_rows("reflections", _key(s))]
+    rebuild_bank(session.bank, rows, questions)
+    session.bank_steps.update(todo)
 
 
 # ---- tasks --------------------------------------------------------------------------------------
@@ -167,30 +257,45 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("rollouts", _key(plan.step)):
-        return {"cached": True}
+        return {"cached": True, "metrics": cached_task_metrics(store, "rollout", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
+    ensure_engine_weights(session, plan.step - 1, cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
+    guidance: list[str | None] = [None] * len(plan.query_ids)
+    metrics: dict[str, float] = {}
+    if session.bank is not None and plan.retrieval != "none":
+        questions = {qid: q["question"] for qid, q in queries.items()}
+        guidance, metrics = retrieve_guidance(
+            session.bank, [(qid, questions[qid]) for qid in plan.query_ids], plan.retrieval,
+            cfg.reflection.retrieval_k, cfg.reflection.min_similarity, questions)
+        metrics["bank/size"] = float(len(session.bank))
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
         max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_003 + plan.step,
     )
     requests = [
-        RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(queries[qid], style=cfg.policy.prompt_style)),
+        RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(
+                           queries[qid], guidance=text, style=cfg.policy.prompt_style)),
                        n=cfg.rollout.group_size, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
-        for qid in plan.query_ids
+        for qid, text in zip(plan.query_ids, guidance)
     ]
     t0 = time.perf_counter()
     groups = session.engine.generate(requests, search_env(run_dir, cfg))
     seconds = time.perf_counter() - t0
     rows = []
-    for qid, group in zip(plan.query_ids, groups):
+    for qid, text, group in zip(plan.query_ids, guidance, groups):
         for i, traj in enumerate(group):
-            rows.append(rollout_row(plan, qid, f"{qid}-s{plan.step:04d}-r{i}", traj, cfg.tools.max_tool_calls, None))
+            rows.append(rollout_row(plan, qid, f"{qid}-s{plan.step:04d}-r{i}", traj, cfg.tools.max_tool_calls, text))
     store.write_table("rollouts", rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)
+    fault_point("rl.rollouts_written")
     generated = sum(r["n_policy_tokens"] for r in rows)
     log.info("step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
              plan.step, len(rows), generated, seconds, generated / max(seconds, 1e-9), sum(r["valid_scaffold"] for r in rows))
-    return {"cached": False, "rollout_tokens_per_s": generated / max(seconds, 1e-9), "rollout_seconds": seconds}
+    metrics["rollout/seconds"] = seconds
+    metrics["rollout/tokens_per_s"] = generated / max(seconds, 1e-9)
+    save_task_metrics(store, "rollout", plan.step, metrics)
+    return {"cached": False, "rollout_tokens_per_s": generated / max(seconds, 1e-9), "rollout_seconds": seconds,
+            "metrics": metrics}
 
 
 def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int,
@@ -216,7 +321,7 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("stage_rewards", _key(plan.step)):
-        return {"cached": True}
+        return {"cached": True, "metrics": cached_task_metrics(store, "judge", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
     rs = recipe_settings(cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
@@ -267,6 +372,7 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     metrics["judge/seconds"] = seconds
     for stage in STAGES:
         metrics[f"buffer/{stage}_active"] = float(sum(len(session.buffers[q].active(stage)) for q in plan.query_ids))
+    save_task_metrics(store, "judge", plan.step, metrics)
     log.info("step %d: judged %d rollouts of %d queries in %.1fs, %d failed", plan.step, len(rollouts), len(groups), seconds, len(failed))
     return {"cached": False, "metrics": metrics}
 
@@ -311,7 +417,8 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         rs["kl_coef"],
     )
     metrics["update_seconds"] = time.perf_counter() - t0
-    session.engine.sync_from(session.trainer.model)  # the next rollouts see the new weights
+    # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
+    # this step's reflections may still be sampling with the old ones.
     buffers = json.dumps({qid: b.to_dict() for qid, b in session.buffers.items()})
     session.trainer.save(ckpt, extra={"buffers": buffers, "step": plan.step}, tokenizer=session.tokenizer)
     session.step = plan.step

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from rubricem_core.faults import fault_point
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
@@ -104,6 +106,7 @@ def write_checkpoint_files(
     if save_pretrained is None:
         raise TypeError(f"{type(model).__name__} has no save_pretrained(); checkpoints need a Hugging Face model")
     save_pretrained(str(directory), state_dict=state_dict)  # safetensors (the only format in transformers 5)
+    fault_point("checkpoint.weights_written")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     state = dict(trainer_state or {})

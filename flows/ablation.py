@@ -1,0 +1,102 @@
+"""Flow `ablation`: the paper's recipes from one SFT checkpoint with matched budgets, then evaluation.
+
+Each recipe trains in its own sub run directory ``<run_dir>/ablation/<recipe>`` that starts from a copy
+of the run's `queries`, `corpus` and SFT policy; every recipe gets the same RL budget (steps, queries per
+step, group size, seed — so the same query schedule), only ``rl.recipe`` differs. Each final checkpoint,
+and the SFT policy as the reference, is evaluated with the `evaluate` flow; the summary lands in the
+`ablation` table of the parent run and a bar plot in ``<run_dir>/ablation/ablation.png`` (and MLflow).
+A rerun resumes: RL continues after its last finished step, finished evaluations are read back.
+"""
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.common import resolve_config
+from flows.evaluate import evaluate
+from flows.rl import rl
+from rubricem_core.config import RunConfig
+from rubricem_core.eval.ablation import ABLATION_SCHEMA, ablation_plot, ablation_rows
+from rubricem_core.recipes import RECIPES
+from rubricem_core.store import RunStore, atomic_write_bytes
+from rubricem_core.tracking import Tracker
+from tasks.rl import start_policy
+
+DEFAULT_RECIPES = ("baseline", "ss_grpo", "meta_policy", "full")
+
+
+def _copy_once(src: Path, dst: Path) -> None:
+    """Copy a directory unless it is already there; a copy appears whole or not at all."""
+    if dst.exists():
+        return
+    staging = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"
+    shutil.copytree(src, staging)
+    staging.rename(dst)
+
+
+def prepare_recipe_run(run_dir: str, recipe: str) -> str:
+    """``<run_dir>/ablation/<recipe>`` with the parent's inputs and SFT policy (copied once)."""
+    parent, sub = Path(run_dir), Path(run_dir) / "ablation" / recipe
+    for table in ("queries", "corpus"):
+        _copy_once(parent / "tables" / table, sub / "tables" / table)
+    _copy_once(start_policy(run_dir), sub / "checkpoints" / "sft" / "final")
+    return str(sub)
+
+
+@flow(name="ablation")
+def ablation(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+    recipes: list[str] | None = None,
+    benchmarks: list[str] | None = None,
+    retrieval: str | None = None,
+) -> dict[str, Any]:
+    """Train each recipe from the run's SFT policy with the same budget and evaluate it.
+
+    Args:
+        run_dir: a run directory with `queries`, `corpus` and checkpoints/sft/final.
+        profile: profile name under data/profiles or a YAML path.
+        overrides: dotted-key overrides shared by every recipe (budgets: rl.*, rollout.*).
+        config: a complete run config; when given, profile and overrides are ignored.
+        recipes: recipes to compare (default: baseline, ss_grpo, meta_policy, full).
+        benchmarks: benchmarks to evaluate on (default: eval.benchmarks).
+        retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
+    """
+    log = get_run_logger()
+    names = list(recipes or DEFAULT_RECIPES)
+    unknown = [r for r in names if r not in RECIPES]
+    if unknown or not names:
+        raise ValueError(f"ablation recipes {unknown or names} unknown or empty; choose from {sorted(RECIPES)}")
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    start_policy(run_dir)  # fail before any training when there is no SFT policy
+    budget = {"rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows, "queries_per_step": cfg.rl.queries_per_step,
+              "group_size": cfg.rollout.group_size}
+    rows = []
+    reference = evaluate(run_dir=run_dir, config=cfg, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks,
+                         retrieval=retrieval)
+    rows += ablation_rows("sft", reference, {**budget, "rl_steps": 0}, run_dir)
+    for recipe in names:
+        sub = prepare_recipe_run(run_dir, recipe)
+        sub_cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"recipe": recipe})})
+        trained = rl(run_dir=sub, config=sub_cfg)
+        evaluation = evaluate(run_dir=sub, config=sub_cfg, checkpoint=trained["final_checkpoint"],
+                              benchmarks=benchmarks, retrieval=retrieval)
+        rows += ablation_rows(recipe, evaluation, budget, sub)
+        log.info("ablation %s: %s", recipe, {r["benchmark"]: r["score_mean"] for r in rows if r["recipe"] == recipe})
+    store = RunStore(run_dir)
+    store.write_table("ablation", rows, schema=ABLATION_SCHEMA)
+    plot = Path(run_dir) / "ablation" / "ablation.png"
+    atomic_write_bytes(plot, ablation_plot(rows, f"Recipe ablation ({budget['rl_steps']} RL steps each)"))
+    if cfg.tracking.enabled:
+        tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
+        with tracker.child_run("ablation", params={"ablation.recipes": ",".join(names), **budget}) as child:
+            child.log_metrics({f"ablation/{r['recipe']}/{r['benchmark']}/score_mean": r["score_mean"]
+                               for r in rows if r["score_mean"] is not None}, step=0)
+            child.log_artifact(plot, "ablation")
+    return {"recipes": names, "budget": budget, "rows": rows, "plot": str(plot)}

@@ -1,0 +1,69 @@
+"""Flow `evaluate`: run a policy checkpoint on held-out and benchmark queries with the real tools and grade
+it independently of training rewards → `eval_results` (one Parquet part per checkpoint × benchmark ×
+retrieval mode) and per-benchmark means in MLflow (child run "evaluate", step = policy updates in the
+checkpoint: SFT 0, RL step N → N + 1). A rerun skips benchmarks whose part exists.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.common import resolve_config
+from rubricem_core.config import RunConfig, flatten
+from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.types import EvalError
+from rubricem_core.reflection.bank import RETRIEVAL_MODES
+from rubricem_core.tracking import Tracker
+from tasks.evaluate import default_checkpoint, evaluate_benchmark
+
+
+@flow(name="evaluate")
+def evaluate(
+    run_dir: str = "runs/tiny",
+    profile: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
+    checkpoint: str | None = None,
+    benchmarks: list[str] | None = None,
+    retrieval: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate one checkpoint on several benchmarks.
+
+    Args:
+        run_dir: a run directory with `queries`, `corpus` and a policy checkpoint.
+        profile: profile name under data/profiles or a YAML path.
+        overrides: dotted-key overrides, e.g. {"eval.max_queries": 4}.
+        config: a complete run config; when given, profile and overrides are ignored.
+        checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).
+        benchmarks: names to run (default: eval.benchmarks): synthetic, healthbench, deep_research_bench,
+            scholarqa_cs, simpleqa, 2wiki.
+        retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
+    """
+    log = get_run_logger()
+    cfg = resolve_config(run_dir, profile, overrides, config)
+    if benchmarks is not None:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})})
+    mode = retrieval or cfg.eval.retrieval
+    if mode not in RETRIEVAL_MODES:
+        raise EvalError(f"retrieval must be one of {RETRIEVAL_MODES}, got {mode!r}")
+    path = str(Path(checkpoint) if checkpoint else default_checkpoint(run_dir))
+    tag = checkpoint_tag(run_dir, path)
+    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
+    results: dict[str, dict[str, Any]] = {}
+    with (tracker.child_run("evaluate", params=params) if tracker else nullcontext()) as child:
+        for benchmark in cfg.eval.benchmarks:
+            summary = evaluate_benchmark(run_dir, cfg, path, benchmark, mode)
+            results[benchmark] = summary
+            if child is not None:
+                numbers = {f"eval/{benchmark}/{mode}/{k}": v for k, v in summary.items()
+                           if k != "cached" and v == v}  # NaN (nothing scored) is not logged
+                child.log_metrics(numbers, step=checkpoint_updates(tag))
+            log.info("%s: %s score %.3f", tag, benchmark, summary["score_mean"])
+        if child is not None:
+            child.log_dict({"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results},
+                           f"eval/{tag}--{mode}.json")
+    return {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}

@@ -1,0 +1,98 @@
+"""The offline built-in benchmark grader: the grading prompts answered deterministically.
+
+Registered as the litellm provider ``rubricem-grader`` so the offline profile travels the code path
+of a real grader (prompts, response_format, run_concurrent, validation, repair). Like a real grader
+it reads only the prompt.
+
+- short form: the response is correct when a gold answer (or alias) appears in it after SQuAD-style
+  normalization (lower case, no punctuation or articles) as a whole-word sequence; an empty
+  response is not_attempted; anything else is incorrect.
+- rubric items: an item with a machine-checkable ``check`` is scored by the built-in judge's
+  criterion; otherwise by the share of the criterion's content words found in the response
+  (``judge.builtin.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
+The stagewise judge's provider (``rubricem-judge``) only reads its own two prompts, hence this one.
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from typing import Any
+
+from rubricem_core.eval.prompts import SCALES, TASK_LINE
+from rubricem_core.judge.builtin import Context, TraceView, score_rubric
+from rubricem_core.judge.prompts import split_sections, unescape_section_markers
+from rubricem_core.llm.provider import message_text, register_completion_provider
+
+PROVIDER = "rubricem-grader"
+MODEL = f"{PROVIDER}/builtin"
+
+_FAMILY = re.compile(r"\((rubric_points|dimension_criteria|rubric_properties|short_form)\)")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans({c: " " for c in string.punctuation})
+
+
+class BuiltinGraderError(ValueError):
+    """The built-in grader got a prompt it cannot read (not one of the grading prompts)."""
+
+
+def normalize_answer(text: str) -> list[str]:
+    """SQuAD-style normalization, as tokens: lower case, punctuation and articles removed."""
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCT)).split()
+
+
+def contains_answer(response: str, gold: str) -> bool:
+    """``gold`` occurs in ``response`` as a whole-token sequence after normalization."""
+    needle, hay = normalize_answer(gold), normalize_answer(response)
+    if not needle:
+        return False
+    return any(hay[i:i + len(needle)] == needle for i in range(len(hay) - len(needle) + 1))
+
+
+def short_form_grade(response: str, golds: list[str]) -> tuple[str, str]:
+    if not normalize_answer(response) or response.strip() == "(empty)":
+        return "not_attempted", "The response gives no answer."
+    for gold in golds:
+        if contains_answer(response, gold):
+            return "correct", f"The response states the gold answer {gold!r}."
+    return "incorrect", f"The response does not state any of {golds[:3]!r}."
+
+
+def _to_scale(family: str, score: int) -> int:
+    if family == "rubric_points":
+        return 1 if score == 2 else 0
+    if family == "dimension_criteria":
+        return 5 * score
+    return score
+
+
+def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
+    user = next((message_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    first = user.lstrip().split("\n", 1)[0]
+    match = _FAMILY.search(first)
+    if not first.startswith(TASK_LINE) or match is None:
+        raise BuiltinGraderError(f"not a grading prompt (first line {first[:80]!r})")
+    family = match.group(1)
+    sections = {name: unescape_section_markers(body) for name, body in split_sections(user)}
+    response = sections.get("RESPONSE", "")
+    if family == "short_form":
+        grade, why = short_form_grade(response, json.loads(sections.get("GOLD ANSWERS", "[]")))
+        return json.dumps({"justification": why, "grade": grade})
+    if family not in SCALES:
+        raise BuiltinGraderError(f"unknown grading family {family!r}")
+    items = [json.loads(line) for line in sections.get("RUBRIC ITEMS", "").splitlines() if line.strip()]
+    rubrics = [{"stage": "answer", "title": "", "description": item["criterion"], "check": item.get("check")}
+               for item in items]
+    ctx = Context(sections.get("QUESTION", ""), {}, rubrics)
+    view = TraceView(f"<answer>{response}</answer>")
+    out = []
+    for item, rubric in zip(items, rubrics):
+        score, why = score_rubric(view, rubric, ctx)
+        out.append({"id": item["id"], "justification": why, "score": _to_scale(family, score)})
+    return json.dumps({"items": out})
+
+
+def register_builtin_grader() -> str:
+    """Register (idempotently) the built-in grader as litellm provider ``rubricem-grader``; returns its model."""
+    register_completion_provider(PROVIDER, respond)
+    return MODEL

@@ -1,0 +1,255 @@
+"""Prompts, JSON schemas, reply validation and aggregation of the benchmark graders.
+
+One structured-JSON call per answer. The user message is built from ``<<<NAME>>>`` sections (the
+judge's convention, so any model reads it and the built-in grader can parse it back); text from
+the benchmark or the policy is escaped so it cannot open a section of its own.
+
+Families (``types.FAMILIES``):
+  rubric_points        HealthBench: each criterion met (1) or not (0);
+                       score = Σ points of met criteria / Σ positive points, clipped to [0, 1]
+  dimension_criteria   DeepResearchBench: each criterion 0..10; a dimension's score is the
+                       criterion-weighted mean / 10, the total the dimension-weighted mean
+  rubric_properties    ScholarQA-CS: each property 0/1/2; score = Σ w·s′ / (2 Σ w), s′ = 2 − s for
+                       negative properties
+  short_form           SimpleQA, 2Wiki: correct / incorrect / not_attempted; score 1 only if correct
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
+from rubricem_core.judge.prompts import ReplyError, _schema_error, escape_section_markers, load_json_reply
+from rubricem_core.schemas import Query
+
+JUSTIFICATION_MAX_CHARS = 2000
+TASK_LINE = "TASK: grade this response"
+
+SCALES: dict[str, list[int]] = {
+    "rubric_points": [0, 1],
+    "dimension_criteria": list(range(11)),
+    "rubric_properties": [0, 1, 2],
+}
+
+_SCALE_TEXT = {
+    "rubric_points": "For each criterion answer 1 if the response meets it and 0 if it does not. Some criteria "
+                     "describe mistakes (negative points): answer 1 when the response makes that mistake.",
+    "dimension_criteria": "Score each criterion from 0 (not addressed at all) to 10 (fully and excellently "
+                          "addressed), judging the response as a research report.",
+    "rubric_properties": "Score each property 2 if the response fully has it, 1 if partly, 0 if not. A property "
+                         "with polarity negative describes a fault: score how fully the fault is present.",
+}
+
+ITEMS_SYSTEM = """You grade the final response of a research assistant against a benchmark's rubric. {scale}
+Judge only from the response text; do not reward length for its own sake. For every item write a short justification that quotes or points at the response, then the score. Grade every item exactly once, using its id.
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+SHORT_FORM_SYSTEM = """You grade whether a research assistant's response answers a short factual question correctly, given the gold answer (and its accepted aliases).
+- correct: the response's answer matches the gold answer in meaning (aliases, formatting and extra detail are fine) and does not also assert a contradicting answer.
+- incorrect: the response gives an answer that contradicts the gold answer or is a different entity/value.
+- not_attempted: the response does not commit to an answer (empty, refuses, or only says it could not find it).
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+
+def _section(name: str, body: str) -> str:
+    return f"<<<{name}>>>\n{body.strip() or '(empty)'}"
+
+
+def conversation_text(query: Query) -> str:
+    """The question as the grader sees it: a multi-turn conversation is shown turn by turn."""
+    turns = [m for m in query.messages if m.get("role") in ("user", "assistant")]
+    if len(turns) <= 1:
+        return query.question
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in turns)
+
+
+# ---- rubric items ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GradeItem:
+    """One rubric item as the grader sees it; ``data`` keeps the benchmark's own numbers."""
+
+    item_id: str
+    criterion: str
+    polarity: str
+    weight: float
+    data: dict[str, Any]
+
+    def line(self, family: str) -> str:
+        record: dict[str, Any] = {"id": self.item_id, "criterion": self.criterion}
+        if family == "rubric_points":
+            record["points"] = self.data["points"]
+        elif family == "dimension_criteria":
+            record["dimension"] = self.data["dimension"]
+        else:
+            record["polarity"] = self.polarity
+            record["weight"] = self.weight
+        if self.data.get("check") is not None:
+            record["check"] = self.data["check"]  # a machine-checkable criterion, when the data has one
+        return escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True))
+
+
+def grade_items(query: Query, family: str) -> list[GradeItem]:
+    """The query's rubrics as grader items, with the numbers each family aggregates."""
+    if family not in SCALES:
+        raise EvalError(f"family {family!r} does not grade rubric items")
+    items = []
+    for index, rubric in enumerate(query.rubrics):
+        check = rubric.get("check") or {}
+        criterion = str(check.get("criterion") or rubric.get("description") or rubric.get("title") or "").strip()
+        if not criterion:
+            raise EvalError(f"query {query.query_id!r} rubric {index}: no criterion text")
+        sign = -1.0 if rubric["polarity"] == "negative" else 1.0
+        data: dict[str, Any] = {}
+        if family == "rubric_points":
+            data["points"] = float(check.get("points", sign * float(rubric["weight"])))
+        elif family == "dimension_criteria":
+            data["dimension"] = str(check.get("dimension", "overall"))
+            data["dimension_weight"] = float(check.get("dimension_weight", 1.0))
+            data["criterion_weight"] = float(check.get("criterion_weight", rubric["weight"]))
+        if check and check.get("type") != "benchmark":
+            data["check"] = check
+        items.append(GradeItem(f"i{index + 1}", criterion, rubric["polarity"], float(rubric["weight"]), data))
+    if not items:
+        raise EvalError(f"query {query.query_id!r} has no rubric items to grade")
+    return items
+
+
+def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"items": {
+            "type": "array", "minItems": len(ids), "maxItems": len(ids),
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"enum": list(ids)},
+                    "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+                    "score": {"type": "integer", "enum": SCALES[family]},
+                },
+                "required": ["id", "justification", "score"],
+                "additionalProperties": False,
+            },
+        }},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+
+
+def items_messages(benchmark: str, family: str, query: Query, response: str,
+                   items: Sequence[GradeItem]) -> list[dict[str, str]]:
+    system = ITEMS_SYSTEM.format(scale=_SCALE_TEXT[family], schema=json.dumps(items_schema(family, ["<item id>"])))
+    parts = [f"{TASK_LINE} against every rubric item ({family}).",
+             _section("BENCHMARK", benchmark),
+             _section("QUESTION", escape_section_markers(conversation_text(query))),
+             _section("RUBRIC ITEMS", "\n".join(item.line(family) for item in items)),
+             _section("RESPONSE", escape_section_markers(response)),
+             _section("END", f"Grade all {len(items)} items.")]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_items(text: str | None, family: str, ids: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """{item id: (score, justification)} with every id exactly once, or ReplyError."""
+    data = load_json_reply(text)
+    problem = _schema_error(data, items_schema(family, list(ids)))
+    if problem:
+        raise ReplyError(problem)
+    out: dict[str, tuple[int, str]] = {}
+    for item in data["items"]:
+        if item["id"] in out:
+            raise ReplyError(f"item id {item['id']!r} is graded twice")
+        out[item["id"]] = (int(item["score"]), item["justification"].strip() or "-")
+    missing = [i for i in ids if i not in out]
+    if missing:
+        raise ReplyError(f"item ids not graded: {missing}")
+    return out
+
+
+def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, int]) -> tuple[float, dict[str, Any]]:
+    """The family's score in [0, 1] and its intermediate numbers."""
+    if family == "rubric_points":
+        positive = sum(i.data["points"] for i in items if i.data["points"] > 0)
+        achieved = sum(i.data["points"] for i in items if scores[i.item_id] == 1)
+        if positive <= 0:
+            raise EvalError("HealthBench-style grading needs at least one criterion with positive points")
+        raw = achieved / positive
+        return min(1.0, max(0.0, raw)), {"achieved_points": achieved, "positive_points": positive, "raw": raw}
+    if family == "dimension_criteria":
+        dims: dict[str, list[GradeItem]] = {}
+        for item in items:
+            dims.setdefault(item.data["dimension"], []).append(item)
+        per_dim, total, weights = {}, 0.0, 0.0
+        for name, group in dims.items():
+            w = sum(i.data["criterion_weight"] for i in group)
+            per_dim[name] = (sum(i.data["criterion_weight"] * scores[i.item_id] for i in group) / (10.0 * w)
+                             if w > 0 else 0.0)
+            total += group[0].data["dimension_weight"] * per_dim[name]
+            weights += group[0].data["dimension_weight"]
+        if weights <= 0:
+            raise EvalError("DeepResearchBench-style grading needs a positive dimension weight")
+        return total / weights, {"dimensions": per_dim}
+    if family == "rubric_properties":
+        numerator = sum(i.weight * (scores[i.item_id] if i.polarity == "positive" else 2 - scores[i.item_id])
+                        for i in items)
+        denominator = sum(2 * i.weight for i in items)
+        if denominator <= 0:
+            raise EvalError("property grading needs a positive total weight")
+        return numerator / denominator, {}
+    raise EvalError(f"family {family!r} does not grade rubric items")
+
+
+# ---- short form ----------------------------------------------------------------------------------
+
+
+def gold_answers(query: Query) -> list[str]:
+    """The gold answer and its aliases (reference answer first)."""
+    answers: list[str] = []
+    for rubric in query.rubrics:
+        check = rubric.get("check") or {}
+        if check.get("type") == "final":
+            answers += [str(check.get("value", ""))] + [str(a) for a in check.get("aliases") or []]
+    answers = ([query.reference_answer] if query.reference_answer else []) + answers
+    out = []
+    for answer in answers:
+        if answer.strip() and answer not in out:
+            out.append(answer)
+    if not out:
+        raise EvalError(f"query {query.query_id!r} has no gold answer for short-form grading")
+    return out
+
+
+def short_form_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+            "grade": {"enum": list(SHORT_FORM_GRADES)},
+        },
+        "required": ["justification", "grade"],
+        "additionalProperties": False,
+    }
+
+
+def short_form_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
+    system = SHORT_FORM_SYSTEM.format(schema=json.dumps(short_form_schema()))
+    parts = [f"{TASK_LINE}: is the short answer correct? (short_form)",
+             _section("BENCHMARK", benchmark),
+             _section("QUESTION", escape_section_markers(conversation_text(query))),
+             _section("GOLD ANSWERS", escape_section_markers(json.dumps(gold_answers(query), ensure_ascii=False))),
+             _section("RESPONSE", escape_section_markers(response)),
+             _section("END", "Grade the response: correct, incorrect or not_attempted.")]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_short_form(text: str | None) -> tuple[str, str]:
+    data = load_json_reply(text)
+    problem = _schema_error(data, short_form_schema())
+    if problem:
+        raise ReplyError(problem)
+    return data["grade"], data["justification"].strip() or "-"

@@ -1,0 +1,239 @@
+"""Run a policy on evaluation queries with the real tools, then grade every sample.
+
+``run_eval`` = optional reflection guidance (``guidance_for``) → sampling with a rollout engine
+(``sample_queries``) → grading (the synthetic grader in-process, the others through a
+``BenchmarkGrader``) → ``eval_results`` rows (``result_rows``) and their summary (``summarize``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from rubricem_core.encoding import encode_prompt
+from rubricem_core.environment import prompt_messages
+from rubricem_core.eval.synthetic import grade_synthetic
+from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_of, safe_name
+from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
+from rubricem_core.reflection.format import guidance_text, parse_reflection
+from rubricem_core.rollout.types import ANSWERED, RolloutRequest, SamplingParams
+from rubricem_core.scaffold import extract_answer, neutralize_tags, validate
+from rubricem_core.schemas import Query
+from rubricem_core.tools.base import ToolEnv
+
+EVAL_RESULTS_SCHEMA = pa.schema([
+    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("query_id", pa.string()), ("retrieval", pa.string()),
+    ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
+    ("error", pa.string()), ("grader", pa.string()), ("valid_scaffold", pa.bool_()), ("n_tool_calls", pa.int64()),
+    ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
+    ("answer", pa.string()), ("text", pa.string()),
+])
+
+
+@dataclass
+class EvalOptions:
+    samples_per_query: int = field(default=1, metadata={"help": "Trajectories per query."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (0 = greedy)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling."})
+    max_new_tokens: int = field(default=512, metadata={"help": "Tokens per model turn."})
+    max_total_tokens: int = field(default=4096, metadata={"help": "Context limit of a trajectory."})
+    max_tool_calls: int = field(default=10, metadata={"help": "Tool calls per trajectory."})
+    seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    prompt_style: str = field(default="full", metadata={"help": "System prompt style (environment.prompt_messages)."})
+    retrieval: str = field(default="none", metadata={"help": "Reflection guidance: none, cross or within."})
+    retrieval_k: int = field(default=1, metadata={"help": "Reflections per query for cross retrieval."})
+
+    def __post_init__(self) -> None:
+        if self.retrieval not in RETRIEVAL_MODES:
+            raise EvalError(f"EvalOptions.retrieval must be one of {RETRIEVAL_MODES}, got {self.retrieval!r}")
+        if self.samples_per_query < 1:
+            raise EvalError(f"EvalOptions.samples_per_query must be >= 1, got {self.samples_per_query}")
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def checkpoint_tag(run_dir: str | Path, checkpoint: str | Path) -> str:
+    """A short stable name: ``sft``, ``rl-step-000003``, or the directory name plus a path hash."""
+    run, path = Path(run_dir).resolve(), Path(checkpoint).resolve()
+    if path == run / "checkpoints" / "sft" / "final":
+        return "sft"
+    if path.parent == run / "checkpoints" / "rl" and re.fullmatch(r"step-\d+", path.name):
+        return f"rl-{path.name}"
+    return f"{safe_name(path.name)}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def checkpoint_updates(tag: str) -> int:
+    """Policy updates in a checkpoint (the MLflow step of its metrics): SFT 0, RL step N → N + 1."""
+    match = re.fullmatch(r"rl-step-(\d+)", tag)
+    return int(match.group(1)) + 1 if match else 0
+
+
+# ---- guidance ------------------------------------------------------------------------------------
+
+
+def guidance_for(bank: ReflectionBank | None, queries: Sequence[Query], mode: str, k: int = 1) -> dict[str, str | None]:
+    """query_id → the guidance block to inject (None: no guidance or a bank miss)."""
+    if mode not in RETRIEVAL_MODES:
+        raise EvalError(f"retrieval must be one of {RETRIEVAL_MODES}, got {mode!r}")
+    if mode == "none":
+        return {q.query_id: None for q in queries}
+    if bank is None:
+        raise EvalError(f"retrieval={mode!r} needs a reflection bank")
+    found = bank.retrieve_many([(q.query_id, q.question) for q in queries], mode, k=k)
+    out: dict[str, str | None] = {}
+    for query, entries in zip(queries, found):
+        blocks = []
+        for entry, _ in entries:
+            reflection = parse_reflection(entry.reflection)
+            source = entry.query_text if mode == "cross" else None
+            blocks.append(guidance_text(reflection, source) if reflection is not None and
+                          (reflection.rubrics or reflection.takeaways) else neutralize_tags(entry.reflection))
+        out[query.query_id] = "\n\n".join(blocks) if blocks else None
+    return out
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+_CITE = re.compile(r'<cite id="([^"]*)">(.*?)</cite>', re.S)
+_TAG = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")
+
+
+def plain_answer(answer: str) -> str:
+    """The answer as a grader reads it: ``<cite id="D1">claim</cite>`` → ``claim [D1]``, no tags."""
+    return _TAG.sub("", _CITE.sub(lambda m: f"{m.group(2)} [{m.group(1)}]", answer)).strip()
+
+
+def sample_queries(engine: Any, tokenizer: Any, queries: Sequence[Query], env: ToolEnv, options: EvalOptions,
+                   guidance: dict[str, str | None] | None = None) -> list[list[EvalSample]]:
+    """``samples_per_query`` trajectories per query with the real tools, in query order."""
+    guidance = guidance or {}
+    sampling = SamplingParams(temperature=options.temperature, top_p=options.top_p,
+                              max_new_tokens=options.max_new_tokens, max_total_tokens=options.max_total_tokens,
+                              seed=options.seed)
+    requests = []
+    for query in queries:
+        messages = prompt_messages(query.to_row(), guidance=guidance.get(query.query_id), style=options.prompt_style)
+        requests.append(RolloutRequest(request_id=query.query_id, prompt_ids=encode_prompt(tokenizer, messages),
+                                       n=options.samples_per_query, sampling=sampling,
+                                       max_tool_calls=options.max_tool_calls))
+    groups = engine.generate(requests, env) if requests else []
+    out = []
+    for query, group in zip(queries, groups):
+        samples = []
+        for index, traj in enumerate(group):
+            text = "".join(s.text for s in traj.segments if s.kind != "prompt")
+            samples.append(EvalSample(query.query_id, index, text, extract_answer(text) or "", traj.n_tool_calls,
+                                      traj.finish_reason, traj.n_policy_tokens, guidance.get(query.query_id)))
+        out.append(samples)
+    return out
+
+
+# ---- grading -------------------------------------------------------------------------------------
+
+
+def grade_samples(benchmark: str, queries: Sequence[Query], samples: Sequence[Sequence[EvalSample]],
+                  grader: Any = None, max_tool_calls: int | None = None) -> list[list[GradeResult]]:
+    """Grades aligned with ``samples``: in-process for synthetic, else one grader call per sample."""
+    family = family_of(benchmark)
+    if family == "synthetic":
+        return [[grade_synthetic(q, s.text, max_tool_calls) for s in group] for q, group in zip(queries, samples)]
+    if grader is None:
+        raise EvalError(f"benchmark {benchmark!r} needs a grader (an LLM endpoint)")
+    pairs = [(q, plain_answer(s.answer)) for q, group in zip(queries, samples) for s in group]
+    flat = iter(grader.grade(benchmark, pairs))
+    return [[next(flat) for _ in group] for group in samples]
+
+
+def result_rows(checkpoint: str, benchmark: str, retrieval: str, samples: Sequence[Sequence[EvalSample]],
+                grades: Sequence[Sequence[GradeResult]], grader_model: str,
+                valid: Sequence[Sequence[bool]]) -> list[dict[str, Any]]:
+    rows = []
+    for group, group_grades, group_valid in zip(samples, grades, valid):
+        for sample, grade, ok in zip(group, group_grades, group_valid):
+            rows.append({
+                "checkpoint": checkpoint, "benchmark": benchmark, "query_id": sample.query_id,
+                "retrieval": retrieval, "score": grade.score, "details": grade.details_json(),
+                "sample": sample.sample, "grade_failed": grade.failed, "error": grade.error,
+                "grader": grader_model, "valid_scaffold": ok, "n_tool_calls": sample.n_tool_calls,
+                "finish_reason": sample.finish_reason, "n_policy_tokens": sample.n_policy_tokens,
+                "guidance": sample.guidance, "answer": sample.answer, "text": sample.text,
+            })
+    return rows
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Means over graded samples (failed grades excluded and counted) plus sampling health."""
+    scored = [r["score"] for r in rows if not r["grade_failed"]]
+    out = {
+        "score_mean": float(np.mean(scored)) if scored else math.nan,
+        "n_samples": float(len(rows)),
+        "n_queries": float(len({r["query_id"] for r in rows})),
+        "grade_failed": float(sum(r["grade_failed"] for r in rows)),
+        "valid_scaffold_rate": float(np.mean([r["valid_scaffold"] for r in rows])) if rows else math.nan,
+        "answered_rate": float(np.mean([r["finish_reason"] == ANSWERED for r in rows])) if rows else math.nan,
+        "tool_calls_mean": float(np.mean([r["n_tool_calls"] for r in rows])) if rows else math.nan,
+        "guided_rate": float(np.mean([r["guidance"] is not None for r in rows])) if rows else math.nan,
+    }
+    details = [json.loads(r["details"]) for r in rows if not r["grade_failed"]]
+    grades = [d["grade"] for d in details if "grade" in d]
+    if grades:
+        for name in ("correct", "incorrect", "not_attempted"):
+            out[f"{name}_rate"] = grades.count(name) / len(grades)
+    correct = [d["correct"] for d in details if "correct" in d]
+    if correct:
+        out["correct_rate"] = float(np.mean(correct))
+    precision = [d["citation_precision"] for d in details if d.get("citation_precision") is not None]
+    if precision:
+        out["citation_precision_mean"] = float(np.mean(precision))
+    return out
+
+
+@dataclass
+class EvalOutcome:
+    rows: list[dict[str, Any]]
+    summary: dict[str, float]
+
+
+def run_eval(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Query], env: ToolEnv,
+             options: EvalOptions, checkpoint: str, grader: Any = None,
+             bank: ReflectionBank | None = None) -> EvalOutcome:
+    """Sample every query with the real tools (with reflection guidance per ``options.retrieval``), grade
+    each sample independently of training rewards, and return ``eval_results`` rows and their summary."""
+    if not queries:
+        raise EvalError(f"benchmark {benchmark!r}: no queries to evaluate")
+    family_of(benchmark)  # fail on an unknown benchmark before sampling
+    guidance = guidance_for(bank, queries, options.retrieval, options.retrieval_k)
+    samples = sample_queries(engine, tokenizer, queries, env, options, guidance)
+    grades = grade_samples(benchmark, queries, samples, grader, options.max_tool_calls)
+    valid = [[not validate(s.text, max_tool_calls=options.max_tool_calls) for s in group] for group in samples]
+    model = "builtin:synthetic" if family_of(benchmark) == "synthetic" else grader.model
+    rows = result_rows(checkpoint, benchmark, options.retrieval, samples, grades, model, valid)
+    summary = summarize(rows)
+    if grader is not None:
+        summary.update(grader.usage.metrics("grader/"))
+    return EvalOutcome(rows, summary)
+
+
+# ---- benchmark files -----------------------------------------------------------------------------
+
+
+def load_benchmark_queries(benchmark: str, path: str | Path | None, max_queries: int) -> list[Query]:
+    """The first ``max_queries`` queries of a benchmark file, read with the benchmark's own reader."""
+    from rubricem_core.readers import read_queries
+
+    if family_of(benchmark) == "synthetic":
+        raise EvalError("the synthetic benchmark's queries are the run's held-out split, not a file")
+    if not path:
+        raise EvalError(f"benchmark {benchmark!r} has no file: set eval.paths.{benchmark}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"eval.paths.{benchmark}: no such file {path} (relative paths resolve against "
+                                f"{Path.cwd()})")
+    return read_queries(path, format=benchmark)[:max_queries]

@@ -1,0 +1,159 @@
+"""The reflection meta-policy step without orchestration (the Prefect tasks call these).
+
+Per new-query step: one rollout per query is drawn uniformly (no score or length bias) → the policy
+writes ``n`` candidates from the question and the raw trajectory only → the reflection judge scores
+them with the privileged view (the rubrics the trajectory was scored on, its scores and
+justifications), rebuilt here from the step's ``judge_rubrics``/``judge_scores`` rows → the best valid
+candidate per query enters the bank → all candidates give a GRPO signal on their reflection tokens
+(group = the candidates of one trajectory), applied one step later.
+
+The bank is a replay of the ``reflections`` table: inserting the accepted rows in step order with the
+bank's replace policy gives the same bank an uninterrupted run had, so a resumed run rebuilds it
+exactly instead of trusting a snapshot that may be newer than its checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from rubricem_core.encoding import encode_prompt
+from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
+from rubricem_core.reflection.bank import BankEntry, ReflectionBank
+from rubricem_core.reflection.format import guidance_text, parse_reflection, reflection_messages
+from rubricem_core.rollout import RolloutRequest, SamplingParams
+from rubricem_core.ssgrpo import stage_advantages
+from rubricem_core.trajectory import TokenTrajectory
+
+
+def pick_source_rollouts(rollouts: Sequence[dict[str, Any]], query_ids: Sequence[str], seed: int,
+                         step: int) -> dict[str, dict[str, Any]]:
+    """query_id → one rollout drawn uniformly from its group. Rollouts whose judgment failed are left
+    out: the reflection judge would have no scores to judge the candidates with."""
+    rng = random.Random(seed * 1_000_003 + step)
+    chosen: dict[str, dict[str, Any]] = {}
+    for qid in query_ids:
+        group = sorted((r for r in rollouts if r["query_id"] == qid and not r["judge_failed"]),
+                       key=lambda r: r["rollout_id"])
+        if group:
+            chosen[qid] = group[rng.randrange(len(group))]
+    return chosen
+
+
+def candidate_requests(tokenizer: Any, sources: dict[str, dict[str, Any]], questions: dict[str, str],
+                       n: int, sampling: SamplingParams, max_trajectory_chars: int) -> list[RolloutRequest]:
+    """One request per source rollout, ``n`` samples each; no tool calls are allowed."""
+    return [
+        RolloutRequest(
+            request_id=src["rollout_id"],
+            prompt_ids=encode_prompt(tokenizer, reflection_messages(questions[qid], src["text"], max_trajectory_chars)),
+            n=n, sampling=sampling, max_tool_calls=0, meta={"query_id": qid},
+        )
+        for qid, src in sources.items()
+    ]
+
+
+def candidate_text(traj: TokenTrajectory, stop_texts: Sequence[str] = ()) -> str:
+    """What the policy wrote (and any environment reply it provoked) after the prompt, without the
+    end-of-turn token that stopped it."""
+    text = "".join(seg.text for seg in traj.segments if seg.kind != "prompt").rstrip()
+    for stop in stop_texts:
+        if stop and text.endswith(stop):
+            text = text[: -len(stop)].rstrip()
+    return text.strip()
+
+
+def judge_view(query_id: str, rollout_id: str, rubric_rows: Sequence[dict[str, Any]],
+               score_rows: Sequence[dict[str, Any]]) -> tuple[list[Rubric], TrajectoryJudgment]:
+    """The rubrics one rollout was scored on and its judgment, read back from the step's tables."""
+    scores = [r for r in score_rows if r["query_id"] == query_id and r["rollout_id"] == rollout_id]
+    scored_ids = {r["rubric_id"] for r in scores}
+    rubrics = []
+    for row in rubric_rows:
+        if row["query_id"] != query_id or row["rubric_id"] not in scored_ids:
+            continue
+        data = dict(row)
+        check = data.get("check")
+        data["check"] = json.loads(check) if isinstance(check, str) and check else None
+        rubrics.append(Rubric.from_dict(data))
+    judgment = TrajectoryJudgment(rollout_id, [
+        RubricScore(r["rubric_id"], r["stage"], r["polarity"], float(r["weight"]), int(r["score"]), r["justification"] or "")
+        for r in scores
+    ])
+    if not scores:
+        judgment.failed, judgment.error = True, "no judge scores recorded for this rollout"
+    return rubrics, judgment
+
+
+def candidate_advantages(scores: Sequence[float | None], eps: float = 1e-6) -> list[float]:
+    """GRPO advantages within one candidate group: (r − mean) / (std + eps), unbiased std; a candidate
+    without a score (judge failed) gets 0 and stays out of the statistics; all-equal scores give 0."""
+    rewards = torch.tensor([[math.nan if s is None else float(s)] for s in scores], dtype=torch.float64)
+    return [float(a) for a in stage_advantages(rewards, eps)[:, 0]]
+
+
+def reflection_token_advantages(loss_mask: Sequence[int], advantage: float) -> list[float]:
+    """Every generated reflection token carries its candidate's advantage; prompt tokens get 0."""
+    return [advantage if m else 0.0 for m in loss_mask]
+
+
+def bank_entries(rows: Iterable[dict[str, Any]], questions: dict[str, str]) -> list[BankEntry]:
+    """Bank insertions of accepted ``reflections`` rows, in step then query order."""
+    accepted = sorted((r for r in rows if r["accepted"]), key=lambda r: (r["step"], r["query_id"]))
+    out = []
+    for r in accepted:
+        parsed = parse_reflection(r["text"])
+        if parsed is None:  # accepted rows are valid by construction; a hand-edited table is not trusted
+            raise ValueError(f"reflections row step={r['step']} query={r['query_id']!r} is accepted but unparsable")
+        out.append(BankEntry(r["query_id"], questions.get(r["query_id"], ""), parsed.render(), float(r["score"]), int(r["step"])))
+    return out
+
+
+def rebuild_bank(bank: ReflectionBank, rows: Iterable[dict[str, Any]], questions: dict[str, str]) -> int:
+    """Insert accepted reflections in order; returns how many entries the bank holds."""
+    bank.add_many(bank_entries(rows, questions))
+    return len(bank)
+
+
+def retrieve_guidance(bank: ReflectionBank, queries: Sequence[tuple[str, str]], mode: str, k: int,
+                      min_similarity: float | None, questions: dict[str, str]) -> tuple[list[str | None], dict[str, float]]:
+    """Guidance text per query (None when nothing was retrieved) and hit/miss counts for the step."""
+    results = bank.retrieve_many(queries, mode, k=k, min_similarity=min_similarity)
+    texts: list[str | None] = []
+    for (qid, _), found in zip(queries, results):
+        parts = []
+        for entry, _sim in found:
+            parsed = parse_reflection(entry.reflection)
+            if parsed is None:
+                continue
+            source = questions.get(entry.query_id) if entry.query_id != qid else None
+            parts.append(guidance_text(parsed, source_question=source))
+        texts.append("\n\n".join(parts) if parts else None)
+    hits = sum(1 for t in texts if t is not None)
+    metrics = {}
+    if mode != "none":
+        metrics = {f"retrieval/{mode}_hits": float(hits), f"retrieval/{mode}_misses": float(len(texts) - hits)}
+    return texts, metrics
+
+
+def reflection_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Acceptance rate (source trajectories whose best candidate entered the bank), validity, reward."""
+    if not rows:
+        return {}
+    sources = {(r["query_id"], r["source_rollout_id"]) for r in rows}
+    accepted = {(r["query_id"], r["source_rollout_id"]) for r in rows if r["accepted"]}
+    scored = [r["score"] for r in rows if r["score"] is not None]
+    out = {
+        "reflection/candidates": float(len(rows)),
+        "reflection/valid_fraction": float(np.mean([bool(r["valid"]) for r in rows])),
+        "reflection/acceptance_rate": len(accepted) / max(1, len(sources)),
+        "reflection/judge_failed": float(sum(bool(r["judge_failed"]) for r in rows)),
+    }
+    if scored:
+        out["reflection/reward_mean"] = float(np.mean(scored))
+        out["reflection/reward_max"] = float(np.max(scored))
+    return out

@@ -1,0 +1,306 @@
+"""``write_report``: one self-contained HTML page summarizing a run directory.
+
+The PNG plots are embedded as base64 data URIs, so the single file can be mailed or attached to a
+ticket; they are also written beside it (``<name>_plots/``) and, for a tracked run, logged to MLflow
+under the parent run. Every piece of text that comes from the run (config values, reject codes,
+benchmark names, paths) goes through ``html.escape``.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import logging
+import os
+import shlex
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rubricem_core.report import sections
+from rubricem_core.report.data import STAGES, RunData
+from rubricem_core.report.plots import PLOTS, make_plots
+from rubricem_core.report.publish import log_files, mlflow_target
+from rubricem_core.store import atomic_write_text
+from rubricem_core.tracking import TrackingError
+
+log = logging.getLogger(__name__)
+
+
+class ReportError(ValueError):
+    """The directory cannot be reported on (it is not a run directory)."""
+
+
+# ---- formatting --------------------------------------------------------------------------------
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def fmt_int(value: Any) -> str:
+    return "–" if sections.is_missing(value) else f"{int(round(float(value))):,}"
+
+
+def fmt_fixed(digits: int) -> Callable[[Any], str]:
+    def fmt(value: Any) -> str:
+        return "–" if sections.is_missing(value) else f"{float(value):.{digits}f}"
+
+    return fmt
+
+
+def fmt_general(value: Any) -> str:
+    """Small magnitudes (KL, clip fractions near 0) keep their significant digits."""
+    if sections.is_missing(value):
+        return "–"
+    number = float(value)
+    if number == 0:
+        return "0"
+    return f"{number:.2e}" if abs(number) < 1e-3 else f"{number:.4g}"
+
+
+def fmt_usd(value: Any) -> str:
+    return "–" if sections.is_missing(value) else f"${float(value):,.4f}"
+
+
+def fmt_pct(value: Any) -> str:
+    return "–" if sections.is_missing(value) else f"{100 * float(value):.1f}%"
+
+
+def fmt_text(value: Any) -> str:
+    return "–" if value is None else str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool] | None = None) -> str:
+    numeric = numeric or [False] * len(headers)
+    head = "".join(f"<th{' class=num' if n else ''}>{_esc(h)}</th>" for h, n in zip(headers, numeric))
+    body = "".join(
+        "<tr>" + "".join(f"<td{' class=num' if n else ''}>{_esc(c)}</td>" for c, n in zip(row, numeric)) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _kv(items: Sequence[tuple[str, Any]]) -> str:
+    rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in items)
+    return f"<table class=kv>{rows}</table>"
+
+
+def _no_data(what: str) -> str:
+    return f"<p class=nodata>no data ({_esc(what)})</p>"
+
+
+# ---- sections -----------------------------------------------------------------------------------
+def _config_section(summary: dict[str, Any], inventory: list[tuple[str, int]]) -> str:
+    parts = ["<h2>Run configuration</h2>"]
+    if summary["error"]:
+        parts.append(_no_data(summary["error"]))
+    else:
+        parts.append(_kv(summary["items"]))
+    if summary["lambda"] is not None:
+        header = ["Λ (row: stage k, column: reward of stage j)", *STAGES]
+        rows = [[stage, *(fmt_general(v) for v in row)] for stage, row in zip(STAGES, summary["lambda"])]
+        parts.append(_table(header, rows, [False] + [True] * len(STAGES)))
+    if inventory:
+        parts.append("<h3>Tables</h3>")
+        parts.append(_table(["table", "rows"], [[name, fmt_int(n)] for name, n in inventory], [False, True]))
+    return "\n".join(parts)
+
+
+def _sft_section(summary: dict[str, Any] | None) -> str:
+    parts = ["<h2>SFT</h2>"]
+    if not summary:
+        return parts[0] + _no_data("tables sft_trajectories, teacher_responses and sft/* metrics are absent")
+    if "trajectories" in summary:
+        total = summary["trajectories"]
+        rate = summary["accepted"] / total if total else None
+        parts.append("<h3>Teacher trajectories</h3>")
+        items = [("trajectories", fmt_int(total)), ("accepted", f"{fmt_int(summary['accepted'])} ({fmt_pct(rate)})"),
+                 ("rejected", fmt_int(summary["rejected"]))]
+        teacher = summary.get("teacher")
+        if teacher:
+            items += [("teacher requests", fmt_int(teacher["requests"])),
+                      ("teacher tokens (prompt / completion)", f"{fmt_int(teacher['prompt_tokens'])} / {fmt_int(teacher['completion_tokens'])}"),
+                      ("teacher cost", fmt_usd(teacher["cost_usd"]))]
+        parts.append(_kv(items))
+        if summary.get("reject_codes"):
+            parts.append(_table(["reject code", "rejected trajectories"], [[c, fmt_int(n)] for c, n in summary["reject_codes"]], [False, True]))
+    training = summary.get("training")
+    parts.append("<h3>Training</h3>")
+    if not training:
+        parts.append(_no_data("no sft/loss metrics from the sft flow"))
+    else:
+        items = [("optimizer steps", fmt_int(training["steps"])), ("first logged loss", fmt_fixed(4)(training["first_loss"])),
+                 ("final loss", fmt_fixed(4)(training["final_loss"])), ("tokens/s", fmt_int(training["tokens_per_s"])),
+                 ("padding fraction", fmt_fixed(3)(training["padding_fraction"]))]
+        items += [(f"final NLL, {stage}", fmt_fixed(4)(v)) for stage, v in training["final_nll"].items()]
+        parts.append(_kv(items))
+    return "\n".join(parts)
+
+
+RL_COLUMNS: tuple[tuple[str, str, Callable[[Any], str], bool], ...] = (
+    ("step", "step", fmt_int, True),
+    ("phase", "phase", fmt_text, False),
+    ("retrieval", "retrieval", fmt_text, False),
+    ("rollouts", "rollouts", fmt_int, True),
+    ("valid_scaffold", "valid scaffold", fmt_pct, True),
+    *((f"R_{s}", f"R {s}", fmt_fixed(3), True) for s in STAGES),
+    ("loss", "loss", fmt_general, True),
+    ("kl", "KL", fmt_general, True),
+    ("clip_fraction", "clip frac.", fmt_general, True),
+    ("judge_calls", "judge calls", fmt_int, True),
+    ("judge_failed", "failed judgments", fmt_int, True),
+    ("judge_cost", "judge cost", fmt_usd, True),
+    ("step_time", "step time (s)", fmt_fixed(1), True),
+)
+
+
+def _rl_section(steps: list[dict[str, Any]]) -> str:
+    head = "<h2>RL per step</h2>"
+    if not steps:
+        return head + _no_data("tables stage_rewards, rollouts and rl/* metrics are absent")
+    rows = [[fmt(row.get(key)) for key, _, fmt, _ in RL_COLUMNS] for row in steps]
+    note = "<p class=note>R: mean stage reward over the step's rollouts (– : the stage had no rubrics).</p>"
+    return head + _table([h for _, h, _, _ in RL_COLUMNS], rows, [n for *_, n in RL_COLUMNS]) + note
+
+
+def _reflection_section(steps: list[dict[str, Any]]) -> str:
+    head = "<h2>Reflections</h2>"
+    if not steps:
+        return head + _no_data("table reflections is absent or empty")
+    rows = [[fmt_int(r["step"]), fmt_int(r["candidates"]), fmt_int(r["valid"]), fmt_int(r["accepted"]),
+             fmt_fixed(3)(r["mean_score"]), fmt_fixed(3)(r["best_score"])] for r in steps]
+    return head + _table(["step", "candidates", "valid", "accepted", "mean score (valid)", "best score"], rows, [True] * 6)
+
+
+def _eval_section(results: list[dict[str, Any]]) -> str:
+    head = "<h2>Evaluation</h2>"
+    if not results:
+        return head + _no_data("table eval_results is absent or empty")
+    rows = [[fmt_text(r["checkpoint"]), fmt_text(r["benchmark"]), fmt_text(r["retrieval"]), fmt_int(r["queries"]),
+             fmt_int(r["samples"]), fmt_int(r["failed"]), fmt_fixed(3)(r["mean_score"]), fmt_fixed(3)(r["sd"])] for r in results]
+    note = "<p class=note>Means and std over graded samples; failed grades are excluded and counted.</p>"
+    return head + _table(["checkpoint", "benchmark", "retrieval", "queries", "samples", "failed grades", "mean score", "std"],
+                         rows, [False, False, False, True, True, True, True, True]) + note
+
+
+def _plots_section(plots: dict[str, Path | None]) -> str:
+    parts = ["<h2>Plots</h2>"]
+    missing = []
+    for spec in PLOTS:
+        path = plots.get(spec.name)
+        if path is None:
+            missing.append(f"<li>{_esc(spec.title)}: no data ({_esc(spec.source)})</li>")
+            continue
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        parts.append(f'<figure><img alt="{_esc(spec.title)}" src="data:image/png;base64,{data}">'
+                     f"<figcaption>{_esc(spec.title)}</figcaption></figure>")
+    if missing:
+        parts.append("<h3>Not plotted</h3><ul class=nodata>" + "".join(missing) + "</ul>")
+    return "\n".join(parts)
+
+
+# SQL to dig further: (title, query, tables it needs).
+SQL_RECIPES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("tables and their columns", "SHOW TABLES", ()),
+    ("why teacher traces were rejected",
+     "SELECT code, count(*) AS n FROM (SELECT unnest(reject_reasons) AS code FROM sft_trajectories) GROUP BY ALL ORDER BY n DESC",
+     ("sft_trajectories",)),
+    ("stage rewards, returns, advantages", "SELECT step, stage, avg(R) AS R, avg(G) AS G, avg(A) AS A FROM stage_rewards GROUP BY ALL ORDER BY step, stage",
+     ("stage_rewards",)),
+    ("mean judge score per stage and step", "SELECT step, stage, avg(score) AS mean_score, count(*) AS n FROM judge_scores GROUP BY ALL ORDER BY step, stage",
+     ("judge_scores",)),
+    ("most discriminative rubrics",
+     "SELECT step, rubric_id, any_value(stage) AS stage, stddev_samp(score) AS spread FROM judge_scores GROUP BY step, rubric_id ORDER BY spread DESC LIMIT 10",
+     ("judge_scores",)),
+    ("rubrics pruned at each step", "SELECT step, query_id, stage, title FROM judge_rubrics WHERE status = 'pruned' AND pruned_step = step",
+     ("judge_rubrics",)),
+    ("every metric name", "SELECT DISTINCT flow, name FROM metrics ORDER BY flow, name", ("metrics",)),
+    ("one metric over steps", "SELECT step, value FROM metrics WHERE name = 'rl/loss' ORDER BY step", ("metrics",)),
+    ("accepted reflections", "SELECT step, query_id, score, text FROM reflections WHERE accepted ORDER BY step, score DESC",
+     ("reflections",)),
+    ("evaluation by benchmark", "SELECT checkpoint, benchmark, retrieval, avg(score) AS score, count(*) AS n FROM eval_results GROUP BY ALL ORDER BY ALL",
+     ("eval_results",)),
+)
+
+
+def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str) -> str:
+    target = shlex.quote(str(run_dir))
+    items = []
+    for title, query, needs in SQL_RECIPES:
+        if all(t in tables for t in needs):
+            command = f'rubricem sql --run-dir {target} "{query}"'
+            items.append(f"<li>{_esc(title)}<pre>{_esc(command)}</pre></li>")
+    db = shlex.quote(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    return (
+        "<h2>Dig further</h2><ul class=sql>" + "".join(items) + "</ul>"
+        f"<p>MLflow: <code>{_esc(f'mlflow ui --backend-store-uri {db}')}</code></p>"
+        f"<p class=note>Report artifacts in MLflow: {_esc(mlflow_note)}</p>"
+    )
+
+
+STYLE = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;max-width:1180px;margin:24px auto;padding:0 16px;color:#222}
+h1{font-size:1.5em;margin-bottom:0}h2{border-bottom:1px solid #ddd;padding-bottom:3px;margin-top:1.6em}h3{font-size:1.02em;margin-bottom:.3em}
+table{border-collapse:collapse;font-size:.88em;margin:.4em 0 .8em}th,td{border:1px solid #ddd;padding:3px 8px;text-align:left}
+thead th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}.num{text-align:right;font-variant-numeric:tabular-nums}
+table.kv th{background:#f7f7f7;font-weight:600}.nodata{color:#888;font-style:italic}.note{color:#666;font-size:.85em}
+figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#666;font-size:.85em}
+pre{background:#f6f8fa;padding:6px 8px;overflow-x:auto;font-size:.82em;margin:.2em 0 .6em}.meta{color:#666;margin-top:.2em}
+"""
+
+
+def render_page(run_dir: Path, body: Sequence[str]) -> str:
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        f"<title>RubricEM report: {_esc(run_dir.name)}</title><style>{STYLE}</style></head><body>\n"
+        f"<h1>RubricEM run report: {_esc(run_dir.name)}</h1><p class=meta>{_esc(run_dir)} · generated {generated}</p>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
+
+
+def write_report(
+    run_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str] | None = None,
+    log_to_mlflow: bool | None = None,
+) -> Path:
+    """Write the run's one-page HTML report and return its path.
+
+    Args:
+        run_dir: the run directory.
+        out_path: the HTML file (default ``<run_dir>/report/report.html``); PNGs go to ``<stem>_plots/`` beside it.
+        log_to_mlflow: None logs the HTML and PNGs under the parent MLflow run when the run was tracked
+            (and says why not otherwise); True requires it (TrackingError when impossible); False skips it.
+    """
+    root = Path(run_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise ReportError(f"run directory {root} does not exist")
+    if not (root / "tables").is_dir() and not (root / "config.yaml").is_file():
+        raise ReportError(f"{root} is not a run directory: it has neither tables/ nor config.yaml")
+    out = Path(out_path).expanduser().resolve() if out_path is not None else root / "report" / "report.html"
+    plots_dir = out.parent / f"{out.stem}_plots"
+
+    raw_config, config_error = sections.read_config(root)
+    tracker, mlflow_note = None, "not requested (--no-mlflow)"
+    if log_to_mlflow is not False:
+        tracker, mlflow_note = mlflow_target(root, raw_config)
+        if tracker is None and log_to_mlflow:
+            raise TrackingError(f"cannot log the report to MLflow: {mlflow_note}")
+        if tracker is None:
+            mlflow_note = f"not logged: {mlflow_note}"
+
+    with RunData(root) as data:
+        plots = make_plots(data, plots_dir)
+        body = [
+            _config_section(sections.config_summary(raw_config, config_error), sections.table_inventory(data)),
+            _sft_section(sections.sft_summary(data)),
+            _rl_section(sections.rl_steps(data)),
+            _reflection_section(sections.reflection_steps(data)),
+            _eval_section(sections.eval_summary(data)),
+            _plots_section(plots),
+            _sql_section(root, data.tables, mlflow_note),
+        ]
+    atomic_write_text(out, render_page(root, body))
+    if tracker is not None:
+        run_id = log_files(tracker, [out, *(p for p in plots.values() if p is not None)])
+        log.info("report logged to MLflow run %s", run_id)
+    return out

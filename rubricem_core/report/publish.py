@@ -1,0 +1,56 @@
+"""Logging the report's files to MLflow, under the run directory's parent run.
+
+Only a run that was tracked (its ``mlflow/mlflow.db`` and parent-run state exist, and its config has
+``tracking.enabled``) gets the artifacts; the report never creates an MLflow store of its own.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rubricem_core.tracking import STATE_FILE, Tracker, TrackingError
+
+ARTIFACT_PATH = "report"
+
+
+def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker | None, str]:
+    """The tracker to log the report with, or None and the reason it is not logged."""
+    if config is None:
+        return None, "the run has no readable config.yaml to say whether it is tracked"
+    tracking = config.get("tracking") or {}
+    if not tracking.get("enabled", False):
+        return None, "tracking is disabled in config.yaml (tracking.enabled)"
+    db = run_dir / "mlflow" / "mlflow.db"
+    state_path = run_dir / "state" / STATE_FILE
+    if not db.is_file() or not state_path.is_file():
+        return None, f"the run has no MLflow store ({db} and {state_path} are needed)"
+    try:
+        run_id = json.loads(state_path.read_text()).get("run_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise TrackingError(f"cannot read MLflow state file {state_path}: {exc}") from exc
+    tracker = Tracker(run_dir, experiment=str(tracking.get("experiment") or "rubricem"))
+    client = tracker.client  # applies the offline defaults before mlflow is imported
+    from mlflow.exceptions import MlflowException
+
+    try:
+        artifact_uri = client.get_run(run_id).info.artifact_uri if run_id else None
+    except MlflowException as exc:
+        return None, f"the parent run {run_id} is not in {db}: {exc.message}"
+    if artifact_uri is None:
+        return None, f"{state_path} names no parent run"
+    # The experiment's artifact location is an absolute path fixed when the run dir was created; in
+    # a copied or moved run directory it still points at the original, which must not be written to.
+    own = (run_dir / "mlflow" / "artifacts").as_uri() + "/"
+    if not artifact_uri.startswith(own):
+        return None, (f"the parent run stores artifacts at {artifact_uri}, outside this run directory "
+                      "(was it copied or moved?); not writing there")
+    return tracker, f"parent run {run_id}, artifact path {ARTIFACT_PATH}/"
+
+
+def log_files(tracker: Tracker, files: list[Path]) -> str:
+    """Log each file under ``report/`` of the parent run; returns the run id."""
+    run_id = ""
+    for path in files:
+        run_id = tracker.log_parent_artifact(path, ARTIFACT_PATH)
+    return run_id

@@ -1,0 +1,140 @@
+"""Prefect task of the `evaluate` flow: one benchmark × checkpoint × retrieval mode → one Parquet part
+of `eval_results` (``tables/eval_results/<tag>--<benchmark>--<retrieval>.parquet``); a rerun returns
+the summary of the part that exists instead of sampling again.
+"""
+from __future__ import annotations
+
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rubricem_core.config import RunConfig
+from rubricem_core.embedders import make_embedder
+from rubricem_core.eval.run import (
+    EVAL_RESULTS_SCHEMA,
+    EvalOptions,
+    checkpoint_tag,
+    load_benchmark_queries,
+    run_eval,
+    summarize,
+)
+from rubricem_core.eval.types import EvalError, family_of
+from rubricem_core.policy.loading import load_policy
+from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank
+from rubricem_core.schemas import queries_from_table
+from rubricem_core.store import RunStore
+from rubricem_core.teacher.endpoint import endpoint_settings
+from tasks.inputs import search_env
+from tasks.rl import completed_step, step_checkpoint
+from tasks.secrets import resolve_api_key
+
+TABLE = "eval_results"
+
+_ENGINES: dict[tuple[str, str], tuple[Any, Any]] = {}
+_ENGINE_LOCK = threading.Lock()
+
+
+def default_checkpoint(run_dir: str) -> Path:
+    """The newest finished RL checkpoint, else the SFT policy."""
+    step = completed_step(run_dir)
+    path = step_checkpoint(run_dir, step) if step >= 0 else Path(run_dir) / "checkpoints" / "sft" / "final"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint")
+    return path
+
+
+def part_name(tag: str, benchmark: str, retrieval: str) -> str:
+    return f"{tag}--{benchmark}--{retrieval}"
+
+
+def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
+    """(engine, tokenizer) for a checkpoint, loaded once per process (benchmarks share it)."""
+    key = (str(Path(checkpoint).resolve()), cfg.rollout.engine)
+    with _ENGINE_LOCK:
+        if key not in _ENGINES:
+            _ENGINES.clear()  # one policy in memory at a time
+            model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype)
+            model.eval()
+            if cfg.rollout.engine == "vllm":
+                from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
+
+                engine = VLLMRolloutEngine(checkpoint, tokenizer, llm_kwargs={
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                }, max_model_len=cfg.rollout.max_total_tokens)
+            else:
+                from rubricem_core.rollout import HFRolloutEngine
+
+                engine = HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+            _ENGINES[key] = (engine, tokenizer)
+        return _ENGINES[key]
+
+
+def drop_engines() -> None:
+    with _ENGINE_LOCK:
+        _ENGINES.clear()
+
+
+def _grader(cfg: RunConfig):
+    from rubricem_core.eval.builtin import PROVIDER, register_builtin_grader
+    from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
+
+    grader_cfg = cfg.eval.grader
+    model = register_builtin_grader() if grader_cfg.model.startswith(PROVIDER + "/") else grader_cfg.model
+    settings = endpoint_settings(grader_cfg.model_copy(update={"model": model}), api_key=resolve_api_key(grader_cfg))
+    return BenchmarkGrader(settings, GraderOptions(temperature=grader_cfg.temperature, max_tokens=grader_cfg.max_tokens,
+                                                   seed=cfg.seed, structured_output=grader_cfg.structured_output))
+
+
+def _bank(run_dir: str, cfg: RunConfig, retrieval: str) -> ReflectionBank | None:
+    if retrieval == "none":
+        return None
+    directory = Path(cfg.eval.bank_dir) if cfg.eval.bank_dir else Path(run_dir) / "tables" / "bank"
+    if not (directory / ENTRIES_FILE).exists():
+        raise FileNotFoundError(f"retrieval={retrieval!r} needs a reflection bank, but none is saved at {directory} "
+                                "(run RL with a reflection recipe, or set eval.bank_dir)")
+    embedder = make_embedder(cfg.eval.bank_embedder)
+    if embedder is None:
+        raise EvalError("eval.bank_embedder must name an embedder when retrieval is cross or within")
+    return ReflectionBank.load(directory, embedder)
+
+
+def eval_queries(run_dir: str, cfg: RunConfig, benchmark: str) -> list:
+    if family_of(benchmark) == "synthetic":
+        held_out = [q for q in queries_from_table(RunStore(run_dir).read_table("queries")) if q.split == "eval"]
+        if not held_out:
+            raise EvalError(f"{run_dir}: the queries table has no 'eval' split to evaluate on")
+        return held_out[: cfg.eval.max_queries]
+    return load_benchmark_queries(benchmark, cfg.eval.paths.get(benchmark), cfg.eval.max_queries)
+
+
+@task(name="evaluate-benchmark", cache_policy=NO_CACHE)
+def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark: str, retrieval: str) -> dict[str, Any]:
+    """Sample and grade one benchmark → an `eval_results` part; returns its summary."""
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    tag = checkpoint_tag(run_dir, checkpoint)
+    part = part_name(tag, benchmark, retrieval)
+    if store.has(TABLE, {}, part):
+        return {"cached": True, **summarize(store.read_table(TABLE, {}, part).to_pylist())}
+    queries = eval_queries(run_dir, cfg, benchmark)
+    engine, tokenizer = _engine(checkpoint, cfg)
+    options = EvalOptions(
+        samples_per_query=cfg.eval.samples_per_query, temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
+        max_tool_calls=cfg.tools.max_tool_calls, seed=cfg.seed * 100_003 + zlib.crc32(benchmark.encode()),
+        prompt_style=cfg.policy.prompt_style, retrieval=retrieval, retrieval_k=cfg.eval.retrieval_k,
+    )
+    grader = None if family_of(benchmark) == "synthetic" else _grader(cfg)
+    outcome = run_eval(engine, tokenizer, benchmark, queries, search_env(run_dir, cfg), options, tag, grader,
+                       _bank(run_dir, cfg, retrieval))
+    store.write_table(TABLE, outcome.rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
+    s = outcome.summary
+    log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds",
+             tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],
+             s["valid_scaffold_rate"])
+    return {"cached": False, **s}

@@ -1,0 +1,181 @@
+"""Prefect tasks of the reflection meta-policy (recipes meta_policy and full).
+
+`reflect` (step N, new-query phase): candidates from the policy → reflection judge → `reflections`
+partition step=N, best valid candidate per query into the bank (`bank` table + saved FAISS index).
+`reflection-update` (run in step N+1): one GRPO step on the reflection tokens of step N's candidates.
+The flow overlaps them with the task work (see flows/rl.py); both skip what their Parquet or the
+newest checkpoint already holds, so a retried run redoes only what is missing.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rubricem_core.config import RunConfig
+from rubricem_core.judge.types import JudgeQuery
+from rubricem_core.reflection.judge import (
+    ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows, register_builtin_reflection_judge,
+)
+from rubricem_core.reflection.meta import (
+    candidate_advantages, candidate_requests, candidate_text, judge_view, pick_source_rollouts, reflection_metrics,
+    reflection_token_advantages,
+)
+from rubricem_core.rl.curriculum import StepPlan
+from rubricem_core.rl.update import ss_grpo_update
+from rubricem_core.rollout import SamplingParams
+from rubricem_core.store import RunStore
+from rubricem_core.teacher.endpoint import endpoint_settings
+from rubricem_core.trajectory import TokenTrajectory
+from tasks.inputs import search_env
+from tasks.rl import (
+    cached_task_metrics, completed_step, current_session, ensure_engine_weights, get_session, load_bank_steps,
+    recipe_settings, save_task_metrics,
+)
+from tasks.secrets import resolve_api_key
+
+REFLECTIONS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("source_rollout_id", pa.string()), ("candidate", pa.int64()),
+    ("text", pa.string()), ("valid", pa.bool_()), ("score", pa.float64()), ("accepted", pa.bool_()),
+    ("judge_failed", pa.bool_()), ("codes", pa.list_(pa.string())), ("justification", pa.string()),
+    ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
+    ("n_tokens", pa.int64()), ("finish_reason", pa.string()),
+])
+BANK_SCHEMA = pa.schema([
+    ("query_id", pa.string()), ("query_text", pa.string()), ("reflection", pa.string()), ("score", pa.float64()),
+    ("step", pa.int64()),
+])
+
+
+def _key(step: int) -> dict[str, int]:
+    return {"step": step}
+
+
+def _judge(cfg: RunConfig) -> ReflectionJudge:
+    endpoint = cfg.reflection.judge
+    model = endpoint.model
+    if model.startswith("rubricem-reflection-judge/"):
+        model = register_builtin_reflection_judge()
+    settings = endpoint_settings(endpoint.model_copy(update={"model": model}), api_key=resolve_api_key(endpoint))
+    return ReflectionJudge(settings, ReflectionJudgeOptions(
+        temperature=endpoint.temperature, max_tokens=endpoint.max_tokens, seed=cfg.seed,
+        structured_output=endpoint.structured_output,
+    ))
+
+
+@task(name="reflect", cache_policy=NO_CACHE)
+def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
+    """Write, judge and bank the reflections of a new-query step (weights: checkpoint step−1)."""
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    session = current_session(run_dir, cfg)
+    if store.has("reflections", _key(plan.step)):
+        load_bank_steps(session, store, [plan.step])
+        return {"cached": True, "metrics": cached_task_metrics(store, "reflect", plan.step)}
+    queries = {q["query_id"]: q for q in store.read_rows("queries")}
+    questions = {qid: q["question"] for qid, q in queries.items()}
+    rollouts = store.read_rows("rollouts", _key(plan.step))
+    sources = pick_source_rollouts(rollouts, plan.query_ids, cfg.seed, plan.step)
+    sampling = SamplingParams(
+        temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.reflection.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + plan.step,
+    )
+    requests = candidate_requests(session.tokenizer, sources, questions, cfg.reflection.n_candidates, sampling,
+                                  cfg.reflection.max_trajectory_chars)
+    t0 = time.perf_counter()
+    with session.lock:  # the engine is not re-entrant; the weights are those the step's rollouts used
+        ensure_engine_weights(session, plan.step - 1, cfg)
+        groups = session.engine.generate(requests, search_env(run_dir, cfg)) if requests else []
+    gen_seconds = time.perf_counter() - t0
+
+    rubric_rows = store.read_rows("judge_rubrics", _key(plan.step))
+    score_rows = store.read_rows("judge_scores", _key(plan.step))
+    inputs, trajs = [], {}
+    tok = session.tokenizer
+    stop_texts = [tok.decode([i]) for i in sorted(session.engine.stop_token_ids)] if hasattr(session.engine, "stop_token_ids") \
+        else [t for t in (tok.eos_token,) if t]
+    for (qid, src), group in zip(sources.items(), groups):
+        rubrics, judgment = judge_view(qid, src["rollout_id"], rubric_rows, score_rows)
+        q = queries[qid]
+        inputs.append(ReflectionJudgeInput(
+            query=JudgeQuery(qid, q["question"], reference_answer=q.get("reference_answer")),
+            source_rollout_id=src["rollout_id"], trajectory_text=src["text"],
+            candidates=[candidate_text(t, stop_texts) for t in group], rubrics=rubrics, judgment=judgment,
+        ))
+        for i, traj in enumerate(group):
+            trajs[(src["rollout_id"], i)] = traj
+    judge = _judge(cfg)
+    t1 = time.perf_counter()
+    scores = judge.score(inputs)
+    judge_seconds = time.perf_counter() - t1
+
+    rows = reflection_rows(plan.step, scores, cfg.reflection.min_score)
+    for row in rows:
+        traj: TokenTrajectory = trajs[(row["source_rollout_id"], row["candidate"])]
+        row.update(token_ids=traj.token_ids, loss_mask=traj.loss_mask, n_tokens=len(traj),
+                   logprobs=[None if x != x else x for x in traj.logprobs], finish_reason=traj.finish_reason)
+    store.write_table("reflections", rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
+    load_bank_steps(session, store, [plan.step])
+    if session.bank is not None:
+        store.write_table("bank", session.bank.rows(), schema=BANK_SCHEMA)
+        session.bank.save(store.state_dir / "bank")
+    metrics = reflection_metrics(rows)
+    metrics.update(judge.usage.metrics())
+    metrics["reflection/generate_seconds"] = gen_seconds
+    metrics["reflection/judge_seconds"] = judge_seconds
+    if session.bank is not None:
+        metrics["bank/size"] = float(len(session.bank))
+    save_task_metrics(store, "reflect", plan.step, metrics)
+    log.info("step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
+             plan.step, len(rows), len(inputs), sum(r["valid"] for r in rows), sum(r["accepted"] for r in rows),
+             len(session.bank) if session.bank is not None else 0)
+    return {"cached": False, "metrics": metrics}
+
+
+@task(name="reflection-update", cache_policy=NO_CACHE)
+def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_step: int) -> dict[str, Any]:
+    """GRPO on the reflection tokens of step ``source.step``'s candidates, applied during ``at_step``
+    (before that step's task update; the engine keeps sampling with the weights it was synced to)."""
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    if completed_step(run_dir) >= at_step:
+        return {"cached": True}
+    session = get_session(run_dir, cfg, at_step - 1)
+    if at_step in session.reflection_updates:
+        return {"cached": True}
+    # The step's rollouts must see the weights from before this update.
+    ensure_engine_weights(session, at_step - 1, cfg)
+    rs = recipe_settings(cfg)
+    rows = store.read_rows("reflections", _key(source.step))
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[row["source_rollout_id"]].append(row)
+    trajs, advs, nonzero = [], [], 0
+    for rid in sorted(groups):
+        group = sorted(groups[rid], key=lambda r: r["candidate"])
+        for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
+            if row["judge_failed"] or not row["token_ids"]:
+                continue  # no reward: left out of the update, never treated as a zero
+            trajs.append(TokenTrajectory(token_ids=row["token_ids"], loss_mask=row["loss_mask"],
+                                         stage_ids=[-1] * len(row["token_ids"]),
+                                         logprobs=[float("nan") if x is None else x for x in row["logprobs"]]))
+            advs.append(reflection_token_advantages(row["loss_mask"], adv))
+            nonzero += adv != 0.0
+    t0 = time.perf_counter()
+    metrics = ss_grpo_update(
+        session.trainer, session.ref_model, trajs, advs, session.tokenizer.pad_token_id, cfg.rl.max_tokens_per_batch,
+        cfg.reflection.temperature, rs["recipe"].clip_low, rs["recipe"].clip_high, rs["kl_coef"],
+    )
+    session.reflection_updates.add(at_step)
+    out = {f"reflection_update/{k}": v for k, v in metrics.items()}
+    out["reflection_update/source_step"] = float(source.step)
+    out["reflection_update/candidates"] = float(len(trajs))
+    out["reflection_update/nonzero_advantages"] = float(nonzero)
+    out["reflection_update/seconds"] = time.perf_counter() - t0
+    log.info("step %d: reflection update on %d candidates of step %d (%d with signal)", at_step, len(trajs),
+             source.step, nonzero)
+    return {"cached": False, "metrics": out}

@@ -1,0 +1,108 @@
+"""The `ablation` flow: recipes from one SFT checkpoint with matched budgets, evaluation, table and plot.
+
+Tested on `baseline` and `ss_grpo` (the reflection recipes are refused by the rl flow until the
+reflection loop is wired in). The "SFT" policy is a random-init tiny model, as in test_evaluate_flow.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rubricem_core.config import load_config
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+
+SMALL = {
+    "data.world.n_documents": 120,
+    "data.world.n_queries": 10,
+    "data.world.eval_fraction": 0.2,
+    "policy.prompt_style": "compact",
+    "policy.vocab_size": 700,
+    "policy.hidden_size": 32,
+    "policy.n_layers": 1,
+    "policy.n_heads": 2,
+    "policy.n_kv_heads": 1,
+    "policy.intermediate_size": 64,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 24,
+    "rollout.max_total_tokens": 900,
+    "tools.max_tool_calls": 2,
+    "rl.window": 1,
+    "rl.n_windows": 1,
+    "rl.queries_per_step": 1,
+    "eval.max_queries": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, prefect_harness):
+    from rubricem_core.sft import prepare_policy
+    from tasks.inputs import build_inputs
+
+    cfg = load_config("tiny", SMALL)
+    run = tmp_path_factory.mktemp("ablation") / "run"
+    store = RunStore(run)
+    queries, corpus = build_inputs(cfg)
+    store.write_table("corpus", corpus)
+    store.write_table("queries", queries)
+    prepare_policy(cfg.policy, run / "checkpoints" / "sft" / "final", corpus.column("text").to_pylist(), seed=0)
+    return str(run)
+
+
+def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir, monkeypatch):
+    from flows.ablation import ablation
+
+    result = ablation(run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"],
+                      benchmarks=["synthetic"])
+    assert result["budget"] == {"rl_steps": 2, "queries_per_step": 1, "group_size": 2}
+    rows = RunStore(run_dir).read_rows("ablation")
+    assert [(r["recipe"], r["benchmark"]) for r in rows] == [("sft", "synthetic"), ("baseline", "synthetic"),
+                                                              ("ss_grpo", "synthetic")]
+    assert [r["rl_steps"] for r in rows] == [0, 2, 2]
+    assert [r["checkpoint"] for r in rows] == ["sft", "rl-step-000001", "rl-step-000001"]
+    assert all(0.0 <= r["score_mean"] <= 1.0 and r["n_samples"] == 2 for r in rows)
+
+    subs = {recipe: RunStore(Path(run_dir) / "ablation" / recipe) for recipe in ("baseline", "ss_grpo")}
+    schedules = {}
+    for recipe, store in subs.items():
+        assert store.partitions("rollouts", "step") == [0, 1]
+        rollouts = store.read_rows("rollouts")
+        schedules[recipe] = sorted({(r["step"], r["query_id"]) for r in rollouts})
+        assert len(rollouts) == 2 * 1 * 2  # steps × queries × group
+        assert (store.run_dir / "checkpoints" / "rl" / "step-000001" / "checkpoint.json").exists()
+        assert store.has("eval_results", {}, "rl-step-000001--synthetic--none")
+    assert schedules["baseline"] == schedules["ss_grpo"]  # matched budgets: the same queries at every step
+    # the recipes differ where they should: the baseline judges the answer stage only
+    stages = {recipe: {r["stage"] for r in store.read_rows("judge_rubrics") if r["origin"] == "adaptive"}
+              for recipe, store in subs.items()}
+    assert stages["baseline"] <= {"answer"}
+    assert RunStore(run_dir).has("eval_results", {}, "sft--synthetic--none")
+
+    plot = Path(result["plot"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = json.loads(run_sql(run_dir, "SELECT name FROM metrics WHERE flow = 'ablation'", fmt="json"))
+    assert {m["name"] for m in logged} == {"ablation/sft/synthetic/score_mean", "ablation/baseline/synthetic/score_mean",
+                                          "ablation/ss_grpo/synthetic/score_mean"}
+
+    # a rerun trains and samples nothing: RL resumes after its last step, evaluations are read back
+    import flows.rl
+    import tasks.evaluate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("finished work was redone")
+
+    monkeypatch.setattr(flows.rl, "rl_step", refuse)
+    monkeypatch.setattr(tasks.evaluate, "run_eval", refuse)
+    again = ablation(run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"],
+                     benchmarks=["synthetic"])
+    assert [r["score_mean"] for r in again["rows"]] == [r["score_mean"] for r in rows]
+
+
+def test_unknown_recipes_are_refused_before_any_training(run_dir):
+    from flows.ablation import ablation
+
+    with pytest.raises(ValueError, match="grpo_plus"):
+        ablation(run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "grpo_plus"])
+    assert not (Path(run_dir) / "ablation" / "grpo_plus").exists()

@@ -1,0 +1,151 @@
+"""Smoke tests of the benchmark scripts: the runner's last-line format and the DuckDB latency bench
+on a small table (its SQL answers are checked against the same numbers computed in Python)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.duckdb_latency import JUDGE_SCORES_SCHEMA, QUERIES, write_scores  # noqa: E402
+from bench.run_all import (  # noqa: E402
+    Figure, FigureParseError, Result, Script, exit_code, figure_line, parse_figure_line, render_table, run_script,
+)
+from rubricem_core.sql import run_sql  # noqa: E402
+from rubricem_core.store import RunStore  # noqa: E402
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("figure: duckdb_max_latency=0.2412 s  goal: < 0.5 s over 1003520 judge_scores rows  met: yes",
+     Figure("duckdb_max_latency", 0.2412, "s", "< 0.5 s over 1003520 judge_scores rows", True)),
+    ("figure: prefect_overhead=17.84 %  goal: < 10% per RL step  met: no",
+     Figure("prefect_overhead", 17.84, "%", "< 10% per RL step", False)),
+    ("figure: judge_calls=72 calls  goal: < 1536 calls of per-rubric scoring  met: yes",
+     Figure("judge_calls", 72.0, "calls", "< 1536 calls of per-rubric scoring", True)),
+    ("figure: rollout_tokens_per_s=97 tok/s  goal: report (training 347 tok/s, padding 0.010)  met: n/a",
+     Figure("rollout_tokens_per_s", 97.0, "tok/s", "report (training 347 tok/s, padding 0.010)", None)),
+    ("figure: scaffold_valid=0.812 of trajectories  goal: >= 0.8 pass  met: yes",
+     Figure("scaffold_valid", 0.812, "of trajectories", ">= 0.8 pass", True)),
+    ("figure: ratio=1.5e+03  goal: > 1  met: yes", Figure("ratio", 1500.0, "", "> 1", True)),
+])
+def test_parse_figure_line(line, expected):
+    assert parse_figure_line(line) == expected
+
+
+@pytest.mark.parametrize("line", [
+    "figure: 3 calls vs 5 calls  goal: ours < per-rubric",           # the old free-form line
+    "figure: x=abc s  goal: < 1  met: yes",                          # value not a number
+    "figure: x=1 s goal: < 1 met: yes",                              # single spaces between fields
+    "figure: x=1 s  goal: < 1  met: maybe",                          # met must be yes|no|n/a
+    "result: x=1 s  goal: < 1  met: yes",
+])
+def test_parse_rejects_malformed_lines(line):
+    with pytest.raises(FigureParseError):
+        parse_figure_line(line)
+
+
+@pytest.mark.parametrize("value, unit, met, shown", [
+    (0.123456, "s", True, "0.1235"), (17.5, "%", False, "17.5"), (1003520, "rows", None, "1003520"),
+    (12345.678, "tok/s", None, "12346"), (3.0, "", True, "3"),
+])
+def test_figure_line_round_trips(value, unit, met, shown):
+    line = figure_line("some.figure", value, unit, "< 1 s over 5 rows", met)
+    assert line.startswith(f"figure: some.figure={shown}")
+    parsed = parse_figure_line(line)
+    assert parsed.name == "some.figure" and parsed.unit == unit and parsed.met is met
+    assert math.isclose(parsed.value, value, rel_tol=1e-3)
+
+
+def test_figure_line_refuses_unparseable_fields():
+    with pytest.raises(ValueError, match="figure name"):
+        figure_line("two words", 1.0, "s", "goal", True)
+    with pytest.raises(ValueError, match="two spaces"):
+        figure_line("x", 1.0, "s", "a  b", True)
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Script:
+    (tmp_path / f"{name}.py").write_text(body, encoding="utf-8")
+    return Script(name)
+
+
+def test_runner_counts_crashes_but_not_unmet_goals(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    unmet = _script(tmp_path, "unmet", "print('working')\nprint('figure: t=2.5 s  goal: < 1 s  met: no')\n")
+    crash = _script(tmp_path, "crash", "raise SystemExit('boom')\n")
+    garbled = _script(tmp_path, "garbled", "print('figure: 2.5 s')\n")
+    needs = Script("needs_run", needs_run_dir=True)
+    run = lambda s: run_script(s, False, str(tmp_path / "no-run"), sys.executable, 60, logs, bench_dir=tmp_path)  # noqa: E731
+
+    r_unmet = run(unmet)
+    assert r_unmet.status == "ok" and r_unmet.figure == Figure("t", 2.5, "s", "< 1 s", False)
+    assert exit_code([r_unmet]) == 0
+    r_crash, r_garbled, r_missing, r_needs = run(crash), run(garbled), run(Script("absent")), run(needs)
+    assert (r_crash.status, r_garbled.status) == ("crashed", "crashed")
+    assert "exit code 1" in r_crash.note and "not a figure line" in r_garbled.note
+    assert (r_missing.status, r_needs.status) == ("skipped", "skipped")
+    assert exit_code([r_unmet, r_missing, r_needs]) == 0 and exit_code([r_unmet, r_crash]) == 1
+    table = render_table([r_unmet, r_crash, Result("absent", "skipped", note="absent.py does not exist")])
+    assert "t=2.5 s" in table and "< 1 s" in table and "crashed" in table and "skipped" in table
+
+
+def test_duckdb_bench_sql_matches_python(tmp_path):
+    written, last_step, query_id = write_scores(tmp_path, rows=3000, n_queries=6, n_rollouts=4, n_rubrics=8, seed=1)
+    assert written == 16 * 6 * 4 * 8  # whole steps: ceil(3000 / 192) steps of 6 queries x 4 rollouts x 8 rubrics
+    assert RunStore(tmp_path).partitions("judge_scores", "step") == list(range(last_step + 1))
+    rows = RunStore(tmp_path).read_rows("judge_scores")
+    assert len(rows) == written and {r["score"] for r in rows} == {0, 1, 2}
+
+    # stage means per step
+    sums: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for r in rows:
+        sums[(r["step"], r["stage"])].append(r["score"])
+    out = run_sql(tmp_path, QUERIES["stage_means"], fmt="json")
+    got = {(d["step"], d["stage"]): (d["mean_score"], d["n"]) for d in json.loads(out)}
+    assert got.keys() == sums.keys()
+    for key, scores in sums.items():
+        assert got[key][1] == len(scores) and math.isclose(got[key][0], sum(scores) / len(scores))
+
+    # top rollout: R = Σ w·s′ / (2 Σ w) with negative rubrics inverted
+    num: dict[tuple, float] = defaultdict(float)
+    den: dict[tuple, float] = defaultdict(float)
+    for r in rows:
+        s = 2 - r["score"] if r["polarity"] == "negative" else r["score"]
+        key = (r["step"], r["query_id"], r["rollout_id"])
+        num[key] += r["weight"] * s
+        den[key] += r["weight"]
+    best = max(num[k] / (2 * den[k]) for k in num)
+    top = json.loads(run_sql(tmp_path, QUERIES["top_rollouts"], fmt="json"))
+    assert len(top) == 10 and math.isclose(top[0]["R"], best)
+    assert all(a["R"] >= b["R"] for a, b in zip(top, top[1:]))
+
+    group = json.loads(run_sql(tmp_path, QUERIES["one_group"].format(last_step=last_step, query_id=query_id), fmt="json"))
+    assert len(group) == 4 * 8  # every rollout of the group on every rubric of the query
+
+
+def test_duckdb_bench_prints_a_figure(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "duckdb_latency.py"), "--rows", "2000", "--queries", "4",
+         "--rollouts", "4", "--rubrics", "8", "--repeats", "1", "--run-dir", str(tmp_path / "run")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    figure = parse_figure_line(proc.stdout.strip().splitlines()[-1])
+    assert figure.name == "duckdb_max_latency" and figure.unit == "s" and 0 < figure.value < 30
+    assert "over 2048 judge_scores rows" in figure.goal and figure.met is (figure.value < 0.5)
+
+
+def test_bench_schema_matches_the_judge_tasks_table():
+    part = sorted((REPO_ROOT / "runs" / "tiny" / "tables" / "judge_scores").glob("step=*/*.parquet"))
+    if not part:
+        pytest.skip("no runs/tiny judge_scores to compare with (run `make run`)")
+    real = pq.read_schema(part[0])
+    assert [(f.name, f.type) for f in real] == [(f.name, f.type) for f in JUDGE_SCORES_SCHEMA]

@@ -1,0 +1,319 @@
+"""Deployments: prefect.yaml and the scripts in deployments/ against a real Prefect server.
+
+The server test starts `prefect server start` on 127.0.0.1 with its own PREFECT_HOME (SQLite inside
+tmp_path), runs deployments/create_pool.sh and deployments/deploy.sh, starts a process worker with
+deployments/start_worker.sh, triggers a run of `collect-sft-data` through the REST API and waits for
+it to complete; the worker runs the flow from this checkout. Every Prefect setting lives in the
+subprocesses' environment only, so the session's `prefect_harness` is never touched; this module talks
+to its server with plain HTTP.
+
+The other tests check, without a server, what the UI form and the GPU example rest on: each
+deployment's flow signature yields a parameter schema with every RunConfig field, its default
+parameters validate, and the Kubernetes base job template renders a GPU pod manifest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from rubricem_core.config import RunConfig
+from rubricem_core.store import RunStore
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POOL = "rubricem-process"
+FLOW_DEPLOYMENTS = {  # deployment name → entrypoint, one per flow
+    "collect-sft-data": "flows/collect_sft_data.py:collect_sft_data",
+    "sft": "flows/sft.py:sft",
+    "rl": "flows/rl.py:rl",
+    "evaluate": "flows/evaluate.py:evaluate",
+    "ablation": "flows/ablation.py:ablation",
+    "pipeline": "flows/pipeline.py:pipeline",
+}
+# A world small enough that the flow run is dominated by process start-up: 3 train queries x 2 traces.
+TINY = {"data.world.n_documents": 50, "data.world.n_queries": 4, "data.world.eval_fraction": 0.25}
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _load_yaml(relative: str) -> dict:
+    return yaml.safe_load((REPO_ROOT / relative).read_text())
+
+
+def _deployments(relative: str = "prefect.yaml") -> dict[str, dict]:
+    return {d["name"]: d for d in _load_yaml(relative)["deployments"]}
+
+
+def _flow(entrypoint: str):
+    from prefect.flows import load_flow_from_entrypoint
+
+    return load_flow_from_entrypoint(str(REPO_ROOT / entrypoint))
+
+
+# --- prefect.yaml without a server ------------------------------------------------------------------
+
+
+def test_prefect_yaml_has_one_deployment_per_flow_on_the_process_pool():
+    spec = _load_yaml("prefect.yaml")
+    deployments = _deployments()
+    assert {name: d["entrypoint"] for name, d in deployments.items()} == FLOW_DEPLOYMENTS
+    for name, d in deployments.items():
+        assert d["work_pool"]["name"] == POOL, name
+        assert len(d["description"]) > 40, name
+        assert set(d["parameters"]) == {"run_dir", "profile"}, name
+        assert (REPO_ROOT / "data" / "profiles" / f"{d['parameters']['profile']}.yaml").is_file(), name
+    # the step-by-step flows continue one run directory; pipeline and ablation have their own
+    run_dirs = {name: d["parameters"]["run_dir"] for name, d in deployments.items()}
+    assert len({run_dirs[n] for n in ("collect-sft-data", "sft", "rl", "evaluate")}) == 1
+    assert len({run_dirs["collect-sft-data"], run_dirs["pipeline"], run_dirs["ablation"]}) == 3
+    # workers run the checkout named by their own environment, resolved at run time
+    (step,) = spec["pull"]
+    assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RUBRICEM_HOME }}"}}
+
+
+@pytest.mark.parametrize("name", list(FLOW_DEPLOYMENTS))
+def test_deployment_form_is_the_run_config(name):
+    """What `prefect deploy` stores as parameter_openapi_schema: the UI form of the deployment."""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    deployment = _deployments()[name]
+    flow = _flow(deployment["entrypoint"])
+    schema = parameter_schema(flow).model_dump_for_openapi()
+    # the common four first (evaluate adds checkpoint, benchmarks, retrieval after them)
+    assert list(schema["properties"])[:4] == ["run_dir", "profile", "overrides", "config"]
+    assert {"$ref": "#/definitions/RunConfig"} in schema["properties"]["config"]["anyOf"]
+    run_config = schema["definitions"]["RunConfig"]
+    assert set(run_config["properties"]) == set(RunConfig.model_fields)
+    teacher = schema["definitions"]["TeacherConfig"]["properties"]
+    assert teacher["max_rounds"]["description"] and teacher["max_rounds"]["minimum"] == 1
+    # the deployment's defaults are valid parameters; a form value out of range is refused
+    flow.validate_parameters(deployment["parameters"])
+    flow.validate_parameters({**deployment["parameters"], "config": RunConfig().model_dump(mode="json")})
+    with pytest.raises(ParameterTypeError, match="max_rounds"):
+        flow.validate_parameters({**deployment["parameters"], "config": {"teacher": {"max_rounds": 0}}})
+
+
+# --- the GPU example without a cluster --------------------------------------------------------------
+
+
+def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
+    from prefect.server.schemas.actions import validate_base_job_template
+    from prefect.utilities.schema_tools import ValidationError, validate
+    from prefect.utilities.templating import apply_values
+
+    template = json.loads((REPO_ROOT / "deployments" / "gpu" / "base-job-template.json").read_text())
+    validate_base_job_template(template)  # every placeholder is a declared variable (the server's check)
+    variables = template["variables"]
+    defaults = {k: v["default"] for k, v in variables["properties"].items() if "default" in v}
+    validate(defaults, variables, raise_on_error=True, ignore_required=True)
+
+    gpu_deployments = _deployments("deployments/gpu/prefect-gpu.yaml")
+    assert {d["entrypoint"] for d in gpu_deployments.values()} <= set(FLOW_DEPLOYMENTS.values())
+    image = "registry.example.com/rubricem:gpu"
+    monkeypatch.setenv("RUBRICEM_IMAGE", image)  # deployments/gpu/deploy.sh requires it
+    pods = {}
+    for name, d in gpu_deployments.items():
+        assert d["work_pool"]["name"] == "rubricem-gpu" and d["parameters"]["profile"] == "gpu", name
+        job_variables = apply_values(d["work_pool"]["job_variables"], {})  # as `prefect deploy`: {{ $VAR }} from os.environ
+        validate(job_variables, variables, raise_on_error=True, ignore_required=True)
+        rendered = apply_values(template["job_configuration"], {**defaults, **job_variables})
+        pods[name] = rendered["job_manifest"]["spec"]["template"]["spec"]
+    trainer = pods["rl-gpu"]["containers"][0]
+    assert trainer["image"] == image
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    assert pods["rl-gpu"]["tolerations"] and pods["rl-gpu"]["nodeSelector"]
+    teacher = pods["collect-sft-data-gpu"]
+    assert teacher["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 0
+    assert teacher["nodeSelector"] == {} and teacher["tolerations"] == []
+    assert pods["evaluate-gpu"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
+    with pytest.raises(ValidationError):
+        validate({"gpus": "eight"}, variables, raise_on_error=True, ignore_required=True)
+
+
+# --- a real server, the scripts, a worker ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Background:
+    """A subprocess in its own session with output to a log file; stop() ends it and its descendants."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        # flow-run processes of a worker may sit in their own process group: end every descendant;
+        # psutil checks each process's start time, so a recycled pid is never signalled
+        try:
+            root = psutil.Process(self.proc.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        for process in family:
+            try:
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(family, timeout=15)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        self.proc.wait(timeout=5)
+        self._out.close()
+
+
+class _Api:
+    """Plain HTTP to the test server. A 503 is SQLite busy under load: retried, as Prefect's client does."""
+
+    def __init__(self, url: str):
+        self._client = httpx.Client(base_url=url, timeout=30)
+
+    def request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        for attempt in range(8):
+            response = self._client.request(method, path, **kwargs)
+            if response.status_code != 503:
+                break
+            time.sleep(0.25 * 2 ** min(attempt, 4))
+        return response
+
+    def get(self, path: str) -> httpx.Response:
+        return self.request("GET", path)
+
+    def post(self, path: str, json: dict) -> httpx.Response:
+        return self.request("POST", path, json=json)
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 240) -> str:
+    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(args)} failed ({done.returncode}):\n{output[-4000:]}"
+    return output
+
+
+@pytest.fixture()
+def prefect_server(tmp_path):
+    """`prefect server start` on a free port of 127.0.0.1, with everything under tmp_path."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its SQLite database and profiles
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",  # the API is what is tested; the UI build only slows start-up
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # the worker polls every second instead of every 10
+    })
+    server = _Background([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                          "--port", str(port)], env, tmp_path / "server.log")
+    try:
+        t0 = time.monotonic()
+        deadline = t0 + 150
+        while True:
+            assert server.proc.poll() is None, f"prefect server exited:\n{server.tail()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"prefect server not healthy after 150 s:\n{server.tail()}"
+            time.sleep(0.5)
+        print(f"prefect server healthy after {time.monotonic() - t0:.0f} s")
+        yield url, env
+    finally:
+        server.stop()
+
+
+def _check_gpu_pool_on_the_server(api: _Api) -> None:
+    """The server accepts the Kubernetes template and validates the GPU deployments' job variables
+    against it (what create_pool.sh and `prefect deploy` send, minus the CLI start-up)."""
+    template = json.loads((REPO_ROOT / "deployments" / "gpu" / "base-job-template.json").read_text())
+    pool = api.post("/work_pools/", json={"name": "rubricem-gpu", "type": "kubernetes", "base_job_template": template})
+    assert pool.status_code == 201, pool.text
+    flow_id = api.post("/flows/", json={"name": "rl"}).json()["id"]
+    for name, d in _deployments("deployments/gpu/prefect-gpu.yaml").items():
+        job_variables = {**d["work_pool"]["job_variables"], "image": "registry.example.com/rubricem:gpu"}
+        created = api.post("/deployments/", json={"name": name, "flow_id": flow_id, "work_pool_name": "rubricem-gpu",
+                                                  "job_variables": job_variables, "parameters": d["parameters"]})
+        assert created.status_code in (200, 201), f"{name}: {created.text}"
+    refused = api.post("/deployments/", json={"name": "bad", "flow_id": flow_id, "work_pool_name": "rubricem-gpu",
+                                              "job_variables": {"gpus": "eight"}})
+    assert refused.status_code == 422 and "gpus" in refused.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
+    url, env = prefect_server
+    api = _Api(url)
+    started = time.monotonic()
+    # the worker starts first (its start-up overlaps the deploy); it may create the pool itself, which
+    # deploy.sh's create_pool.sh must then accept
+    worker = _Background(["bash", "deployments/start_worker.sh"], env, tmp_path / "worker.log")
+    try:
+        _run(["bash", "deployments/deploy.sh", "collect-sft-data"], env)
+        print(f"deployed after {time.monotonic() - started:.0f} s")
+        assert api.get(f"/work_pools/{POOL}").json()["type"] == "process"
+        deployment = api.get("/deployments/name/collect_sft_data/collect-sft-data").json()
+        assert deployment["work_pool_name"] == POOL
+        assert deployment["parameters"] == {"run_dir": "runs/ui", "profile": "tiny"}
+        assert deployment["description"].startswith("SFT data collection")
+        form = deployment["parameter_openapi_schema"]
+        assert set(form["definitions"]["RunConfig"]["properties"]) == set(RunConfig.model_fields)
+        assert (tmp_path / "prefect-home" / "prefect.db").is_file()  # the server's own database
+
+        run_dir = tmp_path / "run"
+        created = api.post(f"/deployments/{deployment['id']}/create_flow_run",
+                           json={"parameters": {"run_dir": str(run_dir), "overrides": TINY}})
+        assert created.status_code == 201, created.text
+        flow_run = created.json()
+        # the deployment's defaults fill what the run does not set
+        assert flow_run["parameters"]["profile"] == "tiny" and flow_run["parameters"]["overrides"] == TINY
+
+        # creating the pool again keeps it (idempotent); this runs while the worker picks the run up
+        assert f"work pool '{POOL}' exists" in _run(["bash", "deployments/create_pool.sh"], env)
+        _check_gpu_pool_on_the_server(api)
+
+        deadline = time.monotonic() + 300
+        while True:
+            flow_run = api.get(f"/flow_runs/{flow_run['id']}").json()
+            state = flow_run["state"]["type"]
+            if state in TERMINAL:
+                break
+            assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
+            assert time.monotonic() < deadline, f"flow run still {state} after 300 s:\n{worker.tail()}"
+            time.sleep(1)
+        assert state == "COMPLETED", f"flow run ended {state}: {flow_run['state']['message']}\n{worker.tail()}"
+        print(f"flow run completed after {time.monotonic() - started:.0f} s")
+    finally:
+        worker.stop()
+
+    rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
+    assert len(rows) == 3 * 2  # 3 train queries x trajectories_per_query 2 of the tiny profile
+    assert sum(r["accepted"] for r in rows) >= 3
+    assert (run_dir / "config.yaml").is_file()
+    # the flow ran in a process the worker started, not in this one
+    assert flow_run["infrastructure_pid"] and not flow_run["infrastructure_pid"].endswith(f":{os.getpid()}")

@@ -1,0 +1,172 @@
+"""The `evaluate` flow end to end on a tiny run directory: eval_results parts, MLflow metrics, reruns,
+test-time reflection retrieval, explicit checkpoints and the CLI.
+
+The run directory is built without teacher collection or SFT (queries + corpus + a random-init tiny
+policy as the "SFT" checkpoint): grading quality is tested in test_eval_graders.py; here the point is
+the plumbing around a real policy sampling with the real tools.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rubricem_core.config import load_config
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+
+SMALL = {
+    "data.world.n_documents": 120,
+    "data.world.n_queries": 12,
+    "data.world.eval_fraction": 0.25,
+    "policy.prompt_style": "compact",
+    "policy.vocab_size": 700,
+    "policy.hidden_size": 32,
+    "policy.n_layers": 1,
+    "policy.n_heads": 2,
+    "policy.n_kv_heads": 1,
+    "policy.intermediate_size": 64,
+    "rollout.max_new_tokens": 24,
+    "rollout.max_total_tokens": 900,
+    "tools.max_tool_calls": 2,
+    "eval.max_queries": 2,
+    "eval.samples_per_query": 1,
+}
+UNTRACKED = {"tracking.enabled": False}  # MLflow is checked once, in the first test
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, prefect_harness):
+    from rubricem_core.sft import prepare_policy
+    from tasks.inputs import build_inputs
+
+    cfg = load_config("tiny", SMALL)
+    run = tmp_path_factory.mktemp("evaluate") / "run"
+    store = RunStore(run)
+    queries, corpus = build_inputs(cfg)
+    store.write_table("corpus", corpus)
+    store.write_table("queries", queries)
+    texts = corpus.column("text").to_pylist()
+    prepare_policy(cfg.policy, run / "checkpoints" / "sft" / "final", texts, seed=0)
+    prepare_policy(cfg.policy, run.parent / "other-policy", texts, seed=1)
+    return str(run)
+
+
+def _overrides(**extra):
+    return {**SMALL, **extra}
+
+
+def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared_data, monkeypatch):
+    from flows.evaluate import evaluate
+    import tasks.evaluate as eval_tasks
+
+    simpleqa = shared_data / "simpleqa" / "simple_qa_test_set.csv"
+    if not simpleqa.exists():
+        pytest.skip(f"shared data file missing: {simpleqa}")
+    overrides = _overrides(**{"eval.paths": {"simpleqa": str(simpleqa)}})
+    result = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["synthetic", "simpleqa"])
+    assert result["tag"] == "sft" and result["retrieval"] == "none"
+    assert result["checkpoint"].endswith("checkpoints/sft/final")
+
+    store = RunStore(run_dir)
+    rows = store.read_rows("eval_results")
+    assert len(rows) == 2 * 2 * 1  # benchmarks × queries × samples
+    for column in ("checkpoint", "benchmark", "query_id", "retrieval", "score", "details", "sample", "grade_failed",
+                   "valid_scaffold", "finish_reason", "text"):
+        assert column in rows[0]
+    held_out = {q["query_id"] for q in store.read_rows("queries") if q["split"] == "eval"}
+    assert {r["query_id"] for r in rows if r["benchmark"] == "synthetic"} <= held_out
+    assert {r["query_id"] for r in rows if r["benchmark"] == "simpleqa"} == {"simpleqa-00000", "simpleqa-00001"}
+    for row in rows:
+        assert 0.0 <= row["score"] <= 1.0 and not row["grade_failed"]
+        details = json.loads(row["details"])
+        assert ("rubrics" in details) if row["benchmark"] == "synthetic" else (details["grade"] in
+                                                                             ("correct", "incorrect", "not_attempted"))
+    assert sorted(p.name for p in store.files("eval_results")) == ["sft--simpleqa--none.parquet",
+                                                                   "sft--synthetic--none.parquet"]
+
+    means = json.loads(run_sql(run_dir, "SELECT benchmark, avg(score) AS s, count(*) AS n FROM eval_results "
+                                        "GROUP BY ALL ORDER BY benchmark", fmt="json"))
+    for mean in means:
+        assert mean["n"] == 2
+        assert mean["s"] == pytest.approx(result["benchmarks"][mean["benchmark"]]["score_mean"])
+    logged = json.loads(run_sql(run_dir, "SELECT step, name, value FROM metrics WHERE flow = 'evaluate'", fmt="json"))
+    names = {m["name"]: m for m in logged}
+    assert {"eval/synthetic/none/score_mean", "eval/simpleqa/none/score_mean", "eval/simpleqa/none/grader/score_calls",
+            "eval/synthetic/none/valid_scaffold_rate"} <= set(names)
+    assert names["eval/simpleqa/none/grader/score_calls"]["value"] == 2.0
+    assert {m["step"] for m in logged} == {0}  # the SFT policy: no RL updates
+
+    # a rerun reads the parts back instead of sampling again
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("a finished benchmark was evaluated again")
+
+    monkeypatch.setattr(eval_tasks, "run_eval", no_sampling)
+    again = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["synthetic", "simpleqa"])
+    assert all(s["cached"] for s in again["benchmarks"].values())
+    assert again["benchmarks"]["synthetic"]["score_mean"] == pytest.approx(result["benchmarks"]["synthetic"]["score_mean"])
+
+
+def _save_bank(run_dir: str, query_ids: list[str]) -> None:
+    from rubricem_core.embedders import HashingEmbedder
+    from rubricem_core.reflection.bank import BankEntry, ReflectionBank
+    from rubricem_core.reflection.format import Reflection
+
+    queries = {q["query_id"]: q for q in RunStore(run_dir).read_rows("queries")}
+    bank = ReflectionBank(HashingEmbedder())
+    for qid in query_ids:
+        reflection = Reflection((f"Find the values for {qid}",), (f"Search each entity of {qid} by name",))
+        bank.add(BankEntry(qid, queries[qid]["question"], reflection.render(), 0.8, 0))
+    bank.save(Path(run_dir) / "tables" / "bank")
+
+
+@pytest.mark.parametrize("mode,expected_guided", [("none", 0.0), ("within", 0.5), ("cross", 1.0)])
+def test_retrieval_modes_inject_bank_guidance(run_dir, mode, expected_guided):
+    from flows.evaluate import evaluate
+
+    store = RunStore(run_dir)
+    held_out = [q["query_id"] for q in store.read_rows("queries") if q["split"] == "eval"][:2]
+    train = [q["query_id"] for q in store.read_rows("queries") if q["split"] == "train"][:3]
+    _save_bank(run_dir, [held_out[0], *train])  # the first held-out query has its own reflection
+    result = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"],
+                      retrieval=mode)
+    assert result["benchmarks"]["synthetic"]["guided_rate"] == pytest.approx(expected_guided)
+    rows = store.read_table("eval_results", {}, f"sft--synthetic--{mode}").to_pylist()
+    assert {r["retrieval"] for r in rows} == {mode}
+    guided = {r["query_id"] for r in rows if r["guidance"]}
+    if mode == "within":
+        assert guided == {held_out[0]}
+        assert all(held_out[0] in r["guidance"] for r in rows if r["guidance"])
+    if mode == "cross":
+        own = [r for r in rows if r["query_id"] == held_out[0]]
+        assert all(held_out[0] not in r["guidance"] for r in own)  # never its own reflection
+
+
+def test_cross_retrieval_without_a_bank_names_the_directory(tmp_path, run_dir):
+    from flows.evaluate import evaluate
+
+    missing = tmp_path / "no-bank"
+    with pytest.raises(FileNotFoundError, match="no-bank"):
+        evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED, **{"eval.bank_dir": str(missing)}),
+                 checkpoint=str(Path(run_dir).parent / "other-policy"), benchmarks=["synthetic"], retrieval="cross")
+
+
+def test_cli_evaluates_an_explicit_checkpoint(run_dir, capsys):
+    from flows.cli import main
+    from flows.evaluate import evaluate
+
+    evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"])  # or cached
+
+    other = str(Path(run_dir).parent / "other-policy")
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in {**SMALL, **UNTRACKED}.items()]
+    assert main(["evaluate", "--run-dir", run_dir, *sets, "--checkpoint", other, "--benchmark", "synthetic"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic: score" in out and "other-policy-" in out
+    parts = [p.name for p in RunStore(run_dir).files("eval_results") if p.name.startswith("other-policy-")]
+    assert len(parts) == 1 and parts[0].endswith("--synthetic--none.parquet")
+    rows = RunStore(run_dir).read_table("eval_results", {}, parts[0][: -len(".parquet")]).to_pylist()
+    sft = RunStore(run_dir).read_table("eval_results", {}, "sft--synthetic--none").to_pylist()
+    assert [r["text"] for r in rows] != [r["text"] for r in sft]  # another policy samples other text
+    assert main(["evaluate", "--run-dir", run_dir, *sets, "--benchmark", "nope"]) == 2
+    assert "eval.benchmarks" in capsys.readouterr().err

@@ -1,0 +1,259 @@
+"""SIGKILL at chosen points of a tiny run, then a rerun: it completes with the tables of an
+uninterrupted run (no duplicate, no missing rows), loadable checkpoints and no temp file read as data.
+
+The kills are real: the `rubricem` CLI runs in its own process group and ``RUBRICEM_FAULT_POINT``
+(rubricem_core/faults.py) makes it SIGKILL itself at the named point — no cleanup handler runs, as
+with the OOM killer or a preempted node. The subprocesses talk to the session's test Prefect server
+(no temporary server per call). One uninterrupted reference run per module, in process, with the same
+config and seed; its snapshots after collection and after SFT are the starting points of the kills.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+from rubricem_core.training.checkpoint import load_checkpoint, read_meta
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "flows.cli"]
+
+SMALL = {
+    "data.world.n_documents": 60,
+    "data.world.n_queries": 8,
+    "data.world.eval_fraction": 0.25,
+    "teacher.trajectories_per_query": 1,
+    "policy.vocab_size": 1024,
+    "policy.hidden_size": 64,
+    "policy.n_layers": 2,
+    "policy.intermediate_size": 128,
+    "sft.max_steps": 4,
+    "sft.warmup_steps": 1,
+    "sft.checkpoint_every": 2,
+    "sft.log_every": 1,
+    "rl.window": 1,
+    "rl.n_windows": 1,
+    "rl.queries_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 48,
+    "rollout.max_total_tokens": 1200,
+    "tools.max_tool_calls": 2,
+}
+SETS = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+# columns that legitimately differ between two runs of the same config (wall-clock times)
+VOLATILE = {"latency_s", "submitted_at", "logged_at"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_harness) -> dict[str, Path]:
+    """An uninterrupted run, with snapshots after collection and after SFT."""
+    from flows.collect_sft_data import collect_sft_data
+    from flows.rl import rl
+    from flows.sft import sft
+
+    root = tmp_path_factory.mktemp("fault_kill")
+    run = root / "reference"
+    collect_sft_data(run_dir=str(run), profile="tiny", overrides=SMALL)
+    shutil.copytree(run, root / "collected")
+    sft(run_dir=str(run), profile="tiny", overrides=SMALL)
+    shutil.copytree(run, root / "trained")
+    rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+    return {"collected": root / "collected", "trained": root / "trained", "final": run}
+
+
+def _api_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if k != "RUBRICEM_FAULT_POINT"}
+    env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())  # the session's test server
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def kill_at(command: str, run_dir: Path, point: str, timeout: float = 240.0) -> str:
+    """Run ``rubricem <command>`` until it SIGKILLs itself at ``point``; returns its output."""
+    env = {**_api_env(), "RUBRICEM_FAULT_POINT": point}
+    log_path = run_dir.parent / f"{run_dir.name}-{command}-{point.replace(':', '_')}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*CLI, command, "--run-dir", str(run_dir), *SETS], cwd=REPO, env=env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    output = log_path.read_text(errors="replace")
+    assert rc == -signal.SIGKILL, f"expected SIGKILL at {point}, got rc={rc}:\n{output[-3000:]}"
+    return output
+
+
+def _rows(run_dir: Path, table: str) -> list[dict]:
+    return RunStore(run_dir).read_rows(table)
+
+
+def _canonical(rows: list[dict], key: tuple[str, ...]) -> list[dict]:
+    return sorted(({k: v for k, v in r.items() if k not in VOLATILE} for r in rows), key=lambda r: tuple(r[k] for k in key))
+
+
+def assert_same_table(run_dir: Path, ref_dir: Path, table: str, key: tuple[str, ...]) -> None:
+    """Same rows as the reference (order-free), and ``key`` unique: no duplicate, no missing rows."""
+    rows, ref = _rows(run_dir, table), _rows(ref_dir, table)
+    keys = [tuple(r[k] for k in key) for r in rows]
+    assert len(keys) == len(set(keys)), f"{table}: duplicate {key}"
+    # the same count through SQL: a leftover temp file is never part of a view
+    n_sql = int(run_sql(str(run_dir), f"SELECT count(*) AS n FROM {table}", fmt="csv").splitlines()[1])
+    assert n_sql == len(rows) == len(ref), f"{table}: {n_sql} rows via SQL, {len(rows)} via the store, {len(ref)} in the reference"
+    got, want = _canonical(rows, key), _canonical(ref, key)
+    for a, b in zip(got, want):
+        assert a == b, f"{table}: row {tuple(a[k] for k in key)} differs from the uninterrupted run"
+
+
+# wall-clock figures differ between any two runs; sft/padding_fraction is accumulated since the
+# process started, so after a resume it covers the resumed steps only
+UNCOMPARABLE_METRIC = re.compile(r"(seconds|_per_s|step_time_s|padding_fraction)$")
+
+
+def assert_same_metrics(run_dir: Path, ref_dir: Path, flow: str, names: str = "") -> None:
+    """The `metrics` mirror: one row per (step, name) of the flow (names matching the ``names``
+    regex), the same as the uninterrupted run's."""
+    def table(d: Path) -> dict[tuple[int, str], float]:
+        rows = [r for r in _rows(d, "metrics") if r["flow"] == flow and re.match(names, r["name"])]
+        keys = [(r["step"], r["name"]) for r in rows]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        assert not dupes, f"{d.name}: duplicate {flow} metrics {dupes[:5]}"
+        return {(r["step"], r["name"]): r["value"] for r in rows}
+
+    got, want = table(run_dir), table(ref_dir)
+    assert sorted(got) == sorted(want), f"{flow} metrics: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    for key, value in want.items():
+        if not UNCOMPARABLE_METRIC.search(key[1]):
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def temp_files(run_dir: Path) -> list[Path]:
+    return [p for p in (run_dir / "tables").rglob(".*") if p.is_file()]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6, msg=f"{k} differs from the uninterrupted run")
+
+
+COLLECT_TABLES = {
+    "teacher_requests": ("request_id",),
+    "teacher_responses": ("request_id",),
+    "teacher_state": ("round", "trajectory_id"),
+    "sft_trajectories": ("trajectory_id",),
+    "queries": ("query_id",),
+    "corpus": ("doc_id",),
+}
+
+
+def test_collection_killed_mid_write_and_after_a_round_resumes(reference, tmp_path):
+    from flows.collect_sft_data import collect_sft_data
+
+    run = tmp_path / "run"
+    # 1) killed inside RunStore's atomic write (temp file written, not renamed): writes 1-2 are the
+    #    inputs, 3 round 0's requests, 4 its responses, so the kill lands mid-round
+    kill_at("collect-sft-data", run, "store.before_rename:4")
+    leftovers = temp_files(run)
+    assert [p.parent.name for p in leftovers] == ["round=0000"] and leftovers[0].parent.parent.name == "teacher_responses"
+    store = RunStore(run)
+    for table in store.tables():  # what exists is whole; the temp file is not data
+        store.read_table(table)
+    assert all(not p.name.endswith(".parquet") for p in leftovers)
+    assert store.has("teacher_requests", {"round": 0}) and not store.has("teacher_state", {"round": 0})
+    # 2) killed right after a round's state (the round marker) is written
+    kill_at("collect-sft-data", run, "collect.round_written:1")
+    assert not store.has("sft_trajectories")
+    # 3) the rerun completes with exactly the uninterrupted run's tables
+    collect_sft_data(run_dir=str(run), profile="tiny", overrides=SMALL)
+    for table, key in COLLECT_TABLES.items():
+        assert_same_table(run, reference["collected"], table, key)
+    assert_same_metrics(run, reference["collected"], "collect_sft_data")
+    ids = [r["trajectory_id"] for r in _rows(run, "sft_trajectories")]
+    assert len(ids) == len(set(ids)) == 6  # 6 train queries × 1 trajectory
+
+
+def test_sft_killed_mid_checkpoint_resumes_to_the_same_weights(reference, tmp_path):
+    from flows.sft import sft
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["collected"], run)
+    # the 2nd checkpoint of SFT is the final one (step-2 is the first): killed after its weights
+    # are written, before the trainer state, meta and rename
+    kill_at("sft", run, "checkpoint.weights_written:2")
+    ckpts = run / "checkpoints" / "sft"
+    assert (ckpts / ".final.tmp" / "model.safetensors").exists(), "the kill must land inside the final save"
+    assert not (ckpts / "final").exists()
+    read_meta(ckpts / "step-000002")  # the earlier checkpoint is whole
+    sft(run_dir=str(run), profile="tiny", overrides=SMALL)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["final", "step-000002"], "a staging directory was left behind"
+    loaded = load_checkpoint(ckpts / "final")
+    # the tokenizer is part of the atomic save (it used to be written after the rename)
+    assert "tokenizer_config.json" in loaded.meta["files"]
+    assert loaded.trainer_state["global_step"] == 4
+    assert_same_weights(ckpts / "final", reference["trained"] / "checkpoints" / "sft" / "final")
+    assert_same_metrics(run, reference["trained"], "sft")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(ckpts / "final")).chat_template
+
+
+RL_TABLES = {
+    "rollouts": ("step", "rollout_id"),
+    "judge_scores": ("step", "rollout_id", "rubric_id"),
+    "judge_rubrics": ("step", "query_id", "rubric_id"),
+    "stage_rewards": ("step", "rollout_id", "stage"),
+}
+
+
+def test_rl_killed_after_rollouts_and_mid_checkpoint_resumes(reference, tmp_path):
+    import json
+
+    import tasks.rl as rl_tasks
+    from flows.rl import rl
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    # 1) step 1 (the 2nd rollouts write) killed after its rollouts Parquet, before the judge
+    kill_at("rl", run, "rl.rollouts_written:2")
+    store = RunStore(run)
+    assert store.partitions("rollouts", "step") == [0, 1] and store.partitions("stage_rewards", "step") == [0]
+    assert rl_tasks.completed_step(str(run)) == 0
+    # 2) the rerun judges step 1 and is killed inside its checkpoint (weights written, nothing else)
+    kill_at("rl", run, "checkpoint.weights_written:1")
+    assert (run / "checkpoints" / "rl" / ".step-000001.tmp").is_dir()
+    assert rl_tasks.completed_step(str(run)) == 0
+    # 3) the last rerun (a fresh session, as in a new process) completes step 1
+    rl_tasks.drop_sessions()
+    result = rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+    assert result["steps"] == 2
+    assert json.loads((run / "state" / "rl_progress.json").read_text()) == {"completed_step": 1}
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, reference["final"], table, key)
+    assert_same_metrics(run, reference["final"], "rl", names=r"(rl|reward)/")  # the update's metrics
+    names = sorted(p.name for p in (run / "checkpoints" / "rl").iterdir())
+    assert names == ["step-000000", "step-000001"], names
+    for name in names:
+        load_checkpoint(run / "checkpoints" / "rl" / name)
+    assert_same_weights(run / "checkpoints" / "rl" / "step-000001", reference["final"] / "checkpoints" / "rl" / "step-000001")
+    # Known gap (tasks/rl.py, reported): a cached rollout/judge task returns no metrics, so a step
+    # whose judge finished before the kill loses its judge/*, buffer/* and rollout/* metric rows.
+    assert_same_metrics(run, reference["final"], "rl")
