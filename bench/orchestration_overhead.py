@@ -2,8 +2,9 @@
 directly (goal < 10%).
 
 Both paths start from copies of one finished run (its SFT checkpoint, queries and corpus) and run
-the same steps with the same config and seeds (the run's config with the step size — queries per
-step, group size, tokens per turn — of the shipped `tiny` profile, or smaller with ``--quick``):
+the same steps with the same config and seeds (the run's own config.yaml, smaller steps with
+``--quick``; ``--set rollout.max_new_tokens=1024`` etc. for bigger ones — Prefect's cost per step is
+roughly fixed, so the bigger the step, the smaller the share):
 
 - prefect: a parent flow calls `flows.rl.rl_step` once per step (a subflow with the rollout, judge
   and ss-grpo-update task runs, their states and logs sent to the Prefect API);
@@ -149,11 +150,6 @@ def main() -> None:
     overrides: dict = {"rl.recipe": "ss_grpo", "rl.window": args.steps, "rl.n_windows": 1, "tracking.enabled": False}
     if args.quick:
         overrides.update(QUICK)
-    else:  # the step size the shipped `tiny` profile runs (the run dir may be older); its policy stays the run's
-        shipped = load_config("tiny")
-        overrides.update({"rollout.group_size": shipped.rollout.group_size,
-                          "rollout.max_new_tokens": shipped.rollout.max_new_tokens,
-                          "rl.queries_per_step": shipped.rl.queries_per_step})
     cfg = load_config(src / "config.yaml", {**overrides, **dict(parse_override(s) for s in args.overrides)})
     train = [q["query_id"] for q in RunStore(src).read_rows("queries") if q["split"] == "train"]
     plans = windowed_schedule(train, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed,

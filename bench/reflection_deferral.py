@@ -1,0 +1,144 @@
+"""Deferred vs synchronous reflection schedule: RL step time with a slow reflection judge.
+
+Runs the same RL steps (recipe `full`) twice from one SFT checkpoint: `reflection.schedule=deferred`
+(the reflection update of step N−1 overlaps step N's rollouts; reflection generation and judging
+overlap the task update) and `sync` (the same tasks one after another). The reflection judge is an
+OpenAI-compatible HTTP server on 127.0.0.1 that answers like the built-in reflection judge after
+`--latency` seconds per call, reached through litellm like a real provider.
+
+The tiny SFT policy has never seen a reflection prompt and writes no valid reflection, and invalid
+candidates are scored without a judge call; so that the judge is really called, even-numbered
+candidates are forced (the engine's `forced_policy` hook) to a question-specific reflection. This
+measures the schedule, not reflection quality.
+
+    .venv/bin/python bench/reflection_deferral.py --run-dir runs/tiny [--latency 6] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+
+import tasks.rl as rl_tasks  # noqa: E402
+from rubricem_core.reflection.judge import respond as builtin_reflection_reply  # noqa: E402
+from rubricem_core.sql import run_sql  # noqa: E402
+from rubricem_core.store import RunStore  # noqa: E402
+from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
+
+KEY_ENV = "RUBRICEM_BENCH_REFLECTION_JUDGE_KEY"
+_QUESTION_WORDS = {"What", "Which", "When", "Who", "How", "In", "Of", "The", "List", "Compare", "Give"}
+
+
+def reflection_for(question: str) -> str:
+    names = [n for n in dict.fromkeys(re.findall(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*", question))
+             if n not in _QUESTION_WORDS][:3] or ["the entities asked about"]
+    listed = ", ".join(names)
+    return ("<reflection>\n<reflection_rubrics>\n"
+            f"- Gives the requested value for each of {listed}, each backed by its own retrieved passage\n"
+            f"- Does not confuse {names[0]} with a look-alike name\n"
+            "</reflection_rubrics>\n<takeaways>\n"
+            f"- Search for {names[0]} alone first, then browse its passage to confirm the value\n"
+            f"- Compare the values for {listed} only after every one is verified\n"
+            "</takeaways>\n</reflection>")
+
+
+def force_even_candidates(questions: dict[str, str]) -> None:
+    real = rl_tasks.HFRolloutEngine
+
+    def engine(model, tokenizer, *args, **kwargs):
+        cache: dict[str, list[int]] = {}
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+        def force(ctx):
+            if "-s" not in ctx.request_id or ctx.sample_index % 2:
+                return None  # task rollouts and odd candidates are sampled
+            ids = cache.setdefault(ctx.request_id, tokenizer.encode(
+                reflection_for(questions[ctx.request_id.rsplit("-s", 1)[0]]), add_special_tokens=False))
+            return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else eos
+
+        return real(model, tokenizer, *args, forced_policy=force, **kwargs)
+
+    rl_tasks.HFRolloutEngine = engine
+
+
+def copy_base(src: Path, dst: Path) -> str:
+    dst.mkdir(parents=True)
+    for name in ("tables", "policy", "config.yaml"):
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("rollouts", "judge_*", "stage_rewards",
+                                                                                  "reflections", "bank", "metrics", "eval_results"))
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    shutil.copytree(src / "checkpoints" / "sft" / "final", dst / "checkpoints" / "sft" / "final")
+    return str(dst)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
+    parser.add_argument("--latency", type=float, default=6.0, help="seconds per reflection-judge call")
+    parser.add_argument("--window", type=int, default=1, help="K: steps = 2K (K new-query steps, K replays)")
+    parser.add_argument("--queries", type=int, default=4, help="queries per step")
+    parser.add_argument("--candidates", type=int, default=4, help="reflection candidates per trajectory")
+    parser.add_argument("--quick", action="store_true", help="2 queries, 128 tokens per turn")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per schedule, alternating sync/deferred; the fastest of each is compared "
+                        "(on a shared machine other jobs inflate single runs)")
+    args = parser.parse_args()
+    src = Path(args.run_dir)
+    if not (src / "checkpoints" / "sft" / "final" / "config.json").exists():
+        print(f"no SFT checkpoint under {src}: run `make run` (or pass --run-dir)")
+        print("figure: deferred_over_sync=nan x  goal: <= 0.75  met: n/a")
+        return
+    os.environ[KEY_ENV] = "bench-key"
+    overrides = {
+        "rl.recipe": "full", "rl.window": args.window, "rl.n_windows": 1,
+        "rl.queries_per_step": 2 if args.quick else args.queries, "rollout.group_size": 2,
+        "rollout.max_new_tokens": 128 if args.quick else 256, "reflection.n_candidates": args.candidates,
+        "reflection.max_new_tokens": 400, "reflection.max_trajectory_chars": 2000, "tracking.enabled": True,
+        "reflection.judge.model": "openai/reflection-judge", "reflection.judge.api_key_env": KEY_ENV,
+        "reflection.judge.input_cost_per_token": 0.0, "reflection.judge.output_cost_per_token": 0.0,
+    }
+    questions = {q["query_id"]: q["question"] for q in RunStore(src).read_rows("queries")}
+    force_even_candidates(questions)
+
+    from flows.rl import rl
+
+    seconds: dict[str, float] = {"sync": float("inf"), "deferred": float("inf")}
+    steps = 2 * args.window
+    with FakeOpenAIServer(respond=lambda body: builtin_reflection_reply(body["messages"], body)) as server, \
+            tempfile.TemporaryDirectory() as tmp:
+        server.delay_s = args.latency
+        overrides["reflection.judge.api_base"] = server.base_url
+        for attempt, schedule in enumerate(("sync", "deferred") * args.repeats):
+            run_dir = copy_base(src, Path(tmp) / f"{schedule}-{attempt}")
+            rl_tasks.drop_sessions()
+            t0 = time.perf_counter()
+            rl(run_dir=run_dir, profile=str(src / "config.yaml"), overrides={**overrides, "reflection.schedule": schedule})
+            elapsed = time.perf_counter() - t0
+            seconds[schedule] = min(seconds[schedule], elapsed)
+            rows = json.loads(run_sql(run_dir, "SELECT step, name, round(value, 2) AS v FROM metrics WHERE name IN "
+                                      "('rollout/seconds', 'rl/update_seconds', 'reflection/generate_seconds', "
+                                      "'reflection/judge_seconds', 'reflection_update/seconds') ORDER BY ALL", fmt="json"))
+            print(f"{schedule}: {elapsed:.1f}s for {steps} steps ({elapsed / steps:.1f}s/step); "
+                  + ", ".join(f"s{r['step']} {r['name']}={r['v']}" for r in rows))
+        calls = len(server.chat_calls)
+    ratio = seconds["deferred"] / seconds["sync"]
+    print(f"reflection-judge calls: {calls} at {args.latency:.1f}s each; steps per schedule: {steps}")
+    print(f"figure: deferred_over_sync={ratio:.2f} x  goal: <= 0.75  met: {'yes' if ratio <= 0.75 else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
