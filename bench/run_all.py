@@ -101,7 +101,8 @@ SCRIPTS: tuple[Script, ...] = (
     Script("duckdb_latency", quick_args=("--quick",)),
     Script("judge_calls", quick_args=("--queries", "3", "--rollouts", "4")),
     Script("rollout_engine", quick_args=("--queries", "2", "--n", "2", "--layers", "2")),
-    Script("reflection_deferral", quick_args=("--quick",)),  # the lead's; run only when the file exists
+    Script("reflection_deferral", quick_args=("--quick",), needs_run_dir=True),
+    Script("rl_improvement", quick_args=("--quick",), needs_run_dir=True),
     Script("throughput", quick_args=("--quick",), needs_run_dir=True),
     Script("orchestration_overhead", quick_args=("--quick",), needs_run_dir=True),
     Script("sft_scaffold_validity", quick_args=("--max-queries", "4", "--samples", "1"), needs_run_dir=True),

@@ -75,7 +75,10 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     session = current_session(run_dir, cfg)
     if store.has("reflections", _key(plan.step)):
         load_bank_steps(session, store, [plan.step])
-        return {"cached": True, "metrics": cached_task_metrics(store, "reflect", plan.step)}
+        metrics = cached_task_metrics(store, "reflect", plan.step)
+        if session.bank is not None:
+            metrics["bank/size"] = float(len(session.bank))
+        return {"cached": True, "metrics": metrics}
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     questions = {qid: q["question"] for qid, q in queries.items()}
     rollouts = store.read_rows("rollouts", _key(plan.step))
@@ -118,18 +121,17 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         traj: TokenTrajectory = trajs[(row["source_rollout_id"], row["candidate"])]
         row.update(token_ids=traj.token_ids, loss_mask=traj.loss_mask, n_tokens=len(traj),
                    logprobs=[None if x != x else x for x in traj.logprobs], finish_reason=traj.finish_reason)
+    metrics = reflection_metrics(rows)
+    metrics.update(judge.usage.metrics())
+    metrics["reflection/generate_seconds"] = gen_seconds
+    metrics["reflection/judge_seconds"] = judge_seconds
+    save_task_metrics(store, "reflect", plan.step, metrics)  # before the table, which marks the task done
     store.write_table("reflections", rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
     load_bank_steps(session, store, [plan.step])
     if session.bank is not None:
         store.write_table("bank", session.bank.rows(), schema=BANK_SCHEMA)
         session.bank.save(store.state_dir / "bank")
-    metrics = reflection_metrics(rows)
-    metrics.update(judge.usage.metrics())
-    metrics["reflection/generate_seconds"] = gen_seconds
-    metrics["reflection/judge_seconds"] = judge_seconds
-    if session.bank is not None:
         metrics["bank/size"] = float(len(session.bank))
-    save_task_metrics(store, "reflect", plan.step, metrics)
     log.info("step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
              plan.step, len(rows), len(inputs), sum(r["valid"] for r in rows), sum(r["accepted"] for r in rows),
              len(session.bank) if session.bank is not None else 0)

@@ -286,14 +286,14 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     for qid, text, group in zip(plan.query_ids, guidance, groups):
         for i, traj in enumerate(group):
             rows.append(rollout_row(plan, qid, f"{qid}-s{plan.step:04d}-r{i}", traj, cfg.tools.max_tool_calls, text))
-    store.write_table("rollouts", rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)
-    fault_point("rl.rollouts_written")
     generated = sum(r["n_policy_tokens"] for r in rows)
-    log.info("step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
-             plan.step, len(rows), generated, seconds, generated / max(seconds, 1e-9), sum(r["valid_scaffold"] for r in rows))
     metrics["rollout/seconds"] = seconds
     metrics["rollout/tokens_per_s"] = generated / max(seconds, 1e-9)
-    save_task_metrics(store, "rollout", plan.step, metrics)
+    save_task_metrics(store, "rollout", plan.step, metrics)  # before the table: the table marks the task done
+    store.write_table("rollouts", rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)
+    fault_point("rl.rollouts_written")
+    log.info("step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
+             plan.step, len(rows), generated, seconds, generated / max(seconds, 1e-9), sum(r["valid_scaffold"] for r in rows))
     return {"cached": False, "rollout_tokens_per_s": generated / max(seconds, 1e-9), "rollout_seconds": seconds,
             "metrics": metrics}
 
@@ -366,13 +366,13 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         row.setdefault("G", None)
         row.setdefault("A", None)
     # R now; the update task rewrites this partition with G and A
-    store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
     metrics = judge.usage.metrics()
     metrics["judge/failed_trajectories"] = float(len(failed))
     metrics["judge/seconds"] = seconds
     for stage in STAGES:
         metrics[f"buffer/{stage}_active"] = float(sum(len(session.buffers[q].active(stage)) for q in plan.query_ids))
-    save_task_metrics(store, "judge", plan.step, metrics)
+    save_task_metrics(store, "judge", plan.step, metrics)  # before stage_rewards, which marks the task done
+    store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
     log.info("step %d: judged %d rollouts of %d queries in %.1fs, %d failed", plan.step, len(rollouts), len(groups), seconds, len(failed))
     return {"cached": False, "metrics": metrics}
 
