@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -35,42 +34,10 @@ import tasks.rl as rl_tasks  # noqa: E402
 from rubricem_core.reflection.judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
+from tests.fakes.forced_reflections import forcing_engine  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
 
 KEY_ENV = "RUBRICEM_BENCH_REFLECTION_JUDGE_KEY"
-_QUESTION_WORDS = {"What", "Which", "When", "Who", "How", "In", "Of", "The", "List", "Compare", "Give"}
-
-
-def reflection_for(question: str) -> str:
-    names = [n for n in dict.fromkeys(re.findall(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*", question))
-             if n not in _QUESTION_WORDS][:3] or ["the entities asked about"]
-    listed = ", ".join(names)
-    return ("<reflection>\n<reflection_rubrics>\n"
-            f"- Gives the requested value for each of {listed}, each backed by its own retrieved passage\n"
-            f"- Does not confuse {names[0]} with a look-alike name\n"
-            "</reflection_rubrics>\n<takeaways>\n"
-            f"- Search for {names[0]} alone first, then browse its passage to confirm the value\n"
-            f"- Compare the values for {listed} only after every one is verified\n"
-            "</takeaways>\n</reflection>")
-
-
-def force_even_candidates(questions: dict[str, str]) -> None:
-    real = rl_tasks.HFRolloutEngine
-
-    def engine(model, tokenizer, *args, **kwargs):
-        cache: dict[str, list[int]] = {}
-        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-        def force(ctx):
-            if "-s" not in ctx.request_id or ctx.sample_index % 2:
-                return None  # task rollouts and odd candidates are sampled
-            ids = cache.setdefault(ctx.request_id, tokenizer.encode(
-                reflection_for(questions[ctx.request_id.rsplit("-s", 1)[0]]), add_special_tokens=False))
-            return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else eos
-
-        return real(model, tokenizer, *args, forced_policy=force, **kwargs)
-
-    rl_tasks.HFRolloutEngine = engine
 
 
 def copy_base(src: Path, dst: Path) -> str:
@@ -112,7 +79,7 @@ def main() -> None:
         "reflection.judge.input_cost_per_token": 0.0, "reflection.judge.output_cost_per_token": 0.0,
     }
     questions = {q["query_id"]: q["question"] for q in RunStore(src).read_rows("queries")}
-    force_even_candidates(questions)
+    rl_tasks.HFRolloutEngine = forcing_engine(rl_tasks.HFRolloutEngine, questions)
 
     from flows.rl import rl
 

@@ -9,7 +9,6 @@ question-specific reflection; odd ones are sampled freely. That gives every grou
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
@@ -19,6 +18,7 @@ from rubricem_core.reflection.format import parse_reflection, validate_reflectio
 from rubricem_core.reflection.meta import candidate_advantages, pick_source_rollouts
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from tests.fakes.forced_reflections import forcing_engine
 from tests.test_rl import SMALL, sft_run  # noqa: F401  (module fixture)
 
 REFLECT = {
@@ -50,44 +50,14 @@ def test_candidate_advantages_match_hand_numbers(scores, expected):
     assert candidate_advantages(scores) == pytest.approx(expected, abs=1e-3)
 
 
-def _reflection_for(question: str) -> str:
-    question_words = {"What", "Which", "When", "Who", "How", "In", "Of", "The", "List", "Compare", "Give"}
-    names = [n for n in dict.fromkeys(re.findall(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*", question))
-             if n not in question_words][:3] or ["the entities asked about"]
-    listed = ", ".join(names)
-    return ("<reflection>\n<reflection_rubrics>\n"
-            f"- Gives the requested value for each of {listed}, each backed by its own retrieved passage\n"
-            f"- Does not confuse {names[0]} with a look-alike name\n"
-            "</reflection_rubrics>\n<takeaways>\n"
-            f"- Search for {names[0]} alone first, then browse its passage to confirm the value\n"
-            f"- Compare the values for {listed} only after every one is verified\n"
-            "</takeaways>\n</reflection>")
-
-
 @pytest.fixture(scope="module")
 def forced_reflections():
     """Even candidates of every reflection request spell a valid reflection for their question."""
     import tasks.rl as rl_tasks
 
+    state: dict = {"questions": {}}
     monkeypatch = pytest.MonkeyPatch()
-
-    real_engine = rl_tasks.HFRolloutEngine
-    state: dict = {}
-
-    def force(ctx):
-        if "-s" not in ctx.request_id or ctx.sample_index % 2:
-            return None  # a task rollout, or an odd candidate: sample freely
-        ids = state["ids"].setdefault(ctx.request_id, state["encode"](ctx.request_id))
-        return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else state["eos"]
-
-    def engine(model, tokenizer, *args, **kwargs):
-        questions = state["questions"]
-        state.update(ids={}, eos=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                     encode=lambda rid: tokenizer.encode(_reflection_for(questions[rid.rsplit("-s", 1)[0]]),
-                                                         add_special_tokens=False))
-        return real_engine(model, tokenizer, *args, forced_policy=force, **kwargs)
-
-    monkeypatch.setattr(rl_tasks, "HFRolloutEngine", engine)
+    monkeypatch.setattr(rl_tasks, "HFRolloutEngine", forcing_engine(rl_tasks.HFRolloutEngine, state["questions"]))
     rl_tasks.drop_sessions()
     yield state
     rl_tasks.drop_sessions()
@@ -109,7 +79,7 @@ def _run(sft_run, dst, state, **extra):
     import tasks.rl as rl_tasks
 
     run_dir = _copy(sft_run, dst)
-    state["questions"] = {q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")}
+    state["questions"].update({q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")})
     rl_tasks.drop_sessions()
     rl(run_dir=run_dir, profile="tiny", overrides={**REFLECT, **extra})
     return run_dir
