@@ -128,6 +128,9 @@ run directory: {rd}
   tables:  rubricem sql --run-dir {run_dir} "SHOW TABLES"
            rubricem sql --run-dir {run_dir} "SELECT accepted, count(*) FROM sft_trajectories GROUP BY ALL"
            rubricem sql --run-dir {run_dir} "SELECT r, count(*) FROM (SELECT unnest(reject_reasons) AS r FROM sft_trajectories) GROUP BY ALL ORDER BY 2 DESC"
+           rubricem sql --run-dir {run_dir} "SELECT step, stage, avg(score) AS mean_score FROM judge_scores GROUP BY ALL ORDER BY ALL"
+           rubricem sql --run-dir {run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) FROM eval_results GROUP BY ALL"
+  report:  rubricem report --run-dir {run_dir}
   MLflow:  mlflow ui --backend-store-uri sqlite:///{rd}/mlflow/mlflow.db
   Prefect: prefect server start   (then open http://127.0.0.1:4200; set PREFECT_API_URL to keep runs there)"""
     )
