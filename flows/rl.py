@@ -64,8 +64,6 @@ def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | N
     metrics: dict[str, float] = {}
     for part in (rolled, judged, updated, *parts):
         metrics.update(part.get("metrics", {}))
-    if "rollout_tokens_per_s" in rolled:
-        metrics["rollout/tokens_per_s"] = rolled["rollout_tokens_per_s"]
     return metrics
 
 

@@ -177,7 +177,8 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                             engine_step=engine_step, separate_engine=separate)
         if reflection_on(cfg):
             session.bank = new_bank(cfg)
-            load_bank_steps(session, RunStore(run_dir), [s for s in reflection_steps(run_dir) if s <= after_step])
+            store = RunStore(run_dir)
+            load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
         _SESSIONS.clear()
         _SESSIONS[key] = session
         return session
@@ -232,11 +233,6 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
 def new_bank(cfg: RunConfig) -> ReflectionBank:
     embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
     return ReflectionBank(embedder)
-
-
-def reflection_steps(run_dir: str) -> list[int]:
-    root = RunStore(run_dir).table_dir("reflections")
-    return sorted(int(p.name.split("=", 1)[1]) for p in root.glob("step=*") if (p / "part.parquet").exists()) if root.exists() else []
 
 
 def load_bank_steps(session: RLSession, store: RunStore, steps: list[int]) -> None:
@@ -294,8 +290,7 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     fault_point("rl.rollouts_written")
     log.info("step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
              plan.step, len(rows), generated, seconds, generated / max(seconds, 1e-9), sum(r["valid_scaffold"] for r in rows))
-    return {"cached": False, "rollout_tokens_per_s": generated / max(seconds, 1e-9), "rollout_seconds": seconds,
-            "metrics": metrics}
+    return {"cached": False, "metrics": metrics}
 
 
 def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int,

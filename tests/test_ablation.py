@@ -38,16 +38,10 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, prefect_harness):
-    from rubricem_core.sft import prepare_policy
-    from tasks.inputs import build_inputs
+    from tests.untrained_run import write_untrained_run
 
-    cfg = load_config("tiny", SMALL)
     run = tmp_path_factory.mktemp("ablation") / "run"
-    store = RunStore(run)
-    queries, corpus = build_inputs(cfg)
-    store.write_table("corpus", corpus)
-    store.write_table("queries", queries)
-    prepare_policy(cfg.policy, run / "checkpoints" / "sft" / "final", corpus.column("text").to_pylist(), seed=0)
+    write_untrained_run(load_config("tiny", SMALL), run)
     return str(run)
 
 

@@ -39,16 +39,11 @@ UNTRACKED = {"tracking.enabled": False}  # MLflow is checked once, in the first 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, prefect_harness):
     from rubricem_core.sft import prepare_policy
-    from tasks.inputs import build_inputs
+    from tests.untrained_run import write_untrained_run
 
     cfg = load_config("tiny", SMALL)
     run = tmp_path_factory.mktemp("evaluate") / "run"
-    store = RunStore(run)
-    queries, corpus = build_inputs(cfg)
-    store.write_table("corpus", corpus)
-    store.write_table("queries", queries)
-    texts = corpus.column("text").to_pylist()
-    prepare_policy(cfg.policy, run / "checkpoints" / "sft" / "final", texts, seed=0)
+    texts = write_untrained_run(cfg, run)
     prepare_policy(cfg.policy, run.parent / "other-policy", texts, seed=1)
     return str(run)
 
