@@ -356,22 +356,31 @@ class Tracker:
 
     @contextlib.contextmanager
     def child_run(self, flow_name: str, params: Mapping[str, Any] | None = None) -> Iterator[ChildRun]:
-        """Run a flow inside its child run: RUNNING while inside, then FINISHED, FAILED or KILLED."""
+        """Run a flow inside its child run: RUNNING while inside, then FINISHED, FAILED or KILLED.
+
+        The parent follows its stages: RUNNING while one runs, then the status of the stage that
+        ended last, so a completed pipeline leaves it FINISHED and a failed stage leaves it FAILED
+        until a rerun resumes it.
+        """
         run_id = self.child_run_id(flow_name)
-        _retry(self.client.update_run, run_id, status="RUNNING")  # a resumed run is live again
+        parent = self.parent_run_id()
+        for live in (parent, run_id):  # a resumed run is live again
+            _retry(self.client.update_run, live, status="RUNNING")
         child = ChildRun(self, run_id, flow_name)
         if params:
             child.log_params(params)
+        status = "FINISHED"
         try:
             yield child
         except (KeyboardInterrupt, SystemExit):
-            _retry(self.client.set_terminated, run_id, status="KILLED")
+            status = "KILLED"
             raise
         except BaseException:
-            _retry(self.client.set_terminated, run_id, status="FAILED")
+            status = "FAILED"
             raise
-        else:
-            _retry(self.client.set_terminated, run_id, status="FINISHED")
+        finally:
+            for ended in (run_id, parent):
+                _retry(self.client.set_terminated, ended, status=status)
 
     def log_parent_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> str:
         """Log a file or folder under the parent run (run-level artifacts: reports, plots); returns its id."""

@@ -155,3 +155,19 @@ def test_corrupt_state_file_is_reported(tmp_path: Path):
     state.write_text("{not json")
     with pytest.raises(TrackingError, match="mlflow_parent.json"):
         Tracker(tmp_path / "run")._read_state()
+
+
+def test_parent_run_follows_its_stages(tracker: Tracker):
+    parent = tracker.parent_run_id()
+    status = lambda: tracker.client.get_run(parent).info.status  # noqa: E731
+    with tracker.child_run("collect_sft_data"):
+        assert status() == "RUNNING"
+    assert status() == "FINISHED"
+    assert tracker.client.get_run(parent).info.end_time is not None
+    with pytest.raises(RuntimeError, match="boom"):
+        with tracker.child_run("sft"):
+            raise RuntimeError("boom")
+    assert status() == "FAILED"  # the pipeline stopped in a stage
+    with tracker.child_run("sft"):  # the rerun resumes the parent too
+        assert status() == "RUNNING"
+    assert status() == "FINISHED"

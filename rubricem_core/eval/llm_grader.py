@@ -22,7 +22,7 @@ from rubricem_core.eval.prompts import (
     short_form_schema,
 )
 from rubricem_core.eval.types import EvalError, GradeResult, family_of
-from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, _Pending
+from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, PendingCall
 from rubricem_core.judge.types import SCORE, JudgeUsage
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.schemas import Query
@@ -67,17 +67,17 @@ class BenchmarkGrader:
             custom_id = f"grade:{index}:{query.query_id}"
             if family == "short_form":
                 items_of.append(None)
-                request = self._judge._request(custom_id, short_form_messages(benchmark, query, response),
-                                               self._judge._response_format("short_form_grade", short_form_schema()))
-                pending.append(_Pending(request, parse_short_form))
+                request = self._judge.make_request(custom_id, short_form_messages(benchmark, query, response),
+                                               self._judge.response_format("short_form_grade", short_form_schema()))
+                pending.append(PendingCall(request, parse_short_form))
             else:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
-                request = self._judge._request(custom_id, items_messages(benchmark, family, query, response, items),
-                                               self._judge._response_format("rubric_grades", items_schema(family, ids)))
-                pending.append(_Pending(request, lambda text, ids=ids: parse_items(text, family, ids)))
-        self._judge._ask(SCORE, pending)
+                request = self._judge.make_request(custom_id, items_messages(benchmark, family, query, response, items),
+                                               self._judge.response_format("rubric_grades", items_schema(family, ids)))
+                pending.append(PendingCall(request, lambda text, ids=ids: parse_items(text, family, ids)))
+        self._judge.ask(SCORE, pending)
         out = []
         for (query, _), call, items in zip(pairs, pending, items_of):
             if call.error is not None:

@@ -107,8 +107,9 @@ class ScoringInput:
 
 
 @dataclass
-class _Pending:
-    """One logical call while it goes through first try and repair."""
+class PendingCall:
+    """One logical call while it goes through first try and repair; ``validate`` turns the reply text
+    into a value or raises ``ReplyError`` (which triggers the repair). Graders build their own."""
 
     request: ChatRequest
     validate: Callable[[str | None], Any]
@@ -125,8 +126,8 @@ class LLMJudge:
         self.options = options or JudgeOptions()
         self.usage = JudgeUsage()
 
-    # ---- plumbing ------------------------------------------------------------------------------
-    def _response_format(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
+    # ---- plumbing (public: the evaluation graders send their own calls through it) --------------
+    def response_format(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
         mode = self.options.structured_output
         if mode == "json_schema":
             return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": False}}
@@ -134,12 +135,12 @@ class LLMJudge:
             return {"type": "json_object"}
         return None
 
-    def _request(self, custom_id: str, messages: list[dict[str, str]], response_format: dict | None) -> ChatRequest:
+    def make_request(self, custom_id: str, messages: list[dict[str, str]], response_format: dict | None) -> ChatRequest:
         return ChatRequest(custom_id=custom_id, model="", messages=messages, max_tokens=self.options.max_tokens,
                            temperature=self.options.temperature, seed=self.options.seed,
                            response_format=response_format)
 
-    def _run(self, kind: str, pending: list[_Pending], repair: bool) -> None:
+    def _run(self, kind: str, pending: list[PendingCall], repair: bool) -> None:
         """Send each pending call once; validated values land in ``value``, problems in ``error``."""
         if not pending:
             return
@@ -157,7 +158,7 @@ class LLMJudge:
             except ReplyError as exc:
                 item.error = str(exc)
 
-    def _ask(self, kind: str, pending: list[_Pending]) -> None:
+    def ask(self, kind: str, pending: list[PendingCall]) -> None:
         """First try for all, then one repair for those whose reply came back but was unusable."""
         self._run(kind, pending, repair=False)
         if not self.options.repair:
@@ -179,11 +180,11 @@ class LLMJudge:
         for index, item in enumerate(inputs):
             messages = generation_messages(item.query, item.rollouts, item.existing, limit,
                                            self.options.max_block_chars)
-            pending.append(_Pending(
-                self._request(f"generate:{index}:{item.query.query_id}", messages,
-                              self._response_format("new_rubrics", schema)),
+            pending.append(PendingCall(
+                self.make_request(f"generate:{index}:{item.query.query_id}", messages,
+                              self.response_format("new_rubrics", schema)),
                 lambda text: parse_generation(text, limit)))
-        self._ask(GENERATE, pending)
+        self.ask(GENERATE, pending)
         outcomes = []
         for item, call in zip(inputs, pending):
             if call.error is not None:
@@ -200,7 +201,7 @@ class LLMJudge:
     # ---- scoring -------------------------------------------------------------------------------
     def score(self, inputs: Sequence[ScoringInput]) -> list[TrajectoryJudgment]:
         """One call per trajectory scoring all its rubrics; failed judgments carry the reason."""
-        pending: list[_Pending | None] = []
+        pending: list[PendingCall | None] = []
         for index, item in enumerate(inputs):
             ids = [r.rubric_id for r in item.rubrics]
             if len(set(ids)) != len(ids):
@@ -209,11 +210,11 @@ class LLMJudge:
                 pending.append(None)  # nothing to score: no call
                 continue
             messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars)
-            pending.append(_Pending(
-                self._request(f"score:{index}:{item.rollout.rollout_id}", messages,
-                              self._response_format("rubric_scores", scoring_schema(ids))),
+            pending.append(PendingCall(
+                self.make_request(f"score:{index}:{item.rollout.rollout_id}", messages,
+                              self.response_format("rubric_scores", scoring_schema(ids))),
                 lambda text, ids=ids: parse_scores(text, ids)))
-        self._ask(SCORE, [p for p in pending if p is not None])
+        self.ask(SCORE, [p for p in pending if p is not None])
         judgments = []
         for item, call in zip(inputs, pending):
             rollout_id = item.rollout.rollout_id
