@@ -1,5 +1,6 @@
 """After SFT: sample the policy on held-out queries with the real tools; print the fraction of
-trajectories that pass the scaffold validator (goal: >= 0.8).
+trajectories that pass the scaffold validator (goal: >= 0.8). Also prints a copy probe (can the
+policy copy from its context at all; see rubricem_core/policy/copy_probe.py and docs/sft_tiny_validity.md).
 
     .venv/bin/python bench/sft_scaffold_validity.py --run-dir runs/tiny      # after `make run`
 
@@ -23,6 +24,7 @@ apply_offline_defaults()
 from rubricem_core.config import load_config  # noqa: E402
 from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.policy.copy_probe import probe_copying  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.scaffold import validate  # noqa: E402
@@ -74,6 +76,10 @@ def main() -> None:
           f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)")
     print(f"finish reasons: {dict(finish)}")
     print(f"violations (trajectories with each code): {dict(codes.most_common())}")
+    # names and ids in a trace are copied from the context; 0 here means no induction mechanism
+    probe = probe_copying(model, tokenizer)
+    print("copy probe (argmax accuracy on a repeated random span): "
+          + ", ".join(f"spans up to {span} tokens {acc:.3f}" for span, acc in probe.items()))
     share = valid / max(n, 1)
     print(f"figure: scaffold_valid={share:.3f} of trajectories  goal: >= 0.8 pass the scaffold validator  "
           f"met: {'yes' if share >= 0.8 else 'no'}")
