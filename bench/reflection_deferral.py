@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import has_sft_checkpoint  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -65,9 +66,7 @@ def main() -> None:
                         "(on a shared machine other jobs inflate single runs)")
     args = parser.parse_args()
     src = Path(args.run_dir)
-    if not (src / "checkpoints" / "sft" / "final" / "config.json").exists():
-        print(f"no SFT checkpoint under {src}: run `make run` (or pass --run-dir)")
-        print("figure: deferred_over_sync=nan x  goal: <= 0.75  met: n/a")
+    if not has_sft_checkpoint(src, "figure: deferred_over_sync=nan x  goal: <= 0.75  met: n/a"):
         return
     os.environ[KEY_ENV] = "bench-key"
     overrides = {

@@ -20,6 +20,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import has_sft_checkpoint  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -40,9 +41,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     args = parser.parse_args()
     src = Path(args.run_dir)
-    if not (src / "checkpoints" / "sft" / "final" / "config.json").exists():
-        print(f"no SFT checkpoint under {src}: run `make run` (or pass --run-dir)")
-        print("figure: full_minus_sft=nan score  goal: > 0  met: n/a")
+    if not has_sft_checkpoint(src, "figure: full_minus_sft=nan score  goal: > 0  met: n/a"):
         return
     overrides = {"tracking.enabled": False}
     if args.quick:
