@@ -10,6 +10,7 @@ The run directory must hold `queries`, `corpus` and checkpoints/sft/final (from 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per held-out query")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-queries", type=int, default=24)
+    parser.add_argument("--dump", default=None, help="write each sampled trajectory (text, violations) to this JSONL file")
     args = parser.parse_args()
 
     store = RunStore(args.run_dir)
@@ -62,7 +64,8 @@ def main() -> None:
 
     valid, codes, finish = 0, Counter(), Counter()
     n = generated = 0
-    for group in groups:
+    dumped = []
+    for query, group in zip(queries, groups):
         for traj in group:
             n += 1
             generated += traj.n_policy_tokens
@@ -71,6 +74,10 @@ def main() -> None:
             valid += not violations
             codes.update({v.code for v in violations})
             finish[traj.finish_reason] += 1
+            dumped.append({"query_id": query["query_id"], "finish_reason": traj.finish_reason, "text": text,
+                           "violations": [{"code": v.code, "message": v.message} for v in violations]})
+    if args.dump:
+        Path(args.dump).write_text("".join(json.dumps(row) + "\n" for row in dumped))
     print(f"checkpoint: {checkpoint}")
     print(f"held-out queries: {len(queries)} x {args.samples} samples = {n} trajectories, "
           f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)")

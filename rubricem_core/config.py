@@ -145,6 +145,13 @@ class PolicyConfig(_Strict):
     n_heads: int = Field(default=4, ge=1, description="tiny: attention heads.")
     n_kv_heads: int = Field(default=2, ge=1, description="tiny: key/value heads (GQA).")
     intermediate_size: int = Field(default=384, ge=16, description="tiny: MLP width.")
+    atomic_doc_ids: bool = Field(
+        default=True,
+        description="tiny: every corpus document id is one token, so a citation copies one token from a "
+        "tool output instead of a digit sequence (multi-token copying needs induction heads, which the tiny "
+        "model does not form on CPU budgets). Skipped, with a warning, when ids would take over a quarter "
+        "of vocab_size.",
+    )
 
 
 class SFTConfig(_Strict):
@@ -162,6 +169,12 @@ class SFTConfig(_Strict):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
+    relabel_doc_ids: bool = Field(
+        default=True,
+        description="Rename the document ids of each trajectory with a fresh random bijection every time it "
+        "is trained on, so an id's name carries nothing and citations must be copied from tool outputs "
+        "(see rubricem_core/relabel.py). Needs single-token ids (policy.atomic_doc_ids); otherwise a no-op.",
+    )
 
 
 class JudgeConfig(EndpointConfig):

@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
@@ -22,6 +22,7 @@ from rubricem_core.encoding import TrajectoryTooLong, encode_trajectory
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
+from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
 from rubricem_core.trajectory import TokenTrajectory
 from rubricem_core.training import TrainerConfig, make_trainer
@@ -44,9 +45,12 @@ class EncodedData:
     n_rejected: int = 0
 
 
-def prepare_policy(policy: PolicyConfig, out_dir: Path, corpus_texts: list[str], seed: int) -> Path:
+def prepare_policy(
+    policy: PolicyConfig, out_dir: Path, corpus_texts: list[str], seed: int, doc_ids: Sequence[str] = ()
+) -> Path:
     """The base policy directory: build the tiny model once (tokenizer trained on the corpus and the
-    scaffold), or return the configured HF model directory/name unchanged."""
+    scaffold; ``doc_ids`` become single tokens when ``policy.atomic_doc_ids``), or return the
+    configured HF model directory/name unchanged."""
     if policy.name_or_path != "tiny":
         return Path(policy.name_or_path) if Path(policy.name_or_path).exists() else Path(policy.name_or_path)
     if (out_dir / "config.json").exists():
@@ -57,7 +61,22 @@ def prepare_policy(policy: PolicyConfig, out_dir: Path, corpus_texts: list[str],
         max_position_embeddings=max(8192, policy.max_seq_len), seed=seed,
     )
     texts = [system_prompt(), EXAMPLE_TRACE, *corpus_texts]
-    return build_tiny_policy(texts, out_dir, spec)
+    return build_tiny_policy(texts, out_dir, spec, atomic_terms=atomic_doc_id_terms(policy, doc_ids))
+
+
+def atomic_doc_id_terms(policy: PolicyConfig, doc_ids: Sequence[str]) -> list[str]:
+    """The ids that become single tokens: all of them, or none when disabled or when they would
+    take more than a quarter of the vocabulary (a large corpus keeps digit-by-digit ids)."""
+    ids = list(dict.fromkeys(doc_ids))
+    if not policy.atomic_doc_ids or not ids:
+        return []
+    if len(ids) > policy.vocab_size // 4:
+        log.warning(
+            "policy.atomic_doc_ids: %d document ids exceed a quarter of policy.vocab_size=%d; "
+            "ids stay ordinary text", len(ids), policy.vocab_size,
+        )
+        return []
+    return ids
 
 
 def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) -> EncodedData:
@@ -121,9 +140,11 @@ def run_sft(
     seed: int,
     log_metrics: MetricsFn | None = None,
     stop_after: int | None = None,
+    doc_ids: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train and write ``checkpoint_root/final`` (an HF model directory). Resumes from the latest
-    ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume)."""
+    ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume).
+    ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``."""
     final_dir = checkpoint_root / "final"
     random.seed(seed)
     model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
@@ -131,6 +152,9 @@ def run_sft(
     lengths = [len(t) for t in data.trajectories]
     schedule = step_schedule(lengths, sft, seed)
     trainer = make_trainer(model, trainer_config(sft, len(schedule), seed))
+    id_tokens = single_token_doc_ids(tokenizer, doc_ids) if sft.relabel_doc_ids else []
+    if sft.relabel_doc_ids:
+        log.info("relabelling %d single-token document ids (of %d) per trajectory and step", len(id_tokens), len(doc_ids))
     resume = latest_checkpoint(checkpoint_root)
     if resume is not None:
         trainer.load(resume)
@@ -141,7 +165,10 @@ def run_sft(
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     for step in range(trainer.global_step, len(schedule)):
-        micro_batches = [collate([data.trajectories[i] for i in idx], pad_id) for idx in schedule[step]]
+        micro_batches = [
+            collate([relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx], pad_id)
+            for idx in schedule[step]
+        ]
         real += sum(b.n_real_tokens for b in micro_batches)
         padded += sum(b.n_padded_tokens for b in micro_batches)
         # weight micro-batches by their trained tokens: the step is a token-level mean

@@ -30,10 +30,11 @@ def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
     if cfg.policy.name_or_path == "tiny" and not (out / "config.json").exists():
         corpus = RunStore(run_dir).read_table("corpus")
         texts = [f"{t}\n{x}" for t, x in zip(corpus["title"].to_pylist(), corpus["text"].to_pylist())]
+        doc_ids = corpus["doc_id"].to_pylist()
         log.info("building the tiny policy (tokenizer trained on %d documents) in %s", len(texts), out)
     else:
-        texts = []
-    path = prepare_policy(cfg.policy, out, texts, cfg.seed)
+        texts, doc_ids = [], []
+    path = prepare_policy(cfg.policy, out, texts, cfg.seed, doc_ids=doc_ids)
     log.info("base policy: %s", path)
     return str(path)
 
@@ -56,7 +57,8 @@ def train_sft_task(
         if log_metrics is not None:
             log_metrics(metrics, step)
 
-    result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print)
+    doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
+    result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print, doc_ids=doc_ids)
     log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
     return {**result, "cached": False}
 

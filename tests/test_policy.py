@@ -181,6 +181,36 @@ def test_tokenizer_rejects_bad_input(texts):
         train_bpe_tokenizer([b"bytes"], vocab_size=1024)
 
 
+def test_atomic_terms_are_single_tokens_and_round_trip(texts, tmp_path):
+    doc_ids = [f"D{i:06d}" for i in range(300)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=2048, out_dir=tmp_path / "tok", atomic_terms=doc_ids)
+    plain = train_bpe_tokenizer(texts, vocab_size=2048)
+    assert len(tokenizer) <= 2048
+    text = '<snippet id="D000017">a</snippet> <cite id="D000017, D000299">b</cite> D000123.'
+    pieces = [tokenizer.decode([i]) for i in tokenizer.encode(text, add_special_tokens=False)]
+    for doc_id in ("D000017", "D000299", "D000123"):
+        assert doc_id in pieces
+    # Without atomic terms the same id costs one token per character group (D, then digit by digit).
+    assert len(plain.encode("D000017", add_special_tokens=False)) == 7
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    for tok in (tokenizer, reloaded):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+        assert len(tok.encode("D000299", add_special_tokens=False)) == 1
+    # Not a prefix match of a longer, unknown id: it still encodes and decodes exactly.
+    assert reloaded.decode(reloaded.encode("D0001234", add_special_tokens=False)) == "D0001234"
+
+
+@pytest.mark.parametrize("bad", ["", " D1", "<answer>", IM_END])
+def test_atomic_terms_rejects_bad_terms(texts, bad):
+    with pytest.raises(ValueError, match="atomic term"):
+        train_bpe_tokenizer(texts, vocab_size=1024, atomic_terms=["D1", bad])
+
+
+def test_atomic_terms_count_against_the_vocabulary(texts):
+    with pytest.raises(ValueError, match="including 800 atomic terms"):
+        train_bpe_tokenizer(texts, vocab_size=1024, atomic_terms=[f"D{i}" for i in range(800)])
+
+
 # ---- tiny policy --------------------------------------------------------------------------------
 
 

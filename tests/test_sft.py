@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rubricem_core.config import load_config
-from rubricem_core.sft import SFTDataError, encode_sft_rows, prepare_policy, run_sft
+from rubricem_core.sft import SFTDataError, atomic_doc_id_terms, encode_sft_rows, prepare_policy, run_sft
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 
@@ -47,6 +47,8 @@ def test_sft_flow_trains_and_logs(collected_run):
     model = AutoModelForCausalLM.from_pretrained(result["final_dir"])
     tok = AutoTokenizer.from_pretrained(result["final_dir"])
     assert tok.chat_template and model.num_parameters() > 0
+    doc_id = RunStore(collected_run).read_table("corpus")["doc_id"][7].as_py()
+    assert len(tok.encode(doc_id, add_special_tokens=False)) == 1, "corpus ids are single tokens (policy.atomic_doc_ids)"
     losses = json.loads(run_sql(collected_run, "SELECT step, value FROM metrics WHERE name = 'sft/loss' ORDER BY step", fmt="json"))
     assert len(losses) >= 3
     assert losses[-1]["value"] < losses[0]["value"], "loss must fall during SFT"
@@ -58,20 +60,30 @@ def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
     cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3})
     rows = RunStore(collected_run).read_rows("sft_trajectories")
     corpus = RunStore(collected_run).read_table("corpus")
-    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
+    doc_ids = corpus["doc_id"].to_pylist()
+    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0, doc_ids=doc_ids)
 
-    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0)
-    stopped = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, stop_after=3)
+    # document ids are renamed per trajectory and step (sft.relabel_doc_ids): resume must rename alike
+    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids)
+    stopped = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, stop_after=3, doc_ids=doc_ids)
     assert stopped["stopped_at"] == 3
-    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0)
+    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids)
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
-    from safetensors.torch import load_file
-
-    a = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
-    b = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
+    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    # without relabelling the same run trains on other tokens, so the weights differ
+    plain = cfg.sft.model_copy(update={"relabel_doc_ids": False})
+    run_sft(base, rows, tmp_path / "c", cfg.policy, plain, seed=0, doc_ids=doc_ids)
+    c = final_weights(tmp_path / "c")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def final_weights(root):
+    from safetensors.torch import load_file
+
+    return load_file(str(root / "final" / "model.safetensors"))
 
 
 def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
@@ -91,3 +103,16 @@ def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
     data = encode_sft_rows(tok, rows, lengths[len(lengths) // 2])  # about half fit, the rest are counted
     assert data.trajectories and data.skipped_too_long
     assert len(data.trajectories) + len(data.skipped_too_long) == sum(r["accepted"] for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "n_ids", "expected"),
+    [({}, 300, 300), ({}, 1025, 0), ({"policy.atomic_doc_ids": False}, 300, 0), ({"policy.vocab_size": 8192}, 1025, 1025)],
+)
+def test_atomic_doc_id_terms(overrides, n_ids, expected, caplog):
+    cfg = load_config("tiny", overrides)  # vocab_size 4096 unless overridden: at most 1024 ids
+    ids = [f"D{i:06d}" for i in range(n_ids)] + ["D000000"]  # a repeat is counted once
+    terms = atomic_doc_id_terms(cfg.policy, ids)
+    assert len(terms) == expected and len(set(terms)) == len(terms)
+    if n_ids > cfg.policy.vocab_size // 4 and cfg.policy.atomic_doc_ids:
+        assert "ids stay ordinary text" in caplog.text

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -84,8 +84,15 @@ def init_tiny_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     return model.to(torch.float32).eval()
 
 
-def build_tiny_policy(texts: Iterable[str], out_dir: str | Path, spec: TinyPolicySpec | None = None) -> Path:
+def build_tiny_policy(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    spec: TinyPolicySpec | None = None,
+    atomic_terms: Sequence[str] = (),
+) -> Path:
     """Train the tokenizer on ``texts``, random-init the model, save both to ``out_dir``.
+
+    ``atomic_terms`` (document ids) become single tokens; see ``train_bpe_tokenizer``.
 
     ``texts`` should cover what the policy will read and write: the world corpus, the scaffold's
     system prompt and example trace. ``out_dir`` must be absent or empty; it appears whole or not
@@ -94,7 +101,7 @@ def build_tiny_policy(texts: Iterable[str], out_dir: str | Path, spec: TinyPolic
     """
     spec = spec or TinyPolicySpec()
     out = Path(out_dir)
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=spec.vocab_size)
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=spec.vocab_size, atomic_terms=atomic_terms)
     if len(tokenizer) > spec.vocab_size:  # the trainer respects its budget; this guards the invariant
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but TinyPolicySpec.vocab_size={spec.vocab_size}")
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -68,13 +68,14 @@ def _without_added_pieces(texts: Iterable[str]) -> Iterator[str]:
                 yield piece
 
 
-def _build_backend(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    n_reserved = len(SPECIAL_TOKENS) + len(TAG_TOKENS)
+def _build_backend(texts: Iterable[str], vocab_size: int, atomic_terms: Sequence[str] = ()) -> Tokenizer:
+    n_reserved = len(SPECIAL_TOKENS) + len(TAG_TOKENS) + len(atomic_terms)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < n_reserved + len(alphabet):
         raise ValueError(
             f"vocab_size={vocab_size} is too small: the 256 byte symbols and {n_reserved} special/tag tokens "
             f"alone need {n_reserved + len(alphabet)}"
+            + (f" (including {len(atomic_terms)} atomic terms)" if atomic_terms else "")
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -82,9 +83,9 @@ def _build_backend(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
-    # Tags are added after training, so the BPE vocabulary gets what is left of the budget.
+    # Tags and atomic terms are added after training, so the BPE vocabulary gets what is left of the budget.
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),
+        vocab_size=vocab_size - len(TAG_TOKENS) - len(atomic_terms),
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=sorted(alphabet),
@@ -92,18 +93,36 @@ def _build_backend(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(_without_added_pieces(texts), trainer=trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    if atomic_terms:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in atomic_terms])
     return tokenizer
 
 
+def _checked_atomic_terms(terms: Sequence[str]) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(terms))
+    reserved = set(SPECIAL_TOKENS) | set(TAG_TOKENS)
+    for term in out:
+        if not isinstance(term, str) or not term or term != term.strip() or term in reserved:
+            raise ValueError(f"atomic term {term!r} must be a non-empty str without surrounding whitespace, not a tag")
+    return out
+
+
 def train_bpe_tokenizer(
-    texts: Iterable[str], vocab_size: int = 4096, out_dir: str | Path | None = None
+    texts: Iterable[str],
+    vocab_size: int = 4096,
+    out_dir: str | Path | None = None,
+    atomic_terms: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on ``texts``; the result has at most ``vocab_size`` tokens.
+
+    ``atomic_terms`` (e.g. the corpus's document ids) become one added token each, so citing a
+    retrieved id is copying one token from the context rather than a digit sequence.
 
     Deterministic for the same texts in the same order. With ``out_dir`` the tokenizer is saved
     there as Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json, chat template).
     """
-    backend = _build_backend(texts, vocab_size)
+    atomic_terms = _checked_atomic_terms(atomic_terms)
+    backend = _build_backend(texts, vocab_size, atomic_terms)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
