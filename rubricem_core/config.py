@@ -170,10 +170,11 @@ class SFTConfig(_Strict):
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
     relabel_doc_ids: bool = Field(
-        default=True,
+        default=False,
         description="Rename the document ids of each trajectory with a fresh random bijection every time it "
         "is trained on, so an id's name carries nothing and citations must be copied from tool outputs "
-        "(see rubricem_core/relabel.py). Needs single-token ids (policy.atomic_doc_ids); otherwise a no-op.",
+        "(see rubricem_core/relabel.py). Needs single-token ids (policy.atomic_doc_ids); otherwise a no-op. "
+        "Off by default: the tiny policy does not learn to copy within its budget (docs/sft_tiny_validity.md).",
     )
 
 

@@ -57,7 +57,7 @@ def test_sft_flow_trains_and_logs(collected_run):
 
 
 def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
-    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3})
+    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3, "sft.relabel_doc_ids": True})
     rows = RunStore(collected_run).read_rows("sft_trajectories")
     corpus = RunStore(collected_run).read_table("corpus")
     doc_ids = corpus["doc_id"].to_pylist()
