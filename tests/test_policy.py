@@ -442,4 +442,10 @@ def test_gguf_smollm2_converts_and_chats(tmp_path):
     (other / "x.txt").write_text("x")
     with pytest.raises(PolicyLoadError, match="holds something else"):
         convert_gguf_to_hf(gguf, other)
+    # `policy.name_or_path: smollm2` (the `small` profile) goes through the same conversion, reused here
+    from rubricem_core.config import load_config
+    from rubricem_core.sft import prepare_policy
+
+    assert prepare_policy(load_config("small").policy, out, [], seed=0) == out
+    assert (out / "gguf_source.json").stat().st_mtime_ns == marker_time
     shutil.rmtree(out)  # ~0.5 GB of float32 weights; pytest keeps old tmp dirs around
