@@ -7,6 +7,7 @@ independent of the training judge's evolving rubrics. Prints the mean answer sco
 difference to SFT.
 
     .venv/bin/python bench/rl_improvement.py --run-dir runs/tiny [--quick] [--set rl.n_windows=2 ...]
+    .venv/bin/python bench/rl_improvement.py --run-dir runs/small --work-dir runs/small-rl   # kept; rerun resumes
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ apply_offline_defaults()
 
 
 def copy_inputs(src: Path, dst: Path) -> str:
-    for table in ("queries", "corpus"):
-        shutil.copytree(src / "tables" / table, dst / "tables" / table)
-    shutil.copytree(src / "checkpoints" / "sft" / "final", dst / "checkpoints" / "sft" / "final")
+    """The run's inputs and SFT policy into ``dst``; parts already there (a resumed benchmark) are kept."""
+    for part in ("tables/queries", "tables/corpus", "checkpoints/sft/final"):
+        if not (dst / part).exists():
+            shutil.copytree(src / part, dst / part)
     return str(dst)
 
 
@@ -38,6 +40,8 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
     parser.add_argument("--recipes", default="baseline,full")
     parser.add_argument("--quick", action="store_true", help="one window of one step, 4 eval queries, 256 tokens/turn")
+    parser.add_argument("--work-dir", default=None,
+                        help="keep the RL runs here (default: a temporary directory); a rerun resumes after the last finished step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     args = parser.parse_args()
     src = Path(args.run_dir)
@@ -54,7 +58,7 @@ def main() -> None:
     from flows.ablation import ablation
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = copy_inputs(src, Path(tmp) / "run")
+        run_dir = copy_inputs(src, Path(args.work_dir) if args.work_dir else Path(tmp) / "run")
         result = ablation(run_dir=run_dir, profile=str(src / "config.yaml"), overrides=overrides,
                           recipes=recipes, benchmarks=["synthetic"], retrieval="none")
     scores = {r["recipe"]: r["score_mean"] for r in result["rows"] if r["benchmark"] == "synthetic"}

@@ -23,7 +23,7 @@ from rubricem_core.eval.run import (
     summarize,
 )
 from rubricem_core.eval.types import EvalError, family_of
-from rubricem_core.policy.loading import load_policy
+from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank
 from rubricem_core.schemas import queries_from_table
 from rubricem_core.store import RunStore
@@ -57,8 +57,9 @@ def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
     with _ENGINE_LOCK:
         if key not in _ENGINES:
             _ENGINES.clear()  # one policy in memory at a time
-            model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype)
-            model.eval()
+            # vLLM loads its own copy from the directory: the HF one is only its tokenizer's source.
+            device = "cpu" if cfg.rollout.engine == "vllm" else auto_device()
+            model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype, device=device)
             if cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 

@@ -140,13 +140,14 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
             return session
         base = start_policy(run_dir)
         model, tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
-        ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype)
-        ref_model.requires_grad_(False)
         trainer = make_trainer(model, TrainerConfig(
             lr=cfg.rl.lr, weight_decay=0.0, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, _total_steps(cfg)),
             min_lr_ratio=1.0, max_grad_norm=cfg.rl.max_grad_norm, precision=cfg.rl.precision, seed=cfg.seed,
             backend=cfg.rl.backend, zero_stage=cfg.rl.zero_stage,
         ))
+        # The reference and the engine's copy live where the trainer's model does (a GPU when there is one).
+        ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=trainer.device)
+        ref_model.requires_grad_(False)
         buffers: dict[str, RubricBuffer] = {}
         if after_step >= 0:
             ckpt = step_checkpoint(run_dir, after_step)
@@ -166,7 +167,7 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
             separate, engine_step = True, -1
         elif reflection_on(cfg):
             # Own copy of the weights: the deferred reflection update trains while this engine samples.
-            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype)
+            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=trainer.device)
             engine_model.requires_grad_(False)
             engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
             separate, engine_step = True, -1

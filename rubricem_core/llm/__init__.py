@@ -14,6 +14,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from rubricem_core.offline import apply_offline_defaults
+
+# litellm reads LITELLM_LOCAL_MODEL_COST_MAP at import: set before any submodule imports it, also when
+# tasks are imported without the flows (a notebook), or it fetches its price map from GitHub.
+apply_offline_defaults()
+
 from rubricem_core.llm.types import (
     ChatRequest,
     ChatResult,

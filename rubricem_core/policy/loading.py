@@ -69,6 +69,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+def auto_device() -> torch.device:
+    """The CUDA device when there is one, else the CPU: where policies sample and train by default."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_policy(
     name_or_path: str | os.PathLike[str],
     dtype: str | torch.dtype = "float32",

@@ -54,19 +54,25 @@ def make_loss_fn(temperature: float, clip_low: float, clip_high: float, kl_coef:
     return loss_fn
 
 
+def _logprobs_on_model_device(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
+    # Batches are collated on the CPU; the trainer's and reference models may sit on a GPU.
+    device = next(model.parameters()).device
+    return token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), temperature=temperature)
+
+
 @torch.no_grad()
 def _fill_logprobs(batch: TokenBatch, model: torch.nn.Module, ref_model: torch.nn.Module | None,
                    temperature: float) -> dict[str, float]:
     sampled = batch.old_logprobs  # collate() got the engine's sampling logprobs here
     was_training = model.training
     model.eval()
-    old = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+    old = _logprobs_on_model_device(model, batch, temperature).to(sampled.device)
     model.train(was_training)
     mask = batch.loss_mask.bool()
     gap = (old - sampled).abs()[mask]
     batch.old_logprobs = old.float()
     if ref_model is not None:
-        batch.ref_logprobs = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, temperature=temperature).float()
+        batch.ref_logprobs = _logprobs_on_model_device(ref_model, batch, temperature).to(sampled.device).float()
     return {"gap_sum": float(gap.sum()), "gap_max": float(gap.max()) if gap.numel() else 0.0, "n": int(mask.sum())}
 
 

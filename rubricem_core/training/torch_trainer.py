@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rubricem_core.policy.loading import auto_device
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -166,10 +167,7 @@ class TorchTrainer:
     def __init__(self, model: nn.Module, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         seed_everything(cfg.seed)
-        if cfg.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(cfg.device)
+        self.device = auto_device() if cfg.device == "auto" else torch.device(cfg.device)
         self.model = model.to(self.device)
         self.model.train()
         self.autocast_dtype: torch.dtype | None = None
