@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -52,6 +53,16 @@ def test_search_no_results_and_determinism():
     assert empty.ok and empty.snippet_ids == []
     assert empty.text == "<tool_output><error>no results for 'zzzunknownword qqq'</error></tool_output>"
     assert tool("coral reef ocean") == tool("coral reef ocean")
+
+
+def test_search_tool_keeps_jax_off_the_gpu_unless_the_user_says_otherwise(monkeypatch):
+    # bm25s runs a JAX op at import; on a GPU node JAX would then take 75% of the GPU's memory
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    LocalSearchTool(corpus())
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    LocalSearchTool(corpus())
+    assert os.environ["JAX_PLATFORMS"] == "cuda"
 
 
 def test_long_documents_are_chunked_and_snippet_centers_on_query_words():

@@ -7,6 +7,8 @@ best passage around the densest cluster of query words. Both tools are determini
 """
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass
 
@@ -112,6 +114,9 @@ class LocalSearchTool(Tool):
         passage_chars: int = 600,
         name: str = "search",
     ):
+        # bm25s runs a JAX op at import when JAX is installed; on a GPU node that grabs 75% of the GPU's
+        # memory for JAX (seen on an H200: 105 GiB), starving the policy. Keep JAX on the CPU.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import bm25s
         from bm25s.stopwords import STOPWORDS_EN
         from bm25s.tokenization import Tokenizer
@@ -162,7 +167,8 @@ class LocalSearchTool(Tool):
         ids = [i for i in ids if i != self._empty_token]  # unknown words map to the empty token
         if not ids or not len(self._passage_doc):
             return []
-        docs, scores = self._bm25.retrieve([ids], k=self._candidates(), show_progress=False, n_threads=1)
+        docs, scores = self._bm25.retrieve([ids], k=self._candidates(), show_progress=False, n_threads=1,
+                                           backend_selection="numpy")  # same top-k, ties included, with or without JAX
         hits = [(int(p), float(s)) for p, s in zip(docs[0], scores[0]) if s > 0]
         return sorted(hits, key=lambda h: (-h[1], h[0]))
 

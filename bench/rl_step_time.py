@@ -1,0 +1,128 @@
+"""Time one RL step's two halves for a policy on this machine: rollouts, then the SS-GRPO update.
+
+Rollouts: HFRolloutEngine samples ``--queries`` × ``--group`` trajectories on a synthetic world with
+the real local tools (as the `rollout` task does). Update: ``rl.update.ss_grpo_update`` on those
+trajectories with the trainer's old-logprob recompute, the frozen reference's logprobs and one
+optimizer step (advantages are random: the cost does not depend on them). Prints seconds, tokens/s
+and, on a GPU, peak memory: what one step of `rubricem rl` costs with this model here.
+
+    .venv/bin/python bench/rl_step_time.py --policy runs/small/checkpoints/sft/final
+    python bench/rl_step_time.py --policy DIR --random-init --device cuda   # speed only: weights from config.json
+
+``--random-init`` builds the model from the directory's config.json (no weight files needed, so a
+config and tokenizer are enough to size a GPU node); a random model never calls tools and writes
+every turn to ``--max-new-tokens``, so its rollouts are the long, tool-free case.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from rubricem_core.encoding import encode_prompt  # noqa: E402
+from rubricem_core.policy.loading import DTYPES, auto_device, load_policy  # noqa: E402
+from rubricem_core.rl.update import ss_grpo_update  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.environment import prompt_messages  # noqa: E402
+from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
+from rubricem_core.training.config import TrainerConfig  # noqa: E402
+from rubricem_core.training.torch_trainer import TorchTrainer  # noqa: E402
+from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
+
+
+def load(policy: str, random_init: bool, dtype: str, device: torch.device):
+    if not random_init:
+        return load_policy(policy, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(policy)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    return model.to(device).eval(), tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", required=True, help="a Hugging Face causal-LM directory (with its tokenizer)")
+    parser.add_argument("--random-init", action="store_true", help="random weights from config.json (speed only)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="trainer: fp32 or bf16 autocast")
+    parser.add_argument("--queries", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4, help="samples per query")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="per turn")
+    parser.add_argument("--max-total-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens-per-batch", type=int, default=16384, help="update micro-batch token budget")
+    args = parser.parse_args()
+
+    device = auto_device() if args.device == "auto" else torch.device(args.device)
+    model, tokenizer = load(args.policy, args.random_init, args.dtype, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"policy: {args.policy}{' (random init)' if args.random_init else ''}, {n_params / 1e6:.1f}M params, "
+          f"{args.dtype} on {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+
+    world = generate_world(WorldConfig(seed=0, n_documents=400, n_queries=max(args.queries, 4)))
+    table = world.corpus_table()
+    env = ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=2**31 - 1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
+                              max_total_tokens=args.max_total_tokens, seed=0)
+    requests = []
+    for q in world.queries[: args.queries]:
+        messages = prompt_messages({"question": q.question}, style="compact")
+        requests.append(RolloutRequest(q.query_id, encode_prompt(tokenizer, messages), n=args.group,
+                                       sampling=sampling, max_tool_calls=4))
+
+    trainer = TorchTrainer(model, TrainerConfig(lr=1e-6, weight_decay=0.0, total_steps=2, precision=args.precision,
+                                                device=str(device)))
+    ref_model = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+    engine = HFRolloutEngine(trainer.model, tokenizer)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    t0 = time.perf_counter()
+    trajs = [t for group in engine.generate(requests, env) for t in group]
+    rollout_s = time.perf_counter() - t0
+    generated = sum(t.n_policy_tokens for t in trajs)
+    total = sum(len(t) for t in trajs)
+    print(f"rollouts: {len(trajs)} trajectories, {generated} generated of {total} tokens in {rollout_s:.1f}s "
+          f"({generated / rollout_s:.0f} generated tok/s); finish: "
+          f"{sorted({t.finish_reason for t in trajs})}")
+
+    if device.type == "cuda":
+        free, total_mem = torch.cuda.mem_get_info(device)
+        print(f"after rollouts: torch allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
+              f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB; device free {free / 2**30:.1f} of {total_mem / 2**30:.1f} GiB")
+    rng = random.Random(0)
+    advs = [[rng.gauss(0.0, 1.0) * m for m in t.loss_mask] for t in trajs]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id, args.max_tokens_per_batch,
+                             temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.001)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    update_s = time.perf_counter() - t0
+    print(f"update: {total} tokens (old + ref logprobs, forward + backward, one step) in {update_s:.1f}s "
+          f"({total / update_s:.0f} tok/s); loss {metrics['loss']:.4f}, logprob gap mean "
+          f"{metrics['logprob_gap_mean']:.2e}")
+    if device.type == "cuda":
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    print(f"figure: rl_step={rollout_s + update_s:.1f} s for {len(trajs)} trajectories "
+          f"(rollouts {rollout_s:.1f} s, update {update_s:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
