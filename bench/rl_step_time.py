@@ -6,7 +6,7 @@ trajectories with the trainer's old-logprob recompute, the frozen reference's lo
 optimizer step (advantages are random: the cost does not depend on them). Prints seconds, tokens/s
 and, on a GPU, peak memory: what one step of `rubricem rl` costs with this model here.
 
-    .venv/bin/python bench/rl_step_time.py --policy runs/small/checkpoints/sft/final
+    .venv/bin/python bench/rl_step_time.py --run-dir runs/small          # its SFT policy
     python bench/rl_step_time.py --policy DIR --random-init --device cuda   # speed only: weights from config.json
 
 ``--random-init`` builds the model from the directory's config.json (no weight files needed, so a
@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -56,7 +58,8 @@ def load(policy: str, random_init: bool, dtype: str, device: torch.device):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", required=True, help="a Hugging Face causal-LM directory (with its tokenizer)")
+    parser.add_argument("--run-dir", default="runs/tiny", help="its checkpoints/sft/final is the policy (unless --policy)")
+    parser.add_argument("--policy", default=None, help="a Hugging Face causal-LM directory (with its tokenizer)")
     parser.add_argument("--random-init", action="store_true", help="random weights from config.json (speed only)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
@@ -66,7 +69,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512, help="per turn")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384, help="update micro-batch token budget")
+    parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 64 tokens per turn")
     args = parser.parse_args()
+    if args.quick:
+        args.queries, args.group, args.max_new_tokens = 2, 2, 64
+    if args.policy is None:
+        if not has_sft_checkpoint(Path(args.run_dir), figure_line("rl_step", float("nan"), "s", "report", None)):
+            return
+        args.policy = str(Path(args.run_dir) / "checkpoints" / "sft" / "final")
 
     device = auto_device() if args.device == "auto" else torch.device(args.device)
     model, tokenizer = load(args.policy, args.random_init, args.dtype, device)
@@ -120,8 +130,8 @@ def main() -> None:
           f"{metrics['logprob_gap_mean']:.2e}")
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-    print(f"figure: rl_step={rollout_s + update_s:.1f} s for {len(trajs)} trajectories "
-          f"(rollouts {rollout_s:.1f} s, update {update_s:.1f} s)")
+    print(f"one RL step of {len(trajs)} trajectories: rollouts {rollout_s:.1f} s + update {update_s:.1f} s")
+    print(figure_line("rl_step", rollout_s + update_s, "s", "report", None))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("reflection_deferral", quick_args=("--quick",), needs_run_dir=True),
     Script("rl_improvement", quick_args=("--quick",), needs_run_dir=True),
     Script("throughput", quick_args=("--quick",), needs_run_dir=True),
+    Script("rl_step_time", quick_args=("--quick",), needs_run_dir=True),
     Script("orchestration_overhead", quick_args=("--quick",), needs_run_dir=True),
     Script("sft_scaffold_validity", quick_args=("--max-queries", "4", "--samples", "1"), needs_run_dir=True),
     Script("peak_memory", quick_args=("--quick",)),
