@@ -11,28 +11,18 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rubricem_core.policy.loading import auto_device
-from rubricem_core.policy.tokenizer import train_bpe_tokenizer
 from rubricem_core.rl.update import ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
-from rubricem_core.scaffold import EXAMPLE_TRACE
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.torch_trainer import TorchTrainer
 from rubricem_core.world import WorldConfig, generate_world
+from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one CPU thread is faster on a shared machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +32,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def tok(world):
-    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
-    return train_bpe_tokenizer(texts, vocab_size=600)
+    return world_tokenizer(world)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +41,8 @@ def env(world):
     return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=3)
 
 
-def _model(tok, seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )
-    return Qwen3ForCausalLM(config).eval()
+def _model(tok, seed: int = 0):
+    return tool_policy(tok, seed=seed, max_positions=2048)
 
 
 def _requests(tok, world, temperature: float, n: int = 2) -> list[RolloutRequest]:

@@ -11,9 +11,8 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
-from rubricem_core.policy.tokenizer import train_bpe_tokenizer
 from rubricem_core.rollout import (
     ANSWERED,
     ERROR,
@@ -31,6 +30,7 @@ from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_seg
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, Tool, ToolEnv, ToolResult, ToolSpec
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 from rubricem_core.world import WorldConfig, generate_world
+from tests.tiny_models import tool_policy, world_tokenizer
 
 PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
 FINISH = (
@@ -59,19 +59,11 @@ def world():
 
 @pytest.fixture(scope="module")
 def tok(world):
-    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
-    return train_bpe_tokenizer(texts, vocab_size=600)
+    return world_tokenizer(world)
 
 
 def _model(tok, attn: str = "sdpa", seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-    )
-    config._attn_implementation = attn
-    return Qwen3ForCausalLM(config).eval()
+    return tool_policy(tok, seed=seed, attn=attn)
 
 
 @pytest.fixture(scope="module")

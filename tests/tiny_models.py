@@ -1,9 +1,12 @@
-"""A tiny random Qwen3 and a one-thread fixture, shared by the trainer and checkpoint tests."""
+"""Tiny random Qwen3 models, a BPE tokenizer over a small world, and a one-thread fixture, shared by tests."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from rubricem_core.policy.tokenizer import train_bpe_tokenizer
+from rubricem_core.scaffold import EXAMPLE_TRACE
 
 VOCAB = 512
 
@@ -25,3 +28,21 @@ def tiny_model(seed: int = 0, tie: bool = False) -> Qwen3ForCausalLM:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie,
     )
     return Qwen3ForCausalLM(config)
+
+
+def world_tokenizer(world, vocab_size: int = 600):
+    """A byte-level BPE over a synthetic world's documents and questions and the scaffold's example."""
+    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
+    return train_bpe_tokenizer(texts, vocab_size=vocab_size)
+
+
+def tool_policy(tok, seed: int = 0, attn: str = "sdpa", max_positions: int = 4096) -> Qwen3ForCausalLM:
+    """A tiny random Qwen3 (eval mode) sized to ``tok``, for rollout-engine tests with real tools."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )
+    config._attn_implementation = attn
+    return Qwen3ForCausalLM(config).eval()
