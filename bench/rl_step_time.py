@@ -34,11 +34,11 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.policy.loading import DTYPES, auto_device, load_policy  # noqa: E402
+from rubricem_core.config import ToolsConfig  # noqa: E402
+from rubricem_core.policy.loading import DTYPES, _ensure_pad_token, auto_device, load_policy  # noqa: E402
 from rubricem_core.rl.update import ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
-from rubricem_core.environment import prompt_messages  # noqa: E402
-from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
+from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
 from rubricem_core.training.config import TrainerConfig  # noqa: E402
 from rubricem_core.training.torch_trainer import TorchTrainer  # noqa: E402
 from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
@@ -48,11 +48,9 @@ def load(policy: str, random_init: bool, dtype: str, device: torch.device):
     if not random_init:
         return load_policy(policy, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(policy)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    config = AutoConfig.from_pretrained(policy)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(policy), dtype=DTYPES[dtype])
+    _ensure_pad_token(model, tokenizer, policy)
     return model.to(device).eval(), tokenizer
 
 
@@ -85,8 +83,7 @@ def main() -> None:
           f"{args.dtype} on {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
 
     world = generate_world(WorldConfig(seed=0, n_documents=400, n_queries=max(args.queries, 4)))
-    table = world.corpus_table()
-    env = ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=2**31 - 1)
+    env = local_tool_env(world.corpus_table(), ToolsConfig())
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
                               max_total_tokens=args.max_total_tokens, seed=0)
     requests = []

@@ -8,7 +8,6 @@ best passage around the densest cluster of query words. Both tools are determini
 from __future__ import annotations
 
 import os
-
 import re
 from dataclasses import dataclass
 
