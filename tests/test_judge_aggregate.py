@@ -164,3 +164,69 @@ def test_rubric_score_rejects_out_of_range_values(bad):
 def test_nan_is_not_confused_with_zero():
     R = stage_scores(hand_judgments(), RUBRICS)
     assert R[3, 1] == 0.0 and not math.isnan(R[3, 1])
+
+
+# ---- a stage the trajectory never wrote earns nothing --------------------------------------------
+
+FULL_TRACE = (
+    "<structured_plan>find X</structured_plan>"
+    '<call_tool name="search">X</call_tool><tool_output><snippet id="D1">X is 3.</snippet></tool_output>'
+    "<review><rubric_review>X → D1</rubric_review></review>"
+    '<answer><cite id="D1">X is 3</cite>.</answer>'
+)
+NO_ANSWER = FULL_TRACE.split("<answer>")[0]
+STRAY_CLOSE = NO_ANSWER + "X is 3.</answer>"  # closes an answer it never opened (a tiny policy's slip)
+EMPTY_ANSWER = NO_ANSWER + "<answer> </answer>"
+
+
+@pytest.mark.parametrize("text, answered", [(FULL_TRACE, True), (NO_ANSWER, False), (EMPTY_ANSWER, False)])
+def test_written_stages_reads_the_answer_block(text, answered):
+    from rubricem_core.judge.aggregate import written_stages
+
+    written = written_stages(text)
+    assert written.tolist()[:2] == [True, True]
+    assert bool(written[STAGES.index("answer")]) is answered
+
+
+def test_silence_earns_no_credit_from_inverted_negative_rubrics():
+    from rubricem_core.judge.aggregate import zero_absent_stages
+
+    # both rollouts violate nothing (negative A2 scored 0) and meet no positive rubric; only one answered
+    scores = [0, 0, 0, 0, 0]
+    judgments = [judged("answered", RUBRICS, scores), judged("silent", RUBRICS, scores),
+                 TrajectoryJudgment("failed", failed=True, error="503")]
+    R = stage_scores(judgments, RUBRICS)
+    answer = STAGES.index("answer")
+    assert R[0, answer] == R[1, answer] == pytest.approx(1 / 3)  # the hole: silence paid like an answer
+    out = zero_absent_stages(R, [FULL_TRACE, NO_ANSWER, NO_ANSWER])
+    assert out[0, answer] == pytest.approx(1 / 3)
+    assert out[1, answer] == 0.0
+    assert np.isnan(out[2]).all()  # a failed judgment stays excluded, never zero
+    assert np.isnan(out[:, STAGES.index("review")]).all()  # a stage without rubrics has no reward, written or not
+    np.testing.assert_array_equal(out[:, :2], R[:, :2])  # written stages unchanged
+
+
+def test_judge_step_zeroes_the_unanswered_rollouts_answer_reward(monkeypatch):
+    from rubricem_core.judge.buffer import RubricBuffer
+    from rubricem_core.judge.llm_judge import judge_step
+    from rubricem_core.judge.types import JudgeQuery, JudgeRollout
+
+    negative = rubric("no wrong value", "answer", "negative", 1)
+
+    class FakeJudge:  # the aggregation under test, not the LLM calls
+        class options:
+            rubric_stages = STAGES
+
+        def generate(self, inputs):
+            from rubricem_core.judge.llm_judge import GenerationOutcome
+            return [GenerationOutcome(i.query.query_id) for i in inputs]
+
+        def score(self, inputs):
+            return [judged(i.rollout.rollout_id, list(i.rubrics), [0] * len(i.rubrics)) for i in inputs]
+
+    buffer = RubricBuffer("q1", cap_per_stage=5)
+    buffer.add([negative], step=0)
+    groups = [(JudgeQuery("q1", "What is X?"), [JudgeRollout("r0", FULL_TRACE), JudgeRollout("r1", STRAY_CLOSE)])]
+    (result,) = judge_step(FakeJudge(), groups, {"q1": buffer}, step=0)
+    answer = STAGES.index("answer")
+    assert result.R[0, answer] == 1.0 and result.R[1, answer] == 0.0

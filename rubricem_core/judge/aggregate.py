@@ -2,7 +2,9 @@
 
 s′ = s for a positive rubric and 2 − s for a negative one, so every rubric pushes R towards 1 when
 the trajectory does well by it. A stage without rubrics has no reward (NaN, stored as null), and a
-failed judgment gives a NaN row: it is excluded from normalization, never read as zero.
+failed judgment gives a NaN row: it is excluded from normalization, never read as zero. A stage the
+trajectory never wrote earns 0 (``zero_absent_stages``): otherwise its negative rubrics, inverted,
+would pay a trajectory for silence (no answer, no credit — the evaluation's rule too).
 
 Two implementations — a plain loop that mirrors the formula and a vectorized one used in training —
 are tested against each other and against numbers worked by hand.
@@ -10,14 +12,16 @@ are tested against each other and against numbers worked by hand.
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 import numpy as np
 
 from rubricem_core.judge.types import JudgeError, Rubric, TrajectoryJudgment
-from rubricem_core.scaffold import STAGE_IDS, STAGES
+from rubricem_core.scaffold import STAGE_IDS, STAGES, stage_texts
 
 N_STAGES = len(STAGES)
+_TAG = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")
 
 
 def _check_rubrics(rubrics: Sequence[Rubric]) -> None:
@@ -89,6 +93,20 @@ def stage_scores(judgments: Sequence[TrajectoryJudgment], rubrics: Sequence[Rubr
         R = numerator / denominator
     R[:, denominator == 0] = np.nan
     return R
+
+
+def written_stages(text: str) -> np.ndarray:
+    """Bool (4,): whether the trajectory wrote any text (tags and tool outputs aside) in each stage."""
+    texts = stage_texts(text)
+    return np.array([bool(_TAG.sub("", texts[stage]).strip()) for stage in STAGES])
+
+
+def zero_absent_stages(R: np.ndarray, texts: Sequence[str]) -> np.ndarray:
+    """R with 0 where a trajectory wrote nothing in a stage that has a reward (NaN stays NaN)."""
+    if R.shape != (len(texts), N_STAGES):
+        raise JudgeError(f"R has shape {R.shape}, expected ({len(texts)}, {N_STAGES})")
+    written = np.array([written_stages(t) for t in texts]).reshape(len(texts), N_STAGES)
+    return np.where(~written & ~np.isnan(R), 0.0, R)
 
 
 def stage_reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], R: np.ndarray) -> list[dict]:

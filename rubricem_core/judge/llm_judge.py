@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rubricem_core.judge.aggregate import stage_scores
+from rubricem_core.judge.aggregate import stage_scores, zero_absent_stages
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.prompts import (
     GeneratedRubric,
@@ -273,6 +273,7 @@ def judge_step(judge: LLMJudge, groups: Sequence[tuple[JudgeQuery, Sequence[Judg
         group = judgments[start:start + len(rollouts)]
         start += len(rollouts)
         pruned = buffers[query.query_id].after_scoring(group, step)
-        out.append(GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics,
-                                 stage_scores(group, rubrics), new, pruned, outcome))
+        R = zero_absent_stages(stage_scores(group, rubrics), [r.text for r in rollouts])
+        out.append(GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics, R, new, pruned,
+                                 outcome))
     return out
