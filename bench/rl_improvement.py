@@ -3,8 +3,10 @@
 Copies a finished run's inputs and SFT policy (never modifies it), runs the `ablation` flow for the
 two recipes with the same budget and seed, and evaluates the SFT policy and each final RL checkpoint on
 the held-out synthetic queries with the built-in grader — the persistent, checkable answer rubrics,
-independent of the training judge's evolving rubrics. Prints the mean answer score of each and the
-difference to SFT.
+independent of the training judge's evolving rubrics. Prints the mean answer score of each, its
+difference to SFT paired by query (with its standard error), and what the score is made of: the share
+of trajectories that answer at all, valid scaffolds, fact rubrics met in full, and right final answers.
+The goal counts as met when the last recipe's paired gain exceeds twice its standard error.
 
     .venv/bin/python bench/rl_improvement.py --run-dir runs/tiny [--quick] [--set rl.n_windows=2 ...]
     .venv/bin/python bench/rl_improvement.py --run-dir runs/small --work-dir runs/small-rl   # kept; rerun resumes
@@ -12,16 +14,20 @@ difference to SFT.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -33,6 +39,43 @@ def copy_inputs(src: Path, dst: Path) -> str:
         if not (dst / part).exists():
             shutil.copytree(src / part, dst / part)
     return str(dst)
+
+
+def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
+    """Per-query mean scores and the parts of the score for one checkpoint's synthetic evaluation."""
+    from rubricem_core.store import RunStore
+
+    rows = [r for r in RunStore(run_dir).read_rows("eval_results")
+            if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]]
+    per_query: dict[str, list[float]] = {}
+    answered = facts = facts_full = finals = finals_right = 0
+    for row in rows:
+        per_query.setdefault(row["query_id"], []).append(float(row["score"]))
+        details = json.loads(row["details"])
+        answered += bool(details.get("answered"))
+        for item in details.get("rubrics", []):
+            if item.get("check") == "fact":
+                facts, facts_full = facts + 1, facts_full + (item["score"] == 2)
+            elif item.get("check") == "final":
+                finals, finals_right = finals + 1, finals_right + (item["score"] == 2)
+    n = max(1, len(rows))
+    return {
+        "per_query": {q: sum(v) / len(v) for q, v in per_query.items()}, "n": len(rows),
+        "answered": answered / n, "valid": sum(bool(r["valid_scaffold"]) for r in rows) / n,
+        "facts": facts_full / facts if facts else math.nan, "finals": finals_right / finals if finals else math.nan,
+    }
+
+
+def paired_gain(policy: dict[str, float], reference: dict[str, float]) -> tuple[float, float]:
+    """Mean and standard error of the per-query score difference over the queries both were graded on."""
+    diffs = [policy[q] - reference[q] for q in policy if q in reference]
+    if not diffs:
+        return math.nan, math.nan
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, math.nan
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
 
 
 def main() -> None:
@@ -61,19 +104,29 @@ def main() -> None:
         run_dir = copy_inputs(src, Path(args.work_dir) if args.work_dir else Path(tmp) / "run")
         result = ablation(run_dir=run_dir, profile=str(src / "config.yaml"), overrides=overrides,
                           recipes=recipes, benchmarks=["synthetic"], retrieval="none")
-    scores = {r["recipe"]: r["score_mean"] for r in result["rows"] if r["benchmark"] == "synthetic"}
+        parts = {r["recipe"]: {"score": r["score_mean"], **breakdown(r["run_dir"], r["checkpoint"])}
+                 for r in result["rows"] if r["benchmark"] == "synthetic"}
     print(f"budget per recipe: {result['budget']}")
-    print(f"{'policy':<12} {'answer score':>12} {'vs SFT':>8}")
-    sft = scores.get("sft")
+    print(f"{'policy':<10} {'score':>6} {'vs SFT':>7} {'± se':>6} {'graded':>6} {'answered':>8} {'valid':>6} "
+          f"{'facts':>6} {'finals':>6}")
+    sft = parts.get("sft")
+    gains: dict[str, tuple[float, float]] = {}
     for name in ["sft", *recipes]:
-        value = scores.get(name)
-        delta = None if value is None or sft is None else value - sft
-        print(f"{name:<12} {value if value is not None else float('nan'):>12.3f} "
-              f"{delta if delta is not None else float('nan'):>+8.3f}")
+        p = parts.get(name)
+        if p is None:
+            print(f"{name:<10} (no evaluation)")
+            continue
+        gain, se = (0.0, 0.0) if name == "sft" or sft is None else paired_gain(p["per_query"], sft["per_query"])
+        gains[name] = (gain, se)
+        score = p["score"] if p["score"] is not None else math.nan
+        print(f"{name:<10} {score:>6.3f} {gain:>+7.3f} {se:>6.3f} {p['n']:>6d} {p['answered']:>8.2f} {p['valid']:>6.2f} "
+              f"{p['facts']:>6.2f} {p['finals']:>6.2f}")
+    print("score: mean answer score (persistent rubrics); vs SFT: mean per-query difference, ± its standard error;\n"
+          "answered / valid: shares of trajectories; facts / finals: shares of fact rubrics met in full / right finals")
     last = recipes[-1]
-    gain = None if scores.get(last) is None or sft is None else scores[last] - sft
-    print(f"figure: {last}_minus_sft={gain if gain is not None else float('nan'):.3f} score  goal: > 0  "
-          f"met: {'yes' if gain is not None and gain > 0 else 'no'}")
+    gain, se = gains.get(last, (math.nan, math.nan))
+    met = None if math.isnan(gain) else bool(gain > 0 and not math.isnan(se) and gain > 2 * se)
+    print(figure_line(f"{last}_minus_sft", gain, "score", "> 0 by more than 2 standard errors", met))
 
 
 if __name__ == "__main__":

@@ -149,3 +149,29 @@ def test_bench_schema_matches_the_judge_tasks_table():
         pytest.skip("no runs/tiny judge_scores to compare with (run `make run`)")
     real = pq.read_schema(part[0])
     assert [(f.name, f.type) for f in real] == [(f.name, f.type) for f in JUDGE_SCORES_SCHEMA]
+
+
+def test_rl_improvement_pairs_queries_and_reads_the_score_parts(tmp_path):
+    from bench.rl_improvement import breakdown, paired_gain
+    from rubricem_core.eval.run import EVAL_RESULTS_SCHEMA
+
+    # worked by hand: diffs q1 +0.2, q2 +0.4, q3 0.0 → mean 0.2, sd 0.2, se 0.2/√3; q4 only in one policy
+    gain, se = paired_gain({"q1": 0.5, "q2": 0.6, "q3": 0.1, "q4": 1.0}, {"q1": 0.3, "q2": 0.2, "q3": 0.1})
+    assert gain == pytest.approx(0.2) and se == pytest.approx(0.2 / math.sqrt(3))
+    assert math.isnan(paired_gain({"q1": 1.0}, {"q2": 0.0})[0])
+
+    def row(qid, sample, score, answered, fact, final, checkpoint="rl-step-000003", failed=False):
+        rubrics = [{"check": "fact", "score": fact}, {"check": "final", "score": final},
+                   {"check": "wrong_value", "score": 0}]
+        return {"checkpoint": checkpoint, "benchmark": "synthetic", "query_id": qid, "retrieval": "none",
+                "score": score, "sample": sample, "grade_failed": failed, "valid_scaffold": answered and fact == 2,
+                "details": json.dumps({"answered": answered, "rubrics": rubrics})}
+
+    rows = [row("q1", 0, 0.2, True, 0, 0), row("q1", 1, 0.6, True, 2, 0), row("q2", 0, 0.0, False, 0, 0),
+            row("q2", 1, 1.0, True, 2, 2), row("q3", 0, 0.9, True, 2, 2, checkpoint="sft"),
+            row("q3", 0, 0.0, False, 0, 0, failed=True)]
+    RunStore(tmp_path).write_table("eval_results", rows, schema=EVAL_RESULTS_SCHEMA)
+    parts = breakdown(str(tmp_path), "rl-step-000003")
+    assert parts["n"] == 4 and parts["per_query"] == pytest.approx({"q1": 0.4, "q2": 0.5})
+    assert parts["answered"] == 0.75 and parts["valid"] == 0.5
+    assert parts["facts"] == 0.5 and parts["finals"] == 0.25
