@@ -80,6 +80,7 @@ _VERDICT_RE = re.compile(r"\b(continue|revise|ready)\b", re.IGNORECASE)
 _INJECTED_TAG_RE = re.compile(rf"<(\s*/?\s*(?:{_NAMES_ALT})\b[^<>]*)(>?)", re.IGNORECASE)
 _BULLET_RE = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)]|[a-zA-Z][.)](?=\s))\s*")
 _SAFE_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-/#]+$")
+_ANY_TAG_RE = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")  # any tag-like markup, known name or not
 
 
 class ScaffoldError(ValueError):
@@ -731,6 +732,11 @@ def _cite_ids(element: _Element) -> list[str]:
 
 def _answers(tree: _Tree) -> list[_Element]:
     return [element for element in tree.elements if element.name == "answer"]
+
+
+def strip_tags(text: str) -> str:
+    """``text`` without its tags (any ``<name ...>`` or ``</name>``), their contents kept."""
+    return _ANY_TAG_RE.sub("", text)
 
 
 def extract_citations(text: str) -> list[Citation]:

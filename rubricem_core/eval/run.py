@@ -24,7 +24,7 @@ from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_
 from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
 from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED, RolloutRequest, SamplingParams
-from rubricem_core.scaffold import extract_answer, neutralize_tags, validate
+from rubricem_core.scaffold import extract_answer, neutralize_tags, strip_tags, validate
 from rubricem_core.schemas import Query
 from rubricem_core.tools.base import ToolEnv
 
@@ -103,12 +103,11 @@ def guidance_for(bank: ReflectionBank | None, queries: Sequence[Query], mode: st
 # ---- sampling ------------------------------------------------------------------------------------
 
 _CITE = re.compile(r'<cite id="([^"]*)">(.*?)</cite>', re.S)
-_TAG = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")
 
 
 def plain_answer(answer: str) -> str:
     """The answer as a grader reads it: ``<cite id="D1">claim</cite>`` → ``claim [D1]``, no tags."""
-    return _TAG.sub("", _CITE.sub(lambda m: f"{m.group(2)} [{m.group(1)}]", answer)).strip()
+    return strip_tags(_CITE.sub(lambda m: f"{m.group(2)} [{m.group(1)}]", answer)).strip()
 
 
 def sample_queries(engine: Any, tokenizer: Any, queries: Sequence[Query], env: ToolEnv, options: EvalOptions,

@@ -12,16 +12,14 @@ are tested against each other and against numbers worked by hand.
 from __future__ import annotations
 
 import math
-import re
 from typing import Sequence
 
 import numpy as np
 
 from rubricem_core.judge.types import JudgeError, Rubric, TrajectoryJudgment
-from rubricem_core.scaffold import STAGE_IDS, STAGES, stage_texts
+from rubricem_core.scaffold import STAGE_IDS, STAGES, stage_texts, strip_tags
 
 N_STAGES = len(STAGES)
-_TAG = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")
 
 
 def _check_rubrics(rubrics: Sequence[Rubric]) -> None:
@@ -98,7 +96,7 @@ def stage_scores(judgments: Sequence[TrajectoryJudgment], rubrics: Sequence[Rubr
 def written_stages(text: str) -> np.ndarray:
     """Bool (4,): whether the trajectory wrote any text (tags and tool outputs aside) in each stage."""
     texts = stage_texts(text)
-    return np.array([bool(_TAG.sub("", texts[stage]).strip()) for stage in STAGES])
+    return np.array([bool(strip_tags(texts[stage]).strip()) for stage in STAGES])
 
 
 def zero_absent_stages(R: np.ndarray, texts: Sequence[str]) -> np.ndarray:

@@ -39,7 +39,7 @@ from rubricem_core.judge.prompts import (
 )
 from rubricem_core.judge.types import normalize_title
 from rubricem_core.llm.provider import message_text, register_completion_provider
-from rubricem_core.scaffold import STAGES, extract_citations, extract_plan, parse_segments
+from rubricem_core.scaffold import STAGES, extract_citations, extract_plan, parse_segments, strip_tags
 from rubricem_core.world import Fact, read_facts
 
 PROVIDER = "rubricem-judge"
@@ -49,7 +49,6 @@ _SNIPPET = re.compile(r'<snippet id="([^"]+)">(.*?)</snippet>', re.S)
 _TITLE_PREFIX = re.compile(r"^[^.:<>]{1,80}:\s+")  # search snippets read "Title: text"
 _CALL = re.compile(r'<call_tool(?:\s+name="([^"]*)")?[^>]*>(.*?)</call_tool>\s*(?:<tool_output>(.*?)</tool_output>)?',
                    re.S)
-_TAG = re.compile(r"</?[a-z_]+(?:\s[^<>]*)?>")
 _CITE_ELEMENT = re.compile(r"<cite\b[^>]*>.*?</cite>", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _NUMBER = re.compile(r"\d[\d,]*")
@@ -182,7 +181,7 @@ class TraceView:
 
     @cached_property
     def answer_plain(self) -> str:
-        return _TAG.sub("", self.answer)
+        return strip_tags(self.answer)
 
     @cached_property
     def citations(self):
@@ -191,7 +190,7 @@ class TraceView:
     @cached_property
     def conclusion(self) -> str:
         """The concluding sentence: the last sentence outside citations, else the last sentence."""
-        outside = _sentences(_TAG.sub("", _CITE_ELEMENT.sub(" ", self.answer)))
+        outside = _sentences(strip_tags(_CITE_ELEMENT.sub(" ", self.answer)))
         outside = [s for s in outside if _WORD.search(s)]
         if outside:
             return outside[-1]
