@@ -246,12 +246,12 @@ def test_environment_left_to_mpi_discovery(monkeypatch):
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
-@pytest.mark.parametrize("stage, offload", [(1, False), (2, True), (3, True)])
-def test_deepspeed_config_follows_trainer_config(stage, offload):
+@pytest.mark.parametrize("stage, offload, offload_params", [(1, False, False), (2, True, False), (3, True, True), (3, False, True)])
+def test_deepspeed_config_follows_trainer_config(stage, offload, offload_params):
     from rubricem_core.training.deepspeed_trainer import build_ds_config
 
     cfg = TrainerConfig(
-        zero_stage=stage, offload=offload, max_grad_norm=0.5, grad_accum_steps=4, precision="bf16",
+        backend="deepspeed", zero_stage=stage, offload=offload, offload_params=offload_params, max_grad_norm=0.5, grad_accum_steps=4, precision="bf16",
         deepspeed_overrides={"zero_optimization": {"reduce_bucket_size": 123}, "steps_per_print": 7},
     )
     ds = build_ds_config(cfg, n_params=10_000)
@@ -259,14 +259,17 @@ def test_deepspeed_config_follows_trainer_config(stage, offload):
     assert zero["stage"] == stage and ds["gradient_clipping"] == 0.5 and ds["gradient_accumulation_steps"] == 4
     assert ds["bf16"]["enabled"] is True and ds["steps_per_print"] == 7
     assert zero["reduce_bucket_size"] == 123 and zero["allgather_bucket_size"] == 2**20  # small model: small buckets
-    assert ("offload_optimizer" in zero) == offload and ("offload_param" in zero) == (offload and stage == 3)
+    assert ("offload_optimizer" in zero) == offload and ("offload_param" in zero) == offload_params
 
 
-def test_offload_without_zero_is_rejected():
-    from rubricem_core.training.deepspeed_trainer import build_ds_config
-
-    with pytest.raises(ValueError, match="offload=True needs zero_stage >= 1"):
-        build_ds_config(TrainerConfig(zero_stage=0, offload=True), n_params=10)
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(backend="deepspeed", zero_stage=0, offload=True), "offload"),
+    (dict(backend="torch", offload=True), "offload"),
+    (dict(backend="deepspeed", zero_stage=2, offload_params=True), "offload_params"),
+])
+def test_offload_without_the_zero_stage_it_needs_is_rejected(kwargs, field):
+    with pytest.raises(TrainerConfigError, match=f"TrainerConfig.{field}=True needs"):
+        TrainerConfig(**kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -305,11 +308,13 @@ def torch_reference():
     [(0, False, 1e-6), (1, False, 1e-6), (2, False, 1e-6), (3, False, 1e-4), (2, True, 1e-6), (3, True, 1e-4)],
 )
 def test_deepspeed_zero_matches_torch(deepspeed_ok, torch_reference, stage, offload, tol):
+    # offload at ZeRO-3 moves the parameter partitions to the CPU as well
     # Clipping at 1.0 is active (the grad norms are ~2), weight decay and warm-up are on.
     ref_params, ref_hist = torch_reference
     # grad_accum_steps=2 as a real config would say for 2 micro-batches: DeepSpeed must not divide
     # by it on top of the trainer's own micro-batch weights.
-    ds_cfg = TrainerConfig(**EQUIV_CFG, backend="deepspeed", zero_stage=stage, offload=offload, grad_accum_steps=2)
+    ds_cfg = TrainerConfig(**EQUIV_CFG, backend="deepspeed", zero_stage=stage, offload=offload,
+                           offload_params=offload and stage == 3, grad_accum_steps=2)
     ds, ds_hist = run_steps(ds_cfg)
     assert all(h["grad_norm"] > 1.0 for h in ref_hist)
     assert [h["loss"] for h in ds_hist] == pytest.approx([h["loss"] for h in ref_hist], abs=1e-5)
@@ -328,3 +333,16 @@ def test_deepspeed_bf16_zero1_trains(deepspeed_ok):
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in history)
     assert history[-1]["loss"] != history[0]["loss"]
+
+
+@pytest.mark.parametrize("backend, stage", [("torch", 0), ("deepspeed", 3)])
+def test_gradient_checkpointing_gives_the_same_update(torch_reference, backend, stage, request):
+    if backend == "deepspeed":
+        request.getfixturevalue("deepspeed_ok")
+    ref_params, ref_hist = torch_reference
+    cfg = TrainerConfig(**EQUIV_CFG, backend=backend, zero_stage=stage, gradient_checkpointing=True)
+    trainer, hist = run_steps(cfg)
+    assert trainer.model.is_gradient_checkpointing and trainer.model.config.use_cache is False
+    assert [h["loss"] for h in hist] == pytest.approx([h["loss"] for h in ref_hist], abs=1e-6)
+    got = {k: v.float() for k, v in trainer.state_dict_for_sync().items() if k in ref_params}
+    assert max_diff(ref_params, got) < (1e-6 if backend == "torch" else 1e-4)

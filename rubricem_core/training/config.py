@@ -51,7 +51,17 @@ class TrainerConfig:
     backend: str = _help("torch (one process, plain AdamW) or deepspeed (ZeRO, any number of ranks).", default="torch")
     zero_stage: int = _help("DeepSpeed ZeRO stage 0-3 (deepspeed backend only).", default=1)
     offload: bool = _help(
-        "DeepSpeed: keep optimizer state (and, at ZeRO-3, parameters) in CPU memory.", default=False
+        "DeepSpeed: keep optimizer state in CPU memory (ZeRO 1-3; the optimizer step runs on the CPU).",
+        default=False,
+    )
+    offload_params: bool = _help(
+        "DeepSpeed ZeRO-3: keep the parameter partitions in CPU memory too (fetched per layer).",
+        default=False,
+    )
+    gradient_checkpointing: bool = _help(
+        "Recompute activations in the backward pass (HF gradient checkpointing, non-reentrant): "
+        "activation memory of the layer boundaries only, for about a third more compute.",
+        default=False,
     )
     device: str = _help(
         "torch backend: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...", default="auto"
@@ -77,6 +87,10 @@ class TrainerConfig:
             ("precision", self.precision in PRECISIONS, f"must be one of {PRECISIONS}"),
             ("backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
             ("zero_stage", self.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+            ("offload", not self.offload or (self.backend == "deepspeed" and self.zero_stage >= 1),
+             "needs backend='deepspeed' with zero_stage >= 1 (ZeRO-0 and the torch backend have no offload)"),
+            ("offload_params", not self.offload_params or (self.backend == "deepspeed" and self.zero_stage == 3),
+             "needs backend='deepspeed' with zero_stage=3 (only ZeRO-3 partitions parameters)"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -5,7 +5,9 @@ it), so no fused/CPU-Adam op is JIT-compiled. Clipping and accumulation are Deep
 micro-batch's backward goes through ``engine.backward`` with the accumulation boundary set on the
 last micro-batch of the ``step()`` call, and ``engine.step()`` applies clipping, AdamW and the
 schedule. Micro-batch weighting is the same as the torch backend's (see torch_trainer); across
-ranks DeepSpeed averages the per-rank gradients.
+ranks each rank trains on its shard of the step's micro-batches (rubricem_core.distributed.shard) and
+DeepSpeed averages the per-rank gradients, which the world-size factor on each loss turns back into the
+global token mean.
 
 One process (tests, a single GPU, this CPU): just build the trainer. Missing RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT get single-process defaults; values a launcher set are never
@@ -54,12 +56,13 @@ from rubricem_core.training.schedule import make_scheduler
 from rubricem_core.training.torch_trainer import (
     LossFn,
     MetricsAccumulator,
+    PrepareFn,
     _plain,
     build_optimizer,
     check_finite,
-    micro_batch_scales,
+    enable_gradient_checkpointing,
+    local_micro_batches,
     seed_everything,
-    to_device,
     warn_schedule_drift,
 )
 
@@ -124,11 +127,9 @@ def build_ds_config(cfg: TrainerConfig, n_params: int) -> dict[str, Any]:
     if cfg.zero_stage == 3:
         zero["stage3_prefetch_bucket_size"] = bucket
     if cfg.offload:
-        if cfg.zero_stage == 0:
-            raise ValueError("TrainerConfig.offload=True needs zero_stage >= 1 (ZeRO-0 has no offload)")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        if cfg.zero_stage == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
         "train_micro_batch_size_per_gpu": 1,  # nominal: a micro-batch is whatever the loss_fn consumes
         "gradient_accumulation_steps": cfg.grad_accum_steps,
@@ -155,6 +156,8 @@ class DeepSpeedTrainer:
         self.cfg = cfg
         self._ds = import_deepspeed()
         seed_everything(cfg.seed)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         n_params = sum(p.numel() for p in model.parameters())
         self.ds_config = build_ds_config(cfg, n_params)
         optimizer = build_optimizer(model, cfg)
@@ -173,20 +176,25 @@ class DeepSpeedTrainer:
         self.global_step = 0
 
     def step(
-        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None
+        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None,
+        prepare: PrepareFn | None = None,
     ) -> dict[str, float]:
-        """Same contract as TorchTrainer.step (grad_norm is the global norm before clipping)."""
+        """Same contract as TorchTrainer.step: ``micro_batches`` is the step's global list, each rank
+        trains on its shard (grad_norm is the global norm before clipping)."""
         t0 = time.perf_counter()
-        scales = micro_batch_scales(len(micro_batches), weights)
         acc = MetricsAccumulator()
         lr = float(self.engine.get_lr()[0])
-        last = len(micro_batches) - 1
-        for i, (micro_batch, scale) in enumerate(zip(micro_batches, scales)):
+        items, batches = local_micro_batches(micro_batches, weights, self.device, self.engine, prepare)
+        last = len(items) - 1
+        for i, (item, micro_batch) in enumerate(zip(items, batches)):
             # Gradients are reduced across ranks (and the optimizer may step) only on the boundary.
             self.engine.set_gradient_accumulation_boundary(i == last)
-            loss, metrics = loss_fn(self.engine, to_device(micro_batch, self.device))
-            self.engine.backward(loss * scale, scale_wrt_gas=False)  # our scale replaces 1/GAS
-            acc.add(loss, metrics, scale)
+            loss, metrics = loss_fn(self.engine, micro_batch)
+            # Our scale replaces 1/GAS; DeepSpeed averages the ranks' gradients, so × world size
+            # turns that mean back into the sum of global shares.
+            self.engine.backward(loss * (item.scale * self.world_size), scale_wrt_gas=False)
+            acc.add(loss, metrics, item.scale, pad=item.pad)
+        acc.all_reduce()
         # ZeRO optimizers record the global norm during step(); ZeRO-0 in fp32 does not, and its
         # gradients are whole on every rank, so measure them before the step clears them.
         local_norm = self._grad_norm_of_module() if self.cfg.zero_stage == 0 else None

@@ -2,8 +2,13 @@
 
 One optimizer step per ``step()`` call, read top to bottom::
 
-    for each micro-batch:  loss = loss_fn(model, mb);  (loss * scale_i).backward()
-    clip;  optimizer.step();  scheduler.step();  zero_grad
+    for each of this rank's micro-batches:  loss = loss_fn(model, mb);  (loss * scale_i).backward()
+    all-reduce gradients (sum) across ranks;  clip;  optimizer.step();  scheduler.step();  zero_grad
+
+Data parallel: under torchrun (WORLD_SIZE > 1) every rank holds the whole model and optimizer, is
+given the same global micro-batches and trains on its shard (rubricem_core.distributed.shard). The
+scales are shares of the global total, so the summed gradient, and hence every rank's update, equals
+one process training on all micro-batches.
 
 Micro-batch weighting (the same in both backends): the update is the gradient of
 ``sum_i w_i * loss_i / sum_i w_i``. Without ``weights`` every micro-batch weighs 1, so the step is
@@ -28,7 +33,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from rubricem_core.policy.loading import auto_device
+import torch.distributed as dist
+
+from rubricem_core.distributed.ranks import init_process_group, train_device
+from rubricem_core.distributed.shard import ShardItem, shard_micro_batches
+from rubricem_core.distributed.shard import micro_batch_scales  # noqa: F401  (re-exported)
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -41,6 +50,33 @@ from rubricem_core.training.schedule import make_scheduler
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], "tuple[Tensor, dict[str, Any]]"]
+PrepareFn = Callable[[Any, Any], Any]  # (model, micro_batch) -> micro_batch, run without gradients
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in the backward pass (HF models): activation memory per layer boundary
+    instead of per op, for about a third more compute. Non-reentrant, as ZeRO-3 needs."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False  # a KV cache is useless (and warned about) while training
+
+
+def local_micro_batches(
+    micro_batches: list[Any], weights: Sequence[float] | None, device: torch.device, model: Any,
+    prepare: PrepareFn | None,
+) -> tuple[list[ShardItem], list[Any]]:
+    """This rank's shard of the step, on ``device``; ``prepare`` fills what needs the weights of
+    before the step (e.g. old and reference logprobs) for every one of them before any backward."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    items = shard_micro_batches(len(micro_batches), weights, rank, world)
+    batches = [to_device(micro_batches[item.index], device) for item in items]
+    if prepare is not None:
+        with torch.no_grad():
+            batches = [prepare(model, b) for b in batches]
+    return items, batches
 
 
 # ------------------------------------------------------------------- helpers shared by backends
@@ -68,20 +104,6 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
-def micro_batch_scales(n: int, weights: Sequence[float] | None) -> list[float]:
-    """Scale of each micro-batch's loss so the step is the weighted mean (see module docstring)."""
-    if n == 0:
-        raise ValueError("step() needs at least one micro-batch")
-    if weights is None:
-        return [1.0 / n] * n
-    if len(weights) != n:
-        raise ValueError(f"weights has {len(weights)} values for {n} micro-batches")
-    total = float(sum(weights))
-    if not total > 0 or any(w < 0 for w in weights):
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
-    return [float(w) / total for w in weights]
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move tensors inside dicts/lists/tuples/dataclass-like objects with ``.to`` to ``device``."""
     if isinstance(batch, Tensor):
@@ -97,16 +119,19 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 class MetricsAccumulator:
-    """Combines per-micro-batch metrics: counts (``n_*`` keys) add up; everything else is averaged
-    with the step's micro-batch scales over the micro-batches that reported it (a stage missing
-    from one micro-batch does not drag its mean towards 0)."""
+    """Combines per-micro-batch metrics: counts (``n_*`` keys) add up, ``*_max`` keys take the
+    maximum; everything else is averaged with the step's micro-batch scales over the micro-batches
+    that reported it (a stage missing from one micro-batch does not drag its mean towards 0)."""
 
     def __init__(self) -> None:
         self.loss = 0.0
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
 
-    def add(self, loss: Tensor, metrics: dict[str, Any], scale: float) -> None:
+    def add(self, loss: Tensor, metrics: dict[str, Any], scale: float, pad: bool = False) -> None:
+        if pad:
+            return  # a scale-0 copy that only kept the ranks in step
         self.loss += scale * float(loss.detach().float())
         for key, value in metrics.items():
             if isinstance(value, Tensor):
@@ -115,12 +140,33 @@ class MetricsAccumulator:
                 value = float(value.detach().float())
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
+            if key.endswith("_max"):
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), float(value))
+                continue
             count = key.startswith("n_")
             self.sums[key] = self.sums.get(key, 0.0) + (float(value) if count else scale * float(value))
             self.weights[key] = 1.0 if count else self.weights.get(key, 0.0) + scale
 
+    def all_reduce(self) -> None:
+        """Combine every rank's micro-batches: the scales are global shares, so sums add up to the
+        global weighted means; counts add; ``*_max`` keys take the maximum."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.loss, self.sums, self.weights, self.maxes))
+        self.loss, self.sums, self.weights, self.maxes = 0.0, {}, {}, {}
+        for loss, sums, weights, maxes in parts:
+            self.loss += loss
+            for key, value in sums.items():
+                self.sums[key] = self.sums.get(key, 0.0) + value
+                count = key.startswith("n_")
+                self.weights[key] = 1.0 if count else self.weights.get(key, 0.0) + weights[key]
+            for key, value in maxes.items():
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+
     def result(self, grad_norm: float, lr: float, step: int, seconds: float) -> dict[str, float]:
         out = {k: v / self.weights[k] if self.weights[k] > 0 else v for k, v in self.sums.items()}
+        out.update(self.maxes)
         out.update(loss=self.loss, grad_norm=grad_norm, lr=lr, step=float(step), step_time_s=seconds)
         if "n_tokens" in out:
             out["tokens_per_s"] = out["n_tokens"] / max(seconds, 1e-9)
@@ -160,15 +206,25 @@ def _bf16_autocast_works(device: torch.device) -> bool:
 
 # ---------------------------------------------------------------------------------- the trainer
 class TorchTrainer:
-    """One-process trainer. ``model`` is the HF model itself (moved to ``cfg.device``)."""
+    """Replicated data-parallel trainer (one process, or one per rank under torchrun). ``model`` is
+    the HF model itself (moved to ``cfg.device``; ``cuda:LOCAL_RANK`` under a launcher)."""
 
     backend = "torch"
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig) -> None:
         self.cfg = cfg
+        init_process_group()
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         seed_everything(cfg.seed)
-        self.device = auto_device() if cfg.device == "auto" else torch.device(cfg.device)
+        self.device = train_device(cfg.device)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.model = model.to(self.device)
+        if self.world_size > 1:
+            # every rank starts from rank 0's weights, whatever each loaded
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
         self.model.train()
         self.autocast_dtype: torch.dtype | None = None
         if cfg.precision == "bf16":
@@ -187,21 +243,26 @@ class TorchTrainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def step(
-        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None
+        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None,
+        prepare: PrepareFn | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; returns loss, grad_norm (before clipping), lr
-        (the one this step used), step (steps done), step_time_s, tokens_per_s (when the loss_fn's
-        metrics have ``n_tokens``) and the loss_fn's other metrics combined over micro-batches."""
+        """One optimizer step over ``micro_batches`` — the step's *global* list, the same on every
+        rank; each rank trains on its shard. Returns loss, grad_norm (before clipping), lr (the one
+        this step used), step (steps done), step_time_s, tokens_per_s (when the loss_fn's metrics have
+        ``n_tokens``) and the loss_fn's other metrics combined over all ranks' micro-batches."""
         t0 = time.perf_counter()
-        scales = micro_batch_scales(len(micro_batches), weights)
         acc = MetricsAccumulator()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        for micro_batch, scale in zip(micro_batches, scales):
+        items, batches = local_micro_batches(micro_batches, weights, self.device, self.model, prepare)
+        for item, micro_batch in zip(items, batches):
             with self._autocast():
-                loss, metrics = loss_fn(self.model, to_device(micro_batch, self.device))
-            (loss * scale).backward()
-            acc.add(loss, metrics, scale)
+                loss, metrics = loss_fn(self.model, micro_batch)
+            (loss * item.scale).backward()
+            acc.add(loss, metrics, item.scale, pad=item.pad)
+        if self.world_size > 1:
+            self._all_reduce_gradients()
+        acc.all_reduce()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if not math.isfinite(grad_norm):
@@ -213,10 +274,33 @@ class TorchTrainer:
         self.global_step += 1
         return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - t0)
 
+    def _all_reduce_gradients(self) -> None:
+        # The scales are shares of the global step, so the sum over ranks is the full gradient.
+        # A parameter no micro-batch reached has no grad on this rank but may on another: use zeros.
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets(self.params, 2**25):
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+
     # ------------------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path:
         """Atomic checkpoint: HF weights + optimizer, scheduler, step, RNG and ``extra`` (plain
-        Python types and tensors only, e.g. a data-loader position)."""
+        Python types and tensors only, e.g. a data-loader position). Collective with several ranks:
+        every rank calls it, rank 0 writes (the ranks hold identical state)."""
+        if self.world_size > 1:
+            if self.rank == 0:
+                self._save(directory, extra, tokenizer)
+            dist.barrier()
+            return Path(directory)
+        return self._save(directory, extra, tokenizer)
+
+    def _save(self, directory: str | Path, extra: dict[str, Any] | None, tokenizer: Any) -> Path:
         state = {
             "backend": self.backend,
             "global_step": self.global_step,
@@ -249,6 +333,20 @@ class TorchTrainer:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """Full weights (name → tensor, detached views, no copy) for a rollout engine's weight sync."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _buckets(params: list[Tensor], max_elements: int) -> list[list[Tensor]]:
+    """Consecutive parameters grouped into all-reduce buckets of at most ``max_elements`` (one
+    parameter larger than that gets a bucket of its own)."""
+    out: list[list[Tensor]] = []
+    size = 0
+    for p in params:
+        if not out or size + p.numel() > max_elements:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out
 
 
 def _plain(x: Any) -> Any:
