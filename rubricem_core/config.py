@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rubricem_core.world import WorldConfig
 
@@ -155,10 +155,32 @@ class PolicyConfig(_Strict):
     )
 
 
+def check_offload(section: Any) -> None:
+    """Offload is DeepSpeed's: optimizer offload needs ZeRO >= 1, parameter offload ZeRO-3."""
+    if section.offload and not (section.backend == "deepspeed" and section.zero_stage >= 1):
+        raise ValueError("offload needs backend: deepspeed with zero_stage >= 1 (got "
+                         f"backend {section.backend!r}, zero_stage {section.zero_stage})")
+    if section.offload_params and not (section.backend == "deepspeed" and section.zero_stage == 3):
+        raise ValueError("offload_params needs backend: deepspeed with zero_stage: 3 (got "
+                         f"backend {section.backend!r}, zero_stage {section.zero_stage})")
+
+
 class SFTConfig(_Strict):
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass (less memory, ~1/3 more compute)."
+    )
+    offload: bool = Field(
+        default=False, description="DeepSpeed ZeRO 1-3: optimizer state in CPU memory (the optimizer step runs there)."
+    )
+    offload_params: bool = Field(default=False, description="DeepSpeed ZeRO-3: parameter partitions in CPU memory too.")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> Any:
+        check_offload(self)
+        return self
     lr: float = Field(default=3e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warmup steps.")
@@ -235,6 +257,18 @@ class RLConfig(_Strict):
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in the backward pass (less memory, ~1/3 more compute)."
+    )
+    offload: bool = Field(
+        default=False, description="DeepSpeed ZeRO 1-3: optimizer state in CPU memory (the optimizer step runs there)."
+    )
+    offload_params: bool = Field(default=False, description="DeepSpeed ZeRO-3: parameter partitions in CPU memory too.")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> Any:
+        check_offload(self)
+        return self
 
 
 EVAL_BENCHMARKS: tuple[str, ...] = ("synthetic", "healthbench", "deep_research_bench", "scholarqa_cs", "simpleqa", "2wiki")
@@ -334,6 +368,48 @@ class ReflectionConfig(_Strict):
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 
 
+class DistributedConfig(_Strict):
+    nproc_per_node: int = Field(
+        default=1, ge=1,
+        description="Trainer ranks per node. 1: train inside the flow's own process; N > 1: the sft task and the "
+        "rl flow start N ranks with torchrun themselves (one per GPU; gloo ranks on a CPU).",
+    )
+    nnodes: int = Field(default=1, ge=1, description="Nodes taking part; every node runs this many ranks.")
+    node_rank: int = Field(
+        default=0, ge=0,
+        description="This node's index (0: the node whose flow run writes Parquet, MLflow and logs; others run "
+        "`rubricem ranks`).",
+    )
+    master_addr: str = Field(default="127.0.0.1", description="Address of node 0 (rendezvous host).")
+    master_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Rendezvous port on node 0 (None on one node: a free port)."
+    )
+    rdzv_backend: Literal["static", "c10d"] = Field(
+        default="static",
+        description="static: node_rank 0 holds global ranks 0..N-1 (deterministic rank 0); c10d: torchrun's "
+        "elastic rendezvous at master_addr:master_port.",
+    )
+    train_devices: list[int] | None = Field(
+        default=None, description="CUDA devices of the trainer ranks (CUDA_VISIBLE_DEVICES; None: all visible)."
+    )
+    timeout_s: float = Field(default=1800.0, gt=0, description="Seconds a collective may wait for a slow rank.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Any:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
+        if self.train_devices is not None and len(self.train_devices) < self.nproc_per_node:
+            raise ValueError(f"train_devices lists {len(self.train_devices)} devices for nproc_per_node "
+                             f"{self.nproc_per_node}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="Log params, metrics and artifacts to MLflow.")
     experiment: str = Field(default="rubricem", description="MLflow experiment name.")
@@ -353,6 +429,7 @@ class RunConfig(_Strict):
     rl: RLConfig = Field(default_factory=RLConfig)
     reflection: ReflectionConfig = Field(default_factory=ReflectionConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

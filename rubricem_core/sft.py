@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_trajectory
+from rubricem_core.faults import fault_point
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
@@ -133,6 +134,7 @@ def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig
         lr=sft.lr, weight_decay=sft.weight_decay, warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
         total_steps=total_steps, min_lr_ratio=sft.min_lr_ratio, max_grad_norm=sft.max_grad_norm,
         precision=sft.precision, seed=seed, backend=sft.backend, zero_stage=sft.zero_stage,
+        gradient_checkpointing=sft.gradient_checkpointing, offload=sft.offload, offload_params=sft.offload_params,
     )
 
 
@@ -149,7 +151,11 @@ def run_sft(
 ) -> dict[str, Any]:
     """Train and write ``checkpoint_root/final`` (an HF model directory). Resumes from the latest
     ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume).
-    ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``."""
+    ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``.
+
+    Under torchrun every rank runs this same function: the schedule is a pure function of the seed,
+    so all ranks hold the same global micro-batches and the trainer trains each on its shard; saves
+    are collective (rank 0 writes the HF weights). Give ``log_metrics`` on rank 0 only."""
     final_dir = checkpoint_root / "final"
     random.seed(seed)
     model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
@@ -186,6 +192,7 @@ def run_sft(
             log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
         if done % sft.checkpoint_every == 0 and done < len(schedule):
             trainer.save(checkpoint_root / f"step-{done:06d}")
+        fault_point("sft.step_done")
         if stop_after is not None and done >= stop_after:
             return {"stopped_at": done, "total_steps": len(schedule)}
     # the tokenizer goes inside the atomic save: a kill between two saves would leave a "final"

@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
+from rubricem_core.distributed.sft_worker import launch_sft
 from rubricem_core.sft import prepare_policy, run_sft
 from rubricem_core.store import RunStore
 
@@ -49,7 +50,6 @@ def train_sft_task(
     if (final / "config.json").exists():
         log.info("SFT already finished: %s (cached)", final)
         return {"final_dir": str(final), "cached": True}
-    rows = RunStore(run_dir).read_rows("sft_trajectories")
 
     def log_and_print(metrics: dict[str, float], step: int) -> None:
         log.info("sft step %d: loss %.4f lr %.2e tokens/s %.0f", step, metrics.get("sft/loss", float("nan")),
@@ -57,8 +57,16 @@ def train_sft_task(
         if log_metrics is not None:
             log_metrics(metrics, step)
 
-    doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
-    result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print, doc_ids=doc_ids)
+    if cfg.distributed.world_size > 1:
+        # the ranks are this task's children: their output is this task's log, their failure its failure
+        log.info("starting %d SFT ranks (%d per node) with torchrun", cfg.distributed.world_size,
+                 cfg.distributed.nproc_per_node)
+        result = launch_sft(run_dir, cfg, policy_dir, root, on_line=log.info, on_metrics=log_and_print)
+    else:
+        rows = RunStore(run_dir).read_rows("sft_trajectories")
+        doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
+        result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print,
+                         doc_ids=doc_ids)
     log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
     return {**result, "cached": False}
 
