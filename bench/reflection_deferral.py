@@ -78,7 +78,9 @@ def main() -> None:
         "reflection.judge.input_cost_per_token": 0.0, "reflection.judge.output_cost_per_token": 0.0,
     }
     questions = {q["query_id"]: q["question"] for q in RunStore(src).read_rows("queries")}
-    rl_tasks.HFRolloutEngine = forcing_engine(rl_tasks.HFRolloutEngine, questions)
+    import rubricem_core.rl.session as rl_session
+
+    rl_session.HFRolloutEngine = forcing_engine(rl_session.HFRolloutEngine, questions)
 
     from flows.rl import rl
 

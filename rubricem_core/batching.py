@@ -15,7 +15,7 @@ import torch
 
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
-EXTRA_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+EXTRA_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "sampled_logprobs")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class TokenBatch:
     advantages: torch.Tensor | None = None  # float32, RL only
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None  # the rollout engine's, kept to measure its gap to old_logprobs
 
     @property
     def batch_size(self) -> int:

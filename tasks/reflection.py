@@ -26,7 +26,6 @@ from rubricem_core.reflection.meta import (
     reflection_token_advantages,
 )
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.update import ss_grpo_update
 from rubricem_core.rollout import SamplingParams
 from rubricem_core.store import RunStore
 from rubricem_core.teacher.endpoint import endpoint_settings
@@ -34,7 +33,7 @@ from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
     cached_task_metrics, completed_step, current_session, ensure_engine_weights, get_session, load_bank_steps,
-    recipe_settings, save_task_metrics,
+    save_task_metrics, update_settings,
 )
 from tasks.secrets import resolve_api_key
 
@@ -151,7 +150,6 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
         return {"cached": True}
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
-    rs = recipe_settings(cfg)
     rows = store.read_rows("reflections", _key(source.step))
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -168,10 +166,7 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
             advs.append(reflection_token_advantages(row["loss_mask"], adv))
             nonzero += adv != 0.0
     t0 = time.perf_counter()
-    metrics = ss_grpo_update(
-        session.trainer, session.ref_model, trajs, advs, session.tokenizer.pad_token_id, cfg.rl.max_tokens_per_batch,
-        cfg.reflection.temperature, rs["recipe"].clip_low, rs["recipe"].clip_high, rs["kl_coef"],
-    )
+    metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.reflection.temperature))
     session.reflection_updates.add(at_step)
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}
     out["reflection_update/source_step"] = float(source.step)

@@ -1,16 +1,14 @@
 """Prefect tasks of one RL step: rollout → judge (rubric generation, scoring, buffer update) → SS-GRPO
 update + checkpoint. Each task's output is a Parquet partition `step=NNNN`; a retried run skips what
-exists. Models live in a per-process `RLSession` (trainer, rollout engine sharing its weights, frozen
-reference policy, rubric buffers), rebuilt from the previous step's checkpoint after a restart.
+exists. Models live in the per-process `RLSession` of rubricem_core.rl.session (the trainer and
+reference in this process or in long-lived trainer ranks, the rollout engine, rubric buffers), rebuilt
+from the previous step's checkpoint after a restart.
 """
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,19 +25,17 @@ from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import register_builtin_judge
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
-from rubricem_core.policy.loading import load_policy
-from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.update import group_advantages, per_token_advantages, ss_grpo_update
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
+from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
+    RLSession, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
+    recipe_settings, reflection_on, rl_dir, start_policy, step_checkpoint, update_settings,
+)
+from rubricem_core.rl.update import group_advantages, per_token_advantages
+from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES, validate
-from rubricem_core.ssgrpo import as_lambda
-from rubricem_core.embedders import HashingEmbedder, make_embedder
-from rubricem_core.reflection.bank import ReflectionBank
-from rubricem_core.reflection.meta import rebuild_bank, retrieve_guidance
+from rubricem_core.reflection.meta import retrieve_guidance
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.endpoint import endpoint_settings
-from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
@@ -69,128 +65,8 @@ STAGE_REWARDS_SCHEMA = pa.schema([
 ])
 
 
-def rl_dir(run_dir: str) -> Path:
-    return Path(run_dir) / "checkpoints" / "rl"
-
-
-def step_checkpoint(run_dir: str, step: int) -> Path:
-    return rl_dir(run_dir) / f"step-{step:06d}"
-
-
 def _key(step: int) -> dict[str, int]:
     return {"step": step}
-
-
-def recipe_settings(cfg: RunConfig) -> dict[str, Any]:
-    recipe = get_recipe(cfg.rl.recipe)
-    lam = as_lambda(cfg.rl.lambda_spec) if cfg.rl.lambda_spec is not None else recipe.lam()
-    return {
-        "recipe": recipe, "lam": lam,
-        "kl_coef": recipe.kl_coef if cfg.rl.kl_coef is None else cfg.rl.kl_coef,
-        "judged_stages": tuple(recipe.judged_stages),
-    }
-
-
-# ---- the per-process session --------------------------------------------------------------------
-@dataclass
-class RLSession:
-    run_dir: str
-    step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
-    trainer: Any
-    tokenizer: Any
-    ref_model: Any
-    engine: Any  # HFRolloutEngine or VLLMRolloutEngine
-    buffers: dict[str, RubricBuffer] = field(default_factory=dict)
-    # The engine's weights are those of the checkpoint after this step (-1: SFT). With the reflection
-    # loop the engine holds its own copy, so the trainer can update while the engine samples.
-    engine_step: int = -1
-    separate_engine: bool = False
-    bank: ReflectionBank | None = None
-    bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
-    reflection_updates: set[int] = field(default_factory=set)  # steps whose reflection update is applied
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-
-_SESSIONS: dict[str, RLSession] = {}
-_SESSION_LOCK = threading.Lock()
-
-
-def start_policy(run_dir: str) -> Path:
-    final = Path(run_dir) / "checkpoints" / "sft" / "final"
-    if not (final / "config.json").exists():
-        raise FileNotFoundError(f"no SFT checkpoint at {final}: run `rubricem sft` (or the pipeline) first")
-    return final
-
-
-def reflection_on(cfg: RunConfig) -> bool:
-    return bool(get_recipe(cfg.rl.recipe).reflection)
-
-
-def _total_steps(cfg: RunConfig) -> int:
-    task_updates = 2 * cfg.rl.window * cfg.rl.n_windows
-    return task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
-
-
-def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
-    """A session whose weights include the updates of steps ≤ ``after_step``."""
-    with _SESSION_LOCK:
-        key = str(Path(run_dir).resolve())
-        session = _SESSIONS.get(key)
-        if session is not None and session.step == after_step:
-            return session
-        base = start_policy(run_dir)
-        model, tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
-        trainer = make_trainer(model, TrainerConfig(
-            lr=cfg.rl.lr, weight_decay=0.0, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, _total_steps(cfg)),
-            min_lr_ratio=1.0, max_grad_norm=cfg.rl.max_grad_norm, precision=cfg.rl.precision, seed=cfg.seed,
-            backend=cfg.rl.backend, zero_stage=cfg.rl.zero_stage,
-        ))
-        # The reference and the engine's copy live where the trainer's model does (a GPU when there is one).
-        ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=trainer.device)
-        ref_model.requires_grad_(False)
-        buffers: dict[str, RubricBuffer] = {}
-        if after_step >= 0:
-            ckpt = step_checkpoint(run_dir, after_step)
-            if not (ckpt / "checkpoint.json").exists():
-                raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
-            extra = trainer.load(ckpt)
-            buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
-        if cfg.rollout.engine == "vllm":
-            from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
-
-            # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
-            # from the trainer before each step's rollouts (ensure_engine_weights).
-            engine = VLLMRolloutEngine(str(base), tokenizer, llm_kwargs={
-                "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-            }, max_model_len=cfg.rollout.max_total_tokens)
-            separate, engine_step = True, -1
-        elif reflection_on(cfg):
-            # Own copy of the weights: the deferred reflection update trains while this engine samples.
-            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=trainer.device)
-            engine_model.requires_grad_(False)
-            engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
-            separate, engine_step = True, -1
-        else:
-            engine = HFRolloutEngine(trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
-            separate, engine_step = False, after_step
-        session = RLSession(run_dir, after_step, trainer, tokenizer, ref_model, engine, buffers,
-                            engine_step=engine_step, separate_engine=separate)
-        if reflection_on(cfg):
-            session.bank = new_bank(cfg)
-            store = RunStore(run_dir)
-            load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
-        _SESSIONS.clear()
-        _SESSIONS[key] = session
-        return session
-
-
-def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
-    """The live session whatever its step (background reflection work must not force a reload while
-    the update of the same step advances it); a fresh one from the newest checkpoint otherwise."""
-    with _SESSION_LOCK:
-        session = _SESSIONS.get(str(Path(run_dir).resolve()))
-    return session if session is not None else get_session(run_dir, cfg, completed_step(run_dir))
 
 
 def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, float]) -> None:
@@ -203,48 +79,6 @@ def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, 
 def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
     path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def drop_sessions() -> None:
-    with _SESSION_LOCK:
-        _SESSIONS.clear()
-
-
-def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
-    """Make the engine sample with the weights of checkpoint ``step`` (-1: SFT). The trainer holds them
-    when ``step`` is the session's step; an older step (a resumed run regenerating reflections) is
-    read from its checkpoint directory."""
-    with session.lock:
-        if session.engine_step == step:
-            return
-        if not session.separate_engine:
-            if step != session.step:
-                raise RuntimeError(f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}")
-            session.engine_step = step
-            return
-        if step == session.step:
-            session.engine.sync_from(session.trainer.model)
-        else:
-            source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
-            model, _ = load_policy(str(source), dtype=cfg.policy.dtype)
-            session.engine.sync_from(model)
-        session.engine_step = step
-
-
-def new_bank(cfg: RunConfig) -> ReflectionBank:
-    embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
-    return ReflectionBank(embedder)
-
-
-def load_bank_steps(session: RLSession, store: RunStore, steps: list[int]) -> None:
-    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank."""
-    todo = sorted(s for s in steps if s not in session.bank_steps)
-    if not todo or session.bank is None:
-        return
-    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
-    rows = [r for s in todo for r in store.read_rows("reflections", _key(s))]
-    rebuild_bank(session.bank, rows, questions)
-    session.bank_steps.update(todo)
 
 
 # ---- tasks --------------------------------------------------------------------------------------
@@ -407,16 +241,12 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
             trajs.append(traj)
             advs.append(per_token_advantages(traj, ga.A[i]))
     t0 = time.perf_counter()
-    metrics = ss_grpo_update(
-        session.trainer, session.ref_model, trajs, advs, session.tokenizer.pad_token_id,
-        cfg.rl.max_tokens_per_batch, cfg.rollout.temperature, rs["recipe"].clip_low, rs["recipe"].clip_high,
-        rs["kl_coef"],
-    )
+    metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.rollout.temperature))
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
     # this step's reflections may still be sampling with the old ones.
     buffers = json.dumps({qid: b.to_dict() for qid, b in session.buffers.items()})
-    session.trainer.save(ckpt, extra={"buffers": buffers, "step": plan.step}, tokenizer=session.tokenizer)
+    session.policy.save(ckpt, extra={"buffers": buffers, "step": plan.step})
     session.step = plan.step
     store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
     atomic_write_text(store.state_dir / "rl_progress.json", json.dumps({"completed_step": plan.step}))
@@ -429,17 +259,6 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
              metrics.get("loss", float("nan")), metrics.get("kl", float("nan")),
              metrics.get("clip_fraction", float("nan")), metrics.get("logprob_gap_mean", float("nan")))
     return {"cached": False, "metrics": out}
-
-
-def completed_step(run_dir: str) -> int:
-    """The last RL step whose update, checkpoint and tables are all written (-1: none)."""
-    path = RunStore(run_dir).state_dir / "rl_progress.json"
-    if not path.exists():
-        return -1
-    step = int(json.loads(path.read_text())["completed_step"])
-    if not (step_checkpoint(run_dir, step) / "checkpoint.json").exists():
-        raise FileNotFoundError(f"{path} says step {step} is complete but its checkpoint is missing")
-    return step
 
 
 def _num(x: float) -> float | None:

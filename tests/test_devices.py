@@ -124,8 +124,8 @@ def test_rl_session_keeps_every_model_on_the_trainer_device(tmp_path):
     write_untrained_run(cfg, tmp_path / "run")
     session = get_session(str(tmp_path / "run"), cfg, -1)
     device = auto_device()
-    assert session.trainer.device.type == device.type
-    for model in (session.trainer.model, session.ref_model, session.engine.model):
+    assert session.policy.device.type == device.type
+    for model in (session.policy.trainer.model, session.policy.ref_model, session.engine.model):
         assert {p.device.type for p in model.parameters()} == {device.type}
 
 

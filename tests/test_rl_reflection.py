@@ -53,11 +53,12 @@ def test_candidate_advantages_match_hand_numbers(scores, expected):
 @pytest.fixture(scope="module")
 def forced_reflections():
     """Even candidates of every reflection request spell a valid reflection for their question."""
+    import rubricem_core.rl.session as rl_session
     import tasks.rl as rl_tasks
 
     state: dict = {"questions": {}}
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(rl_tasks, "HFRolloutEngine", forcing_engine(rl_tasks.HFRolloutEngine, state["questions"]))
+    monkeypatch.setattr(rl_session, "HFRolloutEngine", forcing_engine(rl_session.HFRolloutEngine, state["questions"]))
     rl_tasks.drop_sessions()
     yield state
     rl_tasks.drop_sessions()
@@ -149,18 +150,20 @@ def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced
     from flows.rl import rl
 
     resumed = _copy(sft_run, tmp_path / "resumed")
-    real = rl_tasks.ss_grpo_update
+    from rubricem_core.rl.session import LocalPolicy
 
-    def fail_in_step_2(*args, **kwargs):
-        if rl_tasks.completed_step(resumed) == 1:  # the reflection update calls its own import
+    real = LocalPolicy.save
+
+    def fail_in_step_2(self, directory, extra):
+        if extra["step"] == 2:  # after both of step 2's updates, before its checkpoint
             raise RuntimeError("injected failure in step 2's task update")
-        return real(*args, **kwargs)
+        return real(self, directory, extra)
 
-    monkeypatch.setattr(rl_tasks, "ss_grpo_update", fail_in_step_2)
+    monkeypatch.setattr(LocalPolicy, "save", fail_in_step_2)
     rl_tasks.drop_sessions()
     with pytest.raises(RuntimeError, match="injected failure"):
         rl(run_dir=resumed, profile="tiny", overrides=REFLECT)
-    monkeypatch.setattr(rl_tasks, "ss_grpo_update", real)
+    monkeypatch.setattr(LocalPolicy, "save", real)
     store = RunStore(resumed)
     assert rl_tasks.completed_step(resumed) == 1
     shutil.rmtree(store.table_dir("reflections") / "step=0001")

@@ -1,9 +1,10 @@
 """One SS-GRPO update: stage rewards → returns → advantages → token advantages → clipped loss.
 
 Reads top to bottom: per group, G = R Λᵀ and A = per-stage normalization; every policy token of stage
-k gets A[i, k]; old logprobs are recomputed by the trainer's model (the gap to the engine's sampling
-logprobs is a metric), reference logprobs by the frozen reference model; then one optimizer step over
-length-bucketed micro-batches weighted by their policy tokens.
+k gets A[i, k]; then one optimizer step over length-bucketed micro-batches weighted by their policy
+tokens, in which each rank first recomputes the old logprobs with the trainer's model (the gap to the
+engine's sampling logprobs is a metric) and the reference logprobs with the frozen reference model for
+its own micro-batches.
 """
 from __future__ import annotations
 
@@ -49,31 +50,39 @@ def make_loss_fn(temperature: float, clip_low: float, clip_high: float, kl_coef:
             logp, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask.to(logp.dtype),
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
         )
+        if batch.sampled_logprobs is not None:
+            # engine vs trainer on the same weights: how far the sampler's numbers are from ours
+            mask = batch.loss_mask.bool()
+            gap = (batch.old_logprobs - batch.sampled_logprobs).abs()[mask]
+            metrics["logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+            metrics["logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         return loss, metrics
 
     return loss_fn
 
 
 def _logprobs_on_model_device(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    # Batches are collated on the CPU; the trainer's and reference models may sit on a GPU.
+    # The reference model may sit on another device than the trainer's batch.
     device = next(model.parameters()).device
     return token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), temperature=temperature)
 
 
-@torch.no_grad()
-def _fill_logprobs(batch: TokenBatch, model: torch.nn.Module, ref_model: torch.nn.Module | None,
-                   temperature: float) -> dict[str, float]:
-    sampled = batch.old_logprobs  # collate() got the engine's sampling logprobs here
-    was_training = model.training
-    model.eval()
-    old = _logprobs_on_model_device(model, batch, temperature).to(sampled.device)
-    model.train(was_training)
-    mask = batch.loss_mask.bool()
-    gap = (old - sampled).abs()[mask]
-    batch.old_logprobs = old.float()
-    if ref_model is not None:
-        batch.ref_logprobs = _logprobs_on_model_device(ref_model, batch, temperature).to(sampled.device).float()
-    return {"gap_sum": float(gap.sum()), "gap_max": float(gap.max()) if gap.numel() else 0.0, "n": int(mask.sum())}
+def make_prepare_fn(ref_model: torch.nn.Module | None, temperature: float):
+    """Old logprobs recomputed by the trainer's model (in eval mode) and reference logprobs by the
+    frozen reference, for the micro-batches of this rank, with the weights of before the step."""
+
+    def prepare(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
+        was_training = model.training
+        model.eval()
+        old = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+        model.train(was_training)
+        batch.old_logprobs = old.float()
+        if ref_model is not None:
+            ref = _logprobs_on_model_device(ref_model, batch, temperature)
+            batch.ref_logprobs = ref.to(old.device).float()
+        return batch
+
+    return prepare
 
 
 def ss_grpo_update(
@@ -88,25 +97,19 @@ def ss_grpo_update(
     clip_high: float,
     kl_coef: float,
 ) -> dict[str, float]:
-    """One optimizer step on the given (judged, non-failed) trajectories."""
+    """One optimizer step on the given (judged, non-failed) trajectories. On several ranks every rank
+    passes the same trajectories; each computes old/reference logprobs and gradients for its shard."""
     if not trajectories:
         return {"skipped": 1.0}
     lengths = [len(t) for t in trajectories]
     micro: list[TokenBatch] = []
-    gap_sum = gap_max = 0.0
-    n_tok = 0
     for idx in bucket_batches(lengths, max_tokens_per_batch):
         trajs = [trajectories[i] for i in idx]
         sampled = [[0.0 if (m == 0 or math.isnan(lp)) else lp for m, lp in zip(t.loss_mask, t.logprobs)] for t in trajs]
-        batch = collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in idx], "old_logprobs": sampled})
-        stats = _fill_logprobs(batch, trainer.model, ref_model, temperature)
-        gap_sum += stats["gap_sum"]
-        gap_max = max(gap_max, stats["gap_max"])
-        n_tok += stats["n"]
-        micro.append(batch)
-    loss_fn = make_loss_fn(temperature, clip_low, clip_high, kl_coef)
-    metrics = trainer.step(micro, loss_fn, weights=[float(b.loss_mask.sum()) for b in micro])
-    metrics["logprob_gap_mean"] = gap_sum / max(1, n_tok)
-    metrics["logprob_gap_max"] = gap_max
-    metrics["policy_tokens"] = float(n_tok)
+        micro.append(collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in idx],
+                                                    "sampled_logprobs": sampled}))
+    metrics = trainer.step(micro, make_loss_fn(temperature, clip_low, clip_high, kl_coef),
+                           weights=[float(b.loss_mask.sum()) for b in micro],
+                           prepare=make_prepare_fn(ref_model, temperature))
+    metrics["policy_tokens"] = float(sum(int(b.loss_mask.sum()) for b in micro))
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -1,0 +1,322 @@
+"""The RL session of one run directory: who trains, who samples, and which weights each holds.
+
+    session = get_session(run_dir, cfg, after_step)       # weights include the updates of steps ≤ after_step
+    ensure_engine_weights(session, step, cfg)             # the engine samples with checkpoint `step`
+    session.policy.update(trajectories, token_advs, settings)
+    session.policy.save(step_checkpoint(run_dir, step), extra)
+
+``session.policy`` is where the trainer and the frozen reference live:
+
+- ``LocalPolicy``: in this process (one device; ``distributed.nproc_per_node: 1``);
+- ``RankPolicy`` (rubricem_core.distributed.rl_ranks): in torchrun ranks that live as long as the
+  session (the whole ``rl`` flow run), driven through a torch.distributed TCPStore.
+
+The rollout engine always lives in this process. With a rank policy, or with the reflection loop
+(whose deferred update trains while the engine samples), the engine holds its own copy of the weights:
+from the trainer's gathered weights in this process, else from the step's checkpoint, whose HF weights
+rank 0 writes gathered (ZeRO-3 included). The session is per process and rebuilt from the newest
+checkpoint after a restart.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rubricem_core.config import RunConfig
+from rubricem_core.embedders import HashingEmbedder, make_embedder
+from rubricem_core.judge.buffer import RubricBuffer
+from rubricem_core.policy.loading import load_policy
+from rubricem_core.recipes import get_recipe
+from rubricem_core.reflection.bank import ReflectionBank
+from rubricem_core.reflection.meta import rebuild_bank
+from rubricem_core.rl.update import ss_grpo_update
+from rubricem_core.rollout import HFRolloutEngine
+from rubricem_core.ssgrpo import as_lambda
+from rubricem_core.store import RunStore
+from rubricem_core.training import TrainerConfig, make_trainer
+from rubricem_core.trajectory import TokenTrajectory
+
+
+# ---- paths and progress -------------------------------------------------------------------------
+def rl_dir(run_dir: str) -> Path:
+    return Path(run_dir) / "checkpoints" / "rl"
+
+
+def step_checkpoint(run_dir: str, step: int) -> Path:
+    return rl_dir(run_dir) / f"step-{step:06d}"
+
+
+def start_policy(run_dir: str) -> Path:
+    final = Path(run_dir) / "checkpoints" / "sft" / "final"
+    if not (final / "config.json").exists():
+        raise FileNotFoundError(f"no SFT checkpoint at {final}: run `rubricem sft` (or the pipeline) first")
+    return final
+
+
+def completed_step(run_dir: str) -> int:
+    """The last RL step whose update, checkpoint and tables are all written (-1: none)."""
+    path = RunStore(run_dir).state_dir / "rl_progress.json"
+    if not path.exists():
+        return -1
+    step = int(json.loads(path.read_text())["completed_step"])
+    if not (step_checkpoint(run_dir, step) / "checkpoint.json").exists():
+        raise FileNotFoundError(f"{path} says step {step} is complete but its checkpoint is missing")
+    return step
+
+
+# ---- recipe ------------------------------------------------------------------------------------
+def recipe_settings(cfg: RunConfig) -> dict[str, Any]:
+    recipe = get_recipe(cfg.rl.recipe)
+    lam = as_lambda(cfg.rl.lambda_spec) if cfg.rl.lambda_spec is not None else recipe.lam()
+    return {
+        "recipe": recipe, "lam": lam,
+        "kl_coef": recipe.kl_coef if cfg.rl.kl_coef is None else cfg.rl.kl_coef,
+        "judged_stages": tuple(recipe.judged_stages),
+    }
+
+
+def reflection_on(cfg: RunConfig) -> bool:
+    return bool(get_recipe(cfg.rl.recipe).reflection)
+
+
+def total_updates(cfg: RunConfig) -> int:
+    task_updates = 2 * cfg.rl.window * cfg.rl.n_windows
+    return task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The numbers of one clipped policy-gradient step besides its trajectories."""
+
+    temperature: float  # the sampling temperature the logprobs are taken at
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    max_tokens_per_batch: int
+
+
+def update_settings(cfg: RunConfig, temperature: float) -> UpdateSettings:
+    rs = recipe_settings(cfg)
+    return UpdateSettings(temperature=temperature, clip_low=rs["recipe"].clip_low, clip_high=rs["recipe"].clip_high,
+                          kl_coef=rs["kl_coef"], max_tokens_per_batch=cfg.rl.max_tokens_per_batch)
+
+
+# ---- the trainer side --------------------------------------------------------------------------
+def rl_trainer_config(cfg: RunConfig) -> TrainerConfig:
+    return TrainerConfig(
+        lr=cfg.rl.lr, weight_decay=0.0, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, total_updates(cfg)),
+        min_lr_ratio=1.0, max_grad_norm=cfg.rl.max_grad_norm, precision=cfg.rl.precision, seed=cfg.seed,
+        backend=cfg.rl.backend, zero_stage=cfg.rl.zero_stage, gradient_checkpointing=cfg.rl.gradient_checkpointing,
+        offload=cfg.rl.offload, offload_params=cfg.rl.offload_params,
+    )
+
+
+class Policy(Protocol):
+    """Where the trainer and the reference live; the tasks drive it through these calls only."""
+
+    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
+               settings: UpdateSettings) -> dict[str, float]: ...
+
+    def save(self, directory: Path, extra: dict[str, Any]) -> None: ...
+
+    def load(self, directory: Path) -> dict[str, Any]: ...
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Full current weights for an engine in this process; None: read them from the saved checkpoint."""
+
+    def close(self) -> None: ...
+
+
+class LocalPolicy:
+    """Trainer and frozen reference in this process (also what every trainer rank builds)."""
+
+    def __init__(self, base: Path, cfg: RunConfig) -> None:
+        model, self.tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
+        self.trainer = make_trainer(model, rl_trainer_config(cfg))
+        # The reference lives where the trainer's model does (a GPU when there is one).
+        self.ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=self.trainer.device)
+        self.ref_model.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.device
+
+    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
+               settings: UpdateSettings) -> dict[str, float]:
+        return ss_grpo_update(
+            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id,
+            settings.max_tokens_per_batch, settings.temperature, settings.clip_low, settings.clip_high,
+            settings.kl_coef,
+        )
+
+    def save(self, directory: Path, extra: dict[str, Any]) -> None:
+        self.trainer.save(directory, extra=extra, tokenizer=self.tokenizer)
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        return self.trainer.load(directory)
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        # gathered under ZeRO-3 (the module's own parameters are 0-size placeholders there)
+        return self.trainer.state_dict_for_sync()
+
+    def close(self) -> None:
+        pass
+
+
+def shares_engine_module(cfg: RunConfig) -> bool:
+    """The engine can sample with the trainer's own module only in one process, without ZeRO-3's
+    partitioned parameters, and without the reflection loop's overlap."""
+    return (cfg.distributed.world_size == 1 and cfg.rollout.engine == "hf" and not reflection_on(cfg)
+            and not (cfg.rl.backend == "deepspeed" and cfg.rl.zero_stage == 3))
+
+
+def make_policy(run_dir: str, cfg: RunConfig, base: Path) -> Policy:
+    if cfg.distributed.world_size > 1:
+        from rubricem_core.distributed.rl_ranks import RankPolicy
+
+        return RankPolicy(run_dir, cfg, base)
+    return LocalPolicy(base, cfg)
+
+
+# ---- the session -------------------------------------------------------------------------------
+@dataclass
+class RLSession:
+    run_dir: str
+    step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
+    policy: Any  # LocalPolicy or RankPolicy
+    tokenizer: Any
+    engine: Any  # HFRolloutEngine or VLLMRolloutEngine
+    buffers: dict[str, RubricBuffer] = field(default_factory=dict)
+    # The engine's weights are those of the checkpoint after this step (-1: SFT).
+    engine_step: int = -1
+    separate_engine: bool = False
+    bank: ReflectionBank | None = None
+    bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
+    reflection_updates: set[int] = field(default_factory=set)  # steps whose reflection update is applied
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+_SESSIONS: dict[str, RLSession] = {}
+_SESSION_LOCK = threading.Lock()
+
+
+def _engine_device(policy: Any) -> torch.device:
+    if isinstance(policy, LocalPolicy):
+        return policy.device
+    from rubricem_core.policy.loading import auto_device
+
+    return auto_device()
+
+
+def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
+    """A session whose weights include the updates of steps ≤ ``after_step``."""
+    with _SESSION_LOCK:
+        key = str(Path(run_dir).resolve())
+        session = _SESSIONS.get(key)
+        if session is not None and session.step == after_step:
+            return session
+        _close_all()
+        base = start_policy(run_dir)
+        policy = make_policy(run_dir, cfg, base)
+        try:
+            buffers: dict[str, RubricBuffer] = {}
+            if after_step >= 0:
+                ckpt = step_checkpoint(run_dir, after_step)
+                if not (ckpt / "checkpoint.json").exists():
+                    raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
+                extra = policy.load(ckpt)
+                buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
+            tokenizer = policy.tokenizer
+            if cfg.rollout.engine == "vllm":
+                from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
+
+                # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
+                # before each step's rollouts (ensure_engine_weights).
+                engine = VLLMRolloutEngine(str(base), tokenizer, llm_kwargs={
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                }, max_model_len=cfg.rollout.max_total_tokens)
+                separate, engine_step = True, -1
+            elif not shares_engine_module(cfg):
+                engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=_engine_device(policy))
+                engine_model.requires_grad_(False)
+                engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+                separate, engine_step = True, -1
+            else:
+                engine = HFRolloutEngine(policy.trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+                separate, engine_step = False, after_step
+        except BaseException:
+            policy.close()
+            raise
+        session = RLSession(run_dir, after_step, policy, tokenizer, engine, buffers,
+                            engine_step=engine_step, separate_engine=separate)
+        if reflection_on(cfg):
+            session.bank = new_bank(cfg)
+            store = RunStore(run_dir)
+            load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
+        _SESSIONS[key] = session
+        return session
+
+
+def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
+    """The live session whatever its step (background reflection work must not force a reload while
+    the update of the same step advances it); a fresh one from the newest checkpoint otherwise."""
+    with _SESSION_LOCK:
+        session = _SESSIONS.get(str(Path(run_dir).resolve()))
+    return session if session is not None else get_session(run_dir, cfg, completed_step(run_dir))
+
+
+def _close_all() -> None:
+    for session in _SESSIONS.values():
+        session.policy.close()
+    _SESSIONS.clear()
+
+
+def drop_sessions() -> None:
+    """Free every session's models (and stop its trainer ranks)."""
+    with _SESSION_LOCK:
+        _close_all()
+
+
+def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
+    """Make the engine sample with the weights of checkpoint ``step`` (-1: SFT). The trainer holds them
+    when ``step`` is the session's step; otherwise (trainer ranks, or a resumed run regenerating
+    reflections at an older step) they are read from the checkpoint directory."""
+    with session.lock:
+        if session.engine_step == step:
+            return
+        if not session.separate_engine:
+            if step != session.step:
+                raise RuntimeError(f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}")
+            session.engine_step = step
+            return
+        weights = session.policy.weights() if step == session.step else None
+        if weights is not None:
+            session.engine.update_weights(weights)
+        else:
+            source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
+            model, _ = load_policy(str(source), dtype=cfg.policy.dtype)
+            session.engine.update_weights(model.state_dict())
+        session.engine_step = step
+
+
+# ---- reflection bank ---------------------------------------------------------------------------
+def new_bank(cfg: RunConfig) -> ReflectionBank:
+    embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
+    return ReflectionBank(embedder)
+
+
+def load_bank_steps(session: RLSession, store: RunStore, steps: list[int]) -> None:
+    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank."""
+    todo = sorted(s for s in steps if s not in session.bank_steps)
+    if not todo or session.bank is None:
+        return
+    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
+    rows = [r for s in todo for r in store.read_rows("reflections", {"step": s})]
+    rebuild_bank(session.bank, rows, questions)
+    session.bank_steps.update(todo)
