@@ -12,8 +12,8 @@ another in the same order of weight changes, so both schedules give the same num
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
@@ -25,7 +25,7 @@ from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
 from tasks.rl import (
-    completed_step, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint, update_task,
+    completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint, update_task,
 )
 
 
@@ -73,6 +73,16 @@ def _wait_all(*futures: Any) -> None:
         future.wait()
 
 
+@contextmanager
+def _ranks_end_with_flow(cfg: RunConfig) -> Iterator[None]:
+    """Trainer ranks live for one flow run: stopped when it ends, however it ends."""
+    try:
+        yield
+    finally:
+        if cfg.distributed.world_size > 1:
+            drop_sessions()
+
+
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
     reflecting = get_recipe(cfg.rl.recipe).reflection
@@ -105,7 +115,7 @@ def rl(
     params["rl.lambda"] = str(rs["lam"].tolist())
     params["rl.kl_coef_effective"] = rs["kl_coef"]
     last: dict[str, float] = {}
-    with (tracker.child_run("rl", params=params) if tracker else nullcontext()) as child:
+    with (tracker.child_run("rl", params=params) if tracker else nullcontext()) as child, _ranks_end_with_flow(cfg):
         done = completed_step(run_dir)
         if done >= 0:
             log.info("resuming RL after step %d", done)

@@ -166,6 +166,7 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
             advs.append(reflection_token_advantages(row["loss_mask"], adv))
             nonzero += adv != 0.0
     t0 = time.perf_counter()
+    session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
     metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.reflection.temperature))
     session.reflection_updates.add(at_step)
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}

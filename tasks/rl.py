@@ -241,6 +241,7 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
             trajs.append(traj)
             advs.append(per_token_advantages(traj, ga.A[i]))
     t0 = time.perf_counter()
+    session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
     metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.rollout.temperature))
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):

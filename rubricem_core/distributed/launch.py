@@ -13,12 +13,16 @@ an exception in a callback) terminates the whole launcher process group, ranks i
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -80,6 +84,82 @@ def emit_metrics(metrics: dict[str, float], step: int) -> None:
     print(METRICS_PREFIX + json.dumps({"step": step, "metrics": metrics}), flush=True)
 
 
+class RankGroup:
+    """torchrun and its ranks as a child process group whose output a thread reads line by line."""
+
+    def __init__(self, spec: LaunchSpec, module: str, args: Sequence[str], env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
+        self.spec, self.module = spec, module
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._metrics: queue.Queue[tuple[dict[str, float], int]] = queue.Queue()
+        self.proc = subprocess.Popen(
+            torchrun_command(spec, module, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, env={**rank_environment(spec), **(env or {})}, cwd=cwd, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"ranks-{module}", daemon=True)
+        self._reader.start()
+        atexit.register(self.stop)  # never leave ranks behind a process that exits
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            if line.startswith(METRICS_PREFIX):
+                record = json.loads(line[len(METRICS_PREFIX):])
+                self._metrics.put((record["metrics"], int(record["step"])))
+                continue
+            self.tail.append(line)
+            self._lines.put(line)
+
+    def drain(self, on_line: Callable[[str], None] = lambda line: None,
+              on_metrics: Callable[[dict[str, float], int], None] | None = None) -> None:
+        """Hand over what the ranks printed since the last call."""
+        while not self._lines.empty():
+            on_line(self._lines.get_nowait())
+        while not self._metrics.empty():
+            metrics, step = self._metrics.get_nowait()
+            if on_metrics is not None:
+                on_metrics(metrics, step)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def failure(self, rc: int) -> RankFailure:
+        self._reader.join(timeout=10)  # the last lines hold the traceback
+        return RankFailure(
+            f"{self.spec.world_size} trainer ranks of `{self.module}` failed (torchrun exit code {rc}); "
+            f"last {len(self.tail)} lines of their output:\n" + "\n".join(self.tail)
+        )
+
+    def wait(self, on_line: Callable[[str], None] = lambda line: None,
+             on_metrics: Callable[[dict[str, float], int], None] | None = None, timeout: float | None = None) -> None:
+        """Until the ranks exit (streaming their output); RankFailure when they exit non-zero."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.proc.poll() is None:
+            self.drain(on_line, on_metrics)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks of `{self.module}` did not exit within {timeout:.0f}s")
+            time.sleep(0.05)
+        self._reader.join()
+        self.drain(on_line, on_metrics)
+        if self.proc.returncode != 0:
+            raise self.failure(self.proc.returncode)
+
+    def stop(self) -> None:
+        """Terminate torchrun and its ranks (their own process group), then kill what is left."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
 def run_ranks(
     spec: LaunchSpec,
     module: str,
@@ -89,41 +169,9 @@ def run_ranks(
     cwd: str | None = None,
 ) -> None:
     """Run the ranks to completion; raise RankFailure (with the output's tail) when they fail."""
-    cmd = torchrun_command(spec, module, args)
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=rank_environment(spec), cwd=cwd, start_new_session=True)
+    group = RankGroup(spec, module, args, cwd=cwd)
     try:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            if line.startswith(METRICS_PREFIX):
-                if on_metrics is not None:
-                    record = json.loads(line[len(METRICS_PREFIX):])
-                    on_metrics(record["metrics"], int(record["step"]))
-                continue
-            tail.append(line)
-            on_line(line)
-        rc = proc.wait()
+        group.wait(on_line, on_metrics)
     except BaseException:
-        _stop(proc)
+        group.stop()
         raise
-    if rc != 0:
-        raise RankFailure(
-            f"{spec.world_size} trainer ranks of `{module}` failed (torchrun exit code {rc}); "
-            f"last {len(tail)} lines of their output:\n" + "\n".join(tail)
-        )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Terminate torchrun and its ranks (their own process group), then kill what is left."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass

@@ -114,6 +114,18 @@ def load_policy(
     return model.to(device).eval(), tokenizer
 
 
+def load_tokenizer(directory: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local policy directory, with the pad-token rule of ``load_policy``."""
+    path = Path(directory)
+    _check_local_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise PolicyLoadError(f"the tokenizer of policy directory {path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _ensure_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

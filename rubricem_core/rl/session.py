@@ -20,6 +20,7 @@ checkpoint after a restart.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from rubricem_core.store import RunStore
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
+log = logging.getLogger(__name__)
 
 # ---- paths and progress -------------------------------------------------------------------------
 def rl_dir(run_dir: str) -> Path:
@@ -131,6 +133,9 @@ class Policy(Protocol):
 
     def close(self) -> None: ...
 
+    def log_to(self, on_line: Any) -> None:
+        """Where the trainer ranks' output lines go (the calling task's log)."""
+
 
 class LocalPolicy:
     """Trainer and frozen reference in this process (also what every trainer rank builds)."""
@@ -166,6 +171,9 @@ class LocalPolicy:
 
     def close(self) -> None:
         pass
+
+    def log_to(self, on_line: Any) -> None:
+        pass  # this process logs for itself
 
 
 def shares_engine_module(cfg: RunConfig) -> bool:
@@ -232,6 +240,8 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 extra = policy.load(ckpt)
                 buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
             tokenizer = policy.tokenizer
+            log.info("RL session at step %d: trainer %s (%d rank%s)", after_step, cfg.rl.backend,
+                     cfg.distributed.world_size, "s" if cfg.distributed.world_size > 1 else "")
             if cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 

@@ -1,0 +1,179 @@
+"""RL trainer ranks that live as long as the RL session, driven through a torch.distributed TCPStore.
+
+The flow process (where the Prefect tasks, the judge and the rollout engine run) hosts a TCPStore and
+starts ``distributed.nproc_per_node`` ranks with torchrun. Every rank builds the same ``LocalPolicy``
+(trainer + frozen reference; the trainer's process group is the ranks' own) and then waits for
+commands; the channel is two kinds of keys:
+
+    cmd/<n>    {"op": "update" | "save" | "load" | "stop", ...}   set by the flow process, read by every rank
+    reply/<n>  {...}                                               set by rank 0 once every rank is done
+
+``update`` names a payload file (the step's trajectories and token advantages, written by the flow
+process under ``state/launch/``), which every rank reads and trains on its shard of; ``save`` is the
+collective checkpoint whose HF weights rank 0 writes gathered, and from which the engine takes the new
+weights; ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
+raises RankFailure with the traceback. Checkpoints and payloads must sit on a file system every node sees.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from rubricem_core.config import RunConfig
+from rubricem_core.distributed.launch import RankFailure, RankGroup
+from rubricem_core.distributed.ranks import is_main, rank, shutdown
+from rubricem_core.distributed.sft_worker import launch_spec
+from rubricem_core.policy.loading import load_tokenizer
+from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.trajectory import TokenTrajectory
+
+MODULE = "rubricem_core.distributed.rl_ranks"
+CONTROL_ENV = "RUBRICEM_CONTROL"  # host:port of the flow process's TCPStore
+TOKEN_ARRAYS = ("token_ids", "loss_mask", "stage_ids", "logprobs")  # all an update reads of a trajectory
+log = logging.getLogger(__name__)
+
+
+class RankPolicy:
+    """The Policy interface of rubricem_core.rl.session, with the trainer in torchrun ranks."""
+
+    def __init__(self, run_dir: str, cfg: RunConfig, base: Path) -> None:
+        d = cfg.distributed
+        self.timeout_s = d.timeout_s
+        self.tokenizer = load_tokenizer(base)
+        self.on_line: Callable[[str], None] = log.info
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._launch_dir = RunStore(run_dir).state_dir / "launch"
+        self._launch_dir.mkdir(parents=True, exist_ok=True)
+        # the ranks of every node connect to this store; on one node over loopback
+        self._control = dist.TCPStore("0.0.0.0" if d.nnodes > 1 else "127.0.0.1", 0, is_master=True,
+                                      wait_for_workers=False, timeout=timedelta(seconds=d.timeout_s))
+        control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
+        spec_file = self._launch_dir / "rl.json"
+        atomic_write_text(spec_file, json.dumps({"config": cfg.model_dump(mode="json"),
+                                                 "base": str(Path(base).resolve())}))
+        self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())],
+                                env={CONTROL_ENV: f"{control_host}:{self._control.port}"})
+        try:
+            self._call("ready")
+        except BaseException:
+            self._ranks.stop()
+            raise
+
+    # ---- the channel --------------------------------------------------------------------------
+    def _call(self, op: str, **args: Any) -> dict[str, Any]:
+        """Send one command to every rank and wait for rank 0's reply, streaming the ranks' output."""
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._control.set(f"cmd/{seq}", json.dumps({"op": op, **args}))
+            key = f"reply/{seq}"
+            deadline = time.monotonic() + self.timeout_s
+            while not self._control.check([key]):
+                self._ranks.drain(self.on_line)
+                rc = self._ranks.poll()
+                if rc is not None:
+                    raise self._ranks.failure(rc)
+                if time.monotonic() > deadline:
+                    self._ranks.stop()
+                    raise RankFailure(f"the trainer ranks did not answer {op!r} within distributed.timeout_s="
+                                      f"{self.timeout_s:.0f}s; stopped them")
+                time.sleep(0.02)
+            self._ranks.drain(self.on_line)
+            return json.loads(self._control.get(key))
+
+    # ---- Policy --------------------------------------------------------------------------------
+    def log_to(self, on_line: Callable[[str], None]) -> None:
+        self.on_line = on_line
+
+    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: Any) -> dict[str, float]:
+        payload = self._launch_dir / "rl-update.pt"
+        tmp = payload.with_suffix(".tmp")
+        arrays = [{k: getattr(t, k) for k in TOKEN_ARRAYS} for t in trajectories]
+        torch.save({"trajectories": arrays, "token_advs": token_advs}, tmp)
+        os.replace(tmp, payload)
+        return self._call("update", payload=str(payload.resolve()), settings=asdict(settings))["metrics"]
+
+    def save(self, directory: Path, extra: dict[str, Any]) -> None:
+        self._call("save", directory=str(Path(directory).resolve()), extra=extra)
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        return self._call("load", directory=str(Path(directory).resolve()))["extra"]
+
+    def weights(self) -> None:
+        return None  # the ranks' weights reach this process through the checkpoint rank 0 writes
+
+    def close(self) -> None:
+        if self._ranks.poll() is None:
+            try:
+                self._call("stop")
+                self._ranks.wait(self.on_line, timeout=60)
+            except (RankFailure, TimeoutError) as exc:
+                log.warning("trainer ranks did not stop cleanly: %s", exc)
+            finally:
+                self._ranks.stop()
+
+
+# ---- the ranks ----------------------------------------------------------------------------------
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, stream=sys.stdout,
+                        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s")
+
+
+def _trajectory(d: dict[str, Any]) -> TokenTrajectory:
+    return TokenTrajectory(**{k: d[k] for k in TOKEN_ARRAYS})
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    from rubricem_core.rl.session import LocalPolicy, UpdateSettings
+
+    parser = argparse.ArgumentParser(description="One RL trainer rank (started by the rl flow with torchrun).")
+    parser.add_argument("--spec", required=True, help="launch file written by RankPolicy")
+    args = parser.parse_args(argv)
+    _logging()
+    spec = json.loads(Path(args.spec).read_text())
+    cfg = RunConfig.model_validate(spec["config"])
+    policy = LocalPolicy(Path(spec["base"]), cfg)
+    host, port = os.environ[CONTROL_ENV].rsplit(":", 1)
+    # between two commands the flow runs rollouts and the judge: wait as long as a run may take
+    control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(days=7))
+    seq = 0
+    while True:
+        cmd = json.loads(control.get(f"cmd/{seq}"))
+        op = cmd["op"]
+        reply: dict[str, Any] = {}
+        if op == "update":
+            payload = torch.load(cmd["payload"], weights_only=False)
+            trajs = [_trajectory(t) for t in payload["trajectories"]]
+            reply["metrics"] = policy.update(trajs, payload["token_advs"], UpdateSettings(**cmd["settings"]))
+        elif op == "save":
+            policy.save(Path(cmd["directory"]), cmd["extra"])
+        elif op == "load":
+            reply["extra"] = policy.load(Path(cmd["directory"]))
+        elif op not in ("ready", "stop"):
+            raise ValueError(f"unknown trainer-rank command {op!r}")
+        dist.barrier()  # every rank is done before rank 0 says so
+        if is_main():
+            control.set(f"reply/{seq}", json.dumps(reply))
+        if op == "stop":
+            break
+        seq += 1
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""RL with trainer ranks that live for the flow run (2 gloo ranks): one SS-GRPO update on 2 ranks equals
+one rank, under ZeRO-3 the engine samples with the trainer's gathered weights, and the rl flow runs with
+rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from rubricem_core.config import load_config
+from rubricem_core.rl import session as rl_session
+from rubricem_core.sql import run_sql
+from rubricem_core.store import RunStore
+from rubricem_core.trajectory import TokenTrajectory
+
+from tests.untrained_run import write_untrained_run
+
+TINY = {
+    "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
+    "policy.n_layers": 1, "policy.n_heads": 2, "policy.n_kv_heads": 1, "policy.intermediate_size": 64,
+    "rl.recipe": "ss_grpo", "tracking.enabled": False, "rl.lr": 1e-2, "rl.max_tokens_per_batch": 256,
+}
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("rl-dist") / "base"
+    write_untrained_run(load_config("tiny", TINY), run)
+    return run
+
+
+def synthetic_batch(vocab: int, n: int = 6, seed: int = 0) -> tuple[list[TokenTrajectory], list[list[float]]]:
+    """Trajectories of mixed lengths (several micro-batches at 256 padded tokens) with signed advantages."""
+    rng = np.random.default_rng(seed)
+    trajs, advs = [], []
+    for i in range(n):
+        length = int(rng.integers(40, 120))
+        mask = [0] * 8 + [1] * (length - 8)
+        trajs.append(TokenTrajectory(token_ids=rng.integers(3, vocab, length).tolist(), loss_mask=mask,
+                                     stage_ids=[-1] * 8 + [3] * (length - 8),
+                                     logprobs=[float("nan")] * 8 + [-3.0] * (length - 8)))
+        advs.append([0.0] * 8 + [float(rng.normal())] * (length - 8))
+    return trajs, advs
+
+
+def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Copy the run, build its session, one update, the step-0 checkpoint, then the engine's weights."""
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(run, run_dir)
+    cfg = load_config("tiny", {**TINY, **overrides})
+    session = rl_session.get_session(run_dir, cfg, -1)
+    try:
+        trajs, advs = synthetic_batch(len(session.tokenizer))
+        metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
+        session.policy.save(rl_session.step_checkpoint(run_dir, 0), {"buffers": "{}", "step": 0})
+        session.step = 0
+        rl_session.ensure_engine_weights(session, 0, cfg)
+        engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}
+    finally:
+        rl_session.drop_sessions()
+    return metrics, engine
+
+
+@pytest.fixture(scope="module")
+def one_process(untrained, tmp_path_factory):
+    return update_and_sync(untrained, tmp_path_factory.mktemp("one"), {})
+
+
+@pytest.mark.parametrize("overrides", [
+    {"rl.backend": "deepspeed", "rl.zero_stage": 3},  # one process: the engine must not get 0-size placeholders
+    {"distributed.nproc_per_node": 2},
+    {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3},
+], ids=["zero3-1rank", "torch-2ranks", "zero3-2ranks"])
+def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untrained, one_process, tmp_path, overrides):
+    ref_metrics, ref_engine = one_process
+    metrics, engine = update_and_sync(untrained, tmp_path, overrides)
+    from safetensors.torch import load_file
+
+    sft = load_file(str(untrained / "checkpoints" / "sft" / "final" / "model.safetensors"))
+    assert engine.keys() == ref_engine.keys()
+    assert all(engine[k].numel() > 0 for k in engine)  # no ZeRO-3 placeholder reached the engine
+    moved = max(float((ref_engine[k] - sft[k]).abs().max()) for k in sft)
+    assert moved > 1e-3  # the update changed the weights the engine samples with
+    assert max(float((engine[k] - ref_engine[k]).abs().max()) for k in ref_engine) < 1e-4
+    for key in ("loss", "grad_norm", "kl", "policy_tokens", "n_tokens", "ratio_max"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+# ---- the rl flow on 2 ranks ----------------------------------------------------------------------
+FLOW = {
+    "data.world.n_documents": 120, "data.world.n_queries": 10, "data.world.eval_fraction": 0.2,
+    "teacher.trajectories_per_query": 2, "policy.prompt_style": "compact", "policy.vocab_size": 1024,
+    "policy.hidden_size": 64, "policy.n_layers": 2, "policy.intermediate_size": 128, "sft.max_steps": 4,
+    "sft.warmup_steps": 1, "rl.window": 1, "rl.n_windows": 1, "rl.queries_per_step": 2, "rl.recipe": "ss_grpo",
+    "rollout.group_size": 2, "rollout.max_new_tokens": 48, "rollout.max_total_tokens": 1200,
+    "tools.max_tool_calls": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, prefect_harness):
+    from flows.collect_sft_data import collect_sft_data
+    from flows.sft import sft
+
+    run_dir = tmp_path_factory.mktemp("rl-flow") / "base"
+    collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides=FLOW)
+    sft(run_dir=str(run_dir), profile="tiny", overrides=FLOW)
+    return run_dir
+
+
+def _gaps(run_dir: str) -> dict[int, float]:
+    rows = json.loads(run_sql(run_dir, "SELECT step, value FROM metrics WHERE name = 'rl/logprob_gap_mean'", fmt="json"))
+    return {r["step"]: r["value"] for r in rows}
+
+
+def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
+    from flows.rl import rl
+
+    zero3 = {**FLOW, "rl.backend": "deepspeed", "rl.zero_stage": 3}
+    one = str(tmp_path / "one")
+    two = str(tmp_path / "two")
+    shutil.copytree(sft_run, one)
+    shutil.copytree(sft_run, two)
+    rl(run_dir=one, profile="tiny", overrides=zero3)
+    result = rl(run_dir=two, profile="tiny", overrides={**zero3, "distributed.nproc_per_node": 2})
+    assert result["steps"] == 2
+    assert not rl_session._SESSIONS  # the ranks ended with the flow run
+
+    a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
+    assert sum(r["n_policy_tokens"] for r in b) > 0  # the engine generated (ZeRO-3 once gave it no weights)
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]  # same weights, same seeds
+    gap_one, gap_two = _gaps(one), _gaps(two)
+    assert sorted(gap_two) == [0, 1]
+    for step, gap in gap_two.items():
+        assert gap < 1e-5 and gap == pytest.approx(gap_one[step], abs=1e-6)
+    for step in (0, 1):
+        assert (tmp_path / "two" / "checkpoints" / "rl" / f"step-{step:06d}" / "checkpoint.json").exists()
