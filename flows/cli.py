@@ -71,6 +71,18 @@ def cmd_rl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ranks(args: argparse.Namespace) -> int:
+    from rubricem_core.distributed.launch import RankFailure
+    from rubricem_core.distributed.nodes import join_launch
+
+    try:
+        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s)
+    except (RankFailure, TimeoutError) as exc:
+        print(f"rubricem: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.benchmarks:  # validated with the config, before any flow starts
         args.overrides = [*args.overrides, f"eval.benchmarks={json.dumps(args.benchmarks)}"]
@@ -170,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
     _common(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("ranks", help="this node's trainer ranks of a multi-node launch (nodes 1..N-1; node 0 runs the flow)")
+    p.add_argument("kind", choices=["sft", "rl"], help="which launch to join: the sft task's or the rl flow's")
+    p.add_argument("--run-dir", required=True, help="the run directory node 0's flow uses (a shared file system)")
+    p.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..distributed.nnodes-1")
+    p.add_argument("--wait-s", type=float, default=3600.0, help="how long to wait for node 0's launch file")
+    p.set_defaults(func=cmd_ranks)
 
     p = sub.add_parser("sql", help="read-only DuckDB SQL over a run's tables (one view per table)")
     p.add_argument("--run-dir", required=True, help="run directory")

@@ -55,3 +55,37 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
                                 fmt="json"))
     assert [r["step"] for r in losses][-2:] == [3, 4]
     assert torch.isfinite(torch.tensor([r["value"] for r in losses])).all()
+
+
+def test_sft_on_two_nodes_joined_by_the_ranks_command(collected_run, tmp_path):
+    """Two "nodes" on this machine (1 rank each, static rendezvous): node 0 is the flow, node 1 runs
+    `rubricem ranks sft`; the weights are those of one rank on the same batches."""
+    import socket
+    import subprocess
+    import sys
+
+    from flows.sft import sft
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
+    node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "sft", "--run-dir", str(run_dir),
+                              "--node-rank", "1", "--wait-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        result = sft(run_dir=str(run_dir), profile="tiny", overrides={
+            **DIST, "sft.checkpoint_every": 10, "distributed.nnodes": 2, "distributed.master_port": port})
+        out, _ = node1.communicate(timeout=120)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0, out
+    assert "Traceback" not in out
+    cfg = load_config("tiny", DIST)
+    rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
+    ref = run_sft(run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0)
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
+    a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 METRICS_PREFIX = "@@rubricem-metrics "
@@ -160,6 +161,22 @@ class RankGroup:
             pass
 
 
+def wait_for_launch_file(path: Path, newer_than: float, wait_s: float) -> dict:
+    """The launch file node 0's flow writes for this launch (one older than ``newer_than`` is a past
+    launch's); TimeoutError naming the file after ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if path.stat().st_mtime >= newer_than:
+                return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no launch file {path} newer than this command appeared within {wait_s:.0f}s: "
+                               "start the flow on node 0 (distributed.node_rank 0)")
+        time.sleep(0.5)
+
+
 def run_ranks(
     spec: LaunchSpec,
     module: str,
@@ -167,9 +184,10 @@ def run_ranks(
     on_line: Callable[[str], None] = lambda line: None,
     on_metrics: Callable[[dict[str, float], int], None] | None = None,
     cwd: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Run the ranks to completion; raise RankFailure (with the output's tail) when they fail."""
-    group = RankGroup(spec, module, args, cwd=cwd)
+    group = RankGroup(spec, module, args, env=env, cwd=cwd)
     try:
         group.wait(on_line, on_metrics)
     except BaseException:

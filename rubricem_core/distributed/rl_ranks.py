@@ -63,10 +63,10 @@ class RankPolicy:
                                       wait_for_workers=False, timeout=timedelta(seconds=d.timeout_s))
         control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
         spec_file = self._launch_dir / "rl.json"
+        control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
         atomic_write_text(spec_file, json.dumps({"config": cfg.model_dump(mode="json"),
-                                                 "base": str(Path(base).resolve())}))
-        self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())],
-                                env={CONTROL_ENV: f"{control_host}:{self._control.port}"})
+                                                 "base": str(Path(base).resolve()), "env": control}))
+        self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], env=control)
         try:
             self._call("ready")
         except BaseException:
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = json.loads(Path(args.spec).read_text())
     cfg = RunConfig.model_validate(spec["config"])
     policy = LocalPolicy(Path(spec["base"]), cfg)
-    host, port = os.environ[CONTROL_ENV].rsplit(":", 1)
+    host, port = spec["env"][CONTROL_ENV].rsplit(":", 1)
     # between two commands the flow runs rollouts and the judge: wait as long as a run may take
     control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(days=7))
     seq = 0

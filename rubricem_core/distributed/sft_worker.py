@@ -26,10 +26,11 @@ from rubricem_core.store import RunStore, atomic_write_text
 MODULE = "rubricem_core.distributed.sft_worker"
 
 
-def launch_spec(cfg: RunConfig) -> LaunchSpec:
+def launch_spec(cfg: RunConfig, node_rank: int | None = None) -> LaunchSpec:
     d = cfg.distributed
     return LaunchSpec(
-        nproc_per_node=d.nproc_per_node, nnodes=d.nnodes, node_rank=d.node_rank, master_addr=d.master_addr,
+        nproc_per_node=d.nproc_per_node, nnodes=d.nnodes, node_rank=d.node_rank if node_rank is None else node_rank,
+        master_addr=d.master_addr,
         master_port=d.master_port, rdzv_backend=d.rdzv_backend,
         devices=tuple(d.train_devices) if d.train_devices is not None else None,
     )
