@@ -380,7 +380,11 @@ class DistributedConfig(_Strict):
         description="This node's index (0: the node whose flow run writes Parquet, MLflow and logs; others run "
         "`rubricem ranks`).",
     )
-    master_addr: str = Field(default="127.0.0.1", description="Address of node 0 (rendezvous host).")
+    master_addr: str | None = Field(
+        default=None,
+        description="Address of node 0 (rendezvous host). None: node 0's own host name (FQDN) on several nodes, "
+        "loopback on one.",
+    )
     master_port: int | None = Field(
         default=None, ge=1, le=65535, description="Rendezvous port on node 0 (None on one node: a free port)."
     )
@@ -399,7 +403,7 @@ class DistributedConfig(_Strict):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("nnodes > 1 needs master_port (and master_addr: node 0's address)")
+            raise ValueError("nnodes > 1 needs master_port (a port on node 0 every node can reach)")
         if self.train_devices is not None and len(self.train_devices) < self.nproc_per_node:
             raise ValueError(f"train_devices lists {len(self.train_devices)} devices for nproc_per_node "
                              f"{self.nproc_per_node}")

@@ -122,6 +122,8 @@ def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
     monkeypatch.setenv("RUBRICEM_IMAGE", image)  # deployments/gpu/deploy.sh requires it
     pods = {}
     for name, d in gpu_deployments.items():
+        if d["work_pool"]["name"] == "rubricem-gpu-multinode":
+            continue  # test_multinode_job_template_starts_one_pod_per_node
         assert d["work_pool"]["name"] == "rubricem-gpu" and d["parameters"]["profile"] == "gpu", name
         job_variables = apply_values(d["work_pool"]["job_variables"], {})  # as `prefect deploy`: {{ $VAR }} from os.environ
         validate(job_variables, variables, raise_on_error=True, ignore_required=True)
@@ -138,6 +140,57 @@ def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
     assert pods["evaluate-gpu"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
     with pytest.raises(ValidationError):
         validate({"gpus": "eight"}, variables, raise_on_error=True, ignore_required=True)
+
+
+def test_multinode_job_template_starts_one_pod_per_node(monkeypatch, tmp_path):
+    """The 2-node deployment renders an Indexed Job of 2 pods; pod 0 executes the flow run, pod 1 joins
+    its SFT and RL launches with `rubricem ranks` (the wrapper is run here with stand-in executables)."""
+    from prefect.server.schemas.actions import validate_base_job_template
+    from prefect.utilities.schema_tools import validate
+    from prefect.utilities.templating import apply_values
+
+    from rubricem_core.config import load_config
+
+    template = json.loads((REPO_ROOT / "deployments" / "gpu" / "base-job-template-multinode.json").read_text())
+    validate_base_job_template(template)
+    variables = template["variables"]
+    defaults = {k: v["default"] for k, v in variables["properties"].items() if "default" in v}
+    monkeypatch.setenv("RUBRICEM_IMAGE", "registry.example.com/rubricem:gpu")
+    d = _deployments("deployments/gpu/prefect-gpu.yaml")["pipeline-gpu-2nodes"]
+    assert d["work_pool"]["name"] == "rubricem-gpu-multinode"
+    job_variables = apply_values(d["work_pool"]["job_variables"], {})
+    validate(job_variables, variables, raise_on_error=True, ignore_required=True)
+    job = apply_values(template["job_configuration"], {**defaults, **job_variables})["job_manifest"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == "rubricem-nodes" and pod["setHostnameAsFQDN"] is True
+    service = yaml.safe_load((REPO_ROOT / "deployments" / "gpu" / "headless-service.yaml").read_text())
+    assert service["metadata"]["name"] == pod["subdomain"] and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= job["metadata"]["labels"].items()
+    # the flow parameters describe the same 2 nodes (a valid config)
+    cfg = load_config(d["parameters"]["profile"], d["parameters"]["overrides"])
+    assert cfg.distributed.nnodes == job["spec"]["completions"] and cfg.distributed.master_port
+    container = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert all(isinstance(v, str) for v in env.values())  # Kubernetes takes string values only
+    assert env["RUBRICEM_RANKS_RUN_DIR"] == d["parameters"]["run_dir"]
+
+    # run the pod's shell wrapper for index 0 and 1 with stand-ins for prefect and rubricem
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for exe in ("prefect", "rubricem"):
+        (bin_dir / exe).write_text(f'#!/bin/sh\necho "{exe} $*" >> "{tmp_path}/calls"\n')
+        (bin_dir / exe).chmod(0o755)
+    for index in ("0", "1"):
+        subprocess.run([*container["command"], *container["args"]], check=True,
+                       env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index})
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == [
+        "prefect flow-run execute",
+        "rubricem ranks sft --run-dir runs/gpu-2nodes --node-rank 1 --wait-s 86400",
+        "rubricem ranks rl --run-dir runs/gpu-2nodes --node-rank 1 --wait-s 86400",
+    ]
 
 
 # --- a real server, the scripts, a worker ------------------------------------------------------------

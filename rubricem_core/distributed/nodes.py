@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
-from rubricem_core.distributed.sft_worker import launch_spec
+from rubricem_core.distributed.spec import launch_spec
 
 LAUNCHES = {"sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
             "rl": ("rl.json", "rubricem_core.distributed.rl_ranks")}

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import RankFailure, RankGroup
 from rubricem_core.distributed.ranks import is_main, rank, shutdown
-from rubricem_core.distributed.sft_worker import launch_spec
+from rubricem_core.distributed.spec import launch_spec, resolve_master
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.trajectory import TokenTrajectory
@@ -50,6 +50,7 @@ class RankPolicy:
     """The Policy interface of rubricem_core.rl.session, with the trainer in torchrun ranks."""
 
     def __init__(self, run_dir: str, cfg: RunConfig, base: Path) -> None:
+        cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
         d = cfg.distributed
         self.timeout_s = d.timeout_s
         self.tokenizer = load_tokenizer(base)

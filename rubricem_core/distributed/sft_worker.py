@@ -19,21 +19,12 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
-from rubricem_core.distributed.launch import LaunchSpec, emit_metrics, run_ranks
+from rubricem_core.distributed.launch import emit_metrics, run_ranks
 from rubricem_core.distributed.ranks import is_main, rank, shutdown
+from rubricem_core.distributed.spec import launch_spec, resolve_master
 from rubricem_core.store import RunStore, atomic_write_text
 
 MODULE = "rubricem_core.distributed.sft_worker"
-
-
-def launch_spec(cfg: RunConfig, node_rank: int | None = None) -> LaunchSpec:
-    d = cfg.distributed
-    return LaunchSpec(
-        nproc_per_node=d.nproc_per_node, nnodes=d.nnodes, node_rank=d.node_rank if node_rank is None else node_rank,
-        master_addr=d.master_addr,
-        master_port=d.master_port, rdzv_backend=d.rdzv_backend,
-        devices=tuple(d.train_devices) if d.train_devices is not None else None,
-    )
 
 
 def launch_sft(
@@ -49,6 +40,7 @@ def launch_sft(
     launch_dir.mkdir(parents=True, exist_ok=True)
     spec_file, result_file = launch_dir / "sft.json", launch_dir / "sft-result.json"
     result_file.unlink(missing_ok=True)  # a result is only ever this launch's
+    cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
     atomic_write_text(spec_file, json.dumps({
         "run_dir": str(Path(run_dir).resolve()), "config": cfg.model_dump(mode="json"),
         "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
