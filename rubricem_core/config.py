@@ -264,10 +264,18 @@ class RLConfig(_Strict):
         default=False, description="DeepSpeed ZeRO 1-3: optimizer state in CPU memory (the optimizer step runs there)."
     )
     offload_params: bool = Field(default=False, description="DeepSpeed ZeRO-3: parameter partitions in CPU memory too.")
+    reference: Literal["replicated", "sharded", "cpu"] = Field(
+        default="replicated",
+        description="Where the frozen KL reference lives: replicated (a whole copy on every trainer rank's device), "
+        "sharded (DeepSpeed ZeRO-3 inference: 1/N of it per rank; needs backend: deepspeed), or cpu (host memory; "
+        "slow for large models).",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> Any:
         check_offload(self)
+        if self.reference == "sharded" and self.backend != "deepspeed":
+            raise ValueError("reference: sharded needs backend: deepspeed (ZeRO-3 inference partitions it)")
         return self
 
 

@@ -47,13 +47,16 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0) -> tuple[list[TokenTr
 
 
 def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Copy the run, build its session, one update, the step-0 checkpoint, then the engine's weights."""
+    """Copy the run, build its session, two updates (the second with a KL term: the policy has moved from
+    the reference), the step-0 checkpoint, then the engine's weights."""
     run_dir = str(tmp_path / "run")
     shutil.copytree(run, run_dir)
     cfg = load_config("tiny", {**TINY, **overrides})
     session = rl_session.get_session(run_dir, cfg, -1)
     try:
         trajs, advs = synthetic_batch(len(session.tokenizer))
+        session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
+        trajs, advs = synthetic_batch(len(session.tokenizer), seed=1)
         metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
         session.policy.save(rl_session.step_checkpoint(run_dir, 0), {"buffers": "{}", "step": 0})
         session.step = 0
@@ -73,7 +76,9 @@ def one_process(untrained, tmp_path_factory):
     {"rl.backend": "deepspeed", "rl.zero_stage": 3},  # one process: the engine must not get 0-size placeholders
     {"distributed.nproc_per_node": 2},
     {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3},
-], ids=["zero3-1rank", "torch-2ranks", "zero3-2ranks"])
+    {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3, "rl.reference": "sharded"},
+    {"rl.reference": "cpu"},
+], ids=["zero3-1rank", "torch-2ranks", "zero3-2ranks", "zero3-2ranks-sharded-ref", "cpu-ref"])
 def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untrained, one_process, tmp_path, overrides):
     ref_metrics, ref_engine = one_process
     metrics, engine = update_and_sync(untrained, tmp_path, overrides)
@@ -85,6 +90,7 @@ def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untra
     moved = max(float((ref_engine[k] - sft[k]).abs().max()) for k in sft)
     assert moved > 1e-3  # the update changed the weights the engine samples with
     assert max(float((engine[k] - ref_engine[k]).abs().max()) for k in ref_engine) < 1e-4
+    assert ref_metrics["kl"] > 1e-6  # the reference takes part in the second update
     for key in ("loss", "grad_norm", "kl", "policy_tokens", "n_tokens", "ratio_max"):
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
 

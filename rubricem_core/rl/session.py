@@ -137,15 +137,36 @@ class Policy(Protocol):
         """Where the trainer ranks' output lines go (the calling task's log)."""
 
 
+def load_reference(base: Path, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen KL reference, placed as ``rl.reference`` says: on the trainer's device (a GPU when
+    there is one), in host memory, or partitioned over the trainer ranks by ZeRO-3 inference (its
+    forward is then collective, which the update's per-rank shards keep in step)."""
+    where = device if cfg.rl.reference == "replicated" else "cpu"
+    ref, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=where)
+    ref.requires_grad_(False)
+    if cfg.rl.reference != "sharded":
+        return ref
+    from rubricem_core.training.deepspeed_trainer import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    zero: dict[str, Any] = {"stage": 3}
+    if cfg.rl.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    engine, *_ = deepspeed.initialize(model=ref, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+        "bf16": {"enabled": cfg.rl.precision == "bf16"}, "steps_per_print": 2**31 - 1,
+    })
+    engine.eval()
+    return engine.module
+
+
 class LocalPolicy:
     """Trainer and frozen reference in this process (also what every trainer rank builds)."""
 
     def __init__(self, base: Path, cfg: RunConfig) -> None:
         model, self.tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
         self.trainer = make_trainer(model, rl_trainer_config(cfg))
-        # The reference lives where the trainer's model does (a GPU when there is one).
-        self.ref_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=self.trainer.device)
-        self.ref_model.requires_grad_(False)
+        self.ref_model = load_reference(base, cfg, self.trainer.device)
 
     @property
     def device(self) -> torch.device:
