@@ -110,3 +110,32 @@ def test_two_ranks_train_like_one_on_disjoint_micro_batches(tmp_path, one_rank_r
     moved = max(float((ref_weights[k] - w).abs().max()) for k, w in dist_cases.tiny_model().state_dict().items())
     assert moved > 1e-3
     assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol
+
+
+# ------------------------------------------------------------------------------------ memory plan
+@pytest.mark.parametrize("tie", [False, True])
+def test_memory_plan_counts_the_parameters_of_a_real_qwen3(tie):
+    from rubricem_core.distributed.memory import ModelShape
+
+    model = dist_cases.tiny_model(tie=tie)
+    shape = ModelShape.from_config(model.config.to_dict())
+    assert shape.params == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_plan_partitions_like_zero_by_hand():
+    from rubricem_core.distributed.memory import ModelShape, TrainSetup, memory_plan
+
+    shape = ModelShape(hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1, head_dim=4, vocab=10)
+    p = shape.params  # 8*8 + 2*8*4 + 8*8 + 2*4 (attention) + 3*8*16 (mlp) + 2*8 (norms) + 2*10*8 + 8
+    assert p == 64 + 64 + 64 + 8 + 384 + 16 + 160 + 8
+    z3 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=3, reference="sharded", micro_batch_tokens=4, seq_len=4))
+    assert (z3.weights, z3.gradients, z3.optimizer, z3.reference) == (2 * p // 4, 2 * p // 4, 12 * p // 4, 2 * p // 4)
+    z1 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=1, precision="fp32", micro_batch_tokens=4, seq_len=4))
+    assert (z1.weights, z1.gradients, z1.optimizer, z1.reference) == (4 * p, 4 * p, 8 * p // 4, 4 * p)
+    off = memory_plan(shape, TrainSetup(n_gpus=4, offload=True, offload_params=True, reference="cpu",
+                                        micro_batch_tokens=4, seq_len=4))
+    assert off.weights == off.optimizer == off.reference == 0 and off.gradients == 2 * p // 4
+    deep = ModelShape(hidden=8, intermediate=16, layers=4, heads=2, kv_heads=1, head_dim=4, vocab=10)
+    full, gc = (memory_plan(deep, TrainSetup(n_gpus=4, gradient_checkpointing=g, micro_batch_tokens=4, seq_len=4))
+                for g in (False, True))
+    assert full.activations > gc.activations  # checkpointing keeps the layer inputs (and recomputes one layer)

@@ -1,0 +1,167 @@
+"""Data-parallel scaling and the per-GPU memory plan.
+
+1. Throughput at 1 and 2 ranks (torchrun, gloo on this CPU, one thread per rank): train tokens/s of
+   SFT steps and of SS-GRPO updates on the same global batches (a random-init Qwen3; report only).
+2. The memory plan (rubricem_core.distributed.memory) checked against a tiny model: its parameter count
+   against the model's, and the activations the plan says a forward pass saves against the tensors
+   autograd really saved (with and without gradient checkpointing).
+3. The plan for Qwen3-8B (data/models/qwen3-8b.json) on 8 × 80 GB: ZeRO-3, bf16, gradient checkpointing,
+   16k-token micro-batches, the reference replicated and sharded. The figure: its per-GPU total, which
+   must fit (≤ 90% of a GPU).
+
+    .venv/bin/python bench/distributed_scaling.py [--quick] [--gpus 8] [--gpu-gib 80]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.distributed.memory import (  # noqa: E402
+    ModelShape, TrainSetup, memory_plan, saved_activation_bytes,
+)
+
+GIB = 2**30
+TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+
+
+def tiny_model(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**TINY))
+
+
+# ---- 1. throughput (the worker runs under torchrun) ----------------------------------------------
+def worker(out: str, steps: int, micro: int, seq: int) -> None:
+    from rubricem_core.batching import collate
+    from rubricem_core.distributed import is_main, shutdown
+    from rubricem_core.logprobs import sft_loss
+    from rubricem_core.rl.update import ss_grpo_update
+    from rubricem_core.training import TrainerConfig, make_trainer
+    from rubricem_core.trajectory import TokenTrajectory
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    trajs = [TokenTrajectory(token_ids=torch.randint(3, TINY["vocab_size"], (seq,), generator=g).tolist(),
+                             loss_mask=[0] * 16 + [1] * (seq - 16), stage_ids=[-1] * 16 + [3] * (seq - 16),
+                             logprobs=[float("nan")] * 16 + [-8.0] * (seq - 16)) for _ in range(2 * micro)]
+    trainer = make_trainer(tiny_model(), TrainerConfig(lr=1e-4, total_steps=2 * steps + 2))
+    batches = [collate(trajs[2 * i : 2 * i + 2], 0) for i in range(micro)]
+    weights = [float(b.loss_mask.sum()) for b in batches]
+    trainer.step(batches, sft_loss, weights=weights)  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.step(batches, sft_loss, weights=weights)
+    sft_s = time.perf_counter() - t0
+    ref = tiny_model()
+    advs = [[0.0] * 16 + [float((-1) ** i)] * (seq - 16) for i in range(len(trajs))]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ss_grpo_update(trainer, ref, trajs, advs, 0, 2 * seq, 1.0, 0.2, 0.28, 0.001)
+    update_s = time.perf_counter() - t0
+    if is_main():
+        tokens = steps * sum(len(t) for t in trajs)
+        Path(out).write_text(json.dumps({"sft_tokens_per_s": tokens / sft_s, "update_tokens_per_s": tokens / update_s}))
+    shutdown()
+
+
+def throughput(ranks: int, steps: int, micro: int, seq: int) -> dict[str, float]:
+    import tempfile
+
+    from rubricem_core.distributed.launch import LaunchSpec, run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        run_ranks(LaunchSpec(nproc_per_node=ranks), str(Path(__file__).resolve()),
+                  ["--worker", str(out), "--steps", str(steps), "--micro", str(micro), "--seq", str(seq)])
+        return json.loads(out.read_text())
+
+
+# ---- 2. the plan against a tiny model ------------------------------------------------------------
+def measured_saved_bytes(checkpointing: bool, batch: int = 2, seq: int = 1024) -> int:
+    from rubricem_core.logprobs import token_logprobs
+
+    model = tiny_model()
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()  # each storage once, however many ops keep it
+        return t
+
+    ids = torch.randint(0, TINY["vocab_size"], (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(model, ids, torch.ones_like(ids))
+    return sum(saved.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter steps")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, default=512, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps, args.micro, args.seq)
+
+    steps, micro, seq = (2, 4, 256) if args.quick else (4, 8, 512)
+    print("1. data-parallel throughput (gloo, one thread per rank; the same global batches)")
+    base = None
+    for ranks in (1, 2):
+        r = throughput(ranks, steps, micro, seq)
+        base = base or r
+        print(f"   {ranks} rank{'s' if ranks > 1 else ' '}: SFT {r['sft_tokens_per_s']:8.0f} tok/s "
+              f"(x{r['sft_tokens_per_s'] / base['sft_tokens_per_s']:.2f})   SS-GRPO update "
+              f"{r['update_tokens_per_s']:8.0f} tok/s (x{r['update_tokens_per_s'] / base['update_tokens_per_s']:.2f})")
+
+    print("2. the plan against a tiny Qwen3 (fp32, 2 x 1024 tokens)")
+    shape = ModelShape.from_config(TINY)
+    n_params = sum(p.numel() for p in tiny_model().parameters())
+    print(f"   parameters: plan {shape.params:,}  model {n_params:,}")
+    ratios = []
+    for gc in (False, True):
+        plan = saved_activation_bytes(shape, 2048, 4, gc, seq_len=1024, fused_attention=True)
+        measured = measured_saved_bytes(gc)
+        ratios.append(measured / plan)
+        print(f"   saved activations, checkpointing {'on ' if gc else 'off'}: plan {plan / 2**20:7.1f} MiB  "
+              f"measured {measured / 2**20:7.1f} MiB  (measured/plan {measured / plan:.3f})")
+
+    print(f"3. Qwen3-8B on {args.gpus} x {args.gpu_gib:.0f} GiB (ZeRO-3, bf16, checkpointing, 16k-token micro-batches)")
+    qwen = ModelShape.from_config(json.loads((REPO_ROOT / "data" / "models" / "qwen3-8b.json").read_text()))
+    rows = {}
+    for name, kw in {"replicated reference": dict(reference="replicated"), "sharded reference": dict(reference="sharded"),
+                     "sharded, optimizer offload": dict(reference="sharded", offload=True),
+                     "no checkpointing": dict(reference="sharded", gradient_checkpointing=False)}.items():
+        rows[name] = memory_plan(qwen, TrainSetup(n_gpus=args.gpus, gpu_bytes=int(args.gpu_gib * GIB), **kw))
+    print(f"   {'':28s}" + "".join(f"{k:>12s}" for k in rows["sharded reference"].as_dict()) + "    fits")
+    for name, plan in rows.items():
+        print(f"   {name:28s}" + "".join(f"{v / GIB:10.1f}Gi" for v in plan.as_dict().values()) + f"    {plan.fits}")
+    print(f"   ({qwen.params / 1e9:.2f}B parameters; buffers, CUDA context and fragmentation: keep 10% free)")
+    chosen = rows["replicated reference"]  # the gpu profile's default placement
+    checked = all(0.9 <= r <= 1.1 for r in ratios)
+    print(figure_line("qwen3_8b_per_gpu", round(chosen.total / GIB, 1), "GiB",
+                      f"fits in 0.9 x {args.gpu_gib:.0f} GiB, plan within 10% of measured on tiny", chosen.fits and checked))
+
+
+if __name__ == "__main__":
+    main()
