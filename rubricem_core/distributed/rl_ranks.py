@@ -16,11 +16,9 @@ raises RankFailure with the traceback. Checkpoints and payloads must sit on a fi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import asdict
@@ -34,8 +32,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import RankFailure, RankGroup
-from rubricem_core.distributed.ranks import is_main, rank, shutdown
-from rubricem_core.distributed.spec import launch_spec, resolve_master
+from rubricem_core.distributed.ranks import is_main, shutdown
+from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.trajectory import TokenTrajectory
@@ -129,11 +127,6 @@ class RankPolicy:
 
 
 # ---- the ranks ----------------------------------------------------------------------------------
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, stream=sys.stdout,
-                        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s")
-
-
 def _trajectory(d: dict[str, Any]) -> TokenTrajectory:
     return TokenTrajectory(**{k: d[k] for k in TOKEN_ARRAYS})
 
@@ -142,12 +135,7 @@ def _trajectory(d: dict[str, Any]) -> TokenTrajectory:
 def main(argv: list[str] | None = None) -> None:
     from rubricem_core.rl.session import LocalPolicy, UpdateSettings
 
-    parser = argparse.ArgumentParser(description="One RL trainer rank (started by the rl flow with torchrun).")
-    parser.add_argument("--spec", required=True, help="launch file written by RankPolicy")
-    args = parser.parse_args(argv)
-    _logging()
-    spec = json.loads(Path(args.spec).read_text())
-    cfg = RunConfig.model_validate(spec["config"])
+    spec, cfg = start_rank("One RL trainer rank (started by the rl flow with torchrun).", argv)
     policy = LocalPolicy(Path(spec["base"]), cfg)
     host, port = spec["env"][CONTROL_ENV].rsplit(":", 1)
     # between two commands the flow runs rollouts and the judge: wait as long as a run may take

@@ -9,10 +9,7 @@ directory are the ones of a one-process run (``checkpoints/sft``).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,8 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import emit_metrics, run_ranks
-from rubricem_core.distributed.ranks import is_main, rank, shutdown
-from rubricem_core.distributed.spec import launch_spec, resolve_master
+from rubricem_core.distributed.ranks import is_main, shutdown
+from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
 from rubricem_core.store import RunStore, atomic_write_text
 
 MODULE = "rubricem_core.distributed.sft_worker"
@@ -52,21 +49,11 @@ def launch_sft(
     return json.loads(result_file.read_text())
 
 
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, stream=sys.stdout,
-                        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s")
-
-
 @record
 def main(argv: list[str] | None = None) -> None:
     from rubricem_core.sft import run_sft  # after the logging set-up
 
-    parser = argparse.ArgumentParser(description="One SFT rank (started by torchrun from the sft task).")
-    parser.add_argument("--spec", required=True, help="launch file written by launch_sft")
-    args = parser.parse_args(argv)
-    _logging()
-    spec = json.loads(Path(args.spec).read_text())
-    cfg = RunConfig.model_validate(spec["config"])
+    spec, cfg = start_rank("One SFT rank (started by torchrun from the sft task).", argv)
     store = RunStore(spec["run_dir"])
     rows = store.read_rows("sft_trajectories")
     doc_ids = store.read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []

@@ -1,10 +1,17 @@
 """From the run config's ``distributed`` section to a torchrun launch."""
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import socket
+import sys
+from pathlib import Path
+from typing import Any
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import LaunchSpec
+from rubricem_core.distributed.ranks import is_main, rank
 
 
 def resolve_master(cfg: RunConfig) -> RunConfig:
@@ -25,3 +32,15 @@ def launch_spec(cfg: RunConfig, node_rank: int | None = None) -> LaunchSpec:
         master_addr=d.master_addr or "127.0.0.1", master_port=d.master_port, rdzv_backend=d.rdzv_backend,
         devices=tuple(d.train_devices) if d.train_devices is not None else None,
     )
+
+
+def start_rank(description: str, argv: list[str] | None = None) -> tuple[dict[str, Any], RunConfig]:
+    """A worker rank's start: ``--spec FILE`` parsed, logging to stdout (INFO on rank 0, warnings on the
+    others, each line tagged with its rank), the launch file and its config read."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--spec", required=True, help="the launch file the launching task wrote")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, stream=sys.stdout,
+                        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s")
+    spec = json.loads(Path(args.spec).read_text())
+    return spec, RunConfig.model_validate(spec["config"])
