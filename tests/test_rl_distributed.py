@@ -127,3 +127,21 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
         assert gap < 1e-5 and gap == pytest.approx(gap_one[step], abs=1e-6)
     for step in (0, 1):
         assert (tmp_path / "two" / "checkpoints" / "rl" / f"step-{step:06d}" / "checkpoint.json").exists()
+
+
+def test_a_killed_trainer_rank_fails_the_rl_flow_and_the_rerun_resumes(sft_run, tmp_path, monkeypatch):
+    from flows.rl import rl
+    from rubricem_core.distributed.launch import RankFailure
+
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(sft_run, run_dir)
+    overrides = {**FLOW, "distributed.nproc_per_node": 2}
+    # the trainer ranks kill themselves while writing step 1's checkpoint (the flow process writes none)
+    monkeypatch.setenv("RUBRICEM_FAULT_POINT", "checkpoint.weights_written:2")
+    with pytest.raises(RankFailure, match="trainer ranks .* failed"):
+        rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+    assert rl_session.completed_step(run_dir) == 0 and not rl_session._SESSIONS
+    monkeypatch.delenv("RUBRICEM_FAULT_POINT")
+    rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+    assert rl_session.completed_step(run_dir) == 1
+    assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
