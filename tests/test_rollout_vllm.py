@@ -508,3 +508,39 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
     with pytest.raises(RuntimeError, match="unexpected key"):
         vllm_engine.update_weights({**model.state_dict(), "model.extra.weight": torch.zeros(1)})
     assert [t.token_ids for t in run()] == [t.token_ids for t in before]  # a refused update changed nothing
+
+
+# ---- vLLM as its own process ---------------------------------------------------------------------
+def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, world, tmp_path):
+    """`vllm serve` in its own process: its sampling logprobs equal a transformers recompute, before and
+    after new weights are pushed from a checkpoint directory (a tied-embedding model: the lm_head too)."""
+    pytest.importorskip("vllm")
+    from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+
+    server = VLLMServer(model_dir, dtype="float32", max_model_len=2048, log_path=tmp_path / "server.log",
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
+    engine = VLLMServerEngine(server, tok, max_model_len=2048)
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=700, seed=4)
+        requests = [RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params,
+                                   max_tool_calls=2) for i in range(2)]
+
+        def worst_error(reference) -> tuple[list[list[int]], float]:
+            trajs = [t for g in engine.generate(requests, env) for t in g]
+            errors = [abs(t.logprobs[i] - float(w[i])) for t in trajs for w in [_reference_logprobs(reference, t, params)]
+                      for i, bit in enumerate(t.loss_mask) if bit]
+            assert errors and sum(t.n_policy_tokens for t in trajs) > 20
+            return [t.token_ids for t in trajs], max(errors)
+
+        before, error = worst_error(model)
+        assert error < 1e-4
+        other = init_tiny_model(model.config, seed=1)
+        assert model.config.tie_word_embeddings
+        other.save_pretrained(tmp_path / "step-000000")
+        engine.load_weights_from_dir(tmp_path / "step-000000")
+        assert engine.stats["update_weights_s"] > 0
+        after, error = worst_error(other)
+        assert after != before and error < 1e-4
+    finally:
+        engine.close()
+    assert server.proc.poll() is not None  # closed with the engine

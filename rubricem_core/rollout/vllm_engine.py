@@ -106,7 +106,8 @@ class TurnSample:
     logprobs: list[float]
 
 
-# Test hook: replaces vLLM for the turn loop (one TurnSample per TurnCall, in order). Never used in training.
+# Replaces the in-process vLLM for the turn loop (one TurnSample per TurnCall, in order): the vLLM
+# server engine (rubricem_core.rollout.vllm_server) and tests.
 TurnSampler = Callable[[list[TurnCall]], list[TurnSample]]
 
 
