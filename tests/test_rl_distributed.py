@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,3 +146,34 @@ def test_a_killed_trainer_rank_fails_the_rl_flow_and_the_rerun_resumes(sft_run, 
     rl(run_dir=run_dir, profile="tiny", overrides=overrides)
     assert rl_session.completed_step(run_dir) == 1
     assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
+
+
+# ---- the rl flow with vLLM as its own process --------------------------------------------------
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+# head_dim 64 (128 / 2 heads): a size every vLLM attention backend supports
+SERVER_FLOW = {**FLOW, "policy.hidden_size": 128, "policy.n_heads": 2, "policy.n_kv_heads": 1}
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefect_harness, monkeypatch):
+    from flows.collect_sft_data import collect_sft_data
+    from flows.rl import rl
+    from flows.sft import sft
+
+    run_dir = str(tmp_path_factory.mktemp("rl-server") / "run")
+    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    sft(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU build
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    rl(run_dir=run_dir, profile="tiny", overrides={
+        **SERVER_FLOW, "rl.backend": "deepspeed", "rl.zero_stage": 3, "distributed.nproc_per_node": 2,
+        "rollout.engine": "vllm_server", "rollout.server_python": str(VLLM_PYTHON)})
+    assert not rl_session._SESSIONS  # ranks and server ended with the flow run
+    rows = RunStore(run_dir).read_rows("rollouts")
+    assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
+    gaps = _gaps(run_dir)
+    # the server samples (step 1: after the push of step 0's checkpoint) with the trainer ranks' logprobs;
+    # that a push changes the server's weights exactly is tests/test_rollout_vllm.py's server test
+    assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), gaps
+    log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
+    assert "reload" in log.lower()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +220,7 @@ class RLSession:
     step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
     policy: Any  # LocalPolicy or RankPolicy
     tokenizer: Any
-    engine: Any  # HFRolloutEngine or VLLMRolloutEngine
+    engine: Any  # HFRolloutEngine, VLLMRolloutEngine or VLLMServerEngine
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
     # The engine's weights are those of the checkpoint after this step (-1: SFT).
     engine_step: int = -1
@@ -263,7 +264,21 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
             tokenizer = policy.tokenizer
             log.info("RL session at step %d: trainer %s (%d rank%s)", after_step, cfg.rl.backend,
                      cfg.distributed.world_size, "s" if cfg.distributed.world_size > 1 else "")
-            if cfg.rollout.engine == "vllm":
+            if cfg.rollout.engine == "vllm_server":
+                from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+
+                # its own process and devices; weights pushed from each step's checkpoint directory
+                server = VLLMServer(
+                    base, python=cfg.rollout.server_python or sys.executable, devices=cfg.rollout.devices,
+                    tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                    max_model_len=cfg.rollout.max_total_tokens, dtype=cfg.policy.dtype,
+                    startup_timeout_s=cfg.rollout.server_startup_timeout_s,
+                    log_path=RunStore(run_dir).state_dir / "vllm-server.log",
+                )
+                engine = VLLMServerEngine(server, tokenizer, max_model_len=cfg.rollout.max_total_tokens)
+                separate, engine_step = True, -1
+            elif cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 
                 # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
@@ -305,6 +320,9 @@ def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
 def _close_all() -> None:
     for session in _SESSIONS.values():
         session.policy.close()
+        close = getattr(session.engine, "close", None)  # an engine process of its own
+        if close is not None:
+            close()
     _SESSIONS.clear()
 
 
@@ -326,11 +344,15 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
                 raise RuntimeError(f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}")
             session.engine_step = step
             return
+        source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
+        if hasattr(session.engine, "load_weights_from_dir"):  # a server process reads the checkpoint itself
+            session.engine.load_weights_from_dir(source)
+            session.engine_step = step
+            return
         weights = session.policy.weights() if step == session.step else None
         if weights is not None:
             session.engine.update_weights(weights)
         else:
-            source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
             model, _ = load_policy(str(source), dtype=cfg.policy.dtype)
             session.engine.update_weights(model.state_dict())
         session.engine_step = step
