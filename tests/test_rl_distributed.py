@@ -177,3 +177,33 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), gaps
     log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
     assert "reload" in log.lower()
+
+
+def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
+    """Two "nodes" of 1 rank on this machine: node 0 is the rl flow (and its control store, bound on all
+    interfaces for other nodes), node 1 runs `rubricem ranks rl`; the rollouts equal a 1-process run's."""
+    import socket
+    import subprocess
+    import sys
+
+    from flows.rl import rl
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    shutil.copytree(sft_run, one)
+    shutil.copytree(sft_run, two)
+    rl(run_dir=one, profile="tiny", overrides=FLOW)
+    node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", two, "--node-rank", "1",
+                              "--wait-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        rl(run_dir=two, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2, "distributed.master_port": port,
+                                                   "distributed.master_addr": "127.0.0.1"})
+        out, _ = node1.communicate(timeout=120)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0 and "Traceback" not in out, out
+    a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+    assert _gaps(two) == pytest.approx(_gaps(one), abs=1e-6)
