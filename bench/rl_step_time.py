@@ -40,7 +40,7 @@ from rubricem_core.rl.update import ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
 from rubricem_core.training.config import TrainerConfig  # noqa: E402
-from rubricem_core.training.torch_trainer import TorchTrainer  # noqa: E402
+from rubricem_core.training import make_trainer  # noqa: E402
 from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 
 
@@ -67,6 +67,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512, help="per turn")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-per-batch", type=int, default=16384, help="update micro-batch token budget")
+    parser.add_argument("--backend", default="torch", choices=["torch", "deepspeed"], help="trainer backend")
+    parser.add_argument("--zero-stage", type=int, default=3, help="deepspeed: ZeRO stage")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="RL steps (rollouts, update, weight sync to the engine's own copy after each)")
+    parser.add_argument("--sft-steps", type=int, default=0, help="SFT steps on the first rollouts before RL")
     parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 64 tokens per turn")
     args = parser.parse_args()
     if args.quick:
@@ -92,43 +98,79 @@ def main() -> None:
         requests.append(RolloutRequest(q.query_id, encode_prompt(tokenizer, messages), n=args.group,
                                        sampling=sampling, max_tool_calls=4))
 
-    trainer = TorchTrainer(model, TrainerConfig(lr=1e-6, weight_decay=0.0, total_steps=2, precision=args.precision,
-                                                device=str(device)))
-    ref_model = copy.deepcopy(trainer.model).eval().requires_grad_(False)
-    engine = HFRolloutEngine(trainer.model, tokenizer)
+    # the reference and (with --steps > 1 or ZeRO-3) the engine's own copy, before ZeRO-3 partitions the model
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    separate = args.steps > 1 or (args.backend == "deepspeed" and args.zero_stage == 3)
+    engine_model = copy.deepcopy(model).eval().requires_grad_(False) if separate else None
+    trainer = make_trainer(model, TrainerConfig(
+        lr=1e-6, weight_decay=0.0, total_steps=args.steps + args.sft_steps + 1, precision=args.precision,
+        device=str(device), backend=args.backend, zero_stage=args.zero_stage,
+        gradient_checkpointing=args.gradient_checkpointing))
+    engine = HFRolloutEngine(engine_model if separate else trainer.model, tokenizer)
+    print(f"trainer: {args.backend}" + (f" ZeRO-{args.zero_stage}" if args.backend == "deepspeed" else "")
+          + (", gradient checkpointing" if args.gradient_checkpointing else "")
+          + (", engine with its own copy of the weights" if separate else ", engine shares the trainer's module"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    t0 = time.perf_counter()
-    trajs = [t for group in engine.generate(requests, env) for t in group]
-    rollout_s = time.perf_counter() - t0
-    generated = sum(t.n_policy_tokens for t in trajs)
-    total = sum(len(t) for t in trajs)
-    print(f"rollouts: {len(trajs)} trajectories, {generated} generated of {total} tokens in {rollout_s:.1f}s "
-          f"({generated / rollout_s:.0f} generated tok/s); finish: "
-          f"{sorted({t.finish_reason for t in trajs})}")
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
+    rollout_s = update_s = sft_s = sync_s = 0.0
+    generated = trained = sft_tokens = 0
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        trajs = [t for group in engine.generate(requests, env) for t in group]
+        rollout_s += time.perf_counter() - t0
+        generated += sum(t.n_policy_tokens for t in trajs)
+        total = sum(len(t) for t in trajs)
+        print(f"step {step} rollouts: {len(trajs)} trajectories, {sum(t.n_policy_tokens for t in trajs)} generated of "
+              f"{total} tokens; finish: {sorted({t.finish_reason for t in trajs})}")
+        if device.type == "cuda" and step == 0:
+            free, total_mem = torch.cuda.mem_get_info(device)
+            print(f"after rollouts: torch allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
+                  f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB; device free {free / 2**30:.1f} of "
+                  f"{total_mem / 2**30:.1f} GiB")
+        if step == 0 and args.sft_steps:
+            from rubricem_core.batching import bucket_batches, collate
+            from rubricem_core.logprobs import sft_loss
+
+            micro = [collate([trajs[i] for i in idx], tokenizer.pad_token_id)
+                     for idx in bucket_batches([len(t) for t in trajs], args.max_tokens_per_batch)]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.sft_steps):
+                trainer.step(micro, sft_loss, weights=[float(b.loss_mask.sum()) for b in micro])
+            sync()
+            sft_s += time.perf_counter() - t0
+            sft_tokens += args.sft_steps * total
+        rng = random.Random(step)
+        advs = [[rng.gauss(0.0, 1.0) * m for m in t.loss_mask] for t in trajs]
+        sync()
+        t0 = time.perf_counter()
+        metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id, args.max_tokens_per_batch,
+                                 temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.001)
+        sync()
+        update_s += time.perf_counter() - t0
+        trained += total
+        print(f"step {step} update: loss {metrics['loss']:.4f}, logprob gap mean {metrics['logprob_gap_mean']:.2e}")
+        if separate:
+            t0 = time.perf_counter()
+            engine.update_weights(trainer.state_dict_for_sync())  # gathered under ZeRO-3
+            sync()
+            sync_s += time.perf_counter() - t0
+
+    print(f"rollout_tokens_per_s: {generated / max(rollout_s, 1e-9):.0f} generated tok/s ({rollout_s:.1f} s)")
+    print(f"update_tokens_per_s: {trained / max(update_s, 1e-9):.0f} tok/s ({update_s:.1f} s)")
+    if args.sft_steps:
+        print(f"sft_tokens_per_s: {sft_tokens / max(sft_s, 1e-9):.0f} tok/s ({sft_s:.1f} s)")
+    if separate:
+        print(f"weight_sync_s: {sync_s / args.steps:.3f} s per sync")
     if device.type == "cuda":
-        free, total_mem = torch.cuda.mem_get_info(device)
-        print(f"after rollouts: torch allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
-              f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB; device free {free / 2**30:.1f} of {total_mem / 2**30:.1f} GiB")
-    rng = random.Random(0)
-    advs = [[rng.gauss(0.0, 1.0) * m for m in t.loss_mask] for t in trajs]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id, args.max_tokens_per_batch,
-                             temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.001)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    update_s = time.perf_counter() - t0
-    print(f"update: {total} tokens (old + ref logprobs, forward + backward, one step) in {update_s:.1f}s "
-          f"({total / update_s:.0f} tok/s); loss {metrics['loss']:.4f}, logprob gap mean "
-          f"{metrics['logprob_gap_mean']:.2e}")
-    if device.type == "cuda":
-        print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-    print(f"one RL step of {len(trajs)} trajectories: rollouts {rollout_s:.1f} s + update {update_s:.1f} s")
-    print(figure_line("rl_step", rollout_s + update_s, "s", "report", None))
+        print(f"peak_gpu_memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    print(f"{args.steps} RL step(s) of {len(trajs)} trajectories: rollouts {rollout_s:.1f} s + update {update_s:.1f} s")
+    print(figure_line("rl_step", (rollout_s + update_s) / args.steps, "s", "report", None))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check of issue #17: one run on a lent GPU answers what the CPU cannot, one figure per line
+# ("gpu_check: name=value unit"), in about 5 minutes on one H200 with no internet.
+#
+#   bash scripts/gpu_wheels.sh                      # here: DeepSpeed, pydantic, bm25s into .whl/
+#   device run, carry [".whl"], timeout_s 600:  bash scripts/gpu_check.sh
+#
+# 1. tests/test_devices.py (the engine, the trainer and the SS-GRPO update on CUDA vs CPU);
+# 2. a random-init Qwen3 of 0.49B parameters (head_dim 64; BPE tokenizer trained on the synthetic world)
+#    in bf16 on DeepSpeed ZeRO-3 with gradient checkpointing: 2 SFT steps and 2 RL steps (rollouts with the
+#    real local tools, SS-GRPO update, gathered weights synced into the engine's own copy): peak GPU memory,
+#    SFT / update / rollout tokens/s, weight-sync seconds;
+# 3. the memory plan for that model against the measured peak;
+# 4. vLLM: reported absent when the image has none (its CUDA wheel is too large to carry).
+# GPU_CHECK_SIZE=tiny runs the same steps on a small model (a dry run on a CPU machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/* >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+        --target /tmp/site .whl/* || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PY=${PYTHON:-python3}
+DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+$PY -c "import torch; print('gpu_check: device=' + (torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'cpu'))"
+
+echo "== 1. device tests"
+$PY -m pytest -q -p no:cacheprovider tests/test_devices.py 2>&1 | tail -3
+
+echo "== 2. SFT + RL steps, ZeRO-3, gradient checkpointing"
+POLICY=/tmp/gpu-check-policy
+rm -rf "$POLICY"
+$PY - "$POLICY" <<'PY'
+import os, sys
+from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
+from rubricem_core.scaffold import EXAMPLE_TRACE
+from rubricem_core.world import WorldConfig, generate_world
+
+world = generate_world(WorldConfig(seed=0, n_documents=400, n_queries=8))
+texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
+if os.environ.get("GPU_CHECK_SIZE") == "tiny":
+    spec = TinyPolicySpec(vocab_size=2048, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
+else:  # 0.49B: 24 layers of width 1280 (20 heads of 64, 4 KV heads), MLP 3840, tied embeddings
+    spec = TinyPolicySpec(vocab_size=8192, hidden_size=1280, n_layers=24, n_heads=20, n_kv_heads=4,
+                          intermediate_size=3840, max_position_embeddings=8192)
+print("policy:", build_tiny_policy(texts, sys.argv[1], spec))
+PY
+[ "${GPU_CHECK_SIZE:-}" = tiny ] && SHAPE=(--queries 2 --group 2 --max-new-tokens 64) \
+    || SHAPE=(--queries 8 --group 8 --max-new-tokens 512 --max-total-tokens 4096)
+DTYPE=(--dtype bfloat16 --precision bf16)
+[ "$DEVICE" = cpu ] && DTYPE=(--dtype float32 --precision fp32)
+$PY bench/rl_step_time.py --policy "$POLICY" --random-init --device "$DEVICE" "${DTYPE[@]}" "${SHAPE[@]}" \
+    --backend deepspeed --zero-stage 3 --gradient-checkpointing --steps 2 --sft-steps 2 2>&1 \
+    | grep -v -i "warn\|return func" | tee /tmp/gpu-check-rl.log \
+    | sed -E 's/^(rollout_tokens_per_s|update_tokens_per_s|sft_tokens_per_s|weight_sync_s|peak_gpu_memory): /gpu_check: \1=/'
+
+echo "== 3. the memory plan for this model (ZeRO-3 on 1 GPU, checkpointing, 16k-token micro-batches)"
+$PY - "$POLICY" <<'PY'
+import json, sys
+from rubricem_core.distributed.memory import ModelShape, TrainSetup, memory_plan
+
+shape = ModelShape.from_config(json.load(open(f"{sys.argv[1]}/config.json")))
+plan = memory_plan(shape, TrainSetup(n_gpus=1, micro_batch_tokens=16384, seq_len=4096))
+print(f"gpu_check: plan_params={shape.params}")
+print("gpu_check: plan_gib=" + json.dumps({k: round(v / 2**30, 2) for k, v in plan.as_dict().items()}))
+PY
+
+echo "== 4. vLLM"
+if $PY -c "import vllm" 2>/dev/null; then
+    $PY -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py 2>&1 | tail -3
+else
+    echo "gpu_check: vllm=absent (not in this image; its CUDA wheel, 326 MB, is over the device tool's 64 MiB a call)"
+fi
