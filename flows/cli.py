@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+
+STARTED = time.time()  # before the imports below: `rubricem ranks` counts launch files from here
 
 from rubricem_core.offline import apply_offline_defaults
 
@@ -76,7 +79,7 @@ def cmd_ranks(args: argparse.Namespace) -> int:
     from rubricem_core.distributed.nodes import join_launch
 
     try:
-        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s)
+        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s, started=STARTED)
     except (RankFailure, TimeoutError) as exc:
         print(f"rubricem: error: {exc}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 
 from flows.common import resolve_config
 from rubricem_core.config import RunConfig, flatten
+from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.store import RunStore
@@ -119,6 +120,8 @@ def rl(
         done = completed_step(run_dir)
         if done >= 0:
             log.info("resuming RL after step %d", done)
+        if done >= plans[-1].step and cfg.distributed.nnodes > 1:
+            announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
             if plan.step <= done:
                 continue  # its update is in the newest checkpoint

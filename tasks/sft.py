@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
+from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.distributed.sft_worker import launch_sft
 from rubricem_core.sft import prepare_policy, run_sft
 from rubricem_core.store import RunStore
@@ -49,6 +50,8 @@ def train_sft_task(
     final = root / "final"
     if (final / "config.json").exists():
         log.info("SFT already finished: %s (cached)", final)
+        if cfg.distributed.nnodes > 1:
+            announce_no_launch(run_dir, "sft", f"SFT already finished: {final}")
         return {"final_dir": str(final), "cached": True}
 
     def log_and_print(metrics: dict[str, float], step: int) -> None:

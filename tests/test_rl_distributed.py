@@ -207,3 +207,14 @@ def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
     a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
     assert _gaps(two) == pytest.approx(_gaps(one), abs=1e-6)
+
+    # a rerun has nothing to train: node 0 says so and node 1's command ends at once with 0
+    later = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", two, "--node-rank", "1",
+                              "--wait-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        rl(run_dir=two, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2, "distributed.master_port": port,
+                                                   "distributed.master_addr": "127.0.0.1"})
+        out, _ = later.communicate(timeout=120)
+    finally:
+        later.kill()
+    assert later.returncode == 0 and "nothing to train" in out, out

@@ -161,14 +161,27 @@ class RankGroup:
             pass
 
 
+def end_launch_file(path: Path) -> None:
+    """Mark a launch file as ended (its ranks have exited), so no node joins it later."""
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return
+    tmp = path.with_suffix(".ending")
+    tmp.write_text(json.dumps({**data, "ended": True}))
+    os.replace(tmp, path)
+
+
 def wait_for_launch_file(path: Path, newer_than: float, wait_s: float) -> dict:
-    """The launch file node 0's flow writes for this launch (one older than ``newer_than`` is a past
-    launch's); TimeoutError naming the file after ``wait_s`` seconds."""
+    """The launch file node 0's flow writes for a launch it is starting (one that has ended, or is older
+    than ``newer_than``, is a past launch's); TimeoutError naming the file after ``wait_s`` seconds."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             if path.stat().st_mtime >= newer_than:
-                return json.loads(path.read_text())
+                data = json.loads(path.read_text())
+                if not data.get("ended"):
+                    return data
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         if time.monotonic() > deadline:

@@ -4,10 +4,15 @@ On several nodes the flow runs on node 0 only (it alone writes Parquet and MLflo
 When its task starts the ranks it writes a launch file under ``<run_dir>/state/launch/`` (a file system
 every node sees); each other node waits for that file, then starts its own ``nproc_per_node`` ranks with
 the same torchrun rendezvous (``distributed.master_addr``/``master_port``) and node rank K. A node's
-command ends when the launch does, with torchrun's exit code.
+command ends when the launch does, with torchrun's exit code. When node 0 has nothing to train (SFT
+already finished, every RL step done) it writes a launch file that says so (``announce_no_launch``), and
+the other nodes' commands end with exit code 0 instead of waiting for a launch that never comes. A
+launch file is marked ended when its ranks exit, and one written more than a minute before the command
+started is ignored: both belong to past launches.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,16 +24,35 @@ LAUNCHES = {"sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
             "rl": ("rl.json", "rubricem_core.distributed.rl_ranks")}
 
 
-def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0) -> None:
-    """Start this node's ranks of node 0's next ``kind`` launch (sft or rl) and wait for them."""
+STALE_SLACK_S = 60.0  # a launch file written up to this long before the command started still counts
+
+
+def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0,
+                started: float | None = None) -> None:
+    """Start this node's ranks of node 0's next ``kind`` launch (sft or rl) and wait for them. A launch
+    file older than ``started`` (the command's start, default now) minus a minute is a past launch's."""
     if kind not in LAUNCHES:
         raise ValueError(f"unknown launch {kind!r}; expected one of {sorted(LAUNCHES)}")
     name, module = LAUNCHES[kind]
     path = Path(run_dir) / "state" / "launch" / name
-    spec = wait_for_launch_file(path, newer_than=time.time() - 1.0, wait_s=wait_s)
+    started = time.time() if started is None else started
+    spec = wait_for_launch_file(path, newer_than=started - STALE_SLACK_S, wait_s=wait_s)
+    if spec.get("nothing_to_do"):
+        print(f"node 0 has nothing to train for {kind} ({spec['nothing_to_do']}): no ranks started", flush=True)
+        return
     cfg = RunConfig.model_validate(spec["config"])
     if not 0 < node_rank < cfg.distributed.nnodes:
         raise ValueError(f"--node-rank {node_rank} must be in 1..{cfg.distributed.nnodes - 1} "
                          f"(distributed.nnodes={cfg.distributed.nnodes}; node 0 runs the flow)")
     run_ranks(launch_spec(cfg, node_rank=node_rank), module, ["--spec", str(path.resolve())],
               on_line=lambda line: print(line, flush=True), env=spec.get("env"))
+
+
+def announce_no_launch(run_dir: str, kind: str, why: str) -> None:
+    """Node 0: this run has no ``kind`` launch to join (written only when several nodes take part)."""
+    from rubricem_core.store import atomic_write_text
+
+    name, _ = LAUNCHES[kind]
+    path = Path(run_dir) / "state" / "launch" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"nothing_to_do": why}))

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
-from rubricem_core.distributed.launch import RankFailure, RankGroup
+from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
 from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
@@ -61,7 +61,7 @@ class RankPolicy:
         self._control = dist.TCPStore("0.0.0.0" if d.nnodes > 1 else "127.0.0.1", 0, is_master=True,
                                       wait_for_workers=False, timeout=timedelta(seconds=d.timeout_s))
         control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
-        spec_file = self._launch_dir / "rl.json"
+        spec_file = self._spec_file = self._launch_dir / "rl.json"
         control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
         atomic_write_text(spec_file, json.dumps({"config": cfg.model_dump(mode="json"),
                                                  "base": str(Path(base).resolve()), "env": control}))
@@ -70,6 +70,7 @@ class RankPolicy:
             self._call("ready")
         except BaseException:
             self._ranks.stop()
+            end_launch_file(spec_file)
             raise
 
     # ---- the channel --------------------------------------------------------------------------
@@ -124,6 +125,7 @@ class RankPolicy:
                 log.warning("trainer ranks did not stop cleanly: %s", exc)
             finally:
                 self._ranks.stop()
+        end_launch_file(self._spec_file)
 
 
 # ---- the ranks ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
-from rubricem_core.distributed.launch import emit_metrics, run_ranks
+from rubricem_core.distributed.launch import emit_metrics, end_launch_file, run_ranks
 from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
 from rubricem_core.store import RunStore, atomic_write_text
@@ -43,7 +43,10 @@ def launch_sft(
         "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
         "checkpoint_root": str(checkpoint_root.resolve()), "result": str(result_file.resolve()),
     }))
-    run_ranks(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], on_line=on_line, on_metrics=on_metrics)
+    try:
+        run_ranks(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], on_line=on_line, on_metrics=on_metrics)
+    finally:
+        end_launch_file(spec_file)
     if not result_file.exists():
         raise RuntimeError(f"the SFT ranks exited 0 but rank 0 wrote no result ({result_file})")
     return json.loads(result_file.read_text())
