@@ -179,12 +179,29 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     assert "reload" in log.lower()
 
 
+def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:
+    """The rl flow as node 0 here, `rubricem ranks rl --node-rank 1` as node 1 beside it: node 1's exit code
+    and output."""
+    import subprocess
+    import sys
+
+    from flows.rl import rl
+
+    node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", run_dir, "--node-rank",
+                              "1", "--wait-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        rl(run_dir=run_dir, profile="tiny", overrides={
+            **FLOW, "distributed.nnodes": 2, "distributed.master_port": port, "distributed.master_addr": "127.0.0.1"})
+        out, _ = node1.communicate(timeout=120)
+    finally:
+        node1.kill()
+    return node1.returncode, out
+
+
 def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
     """Two "nodes" of 1 rank on this machine: node 0 is the rl flow (and its control store, bound on all
     interfaces for other nodes), node 1 runs `rubricem ranks rl`; the rollouts equal a 1-process run's."""
     import socket
-    import subprocess
-    import sys
 
     from flows.rl import rl
 
@@ -195,26 +212,12 @@ def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
     shutil.copytree(sft_run, one)
     shutil.copytree(sft_run, two)
     rl(run_dir=one, profile="tiny", overrides=FLOW)
-    node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", two, "--node-rank", "1",
-                              "--wait-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        rl(run_dir=two, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2, "distributed.master_port": port,
-                                                   "distributed.master_addr": "127.0.0.1"})
-        out, _ = node1.communicate(timeout=120)
-    finally:
-        node1.kill()
-    assert node1.returncode == 0 and "Traceback" not in out, out
+    rc, out = _rl_on_two_nodes(two, port)
+    assert rc == 0 and "Traceback" not in out, out
     a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
     assert _gaps(two) == pytest.approx(_gaps(one), abs=1e-6)
 
-    # a rerun has nothing to train: node 0 says so and node 1's command ends at once with 0
-    later = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", two, "--node-rank", "1",
-                              "--wait-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        rl(run_dir=two, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2, "distributed.master_port": port,
-                                                   "distributed.master_addr": "127.0.0.1"})
-        out, _ = later.communicate(timeout=120)
-    finally:
-        later.kill()
-    assert later.returncode == 0 and "nothing to train" in out, out
+    # a rerun has nothing to train: node 0 says so and node 1's command ends with 0 (it ignores the ended launch)
+    rc, out = _rl_on_two_nodes(two, port)
+    assert rc == 0 and "nothing to train" in out, out
