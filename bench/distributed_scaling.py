@@ -4,7 +4,8 @@
    SFT steps and of SS-GRPO updates on the same global batches (a random-init Qwen3; report only).
 2. The memory plan (rubricem_core.distributed.memory) checked against a tiny model: its parameter count
    against the model's, and the activations the plan says a forward pass saves against the tensors
-   autograd really saved (with and without gradient checkpointing).
+   autograd really saved (with and without gradient checkpointing), and the weights + optimizer bytes per rank
+   against what DeepSpeed's ZeRO-1 and ZeRO-3 optimizers hold on 2 ranks.
 3. The plan for Qwen3-8B (data/models/qwen3-8b.json) on 8 × 80 GB: ZeRO-3, bf16, gradient checkpointing,
    16k-token micro-batches, the reference replicated and sharded. The figure: the gpu profile's rank 0
    (sharded reference, vLLM's 40% of the same GPU), which must fit (≤ 90% of a GPU).
@@ -75,6 +76,51 @@ def worker(out: str, steps: int, micro: int, seq: int) -> None:
     shutdown()
 
 
+def zero_worker(out: str, stage: int) -> None:
+    """Per-rank bytes of DeepSpeed's optimizer after one step: Adam moments and its flat fp32/param groups."""
+    from rubricem_core.distributed import is_main, shutdown
+    from rubricem_core.training import TrainerConfig, make_trainer
+
+    torch.set_num_threads(1)
+    trainer = make_trainer(tiny_model(), TrainerConfig(lr=1e-3, backend="deepspeed", zero_stage=stage, total_steps=3))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64))
+    trainer.step([ids, ids], lambda m, b: (m(input_ids=b).logits.float().mean(), {}))
+    opt = trainer.engine.optimizer
+
+    def nbytes(obj, seen: dict[int, int]) -> dict[int, int]:
+        if isinstance(obj, torch.Tensor) and obj.numel() > 1:
+            seen.setdefault(obj.data_ptr(), obj.numel() * obj.element_size())
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                nbytes(v, seen)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                nbytes(v, seen)
+        return seen
+
+    adam = sum(nbytes(list(opt.optimizer.state.values()), {}).values())
+    flat = {}
+    for name in ("bit16_groups_flat", "single_partition_of_fp32_groups",  # ZeRO-1/2: all weights, master partition
+                 "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat"):  # ZeRO-3: both partitions
+        if hasattr(opt, name):
+            nbytes(getattr(opt, name), flat)
+    if is_main():
+        Path(out).write_text(json.dumps({"adam": adam, "flat": sum(flat.values())}))
+    shutdown()
+
+
+def zero_check(stage: int) -> dict[str, int]:
+    import tempfile
+
+    from rubricem_core.distributed.launch import LaunchSpec, run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "zero.json"
+        run_ranks(LaunchSpec(nproc_per_node=2), str(Path(__file__).resolve()), ["--zero-worker", str(out),
+                                                                                "--stage", str(stage)])
+        return json.loads(out.read_text())
+
+
 def throughput(ranks: int, steps: int, micro: int, seq: int) -> dict[str, float]:
     import tempfile
 
@@ -117,12 +163,16 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu-gib", type=float, default=80.0)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--zero-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--micro", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, default=512, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.micro, args.seq)
+    if args.zero_worker:
+        return zero_worker(args.zero_worker, args.stage)
 
     steps, micro, seq = (2, 4, 256) if args.quick else (4, 8, 512)
     print("1. data-parallel throughput (gloo, one thread per rank; the same global batches)")
@@ -145,6 +195,14 @@ def main() -> None:
         ratios.append(measured / plan)
         print(f"   saved activations, checkpointing {'on ' if gc else 'off'}: plan {plan / 2**20:7.1f} MiB  "
               f"measured {measured / 2**20:7.1f} MiB  (measured/plan {measured / plan:.3f})")
+    for stage in (1, 3):
+        got = zero_check(stage)
+        plan = memory_plan(shape, TrainSetup(n_gpus=2, zero_stage=stage, precision="fp32"))
+        planned = plan.weights + plan.optimizer  # what DeepSpeed's optimizer holds: weights, master, moments
+        ratios.append((got["adam"] + got["flat"]) / planned)
+        print(f"   ZeRO-{stage} on 2 ranks, per rank: plan weights+optimizer {planned / 2**20:6.2f} MiB  measured "
+              f"{(got['adam'] + got['flat']) / 2**20:6.2f} MiB (Adam moments {got['adam'] / 2**20:.2f}, flat groups "
+              f"{got['flat'] / 2**20:.2f})")
 
     print(f"3. Qwen3-8B on {args.gpus} x {args.gpu_gib:.0f} GiB (ZeRO-3, bf16, checkpointing, 16k-token micro-batches)")
     qwen = ModelShape.from_config(json.loads((REPO_ROOT / "data" / "models" / "qwen3-8b.json").read_text()))

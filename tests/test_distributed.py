@@ -131,7 +131,10 @@ def test_memory_plan_partitions_like_zero_by_hand():
     z3 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=3, reference="sharded", micro_batch_tokens=4, seq_len=4))
     assert (z3.weights, z3.gradients, z3.optimizer, z3.reference) == (2 * p // 4, 2 * p // 4, 12 * p // 4, 2 * p // 4)
     z1 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=1, precision="fp32", micro_batch_tokens=4, seq_len=4))
-    assert (z1.weights, z1.gradients, z1.optimizer, z1.reference) == (4 * p, 4 * p, 8 * p // 4, 4 * p)
+    # ZeRO keeps an fp32 master partition even when training in fp32
+    assert (z1.weights, z1.gradients, z1.optimizer, z1.reference) == (4 * p, 4 * p, 12 * p // 4, 4 * p)
+    z0 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=0, precision="fp32", micro_batch_tokens=4, seq_len=4))
+    assert z0.optimizer == 8 * p  # plain AdamW: two moments, no master copy
     off = memory_plan(shape, TrainSetup(n_gpus=4, offload=True, offload_params=True, reference="cpu",
                                         micro_batch_tokens=4, seq_len=4))
     assert off.weights == off.optimizer == off.reference == 0 and off.gradients == 2 * p // 4

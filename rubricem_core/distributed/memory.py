@@ -6,7 +6,7 @@ reference model and the rollout engine's share.
 
 The model's parameters come from its shape (a Llama/Qwen decoder: embeddings, attention with grouped
 KV heads, a gated MLP, RMS norms). The ZeRO terms are DeepSpeed's partitioning: stage ≥ 1 splits the
-optimizer state (fp32 Adam moments, plus fp32 master weights when training in bf16) over the ranks,
+optimizer state (fp32 Adam moments and fp32 master weights, which ZeRO keeps even in fp32) over the ranks,
 stage ≥ 2 the gradients, stage 3 the weights; offload moves the optimizer state (and at ZeRO-3 the
 weights) to host memory. Activations are the tensors autograd keeps for the backward pass of one
 micro-batch (``saved_activation_bytes``, which bench/distributed_scaling.py checks against the tensors
@@ -139,7 +139,10 @@ def memory_plan(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     w = BYTES[setup.precision]
     weights = 0 if setup.offload_params else p * w // (n if stage == 3 else 1)
     gradients = p * w // (n if stage >= 2 else 1)
-    adam = p * (4 + 4 + (4 if setup.precision == "bf16" else 0))  # two moments (+ fp32 master weights)
+    # two fp32 Adam moments, plus the fp32 master partition ZeRO keeps even when training in fp32
+    # (bench/distributed_scaling.py measures both in DeepSpeed's optimizer on 2 ranks)
+    master = 4 if (setup.precision == "bf16" or stage >= 1) else 0
+    adam = p * (4 + 4 + master)
     optimizer = 0 if setup.offload else adam // (n if stage >= 1 else 1)
     activations = activation_bytes(shape, setup.micro_batch_tokens, w, setup.gradient_checkpointing, setup.seq_len)
     reference = {"replicated": p * w, "sharded": p * w // n, "cpu": 0, "none": 0}[setup.reference]
