@@ -76,11 +76,11 @@ def _wait_all(*futures: Any) -> None:
 
 @contextmanager
 def _ranks_end_with_flow(cfg: RunConfig) -> Iterator[None]:
-    """Trainer ranks live for one flow run: stopped when it ends, however it ends."""
+    """Trainer ranks and a vLLM server live for one flow run: stopped when it ends, however it ends."""
     try:
         yield
     finally:
-        if cfg.distributed.world_size > 1:
+        if cfg.distributed.world_size > 1 or cfg.rollout.engine == "vllm_server":
             drop_sessions()
 
 

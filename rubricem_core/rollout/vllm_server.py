@@ -18,6 +18,7 @@ side directory of links to the checkpoint's files plus ``lm_head.safetensors``.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -88,6 +89,7 @@ class VLLMServer:
                                      env=full_env, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
         self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s)
         self._side_dir: Path | None = None
         try:
@@ -195,6 +197,7 @@ class VLLMServer:
         return side
 
     def close(self) -> None:
+        """Stop the server (idempotent)."""
         self.http.close()
         if self.proc.poll() is None:
             try:
