@@ -219,7 +219,8 @@ class RolloutConfig(_Strict):
     engine: Literal["hf", "vllm", "vllm_server"] = Field(
         default="hf",
         description="hf: transformers engine; vllm: vLLM's offline engine in the flow process; vllm_server: "
-        "`vllm serve` as its own process on rollout.devices, weights pushed from each step's checkpoint.",
+        "`vllm serve` as its own process on rollout.devices, weights pushed from each step's checkpoint (RL only: "
+        "evaluation then samples with the transformers engine).",
     )
     group_size: int = Field(default=4, ge=2, description="Rollouts per query (the GRPO group).")
     temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
