@@ -53,6 +53,20 @@ def test_torchrun_commands_for_one_node_and_several():
         torchrun_command(LaunchSpec(8, nnodes=2), "m", [])
 
 
+def test_the_launch_follows_the_distributed_section():
+    from rubricem_core.config import load_config
+    from rubricem_core.distributed.launch import rank_environment
+    from rubricem_core.distributed.spec import launch_spec
+
+    cfg = load_config("tiny", {"distributed.nproc_per_node": 4, "distributed.nnodes": 2, "distributed.master_port": 29500,
+                               "distributed.train_devices": [4, 5, 6, 7], "distributed.timeout_s": 120})
+    spec = launch_spec(cfg, node_rank=1)
+    assert (spec.world_size, spec.node_rank, spec.master_port, spec.devices) == (8, 1, 29500, (4, 5, 6, 7))
+    assert spec.master_addr  # node 0's own name when not given
+    env = rank_environment(spec, base={})
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["RUBRICEM_COLLECTIVE_TIMEOUT_S"] == "120.0"
+
+
 def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(

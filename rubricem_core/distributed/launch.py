@@ -45,6 +45,7 @@ class LaunchSpec:
     rdzv_backend: str = "static"  # static: node_rank 0 holds ranks 0..nproc-1; c10d: elastic rendezvous
     rdzv_id: str = "rubricem"
     devices: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES of the ranks (None: inherited)
+    timeout_s: float = 1800.0  # how long a collective may wait for a slow rank
 
     @property
     def world_size(self) -> int:
@@ -76,6 +77,7 @@ def rank_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> di
     if spec.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a warning
+    env["RUBRICEM_COLLECTIVE_TIMEOUT_S"] = str(spec.timeout_s)  # read by ranks.init_process_group
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     return env
 

@@ -56,11 +56,17 @@ def shutdown() -> None:
     os._exit(0)
 
 
-def init_process_group(timeout_s: float = 1800.0) -> None:
+TIMEOUT_ENV = "RUBRICEM_COLLECTIVE_TIMEOUT_S"  # distributed.timeout_s, passed to the ranks by the launcher
+
+
+def init_process_group(timeout_s: float | None = None) -> None:
     """Start the default process group when a launcher asked for more than one rank (NCCL on GPUs,
-    gloo on CPUs); nothing in one process or when it is already up (DeepSpeed starts its own)."""
+    gloo on CPUs), with the run's collective timeout (``distributed.timeout_s``, 1800 s by default);
+    nothing in one process or when it is already up. Both trainers call it, so DeepSpeed adopts it."""
     if _up() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "1800"))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank())

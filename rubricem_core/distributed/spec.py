@@ -30,7 +30,7 @@ def launch_spec(cfg: RunConfig, node_rank: int | None = None) -> LaunchSpec:
     return LaunchSpec(
         nproc_per_node=d.nproc_per_node, nnodes=d.nnodes, node_rank=d.node_rank if node_rank is None else node_rank,
         master_addr=d.master_addr or "127.0.0.1", master_port=d.master_port, rdzv_backend=d.rdzv_backend,
-        devices=tuple(d.train_devices) if d.train_devices is not None else None,
+        devices=tuple(d.train_devices) if d.train_devices is not None else None, timeout_s=d.timeout_s,
     )
 
 

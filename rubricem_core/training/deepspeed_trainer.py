@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from rubricem_core.distributed.ranks import init_process_group
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -155,6 +156,7 @@ class DeepSpeedTrainer:
     def __init__(self, model: nn.Module, cfg: TrainerConfig) -> None:
         self.cfg = cfg
         self._ds = import_deepspeed()
+        init_process_group()  # under a launcher: the run's backend and collective timeout, which DeepSpeed adopts
         seed_everything(cfg.seed)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
