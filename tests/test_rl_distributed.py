@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rubricem_core.config import load_config
+from rubricem_core.distributed.launch import free_port
 from rubricem_core.rl import session as rl_session
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
@@ -201,13 +202,9 @@ def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:
 def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
     """Two "nodes" of 1 rank on this machine: node 0 is the rl flow (and its control store, bound on all
     interfaces for other nodes), node 1 runs `rubricem ranks rl`; the rollouts equal a 1-process run's."""
-    import socket
-
     from flows.rl import rl
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     shutil.copytree(sft_run, one)
     shutil.copytree(sft_run, two)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rubricem_core.config import load_config
+from rubricem_core.distributed.launch import free_port
 from rubricem_core.sft import run_sft
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
@@ -60,15 +61,12 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
 def test_sft_on_two_nodes_joined_by_the_ranks_command(collected_run, tmp_path):
     """Two "nodes" on this machine (1 rank each, static rendezvous): node 0 is the flow, node 1 runs
     `rubricem ranks sft`; the weights are those of one rank on the same batches."""
-    import socket
     import subprocess
     import sys
 
     from flows.sft import sft
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run_dir = tmp_path / "run"
     shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
     node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "sft", "--run-dir", str(run_dir),

@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -151,27 +152,40 @@ class RankGroup:
 
     def stop(self) -> None:
         """Terminate torchrun and its ranks (their own process group), then kill what is left."""
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_process_group(self.proc)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM a child started with ``start_new_session=True`` and everything it started, SIGKILL what
+    is left after ``grace_s`` (idempotent)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def end_launch_file(path: Path) -> None:
     """Mark a launch file as ended (its ranks have exited), so no node joins it later."""
+    from rubricem_core.store import atomic_write_text
+
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return
-    tmp = path.with_suffix(".ending")
-    tmp.write_text(json.dumps({**data, "ended": True}))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({**data, "ended": True}))
 
 
 def wait_for_launch_file(path: Path, newer_than: float, wait_s: float) -> dict:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
-from rubricem_core.distributed.spec import launch_spec
+from rubricem_core.distributed.spec import launch_path, launch_spec
 
 LAUNCHES = {"sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
             "rl": ("rl.json", "rubricem_core.distributed.rl_ranks")}
@@ -34,7 +33,7 @@ def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0,
     if kind not in LAUNCHES:
         raise ValueError(f"unknown launch {kind!r}; expected one of {sorted(LAUNCHES)}")
     name, module = LAUNCHES[kind]
-    path = Path(run_dir) / "state" / "launch" / name
+    path = launch_path(run_dir, name)
     started = time.time() if started is None else started
     spec = wait_for_launch_file(path, newer_than=started - STALE_SLACK_S, wait_s=wait_s)
     if spec.get("nothing_to_do"):
@@ -52,7 +51,4 @@ def announce_no_launch(run_dir: str, kind: str, why: str) -> None:
     """Node 0: this run has no ``kind`` launch to join (written only when several nodes take part)."""
     from rubricem_core.store import atomic_write_text
 
-    name, _ = LAUNCHES[kind]
-    path = Path(run_dir) / "state" / "launch" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"nothing_to_do": why}))
+    atomic_write_text(launch_path(run_dir, LAUNCHES[kind][0]), json.dumps({"nothing_to_do": why}))

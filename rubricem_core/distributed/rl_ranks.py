@@ -33,9 +33,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
 from rubricem_core.distributed.ranks import is_main, shutdown
-from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
+from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
-from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.store import atomic_write_text
 from rubricem_core.trajectory import TokenTrajectory
 
 MODULE = "rubricem_core.distributed.rl_ranks"
@@ -55,13 +55,12 @@ class RankPolicy:
         self.on_line: Callable[[str], None] = log.info
         self._lock = threading.Lock()
         self._seq = 0
-        self._launch_dir = RunStore(run_dir).state_dir / "launch"
-        self._launch_dir.mkdir(parents=True, exist_ok=True)
+        self._run_dir = run_dir
         # the ranks of every node connect to this store; on one node over loopback
         self._control = dist.TCPStore("0.0.0.0" if d.nnodes > 1 else "127.0.0.1", 0, is_master=True,
                                       wait_for_workers=False, timeout=timedelta(seconds=d.timeout_s))
         control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
-        spec_file = self._spec_file = self._launch_dir / "rl.json"
+        spec_file = self._spec_file = launch_path(run_dir, "rl.json")
         control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
         atomic_write_text(spec_file, json.dumps({"config": cfg.model_dump(mode="json"),
                                                  "base": str(Path(base).resolve()), "env": control}))
@@ -100,7 +99,7 @@ class RankPolicy:
         self.on_line = on_line
 
     def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: Any) -> dict[str, float]:
-        payload = self._launch_dir / "rl-update.pt"
+        payload = launch_path(self._run_dir, "rl-update.pt")
         tmp = payload.with_suffix(".tmp")
         arrays = [{k: getattr(t, k) for k in TOKEN_ARRAYS} for t in trajectories]
         torch.save({"trajectories": arrays, "token_advs": token_advs}, tmp)

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import emit_metrics, end_launch_file, run_ranks
 from rubricem_core.distributed.ranks import is_main, shutdown
-from rubricem_core.distributed.spec import launch_spec, resolve_master, start_rank
+from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.store import RunStore, atomic_write_text
 
 MODULE = "rubricem_core.distributed.sft_worker"
@@ -33,9 +33,7 @@ def launch_sft(
     on_metrics: Callable[[dict[str, float], int], None] | None,
 ) -> dict[str, Any]:
     """Run SFT on ``cfg.distributed``'s ranks; returns run_sft's result (rank 0's)."""
-    launch_dir = RunStore(run_dir).state_dir / "launch"
-    launch_dir.mkdir(parents=True, exist_ok=True)
-    spec_file, result_file = launch_dir / "sft.json", launch_dir / "sft-result.json"
+    spec_file, result_file = launch_path(run_dir, "sft.json"), launch_path(run_dir, "sft-result.json")
     result_file.unlink(missing_ok=True)  # a result is only ever this launch's
     cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
     atomic_write_text(spec_file, json.dumps({

@@ -14,6 +14,14 @@ from rubricem_core.distributed.launch import LaunchSpec
 from rubricem_core.distributed.ranks import is_main, rank
 
 
+def launch_path(run_dir: str | Path, name: str) -> Path:
+    """A file of the launches under ``<run_dir>/state/launch/`` (``sft.json``, ``rl.json``, payloads), its
+    folder created: node 0 writes there and the other nodes read it, so it sits on the shared run dir."""
+    folder = Path(run_dir) / "state" / "launch"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
 def resolve_master(cfg: RunConfig) -> RunConfig:
     """The config with ``distributed.master_addr`` filled in: as given, else node 0's own host name
     (its FQDN, which pods of a Kubernetes Indexed Job with a subdomain resolve) on several nodes, else

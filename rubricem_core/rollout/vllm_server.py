@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -34,16 +33,11 @@ from typing import Any, Sequence
 
 import httpx
 
+from rubricem_core.distributed.launch import free_port, stop_process_group
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample, VLLMRolloutEngine
 
 SERVED_NAME = "policy"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:
@@ -67,7 +61,7 @@ class VLLMServer:
         max_concurrency: int = 64,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.max_concurrency = max_concurrency
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
@@ -199,15 +193,7 @@ class VLLMServer:
     def close(self) -> None:
         """Stop the server (idempotent)."""
         self.http.close()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 15)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+        stop_process_group(self.proc)
         if self._side_dir is not None:
             shutil.rmtree(self._side_dir, ignore_errors=True)
 

@@ -30,7 +30,6 @@ import copy
 import math
 import os
 import shutil
-import socket
 import time
 from dataclasses import asdict
 from functools import partial
@@ -40,6 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from rubricem_core.distributed.launch import free_port
 from rubricem_core.distributed.ranks import init_process_group
 from rubricem_core.training.checkpoint import (
     CheckpointError,
@@ -72,12 +72,6 @@ DS_TAG = "state"
 _DEFAULT_BUCKET = int(5e8)  # DeepSpeed's default bucket size (elements)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")  # mpirun/srun: DeepSpeed discovers ranks
 
 
@@ -88,7 +82,7 @@ def prepare_environment() -> None:
         for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(key, value)
         if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
