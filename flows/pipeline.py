@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow
 
 from flows.collect_sft_data import collect_sft_data
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
@@ -20,6 +20,7 @@ from tasks.rl import drop_sessions
 
 
 @flow(name="pipeline")
+@writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -27,7 +28,7 @@ def pipeline(
     config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Run every built stage in order on one run directory."""
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="pipeline")
     collected = collect_sft_data(run_dir=run_dir, config=cfg)
     tuned = sft(run_dir=run_dir, config=cfg)
     trained = rl(run_dir=run_dir, config=cfg)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.recipes import get_recipe
@@ -26,7 +26,8 @@ from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
 from tasks.rl import (
-    completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint, update_task,
+    completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint,
+    step_metrics, step_metrics_logged, update_task,
 )
 
 
@@ -39,7 +40,7 @@ def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | N
     pending = previous if reflecting and previous is not None and previous.phase == "new" else None
     parts: list[dict] = []
     if pending is not None and not RunStore(run_dir).has("reflections", {"step": pending.step}):
-        parts.append(reflect_task(run_dir, cfg, pending))  # a resumed run: the previous step's reflections
+        reflect_task(run_dir, cfg, pending)  # the previous step's reflections (its metrics are that step's)
     if pending is not None and deferred:
         rollout_future = rollout_task.submit(run_dir, cfg, plan)
         update_future = reflection_update_task.submit(run_dir, cfg, pending, plan.step)
@@ -84,6 +85,16 @@ def _ranks_end_with_flow(cfg: RunConfig) -> Iterator[None]:
             drop_sessions()
 
 
+def _finish_done_step(run_dir: str, cfg: RunConfig, plan: StepPlan, child: Any) -> None:
+    """A step a killed run checkpointed but did not finish: its reflections (written alongside the
+    update) and its metrics, from the tasks' saved metrics."""
+    store = RunStore(run_dir)
+    if reflection_on(cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
+        reflect_task(run_dir, cfg, plan)
+    if child is not None and not step_metrics_logged(store, "rl", plan.step):
+        child.log_metrics(step_metrics(store, plan.step), step=plan.step)
+
+
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
     reflecting = get_recipe(cfg.rl.recipe).reflection
@@ -92,6 +103,7 @@ def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
 
 
 @flow(name="rl")
+@writes_run_dir
 def rl(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -107,7 +119,7 @@ def rl(
         config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="rl")
     plans = rl_plans(run_dir, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
@@ -123,8 +135,9 @@ def rl(
         if done >= plans[-1].step and cfg.distributed.nnodes > 1:
             announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
-            if plan.step <= done:
-                continue  # its update is in the newest checkpoint
+            if plan.step <= done:  # its update is in the newest checkpoint
+                _finish_done_step(run_dir, cfg, plan, child)
+                continue
             metrics = rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)

@@ -6,13 +6,14 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config
+from flows.common import resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.tracking import Tracker
 from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
 
 
 @flow(name="sft")
+@writes_run_dir
 def sft(
     run_dir: str = "runs/tiny",
     profile: str = "tiny",
@@ -28,7 +29,7 @@ def sft(
         config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config)
+    cfg = resolve_config(run_dir, profile, overrides, config, command="sft")
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed})
     with (tracker.child_run("sft", params=params) if tracker else nullcontext()) as child:

@@ -210,6 +210,11 @@ class JudgeConfig(EndpointConfig):
     max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per judge call.")
     max_new_rubrics_per_stage: int = Field(default=3, ge=0, description="Adaptive rubrics generated per stage per step.")
     cap_per_stage: int = Field(default=5, ge=1, description="Active adaptive rubrics kept per stage.")
+    min_judged_fraction: float = Field(
+        default=0.5, ge=0, le=1,
+        description="A step fails (no update, no checkpoint; a rerun re-judges it) when fewer of its rollouts "
+        "than this share were judged; with 0 only a step where every judgment failed.",
+    )
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
     )

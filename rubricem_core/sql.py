@@ -5,6 +5,12 @@ keep queries from touching the run: statements are parsed and only SELECT-like o
 connection itself is locked down (no file access except reading exactly those Parquet files, no
 extension installs, configuration frozen), so even a statement that slipped past the parser check
 could not write a file.
+
+A table whose Parquet files are unreadable (a truncated footer, a foreign file) does not take the
+other tables down with it: ``run_sql`` replaces its view with one that raises naming the damaged
+files, so queries of that table fail with a RunSqlError while every other table, and ``SHOW
+TABLES``, still work. ``open_run_db`` raises on such a table by default (``strict``), so callers
+that would read a missing view as "no data" (the report) fail loudly instead.
 """
 from __future__ import annotations
 
@@ -74,48 +80,112 @@ def table_names(run_dir: str | os.PathLike[str]) -> list[str]:
     return list(_table_files(_require_run_dir(run_dir)))
 
 
-def _check_footer(path: Path) -> None:
+def _footer_problem(path: Path) -> str | None:
     try:
-        pq.read_metadata(path)
+        pq.read_metadata(path)  # cheap: the footer only, no data pages
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for truncated or foreign files
-        raise RunSqlError(f"corrupt or truncated Parquet file {path}: {exc}") from exc
+        return f"corrupt or truncated Parquet file {path}: {exc}"
+    return None
 
 
 def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def open_run_db(run_dir: str | os.PathLike[str], lock: bool = True) -> duckdb.DuckDBPyConnection:
+def _create_view(con: duckdb.DuckDBPyConnection, root: Path, name: str, files: list[Path]) -> str | None:
+    """Create the table's view; the reason it cannot be created, or None."""
+    file_list = "[" + ", ".join(_sql_string(str(p)) for p in files) + "]"
+    try:
+        con.execute(
+            f'CREATE VIEW "{name}" AS SELECT * FROM read_parquet({file_list}, '
+            "union_by_name = true, hive_partitioning = false)"
+        )
+    except duckdb.Error as exc:
+        return f"cannot read {root / 'tables' / name}: {exc}"
+    return None
+
+
+def _table_problem(con: duckdb.DuckDBPyConnection, root: Path, name: str, files: list[Path]) -> str | None:
+    """Create the view of one table; None when it worked, else why not (every damaged file named)."""
+    corrupt = [problem for problem in map(_footer_problem, files) if problem is not None]
+    if corrupt:
+        return "; ".join(corrupt)
+    return _create_view(con, root, name, files)
+
+
+def _create_placeholder(con: duckdb.DuckDBPyConnection, name: str, message: str) -> None:
+    # The name stays listed (SHOW TABLES) and any read raises the message. error() sits in a filter,
+    # not a projected column, so the optimizer cannot drop it (count(*) would otherwise succeed).
+    con.execute(f'CREATE VIEW "{name}" AS SELECT NULL AS unreadable WHERE error({_sql_string(message)}) IS NULL')
+
+
+def _lock(con: duckdb.DuckDBPyConnection, allowed: list[str]) -> None:
+    allowed_list = "[" + ", ".join(_sql_string(p) for p in allowed) + "]"
+    con.execute(f"SET allowed_paths = {allowed_list}")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET lock_configuration = true")
+
+
+def _open_views(
+    run_dir: str | os.PathLike[str], lock: bool, strict: bool
+) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    """The connection and, per unreadable table, the message naming its damaged files."""
+    root = _require_run_dir(run_dir)
+    con = duckdb.connect(":memory:")
+    allowed: list[str] = []
+    broken: dict[str, str] = {}
+    try:
+        for name, files in _table_files(root).items():
+            problem = _table_problem(con, root, name, files)
+            if problem is None:
+                allowed.extend(str(p) for p in files)
+                continue
+            message = f"table {name!r} is unreadable: {problem}"
+            if strict:
+                raise RunSqlError(message)
+            broken[name] = message
+            _create_placeholder(con, name, message)
+        if lock:
+            _lock(con, allowed)  # a broken table's files are not allowed: its placeholder reads none
+    except BaseException:
+        con.close()
+        raise
+    return con, broken
+
+
+def open_run_db(run_dir: str | os.PathLike[str], lock: bool = True, strict: bool = True) -> duckdb.DuckDBPyConnection:
     """In-memory DuckDB with one view per table of the run; locked to read-only file access by default.
 
     The views list the files present when the connection is opened (a snapshot), because the
-    lock allows reading exactly those paths and nothing else.
+    lock allows reading exactly those paths and nothing else. A table with an unreadable Parquet
+    file raises RunSqlError naming it (``strict``), or else gets a view that raises when read.
     """
-    root = _require_run_dir(run_dir)
-    tables = _table_files(root)
-    con = duckdb.connect(":memory:")
-    allowed: list[str] = []
-    for name, files in tables.items():
-        for path in files:
-            _check_footer(path)
-        file_list = "[" + ", ".join(_sql_string(str(p)) for p in files) + "]"
-        try:
-            con.execute(
-                f'CREATE VIEW "{name}" AS SELECT * FROM read_parquet({file_list}, '
-                "union_by_name = true, hive_partitioning = false)"
-            )
-        except duckdb.Error as exc:
-            con.close()
-            raise RunSqlError(f"cannot read table {name!r} from {root / 'tables' / name}: {exc}") from exc
-        allowed.extend(str(p) for p in files)
-    if lock:
-        allowed_list = "[" + ", ".join(_sql_string(p) for p in allowed) + "]"
-        con.execute(f"SET allowed_paths = {allowed_list}")
-        con.execute("SET enable_external_access = false")
-        con.execute("SET autoinstall_known_extensions = false")
-        con.execute("SET autoload_known_extensions = false")
-        con.execute("SET lock_configuration = true")
-    return con
+    return _open_views(run_dir, lock, strict)[0]
+
+
+def _referenced_tables(query: str) -> set[str]:
+    try:
+        names = duckdb.get_table_names(query)
+    except duckdb.Error:  # some statements (PIVOT) cannot be analysed; _query_error covers them
+        return set()
+    return {n.lower() for n in names}  # identifiers are case-insensitive; table names are lower case
+
+
+def _refuse_broken(query: str, broken: dict[str, str]) -> None:
+    # Checked before running: DESCRIBE and EXPLAIN of a placeholder would not raise on their own.
+    hit = sorted(_referenced_tables(query) & broken.keys()) if broken else []
+    if hit:
+        raise RunSqlError("; ".join(broken[name] for name in hit))
+
+
+def _query_error(exc: duckdb.Error, query: str, broken: dict[str, str]) -> RunSqlError:
+    """A failed query; when it mentions an unreadable table, that table's damage is the reason."""
+    hit = [name for name in sorted(broken) if re.search(rf"\b{name}\b", query, re.IGNORECASE)]
+    if hit:
+        return RunSqlError("; ".join(broken[name] for name in hit) + f" (query failed: {exc})")
+    return RunSqlError(f"query failed: {exc}")  # duckdb names the Parquet file when a data page is corrupt
 
 
 # ---- statement checks ----------------------------------------------------------------------
@@ -241,20 +311,21 @@ def _render_table(
     return text
 
 
-def _execute(con: duckdb.DuckDBPyConnection, query: str) -> duckdb.DuckDBPyRelation | None:
+def _execute(con: duckdb.DuckDBPyConnection, query: str, broken: dict[str, str]) -> duckdb.DuckDBPyRelation | None:
+    _refuse_broken(query, broken)
     try:
         return con.sql(query)
-    except duckdb.Error as exc:  # duckdb names the Parquet file when a data page is corrupt
-        raise RunSqlError(f"query failed: {exc}") from exc
+    except duckdb.Error as exc:
+        raise _query_error(exc, query, broken) from exc
 
 
-def _fetch(relation: duckdb.DuckDBPyRelation, limit: int | None) -> pa.Table:
+def _fetch(relation: duckdb.DuckDBPyRelation, limit: int | None, query: str, broken: dict[str, str]) -> pa.Table:
     try:
         if limit is None:
             return relation.to_arrow_table()
         return relation.limit(limit).to_arrow_table()
-    except duckdb.Error as exc:
-        raise RunSqlError(f"query failed: {exc}") from exc
+    except duckdb.Error as exc:  # relations are lazy: most read errors surface here
+        raise _query_error(exc, query, broken) from exc
 
 
 def run_sql(
@@ -274,21 +345,21 @@ def run_sql(
     queries = read_only_statements(sql)
     if fmt != "table" and len(queries) != 1:
         raise RunSqlError(f"{fmt} output needs exactly one statement, got {len(queries)}")
-    con = open_run_db(run_dir)
+    con, broken = _open_views(run_dir, lock=True, strict=False)  # one bad table must not block the rest
     try:
         if fmt == "table":
             outputs = []
             for query in queries:
-                relation = _execute(con, query)
+                relation = _execute(con, query, broken)
                 if relation is None:
                     outputs.append("OK")
                     continue
-                data = _fetch(relation, max_rows + 1)
+                data = _fetch(relation, max_rows + 1, query, broken)
                 truncated = data.num_rows > max_rows
                 outputs.append(_render_table(con, data.slice(0, max_rows), truncated, max_rows, max_width, max_col_width))
             return "\n\n".join(outputs)
-        relation = _execute(con, queries[0])
-        data = _fetch(relation, None) if relation is not None else pa.table({})
+        relation = _execute(con, queries[0], broken)
+        data = _fetch(relation, None, queries[0], broken) if relation is not None else pa.table({})
         if fmt == "json":
             return json.dumps([_jsonable(r) for r in data.to_pylist()], ensure_ascii=False, indent=1)
         buffer = io.StringIO()

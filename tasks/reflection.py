@@ -17,6 +17,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
+from rubricem_core.faults import fault_point
 from rubricem_core.judge.types import JudgeQuery
 from rubricem_core.reflection.judge import (
     ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows, register_builtin_reflection_judge,
@@ -33,7 +34,7 @@ from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
     cached_task_metrics, completed_step, current_session, ensure_engine_weights, get_session, load_bank_steps,
-    save_task_metrics, update_settings,
+    reset_bank, save_task_metrics, update_settings,
 )
 from tasks.secrets import resolve_api_key
 
@@ -124,17 +125,29 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     metrics.update(judge.usage.metrics())
     metrics["reflection/generate_seconds"] = gen_seconds
     metrics["reflection/judge_seconds"] = judge_seconds
-    save_task_metrics(store, "reflect", plan.step, metrics)  # before the table, which marks the task done
-    store.write_table("reflections", rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
-    load_bank_steps(session, store, [plan.step])
+    # The bank first, then the metrics, then `reflections`, which marks the task done: a rerun after a
+    # kill before it redoes the step's reflections and rebuilds the bank from the earlier partitions.
+    if plan.step in session.bank_steps:  # an earlier attempt in this process banked other rows
+        reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s < plan.step])
+    load_bank_steps(session, store, [plan.step], rows={plan.step: rows})
     if session.bank is not None:
-        store.write_table("bank", session.bank.rows(), schema=BANK_SCHEMA)
-        session.bank.save(store.state_dir / "bank")
+        _write_bank(store, session.bank)
         metrics["bank/size"] = float(len(session.bank))
+    save_task_metrics(store, "reflect", plan.step, metrics)
+    store.write_table("reflections", rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
+    fault_point("rl.reflections_written")
     log.info("step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
              plan.step, len(rows), len(inputs), sum(r["valid"] for r in rows), sum(r["accepted"] for r in rows),
              len(session.bank) if session.bank is not None else 0)
     return {"cached": False, "metrics": metrics}
+
+
+def _write_bank(store: RunStore, bank: Any) -> None:
+    """The `bank` table and the saved FAISS index, both from the session's bank (the replay of
+    every `reflections` partition so far)."""
+    store.write_table("bank", bank.rows(), schema=BANK_SCHEMA)
+    fault_point("rl.bank_table_written")
+    bank.save(store.state_dir / "bank")
 
 
 @task(name="reflection-update", cache_policy=NO_CACHE)
@@ -144,10 +157,10 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
     log = get_run_logger()
     store = RunStore(run_dir)
     if completed_step(run_dir) >= at_step:
-        return {"cached": True}
+        return {"cached": True, "metrics": cached_task_metrics(store, "reflection-update", at_step)}
     session = get_session(run_dir, cfg, at_step - 1)
     if at_step in session.reflection_updates:
-        return {"cached": True}
+        return {"cached": True, "metrics": cached_task_metrics(store, "reflection-update", at_step)}
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
     rows = store.read_rows("reflections", _key(source.step))
@@ -174,6 +187,9 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
     out["reflection_update/candidates"] = float(len(trajs))
     out["reflection_update/nonzero_advantages"] = float(nonzero)
     out["reflection_update/seconds"] = time.perf_counter() - t0
+    # the weights keep this update only in memory until the step's checkpoint; a rerun redoes both
+    save_task_metrics(store, "reflection-update", at_step, out)
+    fault_point("rl.reflection_update_done")
     log.info("step %d: reflection update on %d candidates of step %d (%d with signal)", at_step, len(trajs),
              source.step, nonzero)
     return {"cached": False, "metrics": out}

@@ -27,8 +27,8 @@ from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
-    RLSession, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
-    recipe_settings, reflection_on, rl_dir, start_policy, step_checkpoint, update_settings,
+    RLSession, buffers_at, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
+    recipe_settings, reflection_on, reset_bank, rl_dir, start_policy, step_checkpoint, update_settings,
 )
 from rubricem_core.rl.update import group_advantages, per_token_advantages
 from rubricem_core.rollout import RolloutRequest, SamplingParams
@@ -45,7 +45,7 @@ ROLLOUTS_SCHEMA = pa.schema([
     ("retrieval", pa.string()), ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())),
     ("stage_ids", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())), ("n_tool_calls", pa.int64()),
     ("finish_reason", pa.string()), ("valid_scaffold", pa.bool_()), ("judge_failed", pa.bool_()),
-    ("violations", pa.list_(pa.string())), ("n_tokens", pa.int64()), ("n_policy_tokens", pa.int64()),
+    ("judge_error", pa.string()), ("violations", pa.list_(pa.string())), ("n_tokens", pa.int64()), ("n_policy_tokens", pa.int64()),
     ("prompt_len", pa.int64()), ("text", pa.string()), ("segments", pa.string()), ("guidance", pa.string()),
 ])
 JUDGE_RUBRICS_SCHEMA = pa.schema([
@@ -65,6 +65,10 @@ STAGE_REWARDS_SCHEMA = pa.schema([
 ])
 
 
+class JudgeStepError(RuntimeError):
+    """Too few of a step's rollouts could be judged to train on them."""
+
+
 def _key(step: int) -> dict[str, int]:
     return {"step": step}
 
@@ -79,6 +83,23 @@ def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, 
 def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
     path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+STEP_TASKS = ("rollout", "judge", "update", "reflection-update", "reflect")  # rl_step's merge order
+
+
+def step_metrics(store: RunStore, step: int) -> dict[str, float]:
+    """A step's metrics as rl_step returns them, from its tasks' saved metrics."""
+    out: dict[str, float] = {}
+    for name in STEP_TASKS:
+        out.update(cached_task_metrics(store, name, step))
+    return out
+
+
+def step_metrics_logged(store: RunStore, flow: str, step: int) -> bool:
+    if step not in store.partitions("metrics", "step"):
+        return False
+    return any(r["flow"] == flow for r in store.read_rows("metrics", {"step": step}))
 
 
 # ---- tasks --------------------------------------------------------------------------------------
@@ -137,7 +158,7 @@ def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTraje
         "retrieval": plan.retrieval, "token_ids": traj.token_ids, "loss_mask": traj.loss_mask,
         "stage_ids": traj.stage_ids, "logprobs": [None if math.isnan(x) else x for x in traj.logprobs],
         "n_tool_calls": traj.n_tool_calls, "finish_reason": traj.finish_reason,
-        "valid_scaffold": not violations, "judge_failed": False, "violations": violations,
+        "valid_scaffold": not violations, "judge_failed": False, "judge_error": None, "violations": violations,
         "n_tokens": len(traj), "n_policy_tokens": traj.n_policy_tokens, "prompt_len": traj.prompt_len,
         "text": text, "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
         "guidance": guidance,
@@ -156,9 +177,11 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     rs = recipe_settings(cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     rollouts = store.read_rows("rollouts", _key(plan.step))
+    buffers = buffers_at(session, plan.step - 1, cfg)
+    session.buffers_step = None  # changed in place from here on: unknown until this step's tables are written
     for qid in plan.query_ids:
-        if qid not in session.buffers:
-            session.buffers[qid] = RubricBuffer.from_query(qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step)
+        if qid not in buffers:
+            buffers[qid] = RubricBuffer.from_query(qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step)
     model = cfg.judge.model
     if model.startswith("rubricem-judge/"):
         model = register_builtin_judge()
@@ -175,35 +198,49 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
                         reference_answer=q.get("reference_answer"))
         groups.append((jq, [JudgeRollout(r["rollout_id"], r["text"]) for r in rollouts if r["query_id"] == qid]))
     t0 = time.perf_counter()
-    results = judge_step(judge, groups, session.buffers, plan.step)
+    results = judge_step(judge, groups, buffers, plan.step)
     seconds = time.perf_counter() - t0
 
-    rubric_rows, score_rows, reward_rows, failed = [], [], [], set()
+    rubric_rows, score_rows, reward_rows, errors = [], [], [], {}
     for g in results:
-        rubric_rows.extend(session.buffers[g.query_id].rows(plan.step))
+        rubric_rows.extend(buffers[g.query_id].rows(plan.step))
         for j in g.judgments:
             if j.failed:
-                failed.add(j.rollout_id)
+                errors[j.rollout_id] = j.error or "judgment failed"
             else:
                 score_rows.extend(j.rows(plan.step, g.query_id))
         reward_rows.extend(stage_reward_rows(plan.step, g.query_id, g.rollout_ids, g.R))
     for r in rollouts:
-        r["judge_failed"] = r["rollout_id"] in failed
+        r["judge_failed"] = r["rollout_id"] in errors
+        r["judge_error"] = errors.get(r["rollout_id"])
     store.write_table("rollouts", rollouts, _key(plan.step), schema=ROLLOUTS_SCHEMA)
+    fault_point("rl.judge_failures_written")
+    judged = len(rollouts) - len(errors)
+    if judged == 0 or judged < cfg.judge.min_judged_fraction * len(rollouts):
+        # Nothing is marked done: no rubrics, scores or rewards of this step; the rerun re-judges it
+        # from the buffers of the step before (rebuilt from the tables).
+        first = "; ".join(f"{rid}: {err}" for rid, err in list(errors.items())[:3])
+        raise JudgeStepError(
+            f"step {plan.step}: {len(errors)} of {len(rollouts)} judgments failed (judge.min_judged_fraction="
+            f"{cfg.judge.min_judged_fraction}); nothing was trained or checkpointed; fix the judge endpoint "
+            f"({cfg.judge.model}) and rerun to re-judge this step. First errors: {first}")
     store.write_table("judge_rubrics", rubric_rows, _key(plan.step), schema=JUDGE_RUBRICS_SCHEMA)
+    fault_point("rl.judge_rubrics_written")
     store.write_table("judge_scores", score_rows, _key(plan.step), schema=JUDGE_SCORES_SCHEMA)
     for row in reward_rows:
         row.setdefault("G", None)
         row.setdefault("A", None)
     # R now; the update task rewrites this partition with G and A
     metrics = judge.usage.metrics()
-    metrics["judge/failed_trajectories"] = float(len(failed))
+    metrics["judge/failed_trajectories"] = float(len(errors))
     metrics["judge/seconds"] = seconds
     for stage in STAGES:
-        metrics[f"buffer/{stage}_active"] = float(sum(len(session.buffers[q].active(stage)) for q in plan.query_ids))
+        metrics[f"buffer/{stage}_active"] = float(sum(len(buffers[q].active(stage)) for q in plan.query_ids))
     save_task_metrics(store, "judge", plan.step, metrics)  # before stage_rewards, which marks the task done
     store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
-    log.info("step %d: judged %d rollouts of %d queries in %.1fs, %d failed", plan.step, len(rollouts), len(groups), seconds, len(failed))
+    session.buffers_step = plan.step
+    fault_point("rl.judge_done")
+    log.info("step %d: judged %d rollouts of %d queries in %.1fs, %d failed", plan.step, len(rollouts), len(groups), seconds, len(errors))
     return {"cached": False, "metrics": metrics}
 
 
@@ -214,7 +251,7 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     store = RunStore(run_dir)
     ckpt = step_checkpoint(run_dir, plan.step)
     if completed_step(run_dir) >= plan.step:
-        return {"cached": True}
+        return {"cached": True, "metrics": cached_task_metrics(store, "update", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
     rs = recipe_settings(cfg)
     rollouts = store.read_rows("rollouts", _key(plan.step))
@@ -229,10 +266,12 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         ga = group_advantages(R, rs["lam"])
         for i, r in enumerate(group):
             for k, s in enumerate(STAGES):
+                failed = r["judge_failed"]  # no reward: no return, no advantage (NULL, never 0)
                 reward_rows.append({"step": plan.step, "query_id": qid, "rollout_id": r["rollout_id"], "stage": s,
-                                    "R": _num(ga.R[i, k]), "G": _num(ga.G[i, k]), "A": _num(ga.A[i, k])})
+                                    "R": _num(ga.R[i, k]), "G": None if failed else _num(ga.G[i, k]),
+                                    "A": None if failed else _num(ga.A[i, k])})
                 for name, arr in (("R", ga.R), ("G", ga.G), ("A", ga.A)):
-                    if not math.isnan(arr[i, k]):
+                    if not math.isnan(arr[i, k]) and not failed:
                         stage_stats[f"{name}/{s}"].append(float(arr[i, k]))
             if r["judge_failed"]:
                 continue  # excluded from the update, never scored 0
@@ -246,16 +285,21 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
     # this step's reflections may still be sampling with the old ones.
-    buffers = json.dumps({qid: b.to_dict() for qid, b in session.buffers.items()})
+    # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`.
+    buffers = json.dumps({qid: b.to_dict() for qid, b in buffers_at(session, plan.step, cfg).items()})
     session.policy.save(ckpt, extra={"buffers": buffers, "step": plan.step})
     session.step = plan.step
+    fault_point("rl.checkpoint_saved")
     store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
-    atomic_write_text(store.state_dir / "rl_progress.json", json.dumps({"completed_step": plan.step}))
-    _prune_checkpoints(run_dir, keep=2)
+    fault_point("rl.stage_rewards_written")
     out = {f"rl/{k}": v for k, v in metrics.items()}
     for name, values in stage_stats.items():
         if values:
             out[f"reward/{name}_mean"] = float(np.mean(values))
+    save_task_metrics(store, "update", plan.step, out)  # before the progress file, which marks the step done
+    atomic_write_text(store.state_dir / "rl_progress.json", json.dumps({"completed_step": plan.step}))
+    fault_point("rl.step_done")
+    _prune_checkpoints(run_dir, keep=2)
     log.info("step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f", plan.step, len(trajs),
              metrics.get("loss", float("nan")), metrics.get("kl", float("nan")),
              metrics.get("clip_fraction", float("nan")), metrics.get("logprob_gap_mean", float("nan")))

@@ -239,3 +239,16 @@ def test_missing_or_corrupt_checkpoint_raises_a_clear_error(tmp_path, damage, me
         trainer.load(tmp_path / "ck")
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble_same_size], ids=["truncated", "garbled"])
+def test_load_weights_into_names_a_corrupt_weight_file(tmp_path, damage):
+    # load_weights_into does not read checkpoint.json: safetensors' own error must name the file
+    save_checkpoint(tmp_path / "ck", tiny_model(), None, {"global_step": 1})
+    victim = tmp_path / "ck" / "model.safetensors"
+    damage(victim)
+    model = tiny_model(seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=f"{victim} is corrupt"):
+        ckpt_mod.load_weights_into(model, tmp_path / "ck")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # left as it was

@@ -9,6 +9,7 @@ config and seed; its snapshots after collection and after SFT are the starting p
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -79,13 +80,14 @@ def _api_env() -> dict[str, str]:
     return env
 
 
-def kill_at(command: str, run_dir: Path, point: str, timeout: float = 240.0) -> str:
+def kill_at(command: str, run_dir: Path, point: str, timeout: float = 240.0, extra: list[str] = (),
+            tag: str = "") -> str:
     """Run ``rubricem <command>`` until it SIGKILLs itself at ``point``; returns its output."""
     env = {**_api_env(), "RUBRICEM_FAULT_POINT": point}
-    log_path = run_dir.parent / f"{run_dir.name}-{command}-{point.replace(':', '_')}.log"
+    log_path = run_dir.parent / f"{run_dir.name}-{command}-{tag}{point.replace(':', '_')}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*CLI, command, "--run-dir", str(run_dir), *SETS], cwd=REPO, env=env,
+            [*CLI, command, "--run-dir", str(run_dir), *SETS, *extra], cwd=REPO, env=env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
@@ -221,39 +223,169 @@ RL_TABLES = {
     "judge_scores": ("step", "rollout_id", "rubric_id"),
     "judge_rubrics": ("step", "query_id", "rubric_id"),
     "stage_rewards": ("step", "rollout_id", "stage"),
+    "reflections": ("step", "source_rollout_id", "candidate"),
+    "bank": ("query_id", "step"),
 }
 
+# Every write boundary of the two RL steps (window 1: step 0 new queries with reflections, step 1 their
+# replay with the deferred reflection update), in the order a run reaches them under
+# `reflection.schedule: sync` (the deferred schedule runs reflect and the update concurrently, so the
+# order of their boundaries is not fixed; both schedules give the same numbers). Each kill happens in a
+# fresh process resumed from the previous kill, so one chain visits them all.
+RL_BOUNDARIES = [
+    "rl.rollouts_written:1",        # step 0: rollouts
+    "rl.judge_failures_written:1",  # judge: rollouts with judge_failed/judge_error
+    "rl.judge_rubrics_written:1",   # judge: buffers as judge_rubrics
+    "rl.judge_done:1",              # judge: scores, stage_rewards (R): the judge task is done
+    "checkpoint.weights_written:1",  # update: inside the checkpoint save
+    "rl.checkpoint_saved:1",        # update: checkpoint in place, stage_rewards (G, A) not yet
+    "rl.stage_rewards_written:1",   # update: G and A written, the step not yet marked done
+    "rl.step_done:1",               # update: step marked done, its metrics not logged, no reflections
+    "rl.bank_table_written:1",      # reflect: candidates judged, bank table written, FAISS index not yet
+    "rl.reflections_written:1",     # reflect: bank saved and `reflections` written: the task is done
+    "rl.rollouts_written:1",        # step 1: rollouts (replay with within-episode guidance)
+    "rl.reflection_update_done:1",  # the deferred reflection update applied in memory only
+    "rl.judge_done:1",
+    "checkpoint.weights_written:1",
+    "rl.step_done:1",
+]
+SYNC = ["--set", "reflection.schedule=sync"]
 
-def test_rl_killed_after_rollouts_and_mid_checkpoint_resumes(reference, tmp_path):
-    import json
 
+def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(reference, tmp_path):
     import tasks.rl as rl_tasks
     from flows.rl import rl
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
-    # 1) step 1 (the 2nd rollouts write) killed after its rollouts Parquet, before the judge
-    kill_at("rl", run, "rl.rollouts_written:2")
-    store = RunStore(run)
-    assert store.partitions("rollouts", "step") == [0, 1] and store.partitions("stage_rewards", "step") == [0]
-    assert rl_tasks.completed_step(str(run)) == 0
-    # 2) the rerun judges step 1 and is killed inside its checkpoint (weights written, nothing else)
-    kill_at("rl", run, "checkpoint.weights_written:1")
-    assert (run / "checkpoints" / "rl" / ".step-000001.tmp").is_dir()
-    assert rl_tasks.completed_step(str(run)) == 0
-    # 3) the last rerun (a fresh session, as in a new process) completes step 1
-    rl_tasks.drop_sessions()
-    result = rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+    ref_ckpts = reference["final"] / "checkpoints" / "rl"
+    for i, point in enumerate(RL_BOUNDARIES):
+        kill_at("rl", run, point, extra=SYNC, tag=str(i))
+        for table in RunStore(run).tables():  # whatever exists after a kill is whole
+            RunStore(run).read_table(table)
+    assert rl_tasks.completed_step(str(run)) == 1  # the last kill: step 1 done, its metrics not logged
+    rl_tasks.drop_sessions()  # a fresh session, as in a new process
+    result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "reflection.schedule": "sync"})
     assert result["steps"] == 2
     assert json.loads((run / "state" / "rl_progress.json").read_text()) == {"completed_step": 1}
     for table, key in RL_TABLES.items():
         assert_same_table(run, reference["final"], table, key)
-    assert_same_metrics(run, reference["final"], "rl", names=r"(rl|reward)/")  # the update's metrics
+    assert_same_metrics(run, reference["final"], "rl")
     names = sorted(p.name for p in (run / "checkpoints" / "rl").iterdir())
     assert names == ["step-000000", "step-000001"], names
     for name in names:
-        load_checkpoint(run / "checkpoints" / "rl" / name)
-    assert_same_weights(run / "checkpoints" / "rl" / "step-000001", reference["final"] / "checkpoints" / "rl" / "step-000001")
-    # Known gap (tasks/rl.py, reported): a cached rollout/judge task returns no metrics, so a step
-    # whose judge finished before the kill loses its judge/*, buffer/* and rollout/* metric rows.
+        got, want = load_checkpoint(run / "checkpoints" / "rl" / name), load_checkpoint(ref_ckpts / name)
+        # the buffers saved with each checkpoint are the judge's, whichever task a resume skipped
+        assert json.loads(got.trainer_state["extra"]["buffers"]) == json.loads(want.trainer_state["extra"]["buffers"]) != {}
+        assert_same_weights(run / "checkpoints" / "rl" / name, ref_ckpts / name)
+    from rubricem_core.embedders import HashingEmbedder
+    from rubricem_core.reflection.bank import ReflectionBank
+
+    def saved_bank(d: Path) -> list[dict]:  # the FAISS bank RL saved beside its tables
+        return ReflectionBank.load(d / "state" / "bank", HashingEmbedder()).rows()
+
+    assert saved_bank(run) == saved_bank(reference["final"])
+
+
+def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(reference, tmp_path, monkeypatch):
+    """The judge endpoint is down for a whole step: the flow fails naming the errors, writes no
+    rewards, checkpoint or progress; with the endpoint back, the rerun re-judges and ends with the
+    tables and weights of the run that never saw the outage."""
+    import litellm
+
+    import rubricem_core.llm.concurrent as concurrent
+    import tasks.rl as rl_tasks
+    from flows.rl import rl
+    from rubricem_core.judge.builtin import MODEL as JUDGE_MODEL
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    real = concurrent.litellm.acompletion
+    calls = {"judge": 0}
+
+    async def endpoint_down(**kwargs):
+        if kwargs["model"] == JUDGE_MODEL:
+            calls["judge"] += 1
+            raise litellm.APIConnectionError(message="Connection refused", llm_provider="openai", model=kwargs["model"])
+        return await real(**kwargs)
+
+    overrides = {**SMALL, "judge.max_retries": 1}  # operational: recorded as a config revision
+    monkeypatch.setattr(concurrent.litellm, "acompletion", endpoint_down)
+    with pytest.raises(rl_tasks.JudgeStepError, match=r"step 0: 4 of 4 judgments failed.*Connection refused"):
+        rl(run_dir=str(run), profile="tiny", overrides=overrides)
+    assert calls["judge"] >= 4
+    store = RunStore(run)
+    assert not store.partitions("stage_rewards", "step") and not store.partitions("judge_scores", "step")
+    assert rl_tasks.completed_step(str(run)) == -1 and not (run / "checkpoints" / "rl").exists()
+    failed = store.read_rows("rollouts", {"step": 0})
+    assert all(r["judge_failed"] and "Connection refused" in r["judge_error"] for r in failed)  # why, per rollout
+
+    monkeypatch.setattr(concurrent.litellm, "acompletion", real)  # the endpoint is back
+    rl(run_dir=str(run), profile="tiny", overrides=overrides)
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, reference["final"], table, key)
+    assert not any(r["judge_failed"] or r["judge_error"] for r in store.read_rows("rollouts"))
     assert_same_metrics(run, reference["final"], "rl")
+    assert_same_weights(run / "checkpoints" / "rl" / "step-000001", reference["final"] / "checkpoints" / "rl" / "step-000001")
+    revisions = (run / "state" / "config_revisions.jsonl").read_text().splitlines()
+    assert json.loads(revisions[0])["changes"] == {"judge.max_retries": {"old": 4, "new": 1}}
+
+
+def test_a_second_writer_is_refused_at_once_and_the_first_run_is_intact(reference, tmp_path):
+    """Two `rubricem rl` on one run directory: the second exits 2 within seconds naming the first's
+    pid (before starting any server), the first finishes with the uninterrupted run's tables."""
+    import time
+
+    from rubricem_core.runlock import lock_holder
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    log = open(tmp_path / "first.log", "wb")
+    first = subprocess.Popen([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=_api_env(),
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (lock_holder(run) or {}).get("pid"):
+            assert first.poll() is None and time.monotonic() < deadline, "the first writer never took the lock"
+            time.sleep(0.1)
+        assert lock_holder(run)["pid"] == first.pid
+        t0 = time.monotonic()
+        second = subprocess.run([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=_api_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert f"pid {first.pid}" in second.stderr and "rubricem rl" in second.stderr, second.stderr
+        assert time.monotonic() - t0 < 30  # refused before any flow, model or server starts
+        # a flow started in another process (e.g. a Prefect worker) is refused the same way
+        from flows.rl import rl
+        from rubricem_core.runlock import RunDirLocked
+
+        with pytest.raises(RunDirLocked, match=f"pid {first.pid}"):
+            rl.fn(run_dir=str(run), profile="tiny", overrides=SMALL)
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        log.close()
+    assert lock_holder(run) is None
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, reference["final"], table, key)
+    assert_same_metrics(run, reference["final"], "rl")
+
+
+def test_a_changed_config_is_refused_once_its_stage_has_written(reference, tmp_path):
+    """A rerun with another seed (collection written) or another recipe (RL written) is refused naming
+    the fields; nothing in the run directory changes."""
+    from flows.collect_sft_data import collect_sft_data
+    from rubricem_core.config import ConfigError
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["final"], run)
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"seed: 0 → 1.*collect-sft-data"):
+        collect_sft_data(run_dir=str(run), profile="tiny", overrides={**SMALL, "seed": 1})
+    out = subprocess.run([*CLI, "rl", "--run-dir", str(run), *SETS, "--set", "rl.recipe=baseline",
+                          "--set", "data.world.n_documents=61"], cwd=REPO, env=_api_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "rl.recipe: 'full' → 'baseline'" in out.stderr and "data.world.n_documents: 60 → 61" in out.stderr, out.stderr
+    assert (run / "config.yaml").read_text() == before and not (run / "state" / "config_revisions.jsonl").exists()

@@ -190,3 +190,30 @@ def test_bad_checkpoints_and_inputs_fail_clearly():
         RubricBuffer("q").active("writing")
     with pytest.raises(JudgeError, match="weight must be a number > 0"):
         Rubric.create("q", "plan", "positive", "t", "d", 0)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 5])
+def test_from_rows_of_every_step_rebuilds_the_live_buffer(query_row, cap):
+    """A resumed run rebuilds each buffer from the `judge_rubrics` partitions: additions, pruning, the
+    cap, a pruned rubric proposed again — state and creation order equal to the live buffer's."""
+    qid = query_row["query_id"]
+    live = RubricBuffer.from_query(qid, query_row["rubrics"], cap_per_stage=cap)
+    steps = [
+        ([gen("plan", "Names sources"), gen("research", "Cites doc"), gen("research", "Two searches")],
+         {"Names sources": [1, 0, 1], "Cites doc": [1, 1, 1]}),
+        ([gen("research", "Reads abstracts"), gen("plan", "Names sources"), gen("review", "Checks gaps")],
+         {"Reads abstracts": [0, 1, 1], "Checks gaps": [2, 2, 2]}),
+        ([gen("research", "Cites doc"), gen("review", "Flags conflicts", weight=3)],  # Cites doc comes back
+         {"Cites doc": [0, 1, 0], "Flags conflicts": [1, 0, 1]}),
+    ]
+    rows = []
+    for step, (new, table) in enumerate(steps):
+        live.add(new, step)
+        live.after_scoring(judgments_for(live, table, failed=(2,) if step == 1 else ()), step)
+        rows.extend(json.loads(json.dumps(live.rows(step))))  # as Parquet gives them back: check as JSON text
+        rebuilt = RubricBuffer.from_rows(qid, rows, cap_per_stage=cap)
+        assert rebuilt.to_dict() == live.to_dict(), f"step {step}"
+        assert [r.rubric_id for r in rebuilt.active()] == [r.rubric_id for r in live.active()]
+    assert any(r["status"] == "pruned" for r in rows), "the scenario must prune"
+    with pytest.raises(JudgeError, match="given for"):
+        RubricBuffer.from_rows("other", rows, cap_per_stage=cap)

@@ -449,3 +449,61 @@ def test_gguf_smollm2_converts_and_chats(tmp_path):
     assert prepare_policy(load_config("small").policy, out, [], seed=0) == out
     assert (out / "gguf_source.json").stat().st_mtime_ns == marker_time
     shutil.rmtree(out)  # ~0.5 GB of float32 weights; pytest keeps old tmp dirs around
+
+
+# ---- load_policy on a saved checkpoint: checkpoint.json's sizes are checked first ---------------
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tiny_dir, tmp_path_factory) -> Path:
+    """A checkpoint as the SFT flow saves it (weights, tokenizer, checkpoint.json)."""
+    from rubricem_core.training.checkpoint import save_checkpoint
+
+    model, tokenizer = load_policy(tiny_dir)
+    final = tmp_path_factory.mktemp("run") / "checkpoints" / "sft" / "final"
+    return save_checkpoint(final, model, tokenizer, {"global_step": 3})
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def grow(path: Path) -> None:
+    path.write_bytes(path.read_bytes() + b"\0" * 16)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+@pytest.mark.parametrize("damage", [truncate, grow], ids=["truncated", "grown"])
+def test_load_policy_names_a_file_whose_size_differs_from_checkpoint_json(saved_checkpoint, tmp_path, name, damage):
+    from rubricem_core.policy.loading import load_tokenizer
+
+    final = shutil.copytree(saved_checkpoint, tmp_path / "final")
+    recorded = json.loads((final / "checkpoint.json").read_text())["files"][name]
+    damage(final / name)
+    actual = (final / name).stat().st_size
+    assert actual != recorded
+    pattern = f"{final} is corrupt: {name} has {actual} bytes, checkpoint.json records {recorded}"
+    with pytest.raises(PolicyLoadError, match=pattern):
+        load_policy(final)
+    with pytest.raises(PolicyLoadError, match=pattern):
+        load_tokenizer(final)
+
+
+def test_load_policy_reads_an_intact_checkpoint(saved_checkpoint, tiny_dir):
+    model, tokenizer = load_policy(saved_checkpoint)
+    reference, _ = load_policy(tiny_dir)
+    assert tokenizer.chat_template and torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+@pytest.mark.parametrize("with_meta", [False, True], ids=["converted_dir", "checkpoint_same_size"])
+def test_load_policy_wraps_a_corrupt_weight_file_naming_the_directory(saved_checkpoint, tiny_dir, tmp_path, with_meta):
+    if with_meta:  # same size as recorded: only safetensors itself can tell
+        broken = shutil.copytree(saved_checkpoint, tmp_path / "final")
+        size = (broken / "model.safetensors").stat().st_size
+        (broken / "model.safetensors").write_bytes(b"\xff" * size)
+    else:  # no checkpoint.json (a converted or built model): nothing to check sizes against
+        broken = shutil.copytree(tiny_dir, tmp_path / "converted")
+        assert not (broken / "checkpoint.json").exists()
+        truncate(broken / "model.safetensors")
+    with pytest.raises(PolicyLoadError, match=f"cannot load policy directory {broken}: SafetensorError"):
+        load_policy(broken)

@@ -163,9 +163,87 @@ def test_run_without_tables(tmp_path: Path):
     assert "42" in run_sql(tmp_path, "SELECT 42 AS answer")
 
 
-def test_corrupt_parquet_names_the_file(run_dir: Path):
-    victim = RunStore(run_dir).files("rollouts")[0]
-    data = victim.read_bytes()
-    victim.write_bytes(data[: len(data) // 2])
+DAMAGE = {
+    "truncated": lambda data: data[: len(data) // 2],
+    "empty": lambda data: b"",
+    "foreign": lambda data: b"step,name\n1,kl\n" * 20,
+    "zeroed_footer": lambda data: data[:-8] + b"\0" * 8,
+}
+
+
+def damage(path: Path, kind: str) -> Path:
+    path.write_bytes(DAMAGE[kind](path.read_bytes()))
+    return path
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_corrupt_file_leaves_other_tables_queryable(run_dir: Path, kind: str):
+    victim = damage(RunStore(run_dir).files("rollouts")[0], kind)
+    assert json.loads(run_sql(run_dir, "SELECT count(*) AS n FROM metrics", fmt="json")) == [{"n": 5}]
+    assert run_sql(run_dir, "SELECT step, name FROM metrics ORDER BY 1, 2", fmt="csv").splitlines()[1] == "1,kl"
+    shown = run_sql(run_dir, "SHOW TABLES", fmt="csv").splitlines()
+    assert shown == ["name", "metrics", "rollouts"]  # the damaged table is still listed
+    with pytest.raises(RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"):
+        run_sql(run_dir, "SELECT * FROM rollouts")
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM rollouts",
+        "SELECT count(*) FROM rollouts",  # must not be answered without reading the table
+        "SELECT rollout_id FROM rollouts",  # a real column: the placeholder view does not have it
+        "SELECT 1 FROM rollouts LIMIT 1",
+        "SELECT * FROM ROLLOUTS",
+        "SELECT * FROM main.rollouts",
+        "DESCRIBE rollouts",
+        "SUMMARIZE rollouts",
+        "EXPLAIN SELECT * FROM rollouts",
+        "PIVOT rollouts ON valid_scaffold USING count(*)",
+        "SELECT m.step FROM metrics m JOIN rollouts r USING (step)",
+        "SELECT * FROM metrics WHERE step IN (SELECT step FROM rollouts)",
+        "SELECT 1; SELECT * FROM rollouts",
+    ],
+)
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_query_of_the_corrupt_table_names_the_file(run_dir: Path, sql: str, fmt: str):
+    victim = damage(RunStore(run_dir).files("rollouts")[0], "truncated")
+    if fmt == "json" and ";" in sql:
+        fmt = "table"  # json takes one statement
     with pytest.raises(RunSqlError, match=f"corrupt or truncated Parquet file {victim}"):
+        run_sql(run_dir, sql, fmt=fmt)  # type: ignore[arg-type]
+
+
+def test_every_damaged_file_is_named_and_the_lock_holds(run_dir: Path):
+    files = RunStore(run_dir).files("metrics")
+    assert len(files) == 3
+    victims = [damage(files[0], "truncated"), damage(files[2], "foreign")]
+    with pytest.raises(RunSqlError) as raised:
         run_sql(run_dir, "SELECT * FROM metrics")
+    assert all(str(v) in str(raised.value) for v in victims) and str(files[1]) not in str(raised.value)
+    assert json.loads(run_sql(run_dir, "SELECT rollout_id FROM rollouts ORDER BY 1", fmt="json")) == [
+        {"rollout_id": "r1"},
+        {"rollout_id": "r2"},
+    ]
+    # the damaged table's intact file is no longer readable either: allowed_paths lists healthy tables only
+    before = files_under(run_dir)
+    with pytest.raises(RunSqlError):
+        run_sql(run_dir, f"SELECT * FROM read_parquet('{files[1]}')")
+    with pytest.raises(RunSqlError, match="rejected COPY"):
+        run_sql(run_dir, f"COPY (SELECT 1) TO '{run_dir / 'x.csv'}'")
+    assert files_under(run_dir) == before
+
+
+def test_open_run_db_is_strict_by_default(run_dir: Path):
+    victim = damage(RunStore(run_dir).files("rollouts")[0], "truncated")
+    with pytest.raises(RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"):
+        open_run_db(run_dir)
+    con = open_run_db(run_dir, strict=False)
+    try:
+        assert con.execute("SELECT count(*) FROM metrics").fetchall() == [(5,)]
+        with pytest.raises(duckdb.Error, match=f"corrupt or truncated Parquet file {victim}"):
+            con.execute("SELECT count(*) FROM rollouts").fetchall()
+        with pytest.raises(duckdb.Error):
+            con.execute("SET lock_configuration = false")  # still locked down
+    finally:
+        con.close()

@@ -161,6 +161,20 @@ class RubricBuffer:
             })
         return out
 
+    @classmethod
+    def from_rows(cls, query_id: str, rows: Sequence[dict[str, Any]], cap_per_stage: int) -> "RubricBuffer":
+        """The buffer after the last step in ``rows``: the query's ``judge_rubrics`` rows of every step so
+        far, in step order. Each step's partition lists the rubrics in force plus those pruned at it, so
+        a rubric's newest row is its state and its first row places it in creation order."""
+        buffer = cls(query_id, (), cap_per_stage)
+        for row in sorted(rows, key=lambda r: r["step"]):  # stable: keeps each partition's own order
+            if row["query_id"] != query_id:
+                raise JudgeError(f"judge_rubrics row of query {row['query_id']!r} given for {query_id!r}")
+            check = row.get("check")
+            record = {**row, "check": json.loads(check) if isinstance(check, str) else check}
+            buffer._rubrics[row["rubric_id"]] = Rubric.from_dict(record)
+        return buffer
+
     def to_dict(self) -> dict[str, Any]:
         return {"query_id": self.query_id, "cap_per_stage": self.cap_per_stage,
                 "rubrics": [r.to_dict() for r in self._rubrics.values()]}

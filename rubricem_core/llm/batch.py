@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-import litellm
+from rubricem_core.llm._litellm import litellm
 
 from rubricem_core.llm.concurrent import backoff_delay, error_status, error_text, is_retryable_error
 from rubricem_core.llm.cost import call_cost

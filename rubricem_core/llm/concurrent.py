@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 import httpx
-import litellm
+from rubricem_core.llm._litellm import litellm
 import openai
 
 from rubricem_core.llm.cost import call_cost

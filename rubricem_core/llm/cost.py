@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import litellm
+from rubricem_core.llm._litellm import litellm
 
 from rubricem_core.llm.types import EndpointSettings
 

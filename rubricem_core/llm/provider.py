@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import litellm
+from rubricem_core.llm._litellm import litellm
 from litellm import CustomLLM
 from litellm.llms.custom_llm import CustomLLMError
 from litellm.types.utils import Usage

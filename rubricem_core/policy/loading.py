@@ -59,6 +59,25 @@ def _check_local_dir(path: Path) -> None:
         raise PolicyLoadError(
             f"policy directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
         )
+    _check_recorded_sizes(path)
+
+
+def _check_recorded_sizes(path: Path) -> None:
+    """Check a saved checkpoint against its checkpoint.json before transformers reads it.
+
+    Without this a truncated model.safetensors fails deep in safetensors ("incomplete metadata")
+    naming no file. Directories without checkpoint.json (converted or downloaded models) pass.
+    """
+    # Imported here: rubricem_core.training's package imports the trainers, and policy loading
+    # must stay importable by them without a cycle.
+    from rubricem_core.training.checkpoint import META_FILE, CheckpointError, read_meta
+
+    if not (path / META_FILE).is_file():
+        return
+    try:
+        read_meta(path)
+    except CheckpointError as error:
+        raise PolicyLoadError(f"cannot load the policy: {error}") from error  # names dir, file, both sizes
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
@@ -105,6 +124,12 @@ def load_policy(
                 f"or unset HF_HUB_OFFLINE on a machine with hub access)"
             ) from error
         raise PolicyLoadError(f"cannot load {where}: {error}") from error
+    except Exception as error:
+        if not local:
+            raise
+        # A damaged local file surfaces as whatever its parser raises (SafetensorError, JSON or
+        # tokenizers errors), none of which names the directory.
+        raise PolicyLoadError(f"cannot load {where}: {type(error).__name__}: {error}") from error
     if not getattr(tokenizer, "chat_template", None):
         raise PolicyLoadError(
             f"the tokenizer of {where} has no chat template; prompts are rendered with it "

@@ -222,6 +222,9 @@ class RLSession:
     tokenizer: Any
     engine: Any  # HFRolloutEngine, VLLMRolloutEngine or VLLMServerEngine
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
+    # The buffers hold the judge's changes of steps ≤ this one; None: unknown (a judge that failed
+    # half-way), so the next task rebuilds them from `judge_rubrics`.
+    buffers_step: int | None = -1
     # The engine's weights are those of the checkpoint after this step (-1: SFT).
     engine_step: int = -1
     separate_engine: bool = False
@@ -254,13 +257,14 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
         base = start_policy(run_dir)
         policy = make_policy(run_dir, cfg, base)
         try:
-            buffers: dict[str, RubricBuffer] = {}
             if after_step >= 0:
                 ckpt = step_checkpoint(run_dir, after_step)
                 if not (ckpt / "checkpoint.json").exists():
                     raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
-                extra = policy.load(ckpt)
-                buffers = {qid: RubricBuffer.from_dict(d) for qid, d in json.loads(extra["buffers"]).items()}
+                policy.load(ckpt)
+            # from the tables, not the checkpoint's copy: they are what the judge wrote, whichever
+            # task a resumed run skipped
+            buffers = rebuild_buffers(RunStore(run_dir), after_step, cfg.judge.cap_per_stage)
             tokenizer = policy.tokenizer
             log.info("RL session at step %d: trainer %s (%d rank%s)", after_step, cfg.rl.backend,
                      cfg.distributed.world_size, "s" if cfg.distributed.world_size > 1 else "")
@@ -299,14 +303,34 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
         except BaseException:
             policy.close()
             raise
-        session = RLSession(run_dir, after_step, policy, tokenizer, engine, buffers,
+        session = RLSession(run_dir, after_step, policy, tokenizer, engine, buffers, buffers_step=after_step,
                             engine_step=engine_step, separate_engine=separate)
         if reflection_on(cfg):
-            session.bank = new_bank(cfg)
             store = RunStore(run_dir)
-            load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
+            reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
         _SESSIONS[key] = session
         return session
+
+
+def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> dict[str, RubricBuffer]:
+    """Every query's rubric buffer after the judge of step ``through_step`` (-1: none yet), from the
+    `judge_rubrics` partitions of steps ≤ it."""
+    by_query: dict[str, list[dict[str, Any]]] = {}
+    for step in store.partitions("judge_rubrics", "step"):
+        if step > through_step:
+            break
+        for row in store.read_rows("judge_rubrics", {"step": step}):
+            by_query.setdefault(row["query_id"], []).append(row)
+    return {qid: RubricBuffer.from_rows(qid, rows, cap_per_stage) for qid, rows in by_query.items()}
+
+
+def buffers_at(session: RLSession, step: int, cfg: RunConfig) -> dict[str, RubricBuffer]:
+    """The session's buffers after the judge of ``step``, rebuilt from the tables when the session's
+    copy is of another step (a resumed run whose judge task was skipped as done)."""
+    if session.buffers_step != step:
+        session.buffers = rebuild_buffers(RunStore(session.run_dir), step, cfg.judge.cap_per_stage)
+        session.buffers_step = step
+    return session.buffers
 
 
 def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
@@ -364,12 +388,22 @@ def new_bank(cfg: RunConfig) -> ReflectionBank:
     return ReflectionBank(embedder)
 
 
-def load_bank_steps(session: RLSession, store: RunStore, steps: list[int]) -> None:
-    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank."""
+def reset_bank(session: RLSession, cfg: RunConfig, store: RunStore, steps: list[int]) -> None:
+    """A new bank holding the accepted reflections of ``steps`` only."""
+    session.bank = new_bank(cfg)
+    session.bank_steps = set()
+    load_bank_steps(session, store, steps)
+
+
+def load_bank_steps(session: RLSession, store: RunStore, steps: list[int],
+                    rows: dict[int, list[dict[str, Any]]] | None = None) -> None:
+    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank, from
+    ``rows[step]`` when given (a step whose `reflections` partition is not written yet), else from the table."""
     todo = sorted(s for s in steps if s not in session.bank_steps)
     if not todo or session.bank is None:
         return
     questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
-    rows = [r for s in todo for r in store.read_rows("reflections", {"step": s})]
-    rebuild_bank(session.bank, rows, questions)
+    given = rows or {}
+    replay = [r for s in todo for r in (given[s] if s in given else store.read_rows("reflections", {"step": s}))]
+    rebuild_bank(session.bank, replay, questions)
     session.bank_steps.update(todo)

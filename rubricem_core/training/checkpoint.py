@@ -187,14 +187,22 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{meta_path}: unsupported checkpoint format {meta.get('format')!r} (expected {FORMAT_VERSION})"
         )
-    for name, size in meta["files"].items():
+    check_recorded_files(directory, meta["files"])
+    return meta
+
+
+def check_recorded_files(directory: Path, files: dict[str, int]) -> None:
+    """Every file recorded in checkpoint.json is present at its recorded size (a stat each, no reads)."""
+    for name, size in files.items():
         path = directory / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
         actual = path.stat().st_size
         if actual != size:
-            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} has {actual} bytes, {size} were written")
-    return meta
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupt: {name} has {actual} bytes, {META_FILE} records {size} "
+                "(truncated or changed after the save)"
+            )
 
 
 def load_trainer_state(directory: str | Path) -> dict[str, Any]:

@@ -1,0 +1,45 @@
+"""Child processes that do not outlive the process that started them."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that makes the child receive ``sig`` when we die.
+
+    Uses Linux ``prctl(PR_SET_PDEATHSIG)``, so a helper process (an API server, a worker) is not
+    orphaned when its parent is SIGKILLed. If the parent already died between fork and prctl,
+    the child exits at once. A no-op on other systems.
+
+    Call it in the process that will spawn the child (it records this pid), and spawn from a
+    thread that lives as long as the child: the kernel sends the signal when the *thread* that
+    forked the child exits, so the main thread is the safe choice.
+    """
+    if not sys.platform.startswith("linux"):
+        return _noop
+    # Resolve prctl here, in the parent: dlopen/dlsym in a child forked from a threaded
+    # parent can deadlock on a loader lock held by another thread at fork time.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.restype = ctypes.c_int
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent = os.getpid()
+    signum = int(sig)
+
+    def _preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+        if os.getppid() != parent:  # parent died before prctl took effect: nobody will signal us
+            os._exit(128 + signum)
+
+    return _preexec
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,142 @@
+"""A run directory keeps the config its finished work was made with.
+
+The first command writes ``<run_dir>/config.yaml``. A later command with another config is checked
+field by field against it:
+
+- fields that never change what is already written (endpoints' URLs, keys, retries and timeouts,
+  tracking, devices and ranks, evaluation settings, more RL windows) are accepted and recorded as
+  a revision in ``state/config_revisions.jsonl``;
+- any other field is refused, naming the field and both values, once the stage that reads it has
+  written something (collection for ``data``, ``seed``, ``tools``, ``teacher``, ``filter``; SFT for
+  ``policy``, ``sft``; RL for ``rl``, ``rollout``, ``judge``, ``reflection``). Before that stage
+  starts, the new value simply applies.
+
+A refused change is a sign of a mistake (another profile, a forgotten ``--set``) or of a new
+experiment, which belongs in a new run directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten
+from rubricem_core.store import RunStore, atomic_write_text
+
+CONFIG_FILE = "config.yaml"
+REVISIONS_FILE = "config_revisions.jsonl"
+
+# Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
+_OPERATIONAL_SUFFIXES = ("api_base", "api_key_env", "api_key_secret_block", "max_concurrency", "timeout_s",
+                         "max_retries", "batch_poll_interval_s", "max_batch_resubmits")
+_SAFE_PREFIXES = ("profile", "tracking.", "distributed.", "eval.", "rollout.devices", "rollout.server_python",
+                  "rollout.server_startup_timeout_s", "rollout.gpu_memory_utilization", "rollout.max_batch_rows")
+
+
+def _sft_started(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints" / "sft"
+    return root.is_dir() and any(root.iterdir())
+
+
+def _has(table: str) -> Callable[[Path], bool]:
+    return lambda run_dir: bool(RunStore(run_dir).files(table))
+
+
+# section → (the stage that reads it, "has it written anything?")
+_STAGE_OF: dict[str, tuple[str, Callable[[Path], bool]]] = {
+    "seed": ("collect-sft-data", _has("queries")),
+    "data": ("collect-sft-data", _has("queries")),
+    "tools": ("collect-sft-data", _has("queries")),
+    "teacher": ("collect-sft-data", _has("teacher_requests")),
+    "filter": ("collect-sft-data", _has("sft_trajectories")),
+    "policy": ("sft", _sft_started),
+    "sft": ("sft", _sft_started),
+    "rl": ("rl", _has("rollouts")),
+    "rollout": ("rl", _has("rollouts")),
+    "judge": ("rl", _has("rollouts")),
+    "reflection": ("rl", _has("rollouts")),
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.old!r} → {self.new!r}"
+
+
+def is_safe(change: Change) -> bool:
+    """A change that leaves every written table valid (recorded as a revision)."""
+    name = change.field
+    if name.startswith(_SAFE_PREFIXES) or name.rsplit(".", 1)[-1] in _OPERATIONAL_SUFFIXES:
+        return True
+    if name == "rl.n_windows":  # more windows extend the run; fewer would orphan finished steps
+        return isinstance(change.old, int) and isinstance(change.new, int) and change.new >= change.old
+    return False
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> list[Change]:
+    a, b = flatten(old.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
+    return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
+    """The run directory's recorded config (None: no config.yaml yet)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.exists():
+        return None
+    try:
+        return RunConfig.model_validate(yaml.safe_load(path.read_text()))
+    except Exception as exc:  # YAML or validation: either way the file cannot be trusted
+        raise ConfigError(f"{path} is not a valid run config ({exc}); move it away to start over") from None
+
+
+def refused_changes(run_dir: Path, changes: list[Change]) -> list[tuple[Change, str]]:
+    """The changes that would alter finished work, each with the stage that wrote it."""
+    out = []
+    for change in changes:
+        if is_safe(change):
+            continue
+        stage, written = _STAGE_OF.get(change.field.split(".", 1)[0], ("", lambda _d: False))
+        if written(run_dir):
+            out.append((change, stage))
+    return out
+
+
+def record_config(run_dir: str | os.PathLike[str], cfg: RunConfig, command: str) -> list[Change]:
+    """Check ``cfg`` against the run's recorded config and record it; returns the accepted changes.
+
+    Raises ConfigError naming every field whose change would alter work already written.
+    """
+    root = Path(run_dir)
+    old = stored_config(root)
+    changes = config_changes(old, cfg) if old is not None else []
+    refused = refused_changes(root, changes)
+    if refused:
+        lines = "\n".join(f"  {c}  (already used by {stage})" for c, stage in refused)
+        raise ConfigError(
+            f"{command}: the config differs from {root / CONFIG_FILE} in fields that finished work was made with:\n"
+            f"{lines}\nrerun with the run's own settings (the profile {old.profile!r} and its --set values), or use a "
+            f"new --run-dir for a new experiment")
+    if old is None or changes:
+        atomic_write_text(root / CONFIG_FILE, config_to_yaml(cfg))
+    if changes:
+        _append_revision(root, command, changes)
+    return changes
+
+
+def _append_revision(root: Path, command: str, changes: list[Change]) -> None:
+    path = RunStore(root).state_dir / REVISIONS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
+             "changes": {c.field: {"old": c.old, "new": c.new} for c in changes}}
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry, default=str) + "\n")
