@@ -252,3 +252,40 @@ def test_load_weights_into_names_a_corrupt_weight_file(tmp_path, damage):
     with pytest.raises(CheckpointError, match=f"{victim} is corrupt"):
         ckpt_mod.load_weights_into(model, tmp_path / "ck")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # left as it was
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_is_named_and_leaves_no_partial_checkpoint(tmp_path):
+    """On a 256 KiB tmpfs the save fails (torch and safetensors say only "unexpected pos" / I/O error):
+    the error says the disk is full, and neither the staging directory nor a final one is left."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "256k"):
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    try:
+        model = tiny_model()
+        with pytest.raises(CheckpointError, match=r"the disk is full \(\d+\.\d MiB free\)"):
+            save_checkpoint(disk / "step-000001", model, trainer_state={"global_step": 1})
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_other_write_failures_name_the_directory(tmp_path, monkeypatch):
+    def broken_save(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", broken_save)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint files into .*step-000002.tmp: RuntimeError: basic_ios"):
+        save_checkpoint(tmp_path / "step-000002", tiny_model(), trainer_state={"global_step": 2})
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20))
+    with pytest.raises(CheckpointError, match="the disk is full"):
+        save_checkpoint(tmp_path / "step-000003", tiny_model(), trainer_state={"global_step": 3})

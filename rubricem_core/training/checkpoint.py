@@ -16,6 +16,7 @@ by name instead of surfacing as an unpickling error deep inside torch.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -105,13 +106,34 @@ def write_checkpoint_files(
     save_pretrained = getattr(model, "save_pretrained", None)
     if save_pretrained is None:
         raise TypeError(f"{type(model).__name__} has no save_pretrained(); checkpoints need a Hugging Face model")
-    save_pretrained(str(directory), state_dict=state_dict)  # safetensors (the only format in transformers 5)
-    fault_point("checkpoint.weights_written")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(directory))
-    state = dict(trainer_state or {})
-    state.setdefault("rng", capture_rng_state())
-    torch.save(state, directory / STATE_FILE)
+    try:
+        save_pretrained(str(directory), state_dict=state_dict)  # safetensors (the only format in transformers 5)
+        fault_point("checkpoint.weights_written")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+        state = dict(trainer_state or {})
+        state.setdefault("rng", capture_rng_state())
+        torch.save(state, directory / STATE_FILE)
+    except Exception as exc:
+        raise write_error(directory, exc) from exc
+
+
+LOW_DISK_BYTES = 64 * 2**20
+
+
+def write_error(directory: Path, exc: BaseException) -> CheckpointError:
+    """A failed checkpoint write, saying so when the disk is full: torch.save then fails with
+    "unexpected pos …" and safetensors with an I/O error, neither naming the cause."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    full = getattr(exc, "errno", None) == errno.ENOSPC or (free is not None and free < LOW_DISK_BYTES)
+    if full:
+        return CheckpointError(
+            f"cannot write checkpoint files into {directory}: the disk is full ({(free or 0) / 2**20:.1f} MiB free); "
+            f"free space and rerun: the run resumes from its last complete checkpoint")
+    return CheckpointError(f"cannot write checkpoint files into {directory}: {type(exc).__name__}: {exc}")
 
 
 def commit(staging: Path, final: str | Path, meta: dict[str, Any]) -> Path:
