@@ -34,9 +34,10 @@ apply_offline_defaults()
 
 
 def copy_inputs(src: Path, dst: Path) -> str:
-    """The run's inputs and SFT policy into ``dst``; parts already there (a resumed benchmark) are kept."""
-    for part in ("tables/queries", "tables/corpus", "checkpoints/sft/final"):
-        if not (dst / part).exists():
+    """The run's inputs and SFT policy into ``dst`` (and the teacher's reflections, which warm the
+    reflection bank); parts already there (a resumed benchmark) are kept."""
+    for part in ("tables/queries", "tables/corpus", "checkpoints/sft/final", "tables/teacher_reflections"):
+        if (src / part).exists() and not (dst / part).exists():
             shutil.copytree(src / part, dst / part)
     return str(dst)
 

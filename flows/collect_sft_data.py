@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 from flows.common import resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.tracking import Tracker
-from tasks.collect import filter_trajectories, teacher_round
+from tasks.collect import filter_trajectories, teacher_reflections, teacher_round
 from tasks.inputs import prepare_inputs
 
 
@@ -50,6 +50,8 @@ def collect_sft_data(
             if summary["unfinished"] == 0:
                 break
         stats = filter_trajectories(run_dir, cfg, last_round)
+        reflections = teacher_reflections(run_dir, cfg)
+        stats.update({k: v for k, v in reflections.items() if k != "cached"})
         if child is not None:
             child.log_metrics(
                 {
@@ -60,13 +62,16 @@ def collect_sft_data(
                     "teacher/total_cost_usd": stats["cost_usd"],
                     "teacher/total_requests": totals["requests"],
                     **{f"sft/rejected/{code}": n for code, n in stats["reject_reasons"].items()},
+                    **({"sft/reflections": reflections["reflections"], "sft/reflections_valid": reflections["reflections_valid"],
+                        **{f"sft/reflection_rejected/{c}": n for c, n in reflections["reflection_reject_codes"].items()}}
+                       if reflections else {}),
                 },
                 step=0,
             )
             child.log_dict(stats, "sft_collection_summary.json")
     log.info(
-        "collected %d trajectories (%d accepted) from %d queries; tables in %s/tables",
-        stats["trajectories"], stats["accepted"], inputs["train_queries"], run_dir,
+        "collected %d trajectories (%d accepted) from %d queries, %d valid teacher reflections; tables in %s/tables",
+        stats["trajectories"], stats["accepted"], inputs["train_queries"], reflections.get("reflections_valid", 0), run_dir,
     )
     return {**stats, **inputs, "rounds": last_round + 1}
 

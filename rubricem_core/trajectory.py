@@ -13,6 +13,7 @@ from typing import Any
 from rubricem_core.scaffold import STAGE_IDS, STAGES
 
 NO_STAGE = -1  # prompt tokens (system prompt, guidance, query) belong to no stage
+REFLECTION_STAGE = len(STAGES)  # SFT: tokens of a reflection (the meta-policy's task), after the four research stages
 SEGMENT_KINDS = ("prompt", "policy", "tool_output")
 
 

@@ -22,6 +22,7 @@ from rubricem_core.llm.types import ChatResult
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.builtin import register_builtin_teacher
 from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
+from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests, initial_states
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
@@ -76,6 +77,26 @@ SFT_TRAJECTORIES_SCHEMA = pa.schema(
         ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()),
         ("cost_usd", pa.float64()),
+    ]
+)
+
+TEACHER_REFLECTIONS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("model", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("response", pa.string()),
+        ("text", pa.string()),
+        ("valid", pa.bool_()),
+        ("reject_codes", pa.list_(pa.string())),
+        ("messages", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+        ("attempts", pa.int64()),
     ]
 )
 
@@ -248,3 +269,48 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
         "cost_usd": sum(r["cost_usd"] for r in rows),
         "path": str(Path(store.table_dir("sft_trajectories"))),
     }
+
+
+@task(name="teacher-reflections", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
+    """The teacher's reflection on every accepted trajectory → `teacher_reflections` (one round through
+    the same Batch API / concurrent path). A rerun asks again only for the rows whose call failed."""
+    log = get_run_logger()
+    store = RunStore(run_dir)
+    if not cfg.teacher.write_reflections:
+        return {}
+    old = {r["request_id"]: r for r in store.read_rows("teacher_reflections")} if store.files("teacher_reflections") else {}
+    accepted = [r for r in store.read_rows("sft_trajectories") if r["accepted"]]
+    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
+    tcfg = cfg.teacher
+    every = reflection_requests(reflection_sources(accepted, tcfg.reflection_prefixes, cfg.seed), questions, tcfg.model,
+                                tcfg.max_tokens, tcfg.temperature, cfg.reflection.max_trajectory_chars)
+    requests = [req for req in every if req.custom_id not in old or old[req.custom_id]["status"] != "ok"]
+    if not requests:
+        stats = reflection_stats([old[r.custom_id] for r in every])
+        log.info("teacher reflections already written (cached Parquet): %d valid of %d", stats["reflections_valid"], stats["reflections"])
+        return {**stats, "cached": True}
+    if is_builtin(tcfg.model):
+        register_builtin_teacher(tcfg, max_tool_calls=cfg.tools.max_tool_calls)
+    settings = endpoint_settings(tcfg, api_key=resolve_api_key(tcfg))
+    marker = store.state_dir / "teacher_reflections.json"
+    resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
+
+    def on_submitted(batch_id: str) -> None:
+        atomic_write_text(marker, json.dumps({"batch_id": batch_id, "submitted_at": time.time()}))
+        log.info("reflections: batch %s submitted with %d requests", batch_id, len(requests))
+
+    log.info("reflections: %d requests (%s mode, model %s)", len(requests), tcfg.mode, tcfg.model)
+    results = {r.custom_id: r for r in run_round(requests, tcfg, settings, resume_batch_id, on_submitted, lambda _r: None)}
+    missing = [r.custom_id for r in requests if r.custom_id not in results]
+    if missing:
+        raise RuntimeError(f"reflections: provider returned no result for {missing[:5]} ({len(missing)} total)")
+    for req in requests:
+        old[req.custom_id] = reflection_row(req, results[req.custom_id], questions[req.metadata["query_id"]])
+    rows = [old[req.custom_id] for req in every]  # one order: the sources'
+    store.write_table("teacher_reflections", rows, schema=TEACHER_REFLECTIONS_SCHEMA)
+    marker.unlink(missing_ok=True)
+    stats = reflection_stats(rows)
+    log.info("reflections: %d valid of %d, %d failed calls, rejected %s", stats["reflections_valid"], stats["reflections"],
+             stats["reflections_failed"], stats["reflection_reject_codes"])
+    return {**stats, "cached": False}

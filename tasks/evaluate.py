@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -25,6 +26,8 @@ from rubricem_core.eval.run import (
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank
+from rubricem_core.reflection.meta import sample_reflections
+from rubricem_core.rollout import SamplingParams
 from rubricem_core.schemas import queries_from_table
 from rubricem_core.store import RunStore
 from rubricem_core.teacher.endpoint import endpoint_settings
@@ -120,9 +123,10 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     store = RunStore(run_dir)
     tag = checkpoint_tag(run_dir, checkpoint)
     part = part_name(tag, benchmark, retrieval)
-    if store.has(TABLE, {}, part):
-        return {"cached": True, **summarize(store.read_table(TABLE, {}, part).to_pylist())}
     queries = eval_queries(run_dir, cfg, benchmark)
+    if store.has(TABLE, {}, part):
+        rows = store.read_table(TABLE, {}, part).to_pylist()
+        return {"cached": True, **summarize(rows), **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries)}
     engine, tokenizer = _engine(checkpoint, cfg)
     options = EvalOptions(
         samples_per_query=cfg.eval.samples_per_query, temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
@@ -134,8 +138,41 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     outcome = run_eval(engine, tokenizer, benchmark, queries, search_env(run_dir, cfg), options, tag, grader,
                        _bank(run_dir, cfg, retrieval))
     store.write_table(TABLE, outcome.rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
-    s = outcome.summary
+    s = {**outcome.summary, **_reflection_validity(run_dir, cfg, checkpoint, part, outcome.rows, queries)}
     log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds",
              tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],
              s["valid_scaffold_rate"])
     return {"cached": False, **s}
+
+
+REFLECTIONS_TABLE = "eval_reflections"
+EVAL_REFLECTIONS_SCHEMA = pa.schema([
+    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("query_id", pa.string()),
+    ("sample", pa.int64()), ("text", pa.string()), ("valid", pa.bool_()), ("codes", pa.list_(pa.string())),
+])
+
+
+def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: str, rows: list[dict[str, Any]],
+                         queries: list) -> dict[str, float]:
+    """The checkpoint's valid-reflection rate: one unforced reflection per evaluated trajectory, checked
+    by the meta-policy's validator → an `eval_reflections` part (same name as its `eval_results` part)."""
+    if not cfg.eval.reflection_validity:
+        return {}
+    store = RunStore(run_dir)
+    if not store.has(REFLECTIONS_TABLE, {}, part):
+        engine, tokenizer = _engine(checkpoint, cfg)
+        sampling = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.reflection.max_new_tokens,
+                                  max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + zlib.crc32(part.encode()))
+        sources = [{"source": f"{r['query_id']}-e{r['sample']}", "query_id": r["query_id"], "text": r["text"], "row": r}
+                   for r in rows]
+        sampled = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
+                                     cfg.reflection.max_trajectory_chars, search_env(run_dir, cfg))
+        by_source = {s["source"]: s["row"] for s in sources}
+        out = [{"checkpoint": by_source[x["source"]]["checkpoint"], "benchmark": by_source[x["source"]]["benchmark"],
+                "retrieval": by_source[x["source"]]["retrieval"], "query_id": x["query_id"],
+                "sample": by_source[x["source"]]["sample"], "text": x["text"], "valid": x["valid"], "codes": x["codes"]}
+               for x in sampled]
+        store.write_table(REFLECTIONS_TABLE, out, {}, part, schema=EVAL_REFLECTIONS_SCHEMA)
+    written = store.read_table(REFLECTIONS_TABLE, {}, part).to_pylist()
+    return {"reflection_valid_rate": sum(r["valid"] for r in written) / len(written) if written else float("nan")}

@@ -23,7 +23,7 @@ from rubricem_core.reflection.judge import (
     ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows, register_builtin_reflection_judge,
 )
 from rubricem_core.reflection.meta import (
-    candidate_advantages, candidate_requests, candidate_text, judge_view, pick_source_rollouts, reflection_metrics,
+    candidate_advantages, candidate_requests, candidate_text, engine_stop_texts, judge_view, pick_source_rollouts, reflection_metrics,
     reflection_token_advantages,
 )
 from rubricem_core.rl.curriculum import StepPlan
@@ -99,8 +99,7 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     score_rows = store.read_rows("judge_scores", _key(plan.step))
     inputs, trajs = [], {}
     tok = session.tokenizer
-    stop_texts = [tok.decode([i]) for i in sorted(session.engine.stop_token_ids)] if hasattr(session.engine, "stop_token_ids") \
-        else [t for t in (tok.eos_token,) if t]
+    stop_texts = engine_stop_texts(session.engine, tok)
     for (qid, src), group in zip(sources.items(), groups):
         rubrics, judgment = judge_view(qid, src["rollout_id"], rubric_rows, score_rows)
         q = queries[qid]

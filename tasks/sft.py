@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.distributed.sft_worker import launch_sft
-from rubricem_core.sft import prepare_policy, run_sft
+from rubricem_core.sft import prepare_policy, run_sft, sft_inputs
 from rubricem_core.store import RunStore
 
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger checkpoints are tracked by path, not copied into MLflow
@@ -66,10 +66,10 @@ def train_sft_task(
                  cfg.distributed.nproc_per_node)
         result = launch_sft(run_dir, cfg, policy_dir, root, on_line=log.info, on_metrics=log_and_print)
     else:
-        rows = RunStore(run_dir).read_rows("sft_trajectories")
+        rows, reflections = sft_inputs(run_dir)
         doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
         result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print,
-                         doc_ids=doc_ids)
+                         doc_ids=doc_ids, reflection_rows=reflections)
     log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
     return {**result, "cached": False}
 

@@ -123,3 +123,37 @@ def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provi
     # every request id appears once in the responses table
     dupes = json.loads(run_sql(run_dir, "SELECT request_id FROM teacher_responses GROUP BY 1 HAVING count(*) > 1", fmt="json"))
     assert dupes == []
+
+
+def test_teacher_reflections_through_the_batch_api_and_a_rerun_retries_only_the_failed(tmp_path, fake_provider):
+    """After filtering, the teacher writes one reflection per accepted trajectory, in the meta-policy's
+    prompt and format, through the same Batch API; a reflection whose call failed is asked again by the
+    rerun, and only it."""
+    from rubricem_core.reflection.format import REFLECTION_SYSTEM, validate_reflection
+
+    run_dir = str(tmp_path / "run")
+    overrides = batch_overrides(fake_provider)
+    # every first trajectory's reflection fails in its batch and both resubmissions
+    fake_provider.fail_times = {f"syn-{i:05d}-t0-reflection": 3 for i in range(10)}
+    result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    store = RunStore(run_dir)
+    rows = store.read_rows("teacher_reflections")
+    accepted = [r for r in store.read_rows("sft_trajectories") if r["accepted"]]
+    # each accepted trajectory whole and one prefix of it (teacher.reflection_prefixes: 1)
+    assert sorted(r["request_id"] for r in rows) == sorted(f"{r['trajectory_id']}-reflection{s}" for r in accepted for s in ("", "-p1"))
+    failed = sorted(r["request_id"] for r in rows if r["status"] != "ok")
+    assert failed and all(r.endswith("-t0-reflection") for r in failed)
+    assert all(r["reject_codes"] == ["request_failed"] and not r["valid"] for r in rows if r["status"] != "ok")
+    assert result["reflections_valid"] == len(rows) - len(failed) > 0
+    for row in rows:
+        messages = json.loads(row["messages"])
+        assert messages[0] == {"role": "system", "content": REFLECTION_SYSTEM}  # the meta-policy's prompt
+        if row["valid"]:
+            question = next(q["question"] for q in store.read_rows("queries") if q["query_id"] == row["query_id"])
+            assert validate_reflection(row["text"], question=question) == []
+    uploaded = len(fake_provider.uploaded_lines)
+    again = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    new = sorted(line["custom_id"] for line in fake_provider.uploaded_lines[uploaded:])
+    assert new == failed, new  # only the failed calls are asked again
+    assert again["reflections_valid"] == len(rows)
+    assert all(r["valid"] for r in store.read_rows("teacher_reflections"))

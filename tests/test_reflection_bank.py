@@ -76,7 +76,8 @@ def test_unknown_policy_mode_and_bad_entries_are_rejected(bank):
     with pytest.raises(BankError, match="reflection must be a non-empty"):
         BankEntry("q", "text", "  ", 0.5, 0)
     with pytest.raises(BankError, match="step must be an int"):
-        BankEntry("q", "text", "r", 0.5, -1)
+        BankEntry("q", "text", "r", 0.5, -2)
+    assert BankEntry("q", "text", "r", 0.5, -1).step == -1  # the teacher's warm start, before RL
 
 
 # ---- retrieval --------------------------------------------------------------------------------------

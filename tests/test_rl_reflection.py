@@ -28,6 +28,7 @@ REFLECT = {
     "reflection.n_candidates": 3,
     "reflection.max_new_tokens": 400,
     "reflection.max_trajectory_chars": 1500,
+    "reflection.warm_bank": False,  # an empty bank at step 0 (the warm start: tests/test_reflection_warm.py)
 }
 
 

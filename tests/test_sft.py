@@ -56,6 +56,46 @@ def test_sft_flow_trains_and_logs(collected_run):
     assert sft(run_dir=collected_run, profile="tiny", overrides=SMALL)["cached"] is True
 
 
+def test_sft_mixes_reflection_examples_with_their_own_loss(collected_run):
+    """The teacher's reflections are SFT examples of the meta-policy's task: its exact prompt untrained,
+    the reflection and end-of-turn token trained under their own stage; the task losses are logged apart."""
+    from rubricem_core.encoding import encode_prompt
+    from rubricem_core.sft import encode_reflection_rows, sft_inputs
+    from rubricem_core.trajectory import NO_STAGE, REFLECTION_STAGE
+
+    from flows.sft import sft
+
+    sft(run_dir=collected_run, profile="tiny", overrides=SMALL)  # trains once per module (cached after)
+    rows, reflections = sft_inputs(collected_run)
+    assert reflections and all(r["valid"] for r in reflections)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(f"{collected_run}/policy/base")
+    trajs, ids, too_long = encode_reflection_rows(tok, reflections, max_len=4096)
+    assert len(trajs) == len(reflections) and not too_long
+    for traj, row in zip(trajs, reflections):
+        prompt = encode_prompt(tok, json.loads(row["messages"]))  # what the sampler is given during RL
+        assert traj.token_ids[:len(prompt)] == prompt and traj.prompt_len == len(prompt)
+        assert set(traj.loss_mask[:len(prompt)]) == {0} and set(traj.loss_mask[len(prompt):]) == {1}
+        assert set(traj.stage_ids[:len(prompt)]) == {NO_STAGE} and set(traj.stage_ids[len(prompt):]) == {REFLECTION_STAGE}
+        assert tok.decode(traj.token_ids[len(prompt):-1]) == row["text"] and traj.token_ids[-1] == tok.eos_token_id
+    names = {r["name"] for r in json.loads(run_sql(collected_run, "SELECT DISTINCT name FROM metrics", fmt="json"))}
+    assert {"sft/task_nll/research", "sft/task_nll/reflection", "sft/n_task_tokens/reflection"} <= names, sorted(names)
+
+
+@pytest.mark.parametrize("n_research,n_reflections,ratio,expected", [
+    (10, 4, 1.0, 10), (10, 4, 0.5, 5), (10, 20, 0.5, 5), (10, 0, 1.0, 0), (10, 4, 0.0, 0), (3, 4, 2.0, 6),
+])
+def test_reflection_mix_sizes_and_covers(n_research, n_reflections, ratio, expected):
+    from rubricem_core.sft import reflection_mix
+
+    picks = reflection_mix(n_research, n_reflections, ratio, seed=3)
+    assert len(picks) == expected
+    if expected >= n_reflections > 0:  # every example used before any repeats
+        assert set(picks[:n_reflections]) == set(range(n_reflections))
+    assert picks == reflection_mix(n_research, n_reflections, ratio, seed=3)  # a pure function of the seed
+
+
 def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
     cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3, "sft.relabel_doc_ids": True})
     rows = RunStore(collected_run).read_rows("sft_trajectories")

@@ -11,9 +11,8 @@ from safetensors.torch import load_file
 
 from rubricem_core.config import load_config
 from rubricem_core.distributed.launch import free_port
-from rubricem_core.sft import run_sft
+from rubricem_core.sft import run_sft, sft_inputs
 from rubricem_core.sql import run_sql
-from rubricem_core.store import RunStore
 
 from test_sft import SMALL, collected_run  # noqa: F401  (the module's collected run fixture)
 
@@ -42,8 +41,10 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
 
     # one rank, same config, same base policy, uninterrupted
     cfg = load_config("tiny", DIST)
-    rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
-    ref = run_sft(run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0)
+    rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
+    ref = run_sft(run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0,
+                  reflection_rows=reflections)
+    assert reflections and ref["reflection_examples"] > 0
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
     a = load_file(str(ckpts / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
@@ -81,8 +82,10 @@ def test_sft_on_two_nodes_joined_by_the_ranks_command(collected_run, tmp_path):
     assert node1.returncode == 0, out
     assert "Traceback" not in out
     cfg = load_config("tiny", DIST)
-    rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
-    ref = run_sft(run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0)
+    rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
+    ref = run_sft(run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0,
+                  reflection_rows=reflections)
+    assert reflections and ref["reflection_examples"] > 0
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
     a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))

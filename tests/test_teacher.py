@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -111,3 +112,46 @@ def test_teacher_never_reads_ground_truth(world, tools):
         answer = s.text.split("<answer>")[-1] if "<answer>" in s.text else ""
         assert "<cite" not in answer
         assert validate(s.text)  # not a clean trace
+
+
+def _reflect(question: str, text: str) -> str:
+    from rubricem_core.llm.provider import message_text
+    from rubricem_core.reflection.format import reflection_messages
+    from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
+
+    messages = reflection_messages(question, text)
+    assert message_text(messages[0]["content"])  # the meta-policy's own prompt
+    return ScriptedTeacher(TeacherRates()).respond(messages, {"seed": 0})
+
+
+def test_teacher_reflections_are_valid_and_grounded_in_the_trajectory(world, tools):
+    """The built-in teacher answers the meta-policy's reflection prompt in its format: every reflection
+    passes the validator, names the documents where the trajectory found its facts, and says which
+    facts a trajectory never found and that it never answered."""
+    from rubricem_core.reflection.format import parse_reflection, validate_reflection
+
+    queries, states = collect(world, tools)
+    question = {q["query_id"]: q["question"] for q in queries}
+    for s in states:
+        text = _reflect(question[s.query_id], s.text)
+        assert validate_reflection(text, s.text, question[s.query_id]) == [], text
+        reflection = parse_reflection(text)
+        found = re.findall(r'<snippet id="([^"]+)"', s.text)
+        assert any(doc in " ".join(reflection.takeaways) for doc in found), (text, found)
+    # the same question, but the attempt stops after its plan: no fact found, no answer
+    s = states[0]
+    cut = s.text.split("<tool_output>")[0]
+    text = _reflect(question[s.query_id], cut)
+    assert validate_reflection(text, cut, question[s.query_id]) == []
+    takeaways = " ".join(parse_reflection(text).takeaways)
+    assert "was never found" in takeaways and "without an answer" in takeaways
+    subjects = understand_question(question[s.query_id]).subjects
+    assert subjects[0] in text
+
+
+def test_teacher_reflection_of_a_question_outside_the_world():
+    from rubricem_core.reflection.format import validate_reflection
+
+    text = _reflect("Why do migrating birds fly in a V formation?",
+                    '<call_tool name="search">bird V formation</call_tool><tool_output>nothing</tool_output><answer>Drafting.</answer>')
+    assert validate_reflection(text) == [] and "bird V formation" in text and "cites nothing" in text

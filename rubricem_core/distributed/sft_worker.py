@@ -52,14 +52,14 @@ def launch_sft(
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    from rubricem_core.sft import run_sft  # after the logging set-up
+    from rubricem_core.sft import run_sft, sft_inputs  # after the logging set-up
 
     spec, cfg = start_rank("One SFT rank (started by torchrun from the sft task).", argv)
     store = RunStore(spec["run_dir"])
-    rows = store.read_rows("sft_trajectories")
+    rows, reflections = sft_inputs(spec["run_dir"])
     doc_ids = store.read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
     result = run_sft(Path(spec["policy_dir"]), rows, Path(spec["checkpoint_root"]), cfg.policy, cfg.sft, cfg.seed,
-                     log_metrics=emit_metrics if is_main() else None, doc_ids=doc_ids)
+                     log_metrics=emit_metrics if is_main() else None, doc_ids=doc_ids, reflection_rows=reflections)
     if is_main():
         atomic_write_text(Path(spec["result"]), json.dumps(result))
     shutdown()

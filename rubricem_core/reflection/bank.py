@@ -65,7 +65,7 @@ class BankEntry:
     query_text: str
     reflection: str  # the rendered reflection (format.Reflection.render())
     score: float  # the reflection judge's score in [0, 1]
-    step: int  # the RL step the reflection was written at
+    step: int  # the RL step the reflection was written at (-1: before RL, the teacher's warm start)
 
     def __post_init__(self) -> None:
         where = f"bank entry {self.query_id!r}"
@@ -77,8 +77,8 @@ class BankEntry:
             raise BankError(f"{where}: reflection must be a non-empty string")
         if isinstance(self.score, bool) or not isinstance(self.score, (int, float)) or not math.isfinite(self.score):
             raise BankError(f"{where}: score must be a finite number, got {self.score!r}")
-        if isinstance(self.step, bool) or not isinstance(self.step, (int, np.integer)) or self.step < 0:
-            raise BankError(f"{where}: step must be an int >= 0, got {self.step!r}")
+        if isinstance(self.step, bool) or not isinstance(self.step, (int, np.integer)) or self.step < -1:
+            raise BankError(f"{where}: step must be an int >= -1 (-1: written before RL), got {self.step!r}")
 
 
 class ReflectionBank:

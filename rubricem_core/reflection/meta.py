@@ -24,7 +24,7 @@ import torch
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
-from rubricem_core.reflection.format import guidance_text, parse_reflection, reflection_messages
+from rubricem_core.reflection.format import guidance_text, parse_reflection, reflection_messages, validate_reflection
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.ssgrpo import stage_advantages
 from rubricem_core.trajectory import TokenTrajectory
@@ -55,6 +55,33 @@ def candidate_requests(tokenizer: Any, sources: dict[str, dict[str, Any]], quest
         )
         for qid, src in sources.items()
     ]
+
+
+def engine_stop_texts(engine: Any, tokenizer: Any) -> list[str]:
+    """The texts of the tokens that end a turn for ``engine`` (stripped from a candidate's text)."""
+    if hasattr(engine, "stop_token_ids"):
+        return [tokenizer.decode([i]) for i in sorted(engine.stop_token_ids)]
+    return [t for t in (tokenizer.eos_token,) if t]
+
+
+def sample_reflections(engine: Any, tokenizer: Any, sources: Sequence[dict[str, Any]], questions: dict[str, str],
+                       sampling: SamplingParams, max_trajectory_chars: int, tools: Any) -> list[dict[str, Any]]:
+    """One reflection per source trajectory (dicts with ``query_id``, ``text`` and an id ``source``),
+    unforced, each checked with the meta-policy's validator: the valid-reflection rate of a policy.
+    ``tools`` is the engine's ToolEnv (no call is allowed: max_tool_calls 0)."""
+    sources = [s for s in sources if s["text"] and s["text"].strip()]
+    requests = [RolloutRequest(request_id=s["source"], n=1, sampling=sampling, max_tool_calls=0,
+                               prompt_ids=encode_prompt(tokenizer, reflection_messages(
+                                   questions[s["query_id"]], s["text"], max_trajectory_chars)))
+                for s in sources]
+    groups = engine.generate(requests, tools) if requests else []
+    stops = engine_stop_texts(engine, tokenizer)
+    rows = []
+    for src, group in zip(sources, groups):
+        text = candidate_text(group[0], stops)
+        codes = validate_reflection(text, src["text"], questions[src["query_id"]])
+        rows.append({"source": src["source"], "query_id": src["query_id"], "text": text, "valid": not codes, "codes": codes})
+    return rows
 
 
 def candidate_text(traj: TokenTrajectory, stop_texts: Sequence[str] = ()) -> str:

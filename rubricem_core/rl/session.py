@@ -34,7 +34,7 @@ from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import get_recipe
-from rubricem_core.reflection.bank import ReflectionBank
+from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank
 from rubricem_core.rl.update import ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine
@@ -388,11 +388,31 @@ def new_bank(cfg: RunConfig) -> ReflectionBank:
     return ReflectionBank(embedder)
 
 
+WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
+
+
 def reset_bank(session: RLSession, cfg: RunConfig, store: RunStore, steps: list[int]) -> None:
-    """A new bank holding the accepted reflections of ``steps`` only."""
+    """A new bank holding the warm start (the valid teacher reflections, with ``reflection.warm_bank``)
+    and the accepted reflections of ``steps``."""
     session.bank = new_bank(cfg)
     session.bank_steps = set()
+    if cfg.reflection.warm_bank:
+        session.bank.add_many(warm_bank_entries(store, cfg.reflection.min_score))
     load_bank_steps(session, store, steps)
+
+
+def warm_bank_entries(store: RunStore, score: float) -> list[BankEntry]:
+    """One entry per query from its first valid teacher reflection, at ``score`` (reflection.min_score:
+    any accepted reflection of the policy scores above it and replaces it)."""
+    if not store.files("teacher_reflections"):
+        return []
+    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
+    first: dict[str, str] = {}
+    for row in store.read_rows("teacher_reflections"):
+        whole = row["request_id"].endswith("-reflection")  # not one of the prefix variants
+        if whole and row["valid"] and row["query_id"] not in first:
+            first[row["query_id"]] = row["text"]
+    return [BankEntry(qid, questions.get(qid, ""), text, float(score), WARM_STEP) for qid, text in sorted(first.items())]
 
 
 def load_bank_steps(session: RLSession, store: RunStore, steps: list[int],

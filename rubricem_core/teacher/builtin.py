@@ -19,6 +19,7 @@ from typing import Any
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.llm.provider import message_text, register_completion_provider
+from rubricem_core.reflection.format import REFLECTION_SYSTEM, Reflection
 from rubricem_core.scaffold import extract_tool_calls
 from rubricem_core.world import read_facts
 
@@ -120,6 +121,19 @@ def _draw_errors(rng: random.Random, rates: TeacherRates) -> ErrorPlan:
     return plan
 
 
+def resolve_needs(task: Task, outputs: list[str]) -> None:
+    """Fill needs from facts read in the snippets shown so far (exact entity names only, so a
+    similarly named distractor never answers a need)."""
+    for output in outputs:
+        for doc_id, body in _SNIPPET.findall(output):
+            for fact in read_facts(_TITLE_PREFIX.sub("", body, count=1)):
+                for i, need in enumerate(task.needs):
+                    if need.value is None and need.entity == fact.entity and need.attribute == fact.attribute:
+                        need.value, need.doc_id, need.evidence = fact.value, doc_id, body
+                        if task.hop_relation and i == 0:
+                            task.needs[1].entity = fact.value
+
+
 class ScriptedTeacher:
     """Stateless: every call rebuilds the agent's state from the chat, as a model would."""
 
@@ -128,6 +142,8 @@ class ScriptedTeacher:
 
     # ---- reading the chat ----------------------------------------------------------------------
     def respond(self, messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
+        if messages and messages[0].get("role") == "system" and message_text(messages[0]["content"]) == REFLECTION_SYSTEM:
+            return write_reflection(message_text(messages[-1]["content"]))
         turns = [m for m in messages if m.get("role") != "system"]
         question = message_text(turns[0]["content"]) if turns else ""
         assistant = [message_text(m["content"]) for m in turns if m["role"] == "assistant"]
@@ -143,7 +159,7 @@ class ScriptedTeacher:
         task = understand_question(question)
         if task is None:
             return self._generic(question, assistant, outputs, n_calls, errors)
-        self._resolve(task, outputs)
+        resolve_needs(task, outputs)
         if not assistant:
             return self._plan(question, task, errors) + self._next_call(task, calls, n_calls, errors, turn_rng)
         missing = self._missing(task, calls)
@@ -151,18 +167,6 @@ class ScriptedTeacher:
         if missing and budget_left > 0 and "budget exhausted" not in (outputs[-1] if outputs else ""):
             return self._state_evaluation(task, "continue", errors) + self._next_call(task, calls, n_calls, errors, turn_rng)
         return self._state_evaluation(task, "ready", errors) + self._review(task, errors) + self._answer(task, errors, rng)
-
-    def _resolve(self, task: Task, outputs: list[str]) -> None:
-        """Fill needs from facts read in the snippets shown so far (exact entity names only, so a
-        similarly named distractor never answers a need)."""
-        for output in outputs:
-            for doc_id, body in _SNIPPET.findall(output):
-                for fact in read_facts(_TITLE_PREFIX.sub("", body, count=1)):
-                    for i, need in enumerate(task.needs):
-                        if need.value is None and need.entity == fact.entity and need.attribute == fact.attribute:
-                            need.value, need.doc_id, need.evidence = fact.value, doc_id, body
-                            if task.hop_relation and i == 0:
-                                task.needs[1].entity = fact.value
 
     def _missing(self, task: Task, calls: list) -> list[Need]:
         out = []
@@ -328,6 +332,63 @@ class ScriptedTeacher:
         answer = " ".join(claims) if claims else "The retrieved documents do not answer the question."
         return ("<state_evaluation>The documents read cover the question as far as the corpus allows. Verdict: ready"
                 "</state_evaluation>\n" + review + f"<answer>{answer}</answer>")
+
+
+# ---- reflections (the meta-policy's task) -------------------------------------------------------
+_REFLECTION_PROMPT = re.compile(r"^Question:\n(?P<question>.*?)\n\nYour earlier attempt:.*?<<<ATTEMPT>>>\n"
+                                r"(?P<attempt>.*)\n<<<END OF ATTEMPT>>>", re.S)
+_CONCLUSIONS = {
+    "earlier": "Says which of {subjects} was founded earlier, from both founding years",
+    "more": "Says which of {subjects} has more employees, from both employee counts",
+    "sum": "Adds up the employee counts of {subjects} into one total",
+    "sort": "Puts {subjects} in order of founding year, oldest first",
+    "lookup": "Finds the organization linked to {subjects} before giving its {attribute}",
+}
+
+
+def write_reflection(prompt: str) -> str:
+    """The reflection on one attempt, from what the attempt itself shows (the generator's view: the
+    question and the raw trajectory, no rubric or score): which searches found which facts, which facts
+    it never found, whether the answer cites its sources."""
+    match = _REFLECTION_PROMPT.search(prompt)
+    question, attempt = (match["question"].strip(), match["attempt"]) if match else (prompt.strip(), "")
+    calls = extract_tool_calls(attempt)
+    answer = attempt.rsplit("<answer>", 1)[1] if "<answer>" in attempt else None
+    task = understand_question(question)
+    rubrics, takeaways = [], []
+    if task is not None:
+        resolve_needs(task, [attempt])  # facts read from the snippets the attempt was shown
+        subjects = " and ".join(task.subjects[:3]) if task.subjects else "the organizations asked about"
+        for need in task.needs[:4]:
+            what = _ATTRIBUTE_WORDS.get(need.attribute, need.attribute)
+            entity = need.entity or "the linked organization"
+            rubrics.append(f"States the {what} of {entity}, backed by the passage that gives it")
+            if need.value is not None:
+                query = next((c.query for c in calls if need.entity and need.entity.lower() in c.query.lower()), None)
+                how = f'the search "{query[:80]}"' if query else "a search"
+                takeaways.append(f"The {what} of {entity} is in {need.doc_id}, found by {how}; open that passage first")
+            else:
+                takeaways.append(f"The {what} of {entity} was never found; search for {entity} with the words "
+                                 f'"{what}" and read the best passage in full')
+        op = "lookup" if task.op.startswith("hop") or task.op == "lookup" else task.op
+        rubrics.append(_CONCLUSIONS.get(op, _CONCLUSIONS["lookup"]).format(
+            subjects=subjects, attribute=_ATTRIBUTE_WORDS.get(task.attribute, task.attribute)))
+        rubrics.append(f"Does not mix up {task.subjects[0] if task.subjects else 'an organization'} with a similarly named one")
+        if len(calls) > 2 * len(task.needs):
+            takeaways.append(f"{len(calls)} searches for {len(task.needs)} facts: stop searching once each fact is found")
+    else:
+        rubrics += ["Answers what the question asks, each claim tied to a retrieved document",
+                    "States no fact that no retrieved document supports"]
+        if calls:
+            takeaways.append(f'The first search was "{calls[0].query[:80]}"; try narrower terms if the top passages miss the point')
+        else:
+            takeaways.append("No search was made; search for the key terms of the question before answering")
+    if answer is None:
+        takeaways.append("The attempt ended without an answer; always finish with one, saying which facts are missing")
+    elif "<cite" not in answer:
+        rubrics.append("Cites the document of every fact in the answer")
+        takeaways.append("The answer cites nothing; give each fact its document id")
+    return Reflection(tuple(rubrics[:8]), tuple(takeaways[:8])).render()
 
 
 def _perturb(value: str) -> str:
