@@ -124,6 +124,10 @@ def main() -> None:
               f"{p['facts']:>6.2f} {p['finals']:>6.2f}")
     print("score: mean answer score (persistent rubrics); vs SFT: mean per-query difference, ± its standard error;\n"
           "answered / valid: shares of trajectories; facts / finals: shares of fact rubrics met in full / right finals")
+    if len(recipes) >= 2 and all(parts.get(r) for r in recipes[-2:]):
+        a, b = recipes[-2], recipes[-1]
+        diff, diff_se = paired_gain(parts[b]["per_query"], parts[a]["per_query"])
+        print(f"{b} − {a}: {diff:+.3f} ± {diff_se:.3f} (paired by query)")
     last = recipes[-1]
     gain, se = gains.get(last, (math.nan, math.nan))
     met = None if math.isnan(gain) else bool(gain > 0 and not math.isnan(se) and gain > 2 * se)
