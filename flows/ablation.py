@@ -51,7 +51,7 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
 @writes_run_dir
 def ablation(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
     recipes: list[str] | None = None,
@@ -62,7 +62,8 @@ def ablation(
 
     Args:
         run_dir: a run directory with `queries`, `corpus` and checkpoints/sft/final.
-        profile: profile name under data/profiles or a YAML path.
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
         overrides: dotted-key overrides shared by every recipe (budgets: rl.*, rollout.*).
         config: a complete run config; when given, profile and overrides are ignored.
         recipes: recipes to compare (default: baseline, ss_grpo, meta_policy, full).

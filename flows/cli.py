@@ -28,7 +28,9 @@ def _debug(parser: argparse.ArgumentParser) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     _debug(parser)
-    parser.add_argument("--profile", default="tiny", help="profile name under data/profiles, or a YAML file (default: tiny)")
+    parser.add_argument("--profile", default=None,
+                        help="profile name under data/profiles, or a YAML file (default: the run directory's own "
+                        "config.yaml, or tiny for a new run directory)")
     parser.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -48,9 +50,9 @@ def _writing(args: argparse.Namespace) -> Iterator[None]:
 
 def _config(args: argparse.Namespace):
     """Resolve the config before any flow starts, so a bad profile or --set fails in milliseconds."""
-    from rubricem_core.config import load_config
+    from rubricem_core.run_config import base_config
 
-    return load_config(args.profile, args.overrides)
+    return base_config(args.run_dir, args.profile, args.overrides)
 
 
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from tasks.inputs import prepare_inputs
 @writes_run_dir
 def collect_sft_data(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
 ) -> dict[str, Any]:
@@ -25,7 +25,8 @@ def collect_sft_data(
 
     Args:
         run_dir: the run directory (Parquet tables, MLflow, state).
-        profile: profile name under data/profiles or a YAML path.
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
         overrides: dotted-key overrides of the profile, e.g. {"teacher.max_rounds": 6}.
         config: a complete run config; when given, profile and overrides are ignored.
     """

@@ -7,9 +7,9 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from rubricem_core.config import ConfigError, RunConfig, load_config
+from rubricem_core.config import ConfigError, RunConfig
 from rubricem_core.offline import apply_offline_defaults
-from rubricem_core.run_config import record_config
+from rubricem_core.run_config import base_config, record_config
 from rubricem_core.runlock import run_dir_lock
 
 apply_offline_defaults()
@@ -18,16 +18,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def resolve_config(
-    run_dir: str, profile: str = "tiny", overrides: dict[str, Any] | None = None, config: RunConfig | None = None,
+    run_dir: str, profile: str | None = None, overrides: dict[str, Any] | None = None, config: RunConfig | None = None,
     command: str = "flow",
 ) -> RunConfig:
-    """A full ``config`` (e.g. from the Prefect UI form) wins; else the profile plus dotted overrides.
+    """A full ``config`` (e.g. from the Prefect UI form) wins; else the profile plus dotted overrides,
+    where no profile means the run directory's recorded config (``run_config.base_config``).
 
     The resolved config is checked against ``<run_dir>/config.yaml`` (rubricem_core.run_config: a
     change that would alter finished work is refused) and recorded there, so a run is reproducible
     from its directory alone.
     """
-    cfg = config if config is not None else load_config(profile, overrides or {})
+    cfg = config if config is not None else base_config(run_dir, profile, overrides or {})
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} is a file, not a directory")
     Path(run_dir).mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from tasks.evaluate import default_checkpoint, evaluate_benchmark
 @writes_run_dir
 def evaluate(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
     checkpoint: str | None = None,
@@ -35,7 +35,8 @@ def evaluate(
 
     Args:
         run_dir: a run directory with `queries`, `corpus` and a policy checkpoint.
-        profile: profile name under data/profiles or a YAML path.
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"eval.max_queries": 4}.
         config: a complete run config; when given, profile and overrides are ignored.
         checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).

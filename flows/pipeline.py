@@ -23,7 +23,7 @@ from tasks.rl import drop_sessions
 @writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
 ) -> dict[str, Any]:

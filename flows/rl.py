@@ -106,7 +106,7 @@ def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
 @writes_run_dir
 def rl(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
 ) -> dict[str, Any]:
@@ -114,7 +114,8 @@ def rl(
 
     Args:
         run_dir: a run directory with `queries`, `corpus` and checkpoints/sft/final.
-        profile: profile name under data/profiles or a YAML path.
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"rl.recipe": "baseline"}.
         config: a complete run config; when given, profile and overrides are ignored.
     """

@@ -16,7 +16,7 @@ from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, 
 @writes_run_dir
 def sft(
     run_dir: str = "runs/tiny",
-    profile: str = "tiny",
+    profile: str | None = None,
     overrides: dict[str, Any] | None = None,
     config: RunConfig | None = None,
 ) -> dict[str, Any]:
@@ -24,7 +24,8 @@ def sft(
 
     Args:
         run_dir: a run directory that holds `sft_trajectories` (from collect_sft_data).
-        profile: profile name under data/profiles or a YAML path.
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"sft.epochs": 4}.
         config: a complete run config; when given, profile and overrides are ignored.
     """

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import yaml
 
-from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten
+from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten, load_config
 from rubricem_core.store import RunStore, atomic_write_text
 
 CONFIG_FILE = "config.yaml"
@@ -97,6 +97,16 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
         return RunConfig.model_validate(yaml.safe_load(path.read_text()))
     except Exception as exc:  # YAML or validation: either way the file cannot be trusted
         raise ConfigError(f"{path} is not a valid run config ({exc}); move it away to start over") from None
+
+
+def base_config(run_dir: str | os.PathLike[str], profile: str | None,
+                overrides: dict[str, Any] | list[str]) -> RunConfig:
+    """``profile`` + ``overrides``; with no profile, the run directory's recorded config (so a later
+    command needs no --profile and no repeated --set), or ``tiny`` for a new run directory."""
+    if profile is None:
+        recorded = Path(run_dir) / CONFIG_FILE
+        profile = str(recorded) if recorded.is_file() else "tiny"
+    return load_config(profile, overrides)
 
 
 def refused_changes(run_dir: Path, changes: list[Change]) -> list[tuple[Change, str]]:

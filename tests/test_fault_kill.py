@@ -389,3 +389,17 @@ def test_a_changed_config_is_refused_once_its_stage_has_written(reference, tmp_p
     assert out.returncode == 2
     assert "rl.recipe: 'full' → 'baseline'" in out.stderr and "data.world.n_documents: 60 → 61" in out.stderr, out.stderr
     assert (run / "config.yaml").read_text() == before and not (run / "state" / "config_revisions.jsonl").exists()
+
+
+def test_a_later_command_reads_the_run_directorys_own_config(reference, tmp_path):
+    """No --profile and no --set: the run directory's config.yaml is the config (nothing to retype);
+    naming another profile is refused with the fields it would change."""
+    run = tmp_path / "run"
+    shutil.copytree(reference["final"], run)
+    same = subprocess.run([*CLI, "rl", "--run-dir", str(run)], cwd=REPO, env=_api_env(), capture_output=True,
+                          text=True, timeout=180)
+    assert same.returncode == 0 and "finished 2 steps" in same.stdout, same.stdout[-2000:] + same.stderr[-2000:]
+    assert not (run / "state" / "config_revisions.jsonl").exists()
+    other = subprocess.run([*CLI, "rl", "--run-dir", str(run), "--profile", "tiny"], cwd=REPO, env=_api_env(),
+                           capture_output=True, text=True, timeout=180)
+    assert other.returncode == 2 and "data.world.n_documents: 60 → 400" in other.stderr, other.stderr
