@@ -109,6 +109,11 @@ class TeacherConfig(EndpointConfig):
     batch_poll_interval_s: float = Field(default=5.0, gt=0, description="First batch poll interval.")
     batch_poll_max_interval_s: float = Field(default=60.0, gt=0, description="Longest batch poll interval.")
     batch_timeout_s: float = Field(default=24 * 3600.0, gt=0, description="Give up on a batch after this.")
+    min_ok_fraction: float = Field(
+        default=0.5, ge=0, le=1,
+        description="A round fails (not marked done; the rerun sends only its failed requests again) when fewer "
+        "of its requests than this share succeeded after retries; above it a failed request ends its trajectory.",
+    )
     write_reflections: bool = Field(
         default=True,
         description="After filtering, the teacher also writes a reflection on each accepted trajectory, in the "

@@ -23,7 +23,7 @@ from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.builtin import register_builtin_teacher
 from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
-from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests, initial_states
+from rubricem_core.teacher.rounds import TEACHER_ERROR, TrajectoryState, apply_result, build_requests, initial_states
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
 
@@ -118,6 +118,24 @@ def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[Trajec
     return list(states.values())
 
 
+class TeacherRoundError(RuntimeError):
+    """Too many of a round's teacher requests failed to go on with it."""
+
+
+def _answered(store: RunStore, round_index: int) -> dict[str, ChatResult]:
+    """The ok responses of a round a previous attempt wrote but did not finish."""
+    if not store.has("teacher_responses", _round_key(round_index)):
+        return {}
+    return {
+        r["request_id"]: ChatResult(
+            custom_id=r["request_id"], status="ok", text=r["response"], finish_reason=r["finish_reason"],
+            prompt_tokens=r["prompt_tokens"] or 0, completion_tokens=r["completion_tokens"] or 0,
+            cost_usd=r["cost_usd"] or 0.0, attempts=r["attempts"] or 0, latency_s=r["latency_s"] or 0.0,
+            batch_id=r["batch_id"])
+        for r in store.read_rows("teacher_responses", _round_key(round_index)) if r["status"] == "ok"
+    }
+
+
 @task(name="teacher-round", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any]:
     """One teacher round over all unfinished trajectories.
@@ -168,8 +186,13 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             log.info("round %d: %d/%d teacher responses", round_index, done[0], len(requests))
 
     submitted_at = pa.scalar(time.time_ns() // 1000, type=pa.timestamp("us", tz="UTC")).as_py()
-    log.info("round %d: %d requests (%s mode, model %s)", round_index, len(requests), tcfg.mode, tcfg.model)
-    results = run_round(requests, tcfg, settings, resume_batch_id, on_submitted, on_result)
+    # A rerun of a round that failed: its answered requests are in `teacher_responses` (paid for once)
+    answered = _answered(store, round_index)
+    to_send = [r for r in requests if r.custom_id not in answered]
+    log.info("round %d: %d requests (%s mode, model %s)%s", round_index, len(to_send), tcfg.mode, tcfg.model,
+             f", {len(answered)} answered before" if answered else "")
+    results = (run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else [])
+    results += [answered[r.custom_id] for r in requests if r.custom_id in answered]
     by_id = {r.custom_id: r for r in results}
     missing = [r.custom_id for r in requests if r.custom_id not in by_id]
     if missing:
@@ -207,6 +230,15 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         )
     store.write_table("teacher_requests", req_rows, _round_key(round_index), schema=TEACHER_REQUESTS_SCHEMA)
     store.write_table("teacher_responses", resp_rows, _round_key(round_index), schema=TEACHER_RESPONSES_SCHEMA)
+    failed_rows = [r for r in resp_rows if r["status"] != "ok"]
+    if failed_rows and len(resp_rows) - len(failed_rows) < tcfg.min_ok_fraction * len(resp_rows):
+        # Not done: no state for this round. The rerun sends only these requests again.
+        marker.unlink(missing_ok=True)  # that batch is over; re-attaching would only return the same failures
+        first = "; ".join(f"{r['request_id']}: {r['error']}" for r in failed_rows[:3])
+        raise TeacherRoundError(
+            f"round {round_index}: {len(failed_rows)} of {len(resp_rows)} teacher requests failed "
+            f"(teacher.min_ok_fraction={tcfg.min_ok_fraction}); fix the endpoint ({tcfg.model}) and rerun: only the "
+            f"failed requests are sent again. First errors: {first}")
     state_rows = [dict(s.to_row(), round=round_index) for s in active]
     store.write_table("teacher_state", state_rows, _round_key(round_index))
     fault_point("collect.round_written")
@@ -260,6 +292,11 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
         for code in r["reject_reasons"]:
             reasons[code] = reasons.get(code, 0) + 1
     log.info("filtered %d trajectories: %d accepted, %d rejected %s", len(rows), accepted, len(rows) - accepted, reasons)
+    errors = [s for s in states if s.finish_reason == TEACHER_ERROR]
+    if not accepted and errors:
+        raise TeacherRoundError(
+            f"no trajectory was accepted: {len(errors)} of {len(rows)} ended in a teacher error (first: "
+            f"{errors[0].trajectory_id}: {errors[0].error}); see teacher_responses.error")
     return {
         "trajectories": len(rows),
         "accepted": accepted,

@@ -157,3 +157,31 @@ def test_teacher_reflections_through_the_batch_api_and_a_rerun_retries_only_the_
     assert new == failed, new  # only the failed calls are asked again
     assert again["reflections_valid"] == len(rows)
     assert all(r["valid"] for r in store.read_rows("teacher_reflections"))
+
+
+def test_a_teacher_outage_fails_the_round_and_the_rerun_sends_only_the_failed_requests(tmp_path, fake_provider):
+    """Most of round 0's requests fail (after retries and resubmissions): the flow fails naming them, the
+    round is not marked done; with the endpoint back the rerun sends only those requests and ends with
+    the tables of a collection that never saw the outage."""
+    import tasks.collect as collect_tasks
+
+    overrides = batch_overrides(fake_provider)
+    ref_dir = str(tmp_path / "ref")
+    collect_sft_data(run_dir=ref_dir, profile="tiny", overrides=overrides)
+    run_dir = str(tmp_path / "run")
+    down = {f"syn-{i:05d}-t{t}:r00" for i in range(7) for t in range(2)}
+    fake_provider.fail_custom_ids = set(down)
+    with pytest.raises(collect_tasks.TeacherRoundError, match=r"round 0: \d+ of 16 teacher requests failed"):
+        collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    store = RunStore(run_dir)
+    assert not store.partitions("teacher_state", "round") and not store.files("sft_trajectories")
+    failed = sorted(r["request_id"] for r in store.read_rows("teacher_responses", {"round": 0}) if r["status"] != "ok")
+    assert failed and set(failed) <= down
+    fake_provider.fail_custom_ids = set()  # the endpoint is back
+    uploaded = len(fake_provider.uploaded_lines)
+    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    resent = sorted(line["custom_id"] for line in fake_provider.uploaded_lines[uploaded:] if line["custom_id"].endswith(":r00"))
+    assert resent == failed, "round 0's answered requests were sent (and paid for) twice"
+    def texts(d):
+        return sorted((r["trajectory_id"], r["accepted"], r["text"]) for r in RunStore(d).read_rows("sft_trajectories"))
+    assert texts(run_dir) == texts(ref_dir)
