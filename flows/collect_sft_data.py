@@ -11,6 +11,7 @@ from rubricem_core.config import RunConfig, flatten
 from rubricem_core.tracking import Tracker
 from tasks.collect import filter_trajectories, teacher_reflections, teacher_round
 from tasks.inputs import prepare_inputs
+from tasks.secrets import check_endpoint_keys
 
 
 @flow(name="collect_sft_data")
@@ -32,6 +33,7 @@ def collect_sft_data(
     """
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, config, command="collect_sft_data")
+    check_endpoint_keys(cfg.teacher)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     run = tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json"))) if tracker else None
     with run if run is not None else nullcontext() as child:

@@ -18,6 +18,7 @@ from rubricem_core.eval.types import EvalError
 from rubricem_core.reflection.bank import RETRIEVAL_MODES
 from rubricem_core.tracking import Tracker
 from tasks.evaluate import default_checkpoint, evaluate_benchmark
+from tasks.secrets import check_endpoint_keys
 
 
 @flow(name="evaluate")
@@ -48,6 +49,8 @@ def evaluate(
     cfg = resolve_config(run_dir, profile, overrides, config, command="evaluate")
     if benchmarks is not None:
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})})
+    if any(b != "synthetic" for b in cfg.eval.benchmarks):  # graded through eval.grader
+        check_endpoint_keys(cfg.eval.grader)
     mode = retrieval or cfg.eval.retrieval
     if mode not in RETRIEVAL_MODES:
         raise EvalError(f"retrieval must be one of {RETRIEVAL_MODES}, got {mode!r}")

@@ -25,6 +25,7 @@ from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
+from tasks.secrets import check_endpoint_keys
 from tasks.rl import (
     completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint,
     step_metrics, step_metrics_logged, update_task,
@@ -121,6 +122,7 @@ def rl(
     """
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, config, command="rl")
+    check_endpoint_keys(cfg.judge, *([cfg.reflection.judge] if reflection_on(cfg) else []))
     plans = rl_plans(run_dir, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None

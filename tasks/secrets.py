@@ -24,3 +24,10 @@ def resolve_api_key(cfg: EndpointConfig) -> str | None:
     if cfg.api_key_env:
         raise MissingSecretError(f"environment variable {cfg.api_key_env} is not set (needed for model {cfg.model})")
     return None
+
+
+def check_endpoint_keys(*endpoints: EndpointConfig) -> None:
+    """Resolve every endpoint's key at flow start, so a missing one fails before any work (not after
+    a step's rollouts); the keys themselves are not kept."""
+    for endpoint in endpoints:
+        resolve_api_key(endpoint)

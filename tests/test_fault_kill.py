@@ -403,3 +403,15 @@ def test_a_later_command_reads_the_run_directorys_own_config(reference, tmp_path
     other = subprocess.run([*CLI, "rl", "--run-dir", str(run), "--profile", "tiny"], cwd=REPO, env=_api_env(),
                            capture_output=True, text=True, timeout=180)
     assert other.returncode == 2 and "data.world.n_documents: 60 → 400" in other.stderr, other.stderr
+
+
+def test_a_missing_endpoint_key_fails_before_any_work(reference, tmp_path, monkeypatch):
+    from flows.rl import rl
+    from rubricem_core.config import MissingSecretError
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    monkeypatch.delenv("RUBRICEM_TEST_JUDGE_KEY", raising=False)
+    with pytest.raises(MissingSecretError, match="RUBRICEM_TEST_JUDGE_KEY"):
+        rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "judge.api_key_env": "RUBRICEM_TEST_JUDGE_KEY"})
+    assert not RunStore(run).files("rollouts"), "the key is checked before the first rollouts"
