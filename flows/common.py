@@ -11,6 +11,7 @@ from rubricem_core.config import ConfigError, RunConfig
 from rubricem_core.offline import apply_offline_defaults
 from rubricem_core.run_config import base_config, record_config
 from rubricem_core.runlock import run_dir_lock
+from rubricem_core.store import RunStore, StoreError
 
 apply_offline_defaults()
 
@@ -49,3 +50,12 @@ def writes_run_dir(flow_fn: F) -> F:
             return flow_fn(*args, **kwargs)
 
     return locked  # type: ignore[return-value]
+
+
+def require_tables(run_dir: str, tables: list[str], command: str) -> None:
+    """A prerequisite missing from the run directory is named with the command that makes it."""
+    store = RunStore(run_dir)
+    missing = [t for t in tables if not store.files(t)]
+    if missing:
+        raise StoreError(f"{run_dir} has no {', '.join(missing)} yet: run `rubricem {command} --run-dir {run_dir}` "
+                         "first (or the whole pipeline: `rubricem run`)")

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config, writes_run_dir
+from flows.common import require_tables, resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.recipes import get_recipe
@@ -28,7 +28,7 @@ from tasks.reflection import reflect_task, reflection_update_task
 from tasks.secrets import check_endpoint_keys
 from tasks.rl import (
     completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint,
-    step_metrics, step_metrics_logged, update_task,
+    start_policy, step_metrics, step_metrics_logged, update_task,
 )
 
 
@@ -123,6 +123,8 @@ def rl(
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, config, command="rl")
     check_endpoint_keys(cfg.judge, *([cfg.reflection.judge] if reflection_on(cfg) else []))
+    require_tables(run_dir, ["queries", "corpus"], "collect-sft-data")
+    start_policy(run_dir)  # names `rubricem sft` when there is no SFT policy
     plans = rl_plans(run_dir, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config, writes_run_dir
+from flows.common import require_tables, resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.tracking import Tracker
 from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
@@ -31,6 +31,7 @@ def sft(
     """
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, config, command="sft")
+    require_tables(run_dir, ["corpus", "sft_trajectories"], "collect-sft-data")
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed})
     with (tracker.child_run("sft", params=params) if tracker else nullcontext()) as child:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -269,3 +270,16 @@ def test_query_without_rubrics_gets_no_reward_and_no_update_signal():
     assert len(rows) == 12 and all(r["R"] is None for r in rows)
     A = group_advantages(R, get_recipe("ss_grpo").lam()).A
     assert np.all(A == 0.0) and not any(math.isnan(x) for x in A.ravel())
+
+
+@pytest.mark.parametrize("command,missing", [("sft", "corpus, sft_trajectories"), ("rl", "queries, corpus")])
+def test_a_missing_prerequisite_names_the_command_to_run(tmp_path, command, missing):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "flows.cli", command, "--run-dir", str(run)], capture_output=True,
+                         text=True, timeout=180, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"has no {missing} yet: run `rubricem collect-sft-data --run-dir {run}` first" in out.stderr
