@@ -4,6 +4,7 @@ the summary of the part that exists instead of sampling again.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import zlib
 from pathlib import Path
@@ -17,6 +18,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.embedders import make_embedder
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
+    settings_digest,
     EvalOptions,
     checkpoint_tag,
     load_benchmark_queries,
@@ -124,20 +126,29 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     tag = checkpoint_tag(run_dir, checkpoint)
     part = part_name(tag, benchmark, retrieval)
     queries = eval_queries(run_dir, cfg, benchmark)
-    if store.has(TABLE, {}, part):
-        rows = store.read_table(TABLE, {}, part).to_pylist()
-        return {"cached": True, **summarize(rows), **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries)}
-    engine, tokenizer = _engine(checkpoint, cfg)
     options = EvalOptions(
         samples_per_query=cfg.eval.samples_per_query, temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
         max_tool_calls=cfg.tools.max_tool_calls, seed=cfg.seed * 100_003 + zlib.crc32(benchmark.encode()),
         prompt_style=cfg.policy.prompt_style, retrieval=retrieval, retrieval_k=cfg.eval.retrieval_k,
     )
+    settings = settings_digest({
+        "options": dataclasses.asdict(options), "queries": [q.query_id for q in queries],
+        "grader": cfg.eval.grader.model_dump(include={"model", "temperature", "max_tokens", "structured_output"}),
+        "bank": [cfg.eval.bank_dir, cfg.eval.bank_embedder], "engine": cfg.rollout.engine,
+    })
+    if store.has(TABLE, {}, part):
+        rows = store.read_table(TABLE, {}, part).to_pylist()
+        if all(r.get("settings") == settings for r in rows):
+            return {"cached": True, **summarize(rows), **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries)}
+        log.info("%s: the settings changed since %s was evaluated; evaluating again", part, tag)
+        store.partition_path(REFLECTIONS_TABLE, {}, part).unlink(missing_ok=True)  # of the old results
+    engine, tokenizer = _engine(checkpoint, cfg)
     grader = None if family_of(benchmark) == "synthetic" else _grader(cfg)
     outcome = run_eval(engine, tokenizer, benchmark, queries, search_env(run_dir, cfg), options, tag, grader,
                        _bank(run_dir, cfg, retrieval))
-    store.write_table(TABLE, outcome.rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
+    rows = [{**r, "settings": settings} for r in outcome.rows]
+    store.write_table(TABLE, rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
     s = {**outcome.summary, **_reflection_validity(run_dir, cfg, checkpoint, part, outcome.rows, queries)}
     log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds",
              tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],

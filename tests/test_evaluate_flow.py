@@ -165,3 +165,22 @@ def test_cli_evaluates_an_explicit_checkpoint(run_dir, capsys):
     assert [r["text"] for r in rows] != [r["text"] for r in sft]  # another policy samples other text
     assert main(["evaluate", "--run-dir", run_dir, *sets, "--benchmark", "nope"]) == 2
     assert "eval.benchmarks" in capsys.readouterr().err
+
+
+def test_a_rerun_with_other_settings_evaluates_again(run_dir):
+    """Cached results are keyed by the settings that produced them: the same settings read the part
+    back; another temperature samples again and replaces it (rows carry their settings digest)."""
+    from flows.evaluate import evaluate
+
+    first = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"])
+    same = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"])
+    assert same["benchmarks"]["synthetic"]["cached"]
+    store = RunStore(run_dir)
+    before = {r["settings"] for r in store.read_table("eval_results", {}, "sft--synthetic--none").to_pylist()}
+    other = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED, **{"eval.temperature": 0.3}),
+                     benchmarks=["synthetic"])
+    assert not other["benchmarks"]["synthetic"]["cached"]
+    rows = store.read_table("eval_results", {}, "sft--synthetic--none").to_pylist()
+    after = {r["settings"] for r in rows}
+    assert len(before) == len(after) == 1 and before != after and len(rows) == first["benchmarks"]["synthetic"]["n_samples"]
+    assert {r["sample"] for r in store.read_table("eval_reflections", {}, "sft--synthetic--none").to_pylist()} == {0}

@@ -33,8 +33,15 @@ EVAL_RESULTS_SCHEMA = pa.schema([
     ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
     ("error", pa.string()), ("grader", pa.string()), ("valid_scaffold", pa.bool_()), ("n_tool_calls", pa.int64()),
     ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
-    ("answer", pa.string()), ("text", pa.string()),
+    ("answer", pa.string()), ("text", pa.string()), ("settings", pa.string()),
 ])
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """A short digest of what produced a part of `eval_results` (its rows' ``settings``): a rerun with
+    other settings evaluates again instead of returning the old results."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 @dataclass
