@@ -118,6 +118,19 @@ def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[Trajec
     return list(states.values())
 
 
+def batch_marker(store: RunStore, name: str, what: str, n_requests: int) -> tuple[Path, str | None, Any]:
+    """A crash after submitting a batch must re-attach to it, not pay for it twice: the marker file
+    ``state/<name>.json``, the batch id it holds (None: nothing submitted yet) and the callback that writes it."""
+    marker = store.state_dir / f"{name}.json"
+    resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
+
+    def on_submitted(batch_id: str) -> None:
+        atomic_write_text(marker, json.dumps({"batch_id": batch_id, "submitted_at": time.time()}))
+        get_run_logger().info("%s: batch %s submitted with %d requests", what, batch_id, n_requests)
+
+    return marker, resume_batch_id, on_submitted
+
+
 class TeacherRoundError(RuntimeError):
     """Too many of a round's teacher requests failed to go on with it."""
 
@@ -169,13 +182,8 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     if not requests:
         return {"round": round_index, "cached": False, "unfinished": 0, "requests": 0}
 
-    # A crash after submitting a batch must re-attach to it, not pay for it twice.
-    marker = store.state_dir / f"teacher_round_{round_index:04d}.json"
-    resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
-
-    def on_submitted(batch_id: str) -> None:
-        atomic_write_text(marker, json.dumps({"batch_id": batch_id, "submitted_at": time.time()}))
-        log.info("round %d: batch %s submitted with %d requests", round_index, batch_id, len(requests))
+    marker, resume_batch_id, on_submitted = batch_marker(store, f"teacher_round_{round_index:04d}", f"round {round_index}",
+                                                         len(requests))
 
     done = [0]
     step = max(1, len(requests) // 10)
@@ -330,12 +338,7 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     if is_builtin(tcfg.model):
         register_builtin_teacher(tcfg, max_tool_calls=cfg.tools.max_tool_calls)
     settings = endpoint_settings(tcfg, api_key=resolve_api_key(tcfg))
-    marker = store.state_dir / "teacher_reflections.json"
-    resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
-
-    def on_submitted(batch_id: str) -> None:
-        atomic_write_text(marker, json.dumps({"batch_id": batch_id, "submitted_at": time.time()}))
-        log.info("reflections: batch %s submitted with %d requests", batch_id, len(requests))
+    marker, resume_batch_id, on_submitted = batch_marker(store, "teacher_reflections", "reflections", len(requests))
 
     log.info("reflections: %d requests (%s mode, model %s)", len(requests), tcfg.mode, tcfg.model)
     results = {r.custom_id: r for r in run_round(requests, tcfg, settings, resume_batch_id, on_submitted, lambda _r: None)}

@@ -175,15 +175,12 @@ def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: st
         sampling = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.reflection.max_new_tokens,
                                   max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + zlib.crc32(part.encode()))
-        sources = [{"source": f"{r['query_id']}-e{r['sample']}", "query_id": r["query_id"], "text": r["text"], "row": r}
-                   for r in rows]
+        by_source = {f"{r['query_id']}-e{r['sample']}": r for r in rows}
+        sources = [{"source": sid, "query_id": r["query_id"], "text": r["text"]} for sid, r in by_source.items()]
         sampled = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
                                      cfg.reflection.max_trajectory_chars, search_env(run_dir, cfg))
-        by_source = {s["source"]: s["row"] for s in sources}
-        out = [{"checkpoint": by_source[x["source"]]["checkpoint"], "benchmark": by_source[x["source"]]["benchmark"],
-                "retrieval": by_source[x["source"]]["retrieval"], "query_id": x["query_id"],
-                "sample": by_source[x["source"]]["sample"], "text": x["text"], "valid": x["valid"], "codes": x["codes"]}
-               for x in sampled]
+        out = [{**{k: by_source[x["source"]][k] for k in ("checkpoint", "benchmark", "retrieval", "query_id", "sample")},
+                "text": x["text"], "valid": x["valid"], "codes": x["codes"]} for x in sampled]
         store.write_table(REFLECTIONS_TABLE, out, {}, part, schema=EVAL_REFLECTIONS_SCHEMA)
     written = store.read_table(REFLECTIONS_TABLE, {}, part).to_pylist()
     return {"reflection_valid_rate": sum(r["valid"] for r in written) / len(written) if written else float("nan")}
