@@ -19,9 +19,9 @@ from prefect import flow, get_run_logger
 from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
-from rubricem_core.config import RunConfig
 from rubricem_core.eval.ablation import ABLATION_SCHEMA, ablation_plot, ablation_rows
 from rubricem_core.recipes import RECIPES
+from rubricem_core.runlock import run_dir_lock
 from rubricem_core.store import RunStore, atomic_write_bytes
 from rubricem_core.tracking import Tracker
 from tasks.rl import start_policy
@@ -47,13 +47,12 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
     return str(sub)
 
 
-@flow(name="ablation")
+@flow(name="ablation", flow_run_name="{run_dir}")
 @writes_run_dir
 def ablation(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
     recipes: list[str] | None = None,
     benchmarks: list[str] | None = None,
     retrieval: str | None = None,
@@ -65,7 +64,6 @@ def ablation(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides shared by every recipe (budgets: rl.*, rollout.*).
-        config: a complete run config; when given, profile and overrides are ignored.
         recipes: recipes to compare (default: baseline, ss_grpo, meta_policy, full).
         benchmarks: benchmarks to evaluate on (default: eval.benchmarks).
         retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
@@ -75,20 +73,22 @@ def ablation(
     unknown = [r for r in names if r not in RECIPES]
     if unknown or not names:
         raise ValueError(f"ablation recipes {unknown or names} unknown or empty; choose from {sorted(RECIPES)}")
-    cfg = resolve_config(run_dir, profile, overrides, config, command="ablation")
+    cfg = resolve_config(run_dir, profile, overrides, command="ablation")
     start_policy(run_dir)  # fail before any training when there is no SFT policy
     budget = {"rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows, "queries_per_step": cfg.rl.queries_per_step,
               "group_size": cfg.rollout.group_size}
     rows = []
-    reference = evaluate(run_dir=run_dir, config=cfg, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks,
+    reference = evaluate(run_dir=run_dir, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks,
                          retrieval=retrieval)
     rows += ablation_rows("sft", reference, {**budget, "rl_steps": 0}, run_dir)
     for recipe in names:
         sub = prepare_recipe_run(run_dir, recipe)
         sub_cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"recipe": recipe})})
-        trained = rl(run_dir=sub, config=sub_cfg)
-        evaluation = evaluate(run_dir=sub, config=sub_cfg, checkpoint=trained["final_checkpoint"],
-                              benchmarks=benchmarks, retrieval=retrieval)
+        with run_dir_lock(sub, command="ablation"):
+            resolve_config(sub, config=sub_cfg, command="ablation")  # the recipe's run reads it from its directory
+            trained = rl(run_dir=sub)
+            evaluation = evaluate(run_dir=sub, checkpoint=trained["final_checkpoint"], benchmarks=benchmarks,
+                                  retrieval=retrieval)
         rows += ablation_rows(recipe, evaluation, budget, sub)
         log.info("ablation %s: %s", recipe, {r["benchmark"]: r["score_mean"] for r in rows if r["recipe"] == recipe})
     store = RunStore(run_dir)

@@ -55,12 +55,20 @@ def _config(args: argparse.Namespace):
     return base_config(args.run_dir, args.profile, args.overrides)
 
 
+def _flow_args(args: argparse.Namespace) -> dict:
+    """What a flow takes, as a Prefect UI run would give it: the profile and the dotted overrides."""
+    from rubricem_core.config import parse_override
+
+    return {"run_dir": args.run_dir, "profile": args.profile,
+            "overrides": dict(parse_override(item) for item in args.overrides)}
+
+
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    _config(args)  # a bad profile or --set fails before Prefect starts
     from flows.collect_sft_data import collect_sft_data  # imports prefect and litellm: seconds
 
     with _writing(args):
-        result = collect_sft_data(run_dir=args.run_dir, config=cfg)
+        result = collect_sft_data(**_flow_args(args))
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -71,11 +79,11 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    _config(args)  # a bad profile or --set fails before Prefect starts
     from flows.sft import sft
 
     with _writing(args):
-        result = sft(run_dir=args.run_dir, config=cfg)
+        result = sft(**_flow_args(args))
     print(f"\nSFT policy written to {result['final_dir']}")
     if not result.get("cached"):
         print(
@@ -87,11 +95,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    _config(args)  # a bad profile or --set fails before Prefect starts
     from flows.rl import rl
 
     with _writing(args):
-        result = rl(run_dir=args.run_dir, config=cfg)
+        result = rl(**_flow_args(args))
     print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
     for name, value in sorted(result["last_metrics"].items()):
         print(f"  {name}: {value:.4f}")
@@ -113,15 +121,17 @@ def cmd_ranks(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.benchmarks:  # validated with the config, before any flow starts
         args.overrides = [*args.overrides, f"eval.benchmarks={json.dumps(args.benchmarks)}"]
-    cfg = _config(args)
+    _config(args)  # a bad profile or --set fails before Prefect starts
     from flows.evaluate import evaluate
 
     with _writing(args):
-        result = evaluate(run_dir=args.run_dir, config=cfg, checkpoint=args.checkpoint, retrieval=args.retrieval)
+        result = evaluate(**_flow_args(args), checkpoint=args.checkpoint, retrieval=args.retrieval)
     print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
     for name, summary in result["benchmarks"].items():
         print(f"  {name}: score {summary['score_mean']:.4f} over {summary['n_samples']:.0f} samples, "
-              f"{summary['grade_failed']:.0f} grades failed{' (cached)' if summary.get('cached') else ''}")
+              f"{summary['grade_failed']:.0f} grades failed"
+              + (f", {summary['n_ungraded']:.0f} queries not graded (no rubrics / gold answer)" if summary.get("n_ungraded") else "")
+              + (" (cached)" if summary.get("cached") else ""))
     print(f'  rows: rubricem sql --run-dir {args.run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) '
           'FROM eval_results GROUP BY ALL"')
     return 0
@@ -141,8 +151,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
 
     with _writing(args):
-        result = pipeline(run_dir=args.run_dir, config=cfg)
-    print("\npipeline finished:", json.dumps(result, default=str, indent=2))
+        result = pipeline(**_flow_args(args))
+    from rubricem_core.report.summary import pipeline_summary
+
+    print("\n" + pipeline_summary(result, cfg.profile, args.run_dir))
     _print_next_steps(args.run_dir)
     return 0
 
@@ -173,6 +185,7 @@ run directory: {rd}
            rubricem sql --run-dir {run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) FROM eval_results GROUP BY ALL"
   report:  rubricem report --run-dir {run_dir}
   MLflow:  mlflow ui --backend-store-uri sqlite:///{rd}/mlflow/mlflow.db
+           (then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning)
   Prefect: prefect server start   (then open http://127.0.0.1:4200; set PREFECT_API_URL to keep runs there)"""
     )
 

@@ -6,21 +6,21 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config, writes_run_dir
-from rubricem_core.config import RunConfig, flatten
+from flows.common import mlflow_url, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from rubricem_core.config import flatten
+from rubricem_core.report.markdown import collection_markdown
 from rubricem_core.tracking import Tracker
 from tasks.collect import filter_trajectories, teacher_reflections, teacher_round
 from tasks.inputs import prepare_inputs
 from tasks.secrets import check_endpoint_keys
 
 
-@flow(name="collect_sft_data")
+@flow(name="collect_sft_data", flow_run_name="{run_dir}")
 @writes_run_dir
 def collect_sft_data(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Collect stage-structured teacher trajectories and filter them for SFT.
 
@@ -29,13 +29,13 @@ def collect_sft_data(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides of the profile, e.g. {"teacher.max_rounds": 6}.
-        config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config, command="collect_sft_data")
+    cfg = resolve_config(run_dir, profile, overrides, command="collect_sft_data")
     check_endpoint_keys(cfg.teacher)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
-    run = tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json"))) if tracker else None
+    run = (tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json")), tags=prefect_links())
+           if tracker else None)
     with run if run is not None else nullcontext() as child:
         inputs = prepare_inputs(run_dir, cfg)
         last_round = -1
@@ -72,6 +72,9 @@ def collect_sft_data(
                 step=0,
             )
             child.log_dict(stats, "sft_collection_summary.json")
+        publish_markdown("collect-sft-data", run_dir, collection_markdown(
+            stats, last_round + 1, totals, run_dir, mlflow_url(child), tracker.tracking_uri if tracker else None),
+            f"SFT data collection of {run_dir}: acceptance and reject codes")
     log.info(
         "collected %d trajectories (%d accepted) from %d queries, %d valid teacher reflections; tables in %s/tables",
         stats["trajectories"], stats["accepted"], inputs["train_queries"], reflections.get("reflections_valid", 0), run_dir,

@@ -11,8 +11,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config, writes_run_dir
-from rubricem_core.config import RunConfig, flatten
+from flows.common import mlflow_url, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from rubricem_core.config import flatten
+from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
 from rubricem_core.reflection.bank import RETRIEVAL_MODES
@@ -21,13 +22,12 @@ from tasks.evaluate import default_checkpoint, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", flow_run_name="{run_dir}")
 @writes_run_dir
 def evaluate(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
     checkpoint: str | None = None,
     benchmarks: list[str] | None = None,
     retrieval: str | None = None,
@@ -39,14 +39,13 @@ def evaluate(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"eval.max_queries": 4}.
-        config: a complete run config; when given, profile and overrides are ignored.
         checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).
         benchmarks: names to run (default: eval.benchmarks): synthetic, healthbench, deep_research_bench,
             scholarqa_cs, simpleqa, 2wiki.
         retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config, command="evaluate")
+    cfg = resolve_config(run_dir, profile, overrides, command="evaluate")
     if benchmarks is not None:
         cfg = cfg.model_copy(update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})})
     if any(b != "synthetic" for b in cfg.eval.benchmarks):  # graded through eval.grader
@@ -59,7 +58,7 @@ def evaluate(
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
     results: dict[str, dict[str, Any]] = {}
-    with (tracker.child_run("evaluate", params=params) if tracker else nullcontext()) as child:
+    with (tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext()) as child:
         for benchmark in cfg.eval.benchmarks:
             summary = evaluate_benchmark(run_dir, cfg, path, benchmark, mode)
             results[benchmark] = summary
@@ -71,4 +70,7 @@ def evaluate(
         if child is not None:
             child.log_dict({"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results},
                            f"eval/{tag}--{mode}.json")
+        publish_markdown("evaluate", run_dir, eval_markdown(tag, path, mode, results, run_dir, mlflow_url(child),
+                                                            tracker.tracking_uri if tracker else None),
+                         f"evaluation of {tag} in {run_dir}")
     return {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}

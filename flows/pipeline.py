@@ -15,23 +15,30 @@ from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
-from rubricem_core.config import RunConfig
+from rubricem_core.report import write_report
 from tasks.rl import drop_sessions
 
 
-@flow(name="pipeline")
+@flow(name="pipeline", flow_run_name="{run_dir}")
 @writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
 ) -> dict[str, Any]:
-    """Run every built stage in order on one run directory."""
-    cfg = resolve_config(run_dir, profile, overrides, config, command="pipeline")
-    collected = collect_sft_data(run_dir=run_dir, config=cfg)
-    tuned = sft(run_dir=run_dir, config=cfg)
-    trained = rl(run_dir=run_dir, config=cfg)
+    """Run every built stage in order on one run directory.
+
+    Args:
+        run_dir: the run directory (Parquet tables, checkpoints, MLflow, state).
+        profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
+            (the tiny profile for a new run directory).
+        overrides: dotted-key overrides of the profile, e.g. {"rl.recipe": "baseline"}.
+    """
+    resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it from run_dir
+    collected = collect_sft_data(run_dir=run_dir)
+    tuned = sft(run_dir=run_dir)
+    trained = rl(run_dir=run_dir)
     drop_sessions()  # free the RL models before evaluation loads the final checkpoint
-    evaluated = evaluate(run_dir=run_dir, config=cfg)
-    return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated}
+    evaluated = evaluate(run_dir=run_dir)
+    report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
+    return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}

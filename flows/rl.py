@@ -17,10 +17,12 @@ from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
-from flows.common import require_tables, resolve_config, writes_run_dir
+from flows.common import mlflow_url, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.distributed.nodes import announce_no_launch
+from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
+from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
@@ -32,7 +34,7 @@ from tasks.rl import (
 )
 
 
-@flow(name="rl_step")
+@flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}")
 def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> dict[str, float]:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections."""
@@ -96,6 +98,13 @@ def _finish_done_step(run_dir: str, cfg: RunConfig, plan: StepPlan, child: Any) 
         child.log_metrics(step_metrics(store, plan.step), step=plan.step)
 
 
+def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
+    """One row per finished step for the flow run's artifact (the tasks' saved metrics)."""
+    store, done = RunStore(run_dir), completed_step(run_dir)
+    return [{"step": p.step, "phase": p.phase, "retrieval": p.retrieval, **step_metrics(store, p.step)}
+            for p in plans if p.step <= done]
+
+
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
     reflecting = get_recipe(cfg.rl.recipe).reflection
@@ -103,13 +112,12 @@ def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
                              reflection=reflecting)
 
 
-@flow(name="rl")
+@flow(name="rl", flow_run_name="{run_dir}")
 @writes_run_dir
 def rl(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Windowed RL from the run's SFT checkpoint.
 
@@ -118,10 +126,9 @@ def rl(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"rl.recipe": "baseline"}.
-        config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config, command="rl")
+    cfg = resolve_config(run_dir, profile, overrides, command="rl")
     check_endpoint_keys(cfg.judge, *([cfg.reflection.judge] if reflection_on(cfg) else []))
     require_tables(run_dir, ["queries", "corpus"], "collect-sft-data")
     start_policy(run_dir)  # names `rubricem sft` when there is no SFT policy
@@ -133,10 +140,13 @@ def rl(
     params["rl.lambda"] = str(rs["lam"].tolist())
     params["rl.kl_coef_effective"] = rs["kl_coef"]
     last: dict[str, float] = {}
-    with (tracker.child_run("rl", params=params) if tracker else nullcontext()) as child, _ranks_end_with_flow(cfg):
+    with (tracker.child_run("rl", params=params, tags=prefect_links()) if tracker else nullcontext()) as child, \
+            _ranks_end_with_flow(cfg):
         done = completed_step(run_dir)
         if done >= 0:
             log.info("resuming RL after step %d", done)
+        progress = Progress("RL step", len(plans), log.info, every_s=0.0,
+                            start_done=sum(p.step <= done for p in plans))
         if done >= plans[-1].step and cfg.distributed.nnodes > 1:
             announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
@@ -147,7 +157,10 @@ def rl(
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last
-            log.info("RL step %d/%d (%s, %s) done", plan.step + 1, len(plans), plan.phase, plan.retrieval)
+            progress.update(i + 1, f"step {plan.step} ({plan.phase}, retrieval {plan.retrieval}) done")
+        publish_markdown("rl", run_dir, rl_markdown(
+            step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, mlflow_url(child),
+            tracker.tracking_uri if tracker else None), f"RL of {run_dir}: one row per step")
     final = step_checkpoint(run_dir, plans[-1].step)
     return {"steps": len(plans), "final_checkpoint": str(final), "recipe": cfg.rl.recipe,
             "last_metrics": {k: v for k, v in last.items() if k.startswith(("reward/", "rl/loss", "rl/kl"))}}

@@ -6,19 +6,19 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import require_tables, resolve_config, writes_run_dir
-from rubricem_core.config import RunConfig, flatten
+from flows.common import mlflow_url, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
+from rubricem_core.config import flatten
+from rubricem_core.report.markdown import sft_markdown
 from rubricem_core.tracking import Tracker
 from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
 
 
-@flow(name="sft")
+@flow(name="sft", flow_run_name="{run_dir}")
 @writes_run_dir
 def sft(
     run_dir: str = "runs/tiny",
     profile: str | None = None,
     overrides: dict[str, Any] | None = None,
-    config: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Supervised fine-tuning of the policy on the run's accepted teacher trajectories.
 
@@ -27,14 +27,13 @@ def sft(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"sft.epochs": 4}.
-        config: a complete run config; when given, profile and overrides are ignored.
     """
     log = get_run_logger()
-    cfg = resolve_config(run_dir, profile, overrides, config, command="sft")
+    cfg = resolve_config(run_dir, profile, overrides, command="sft")
     require_tables(run_dir, ["corpus", "sft_trajectories"], "collect-sft-data")
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed})
-    with (tracker.child_run("sft", params=params) if tracker else nullcontext()) as child:
+    with (tracker.child_run("sft", params=params, tags=prefect_links()) if tracker else nullcontext()) as child:
         policy_dir = prepare_policy_task(run_dir, cfg)
         result = train_sft_task(run_dir, cfg, policy_dir, log_metrics=child.log_metrics if child else None)
         if child is not None and not result.get("cached"):
@@ -42,5 +41,8 @@ def sft(
             child.set_tags({"checkpoint.final": result["final_dir"], "policy.base": policy_dir})
             if checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
                 child.log_artifact(result["final_dir"], artifact_path="checkpoints/sft_final")
+        publish_markdown("sft", run_dir, sft_markdown(result, run_dir, mlflow_url(child),
+                                                       tracker.tracking_uri if tracker else None),
+                         f"SFT of {run_dir}")
     log.info("SFT policy: %s", result["final_dir"])
     return result

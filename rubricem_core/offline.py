@@ -18,6 +18,9 @@ OFFLINE_DEFAULTS: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+    # rubricem_core's records reach a flow run's log (flows/common.route_core_logs); outside a run they
+    # only go to the console, without a warning per record
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 
 

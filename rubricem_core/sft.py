@@ -24,6 +24,7 @@ from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
+from rubricem_core.progress import Progress
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
@@ -231,6 +232,7 @@ def run_sft(
         log.info("resumed SFT from %s at step %d", resume, trainer.global_step)
 
     pad_id = tokenizer.pad_token_id
+    progress = Progress("sft step", len(schedule), log.info, every_s=0.0, start_done=trainer.global_step)
     real = padded = 0
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
@@ -247,8 +249,11 @@ def run_sft(
         # n_padded_tokens is the padded batch size (rows × width), real tokens included
         metrics["padding_fraction"] = (padded - real) / max(1, padded)
         metrics["tokens_per_s"] = real / max(1e-9, time.perf_counter() - t0)
-        if log_metrics is not None and (done % sft.log_every == 0 or done == len(schedule)):
-            log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
+        if done % sft.log_every == 0 or done == len(schedule):
+            progress.update(done, f"loss {metrics.get('loss', float('nan')):.4f}, lr {metrics.get('lr', float('nan')):.2e}, "
+                                  f"{metrics['tokens_per_s']:.0f} tokens/s")
+            if log_metrics is not None:
+                log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
         if done % sft.checkpoint_every == 0 and done < len(schedule):
             trainer.save(checkpoint_root / f"step-{done:06d}")
         fault_point("sft.step_done")

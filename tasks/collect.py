@@ -18,6 +18,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.environment import policy_system_prompt
 from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
+from rubricem_core.progress import Progress
 from rubricem_core.llm.types import ChatResult
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.builtin import register_builtin_teacher
@@ -149,7 +150,7 @@ def _answered(store: RunStore, round_index: int) -> dict[str, ChatResult]:
     }
 
 
-@task(name="teacher-round", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(name="teacher-round", task_run_name="teacher-round-{round_index}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any]:
     """One teacher round over all unfinished trajectories.
 
@@ -185,18 +186,11 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     marker, resume_batch_id, on_submitted = batch_marker(store, f"teacher_round_{round_index:04d}", f"round {round_index}",
                                                          len(requests))
 
-    done = [0]
-    step = max(1, len(requests) // 10)
-
-    def on_result(_: ChatResult) -> None:
-        done[0] += 1
-        if done[0] % step == 0 or done[0] == len(requests):
-            log.info("round %d: %d/%d teacher responses", round_index, done[0], len(requests))
-
     submitted_at = pa.scalar(time.time_ns() // 1000, type=pa.timestamp("us", tz="UTC")).as_py()
     # A rerun of a round that failed: its answered requests are in `teacher_responses` (paid for once)
     answered = _answered(store, round_index)
     to_send = [r for r in requests if r.custom_id not in answered]
+    on_result = Progress(f"round {round_index}: teacher responses", len(to_send), log.info).tick
     log.info("round %d: %d requests (%s mode, model %s)%s", round_index, len(to_send), tcfg.mode, tcfg.model,
              f", {len(answered)} answered before" if answered else "")
     results = (run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else [])
@@ -341,7 +335,8 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     marker, resume_batch_id, on_submitted = batch_marker(store, "teacher_reflections", "reflections", len(requests))
 
     log.info("reflections: %d requests (%s mode, model %s)", len(requests), tcfg.mode, tcfg.model)
-    results = {r.custom_id: r for r in run_round(requests, tcfg, settings, resume_batch_id, on_submitted, lambda _r: None)}
+    on_result = Progress("reflections: teacher responses", len(requests), log.info).tick
+    results = {r.custom_id: r for r in run_round(requests, tcfg, settings, resume_batch_id, on_submitted, on_result)}
     missing = [r.custom_id for r in requests if r.custom_id not in results]
     if missing:
         raise RuntimeError(f"reflections: provider returned no result for {missing[:5]} ({len(missing)} total)")

@@ -24,6 +24,8 @@ from rubricem_core.eval.run import (
     load_benchmark_queries,
     run_eval,
     summarize,
+    ungraded_code,
+    ungraded_reason,
 )
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.policy.loading import auto_device, load_policy
@@ -132,11 +134,17 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
         max_tool_calls=cfg.tools.max_tool_calls, seed=cfg.seed * 100_003 + zlib.crc32(benchmark.encode()),
         prompt_style=cfg.policy.prompt_style, retrieval=retrieval, retrieval_k=cfg.eval.retrieval_k,
     )
-    settings = settings_digest({
+    produced_by: dict[str, Any] = {
         "options": dataclasses.asdict(options), "queries": [q.query_id for q in queries],
         "grader": cfg.eval.grader.model_dump(include={"model", "temperature", "max_tokens", "structured_output"}),
         "bank": [cfg.eval.bank_dir, cfg.eval.bank_embedder], "engine": cfg.rollout.engine,
-    })
+    }
+    # A query that gains rubrics (or loses them) is evaluated again, not read back as ungraded. Only
+    # added when there are such queries, so the digests of existing parts stay as they were.
+    ungraded = [q.query_id for q in queries if ungraded_reason(benchmark, q) is not None]
+    if ungraded:
+        produced_by["ungraded"] = ungraded
+    settings = settings_digest(produced_by)
     if store.has(TABLE, {}, part):
         rows = store.read_table(TABLE, {}, part).to_pylist()
         if all(r.get("settings") == settings for r in rows):
@@ -150,9 +158,10 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     rows = [{**r, "settings": settings} for r in outcome.rows]
     store.write_table(TABLE, rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
     s = {**outcome.summary, **_reflection_validity(run_dir, cfg, checkpoint, part, outcome.rows, queries)}
-    log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds",
+    log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds"
+             "; %d queries not graded (%d without rubrics, %d without a gold answer)",
              tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],
-             s["valid_scaffold_rate"])
+             s["valid_scaffold_rate"], s["n_ungraded"], s["n_no_rubrics"], s["n_no_gold_answer"])
     return {"cached": False, **s}
 
 
@@ -175,7 +184,8 @@ def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: st
         sampling = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.reflection.max_new_tokens,
                                   max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + zlib.crc32(part.encode()))
-        by_source = {f"{r['query_id']}-e{r['sample']}": r for r in rows}
+        # ungraded queries were never sampled: no trajectory to reflect on
+        by_source = {f"{r['query_id']}-e{r['sample']}": r for r in rows if ungraded_code(r) is None}
         sources = [{"source": sid, "query_id": r["query_id"], "text": r["text"]} for sid, r in by_source.items()]
         sampled = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
                                      cfg.reflection.max_trajectory_chars, search_env(run_dir, cfg))

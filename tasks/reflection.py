@@ -67,7 +67,7 @@ def _judge(cfg: RunConfig) -> ReflectionJudge:
     ))
 
 
-@task(name="reflect", cache_policy=NO_CACHE)
+@task(name="reflect", task_run_name="reflect-step-{plan.step}", cache_policy=NO_CACHE)
 def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Write, judge and bank the reflections of a new-query step (weights: checkpoint step−1)."""
     log = get_run_logger()
@@ -149,7 +149,7 @@ def _write_bank(store: RunStore, bank: Any) -> None:
     bank.save(store.state_dir / "bank")
 
 
-@task(name="reflection-update", cache_policy=NO_CACHE)
+@task(name="reflection-update", task_run_name="reflection-update-of-step-{source.step}", cache_policy=NO_CACHE)
 def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_step: int) -> dict[str, Any]:
     """GRPO on the reflection tokens of step ``source.step``'s candidates, applied during ``at_step``
     (before that step's task update; the engine keeps sampling with the weights it was synced to)."""

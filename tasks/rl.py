@@ -25,6 +25,7 @@ from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import register_builtin_judge
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
+from rubricem_core.progress import Progress
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
     RLSession, buffers_at, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
@@ -103,7 +104,7 @@ def step_metrics_logged(store: RunStore, flow: str, step: int) -> bool:
 
 
 # ---- tasks --------------------------------------------------------------------------------------
-@task(name="rollout", cache_policy=NO_CACHE)
+@task(name="rollout", task_run_name="rollout-step-{plan.step}", cache_policy=NO_CACHE)
 def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Sample a group per query with the current weights and the real tools → `rollouts`."""
     log = get_run_logger()
@@ -131,8 +132,14 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
                        n=cfg.rollout.group_size, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
         for qid, text in zip(plan.query_ids, guidance)
     ]
+    progress = Progress(f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log.info,
+                        every_s=30.0)
+    session.engine.on_progress = lambda done, _total: progress.update(done)
     t0 = time.perf_counter()
-    groups = session.engine.generate(requests, search_env(run_dir, cfg))
+    try:
+        groups = session.engine.generate(requests, search_env(run_dir, cfg))
+    finally:
+        session.engine.on_progress = None
     seconds = time.perf_counter() - t0
     rows = []
     for qid, text, group in zip(plan.query_ids, guidance, groups):
@@ -165,7 +172,7 @@ def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTraje
     }
 
 
-@task(name="judge", cache_policy=NO_CACHE)
+@task(name="judge", task_run_name="judge-step-{plan.step}", cache_policy=NO_CACHE)
 def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Rubric generation (one call per query) and scoring (one call per rollout), buffer update and
     pruning → `judge_rubrics`, `judge_scores`, `stage_rewards` (R); failed judgments are marked."""
@@ -244,7 +251,7 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     return {"cached": False, "metrics": metrics}
 
 
-@task(name="ss-grpo-update", cache_policy=NO_CACHE)
+@task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}", cache_policy=NO_CACHE)
 def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """G = RΛᵀ, per-stage advantages, one clipped policy-gradient step; checkpoint with buffers."""
     log = get_run_logger()

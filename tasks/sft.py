@@ -54,9 +54,7 @@ def train_sft_task(
             announce_no_launch(run_dir, "sft", f"SFT already finished: {final}")
         return {"final_dir": str(final), "cached": True}
 
-    def log_and_print(metrics: dict[str, float], step: int) -> None:
-        log.info("sft step %d: loss %.4f lr %.2e tokens/s %.0f", step, metrics.get("sft/loss", float("nan")),
-                 metrics.get("sft/lr", float("nan")), metrics.get("sft/tokens_per_s", 0.0))
+    def log_and_print(metrics: dict[str, float], step: int) -> None:  # progress lines come from the core's log
         if log_metrics is not None:
             log_metrics(metrics, step)
 

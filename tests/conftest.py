@@ -33,6 +33,17 @@ def shared_file(shared_data: Path, relative: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_ok():
+    """Skips a test when DeepSpeed cannot be imported (it is built from source on some machines)."""
+    try:
+        from rubricem_core.training.deepspeed_trainer import import_deepspeed
+
+        import_deepspeed()
+    except ImportError as exc:
+        pytest.skip(f"deepspeed is not importable ({exc}); install with pip install --no-build-isolation deepspeed")
+
+
+@pytest.fixture(scope="session")
 def prefect_harness():
     """One temporary Prefect API (SQLite) for every flow test of the session."""
     from prefect.testing.utilities import prefect_test_harness

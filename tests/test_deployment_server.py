@@ -8,7 +8,7 @@ subprocesses' environment only, so the session's `prefect_harness` is never touc
 to its server with plain HTTP.
 
 The other tests check, without a server, what the UI form and the GPU example rest on: each
-deployment's flow signature yields a parameter schema with every RunConfig field, its default
+deployment's flow signature yields a parameter schema of profile and overrides, its default
 parameters validate, and the Kubernetes base job template renders a GPU pod manifest.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ import psutil
 import pytest
 import yaml
 
-from rubricem_core.config import RunConfig
 from rubricem_core.store import RunStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -80,26 +79,22 @@ def test_prefect_yaml_has_one_deployment_per_flow_on_the_process_pool():
 
 
 @pytest.mark.parametrize("name", list(FLOW_DEPLOYMENTS))
-def test_deployment_form_is_the_run_config(name):
-    """What `prefect deploy` stores as parameter_openapi_schema: the UI form of the deployment."""
-    from prefect.exceptions import ParameterTypeError
+def test_deployment_form_is_profile_and_overrides(name):
+    """What `prefect deploy` stores as parameter_openapi_schema: the UI form of the deployment. It asks
+    for a profile and overrides only (never a RunConfig pre-filled with built-in defaults that differ
+    from the profile it names); the config itself is resolved and recorded in the run directory."""
     from prefect.utilities.callables import parameter_schema
 
     deployment = _deployments()[name]
     flow = _flow(deployment["entrypoint"])
     schema = parameter_schema(flow).model_dump_for_openapi()
-    # the common four first (evaluate adds checkpoint, benchmarks, retrieval after them)
-    assert list(schema["properties"])[:4] == ["run_dir", "profile", "overrides", "config"]
-    assert {"$ref": "#/definitions/RunConfig"} in schema["properties"]["config"]["anyOf"]
-    run_config = schema["definitions"]["RunConfig"]
-    assert set(run_config["properties"]) == set(RunConfig.model_fields)
-    teacher = schema["definitions"]["TeacherConfig"]["properties"]
-    assert teacher["max_rounds"]["description"] and teacher["max_rounds"]["minimum"] == 1
-    # the deployment's defaults are valid parameters; a form value out of range is refused
+    # the common three first (evaluate adds checkpoint, benchmarks, retrieval after them)
+    assert list(schema["properties"])[:3] == ["run_dir", "profile", "overrides"]
+    assert "config" not in schema["properties"] and "RunConfig" not in schema.get("definitions", {})
+    assert schema["properties"]["overrides"]["default"] is None
+    # the deployment's defaults and a form's overrides are valid parameters
     flow.validate_parameters(deployment["parameters"])
-    flow.validate_parameters({**deployment["parameters"], "config": RunConfig().model_dump(mode="json")})
-    with pytest.raises(ParameterTypeError, match="max_rounds"):
-        flow.validate_parameters({**deployment["parameters"], "config": {"teacher": {"max_rounds": 0}}})
+    flow.validate_parameters({**deployment["parameters"], "overrides": {"teacher.max_rounds": 6}})
 
 
 # --- the GPU example without a cluster --------------------------------------------------------------
@@ -335,7 +330,7 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         assert deployment["parameters"] == {"run_dir": "runs/ui", "profile": "tiny"}
         assert deployment["description"].startswith("SFT data collection")
         form = deployment["parameter_openapi_schema"]
-        assert set(form["definitions"]["RunConfig"]["properties"]) == set(RunConfig.model_fields)
+        assert list(form["properties"]) == ["run_dir", "profile", "overrides"]  # no RunConfig of built-in defaults
         assert (tmp_path / "prefect-home" / "prefect.db").is_file()  # the server's own database
 
         run_dir = tmp_path / "run"
@@ -363,6 +358,16 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         print(f"flow run completed after {time.monotonic() - started:.0f} s")
     finally:
         worker.stop()
+
+    # what the UI shows of the run: its name, readable task run names, the Markdown summary
+    assert flow_run["name"] == str(run_dir)
+    tasks = api.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}).json()
+    names = {t["name"] for t in tasks}
+    assert {"teacher-round-0", "teacher-round-1"} <= names, names
+    artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}).json()
+    (summary,) = [a for a in artifacts if a["type"] == "markdown"]
+    assert summary["key"].startswith("collect-sft-data-run-")
+    assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
 
     rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
     assert len(rows) == 3 * 2  # 3 train queries x trajectories_per_query 2 of the tiny profile

@@ -184,3 +184,38 @@ def test_a_rerun_with_other_settings_evaluates_again(run_dir):
     after = {r["settings"] for r in rows}
     assert len(before) == len(after) == 1 and before != after and len(rows) == first["benchmarks"]["synthetic"]["n_samples"]
     assert {r["sample"] for r in store.read_table("eval_reflections", {}, "sft--synthetic--none").to_pylist()} == {0}
+
+
+def test_queries_without_rubrics_are_recorded_and_the_rest_graded(run_dir, tmp_path):
+    """Issue #21: a user's benchmark file where some queries have no rubric items — the others are
+    sampled and graded, the rubric-less ones get a row with score NULL and the reason, and the
+    summary counts them apart; a file where no query can be graded fails naming the benchmark."""
+    from flows.evaluate import evaluate
+    from rubricem_core.eval.types import EvalError
+
+    props = [{"name": "rag", "criterion": "Mentions retrieval", "weight": 1, "evidence": []}]
+    cases = [{"case_id": f"c{i}", "initial_prompt": f"Question {i}?",
+              "metric_config": {"name": "rubric", "config": {"other_properties": props if i != 1 else []}}}
+             for i in range(3)]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(cases), encoding="utf-8")
+    overrides = _overrides(**UNTRACKED, **{"eval.paths": {"scholarqa_cs": str(path)}, "eval.max_queries": 3})
+    result = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])
+    summary = result["benchmarks"]["scholarqa_cs"]
+    assert (summary["n_samples"], summary["n_queries"], summary["n_ungraded"], summary["n_no_rubrics"]) == (2, 2, 1, 1)
+    rows = RunStore(run_dir).read_table("eval_results", {}, "sft--scholarqa_cs--none").to_pylist()
+    by_id = {r["query_id"]: r for r in rows}
+    assert len(rows) == 3 and by_id["scholarqa_cs-c1"]["score"] is None
+    assert by_id["scholarqa_cs-c1"]["error"].startswith("no_rubrics") and by_id["scholarqa_cs-c1"]["text"] is None
+    assert all(by_id[q]["score"] is not None for q in ("scholarqa_cs-c0", "scholarqa_cs-c2"))
+    assert summary["score_mean"] == pytest.approx((by_id["scholarqa_cs-c0"]["score"] + by_id["scholarqa_cs-c2"]["score"]) / 2)
+    reflected = RunStore(run_dir).read_table("eval_reflections", {}, "sft--scholarqa_cs--none").to_pylist()
+    assert {r["query_id"] for r in reflected} == {"scholarqa_cs-c0", "scholarqa_cs-c2"}  # nothing sampled for c1
+    cached = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])
+    assert cached["benchmarks"]["scholarqa_cs"]["cached"]
+    assert cached["benchmarks"]["scholarqa_cs"]["n_ungraded"] == 1
+
+    path.write_text(json.dumps([{**c, "metric_config": {"name": "rubric", "config": {"other_properties": []}}}
+                                for c in cases]), encoding="utf-8")
+    with pytest.raises(EvalError, match="'scholarqa_cs': none of its 3 queries can be graded"):
+        evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])

@@ -93,6 +93,23 @@ def _copy_run(src, dst):
     return str(dst)
 
 
+def _check_prefect_view(run_dir: str) -> None:
+    """The UI's view of an RL flow run: a Markdown artifact with a row per step, readable run names."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterName
+
+    from flows.common import artifact_key
+
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("rl", run_dir)])))
+        assert artifact.data.startswith("# RL (ss_grpo): 2 of 2 steps done")
+        assert "| 0 | new | none |" in artifact.data and "| 1 | repeat | none |" in artifact.data
+        steps = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["step-0-new", "step-1-repeat"])))
+        assert {r.name for r in steps if r.parameters.get("run_dir") == run_dir} == {"step-0-new", "step-1-repeat"}
+        tasks = {t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in steps]}))}
+        assert {"rollout-step-0", "judge-step-0", "ss-grpo-update-step-1"} <= tasks, tasks
+
+
 def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     from flows.rl import rl
     import tasks.rl as rl_tasks
@@ -117,6 +134,7 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     calls = json.loads(run_sql(straight, "SELECT step, name, value FROM metrics WHERE name IN ('judge/score_calls', 'judge/generate_calls') ORDER BY ALL", fmt="json"))
     per_step = {(c["step"], c["name"]): c["value"] for c in calls}
     assert per_step[(0, "judge/generate_calls")] == 2 and per_step[(0, "judge/score_calls")] == 4
+    _check_prefect_view(straight)
 
     # a run that fails in step 1's update resumes to the same weights
     rl_tasks.drop_sessions()

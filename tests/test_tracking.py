@@ -37,31 +37,115 @@ def test_parent_and_child_structure(tracker: Tracker, run_dir: Path):
         assert run.info.status == "RUNNING"
         assert run.data.tags["mlflow.parentRunId"] == parent
         assert run.info.run_name == "collect_sft_data"
+        assert run.data.tags["rubricem.flow"] == "collect_sft_data" and run.data.tags["rubricem.attempt"] == "1"
         assert run.data.params == {"teacher.model": "builtin", "teacher.rounds": "3", "tags": '["a", "b"]'}
         child.set_tags({"stage": "sft"})
     done = tracker.client.get_run(child.run_id)
     assert done.info.status == "FINISHED" and done.data.tags["stage"] == "sft"
 
 
-def test_reentry_after_crash_resumes_same_child(tracker: Tracker, run_dir: Path):
+def test_retry_after_crash_starts_a_new_attempt(tracker: Tracker, run_dir: Path):
     with pytest.raises(RuntimeError, match="crash"):
         with tracker.child_run("rl_step/0001", {"lr": 1e-6}) as child:
             raise RuntimeError("crash")
     first_id = child.run_id
     assert tracker.client.get_run(first_id).info.status == "FAILED"
-    # a new process (new Tracker) re-entering the same flow resumes the same run
+    # a new process (new Tracker) rerunning the failed flow gets a fresh run under the same parent
     again = Tracker(run_dir)
-    with again.child_run("rl_step/0001", {"lr": 1e-6}) as resumed:
-        assert resumed.run_id == first_id
-        assert again.client.get_run(first_id).info.status == "RUNNING"
-    assert again.client.get_run(first_id).info.status == "FINISHED"
-    runs = again.client.search_runs([again.experiment_id()], filter_string="attributes.run_name = 'rl_step/0001'")
-    assert len(runs) == 1
-    # a changed value on resume keeps the first one and records the conflict
-    with again.child_run("rl_step/0001", {"lr": 2e-6}) as resumed:
-        pass
-    run = again.client.get_run(first_id)
+    with again.child_run("rl_step/0001", {"lr": 1e-6}) as retry:
+        assert retry.run_id != first_id
+        run = again.client.get_run(retry.run_id)
+        assert run.info.status == "RUNNING" and run.info.run_name == "rl_step/0001 (attempt 2)"
+        assert run.data.tags["mlflow.parentRunId"] == again.parent_run_id()
+        assert run.data.tags["rubricem.flow"] == "rl_step/0001" and run.data.tags["rubricem.attempt"] == "2"
+        assert run.data.tags["rubricem.retry_of"] == first_id
+        assert run.data.params == {"lr": "1e-06"}
+    assert again.client.get_run(first_id).info.status == "FAILED"
+    assert again.client.get_run(retry.run_id).info.status == "FINISHED"
+    state = json.loads((run_dir / "state" / "mlflow_parent.json").read_text())
+    assert state["children"]["rl_step/0001"] == retry.run_id
+    # a finished flow rerun with nothing new to do reuses its run instead of cluttering the experiment
+    with again.child_run("rl_step/0001", {"lr": 2e-6}) as rerun:
+        assert rerun.run_id == retry.run_id
+    runs = again.client.search_runs([again.experiment_id()], filter_string="tags.`rubricem.flow` = 'rl_step/0001'")
+    assert sorted(r.data.tags["rubricem.attempt"] for r in runs) == ["1", "2"]
+    # a changed value on reuse keeps the first one and records the conflict
+    run = again.client.get_run(retry.run_id)
     assert run.data.params["lr"] == "1e-06" and run.data.tags["rubricem.param_conflicts"] == "lr"
+
+
+def test_run_left_running_by_a_crashed_process_is_failed_and_retried(tracker: Tracker, run_dir: Path):
+    crashed = tracker.child_run_id("rl_step/0003")  # created RUNNING; its process "died" without closing it
+    assert tracker.client.get_run(crashed).info.status == "RUNNING"
+    with Tracker(run_dir).child_run("rl_step/0003") as retry:
+        assert retry.run_id != crashed
+    assert tracker.client.get_run(crashed).info.status == "FAILED"
+    assert tracker.client.get_run(crashed).info.end_time is not None
+    assert tracker.client.get_run(retry.run_id).data.tags["rubricem.attempt"] == "2"
+    # killed (Ctrl-C) counts as not finished too
+    with pytest.raises(KeyboardInterrupt):
+        with tracker.child_run("rl_step/0003") as killed:
+            assert killed.run_id == retry.run_id  # attempt 2 had finished: reused
+            raise KeyboardInterrupt
+    assert tracker.client.get_run(killed.run_id).info.status == "KILLED"
+    with tracker.child_run("rl_step/0003") as third:
+        assert tracker.client.get_run(third.run_id).info.run_name == "rl_step/0003 (attempt 3)"
+
+
+def test_a_run_open_in_this_process_is_not_taken_for_a_crash(tracker: Tracker, run_dir: Path):
+    with tracker.child_run("nested") as outer:
+        assert Tracker(run_dir).child_run_id("nested") == outer.run_id
+        assert tracker.client.get_run(outer.run_id).info.status == "RUNNING"
+    assert tracker.client.get_run(outer.run_id).info.status == "FINISHED"
+    assert tracker.child_run_id("nested") == outer.run_id
+
+
+def test_retry_replaces_the_mirrored_rows_of_relogged_steps(tracker: Tracker, run_dir: Path):
+    with pytest.raises(RuntimeError, match="oom"):
+        with tracker.child_run("rl_retry") as first:
+            for step in range(3):
+                first.log_metrics({"loss": 1.0 - step / 10, "kl": 0.1}, step=step)
+            raise RuntimeError("oom")
+    with tracker.child_run("rl_retry") as second:  # resumes from the checkpoint of step 1
+        for step in (2, 3):
+            second.log_metrics({"loss": 0.5 - step / 10, "kl": 0.2}, step=step)
+    history = tracker.client.get_metric_history(second.run_id, "loss")
+    assert [m.step for m in history] == [2, 3]  # the attempt's chart starts at the resumed step
+    out = json.loads(run_sql(run_dir, "SELECT step, name, value, run_id FROM metrics WHERE flow = 'rl_retry' ORDER BY step, name", fmt="json"))
+    assert [(r["step"], r["name"]) for r in out] == [(s, n) for s in range(4) for n in ("kl", "loss")]
+    owner = {r["step"]: r["run_id"] for r in out}
+    assert owner == {0: first.run_id, 1: first.run_id, 2: second.run_id, 3: second.run_id}
+    assert [r["value"] for r in out if r["step"] == 2] == [0.2, pytest.approx(0.3)]
+    columns = json.loads(run_sql(run_dir, "SELECT * FROM metrics LIMIT 1", fmt="json"))[0]
+    assert list(columns) == ["step", "name", "value", "flow", "run_id", "logged_at"]
+
+
+def test_child_run_tags_and_ui_links(tracker: Tracker, run_dir: Path):
+    links = {"prefect.flow_run_id": "4f1c", "prefect.flow_run_url": "http://127.0.0.1:4200/runs/flow-run/4f1c"}
+    with tracker.child_run("linked", tags=links) as child:
+        assert {k: tracker.client.get_run(child.run_id).data.tags[k] for k in links} == links
+    run = tracker.client.get_run(child.run_id)
+    assert child.experiment_id == run.info.experiment_id == tracker.experiment_id()
+    assert child.ui_url() == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
+    assert child.ui_url("http://host:8080/") == f"http://host:8080/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
+    assert tracker.experiment_ui_url() == f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs?workflowType=machine_learning"
+    # secret-like tag names are refused before any run is created
+    with pytest.raises(ValueError, match="looks like a secret"):
+        with tracker.child_run("leaky", tags={"prefect.api_token": "x"}):
+            pass
+    state = json.loads((run_dir / "state" / "mlflow_parent.json").read_text())
+    assert "leaky" not in state["children"]
+
+
+def test_experiment_opens_in_the_model_training_view(tracker: Tracker, run_dir: Path):
+    experiment = tracker.client.get_experiment(tracker.experiment_id())
+    # the tag (and value) MLflow 3's UI reads for the experiment kind and its selector writes
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    tracker.client.delete_experiment_tag(experiment.experiment_id, "mlflow.experimentKind")
+    again = Tracker(run_dir)  # an existing experiment (e.g. made by an older version) is marked on open
+    assert again.parent_run_id() == tracker.parent_run_id()
+    assert again.experiment_id() == experiment.experiment_id
+    assert again.client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
@@ -81,7 +165,8 @@ def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
     assert [(r["step"], r["name"], r["value"]) for r in out] == [(2, "kl", 0.001), (2, "n_failed", 2.0), (2, "reward/mean", 0.25), (3, "reward/mean", 0.5)]
     assert {r["run_id"] for r in out} == {child.run_id}
     assert out[0]["t"].startswith("TIMESTAMP")
-    assert sorted(p.parent.name for p in tracker.store.files("metrics")) == ["step=0002", "step=0003"]
+    own = [p for p in tracker.store.files("metrics") if p.name.startswith("rl_step_0002-")]
+    assert sorted(p.parent.name for p in own) == ["step=0002", "step=0003"]
     with pytest.raises(ValueError, match="metric 'bad'"):
         child.log_metrics({"bad": "high"}, step=4)
 
@@ -168,6 +253,16 @@ def test_parent_run_follows_its_stages(tracker: Tracker):
         with tracker.child_run("sft"):
             raise RuntimeError("boom")
     assert status() == "FAILED"  # the pipeline stopped in a stage
-    with tracker.child_run("sft"):  # the rerun resumes the parent too
+    with tracker.child_run("sft") as retry:  # the rerun (a new attempt) resumes the parent too
         assert status() == "RUNNING"
+        assert tracker.client.get_run(retry.run_id).data.tags["mlflow.parentRunId"] == parent
     assert status() == "FINISHED"
+
+
+def test_soft_deleted_runs_are_restored_when_reused(tracker: Tracker):
+    with tracker.child_run("restorable") as child:
+        pass
+    tracker.client.delete_run(child.run_id)
+    with tracker.child_run("restorable") as again:
+        assert again.run_id == child.run_id
+    assert tracker.client.get_run(child.run_id).info.lifecycle_stage == "active"

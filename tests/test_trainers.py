@@ -272,16 +272,6 @@ def test_offload_without_the_zero_stage_it_needs_is_rejected(kwargs, field):
         TrainerConfig(**kwargs)
 
 
-@pytest.fixture(scope="module")
-def deepspeed_ok():
-    try:
-        from rubricem_core.training.deepspeed_trainer import import_deepspeed
-
-        import_deepspeed()
-    except ImportError as exc:
-        pytest.skip(f"deepspeed is not importable ({exc}); install with pip install --no-build-isolation deepspeed")
-
-
 def run_steps(cfg: TrainerConfig, n_steps: int = 2):
     trainer = make_trainer(tiny_model(), cfg)
     history = []

@@ -3,11 +3,17 @@
 ``run_eval`` = optional reflection guidance (``guidance_for``) → sampling with a rollout engine
 (``sample_queries``) → grading (the synthetic grader in-process, the others through a
 ``BenchmarkGrader``) → ``eval_results`` rows (``result_rows``) and their summary (``summarize``).
+
+A query the benchmark has nothing to grade against (no rubric items, no gold answer: e.g. a user's
+own query file) is found before sampling (``ungraded_reason``), is not sampled, and gets one
+``eval_results`` row with score NULL, ``grade_failed`` true, the reason in ``error`` and
+``details.ungraded`` (``ungraded_row``); the summary counts it apart (``n_ungraded``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,6 +25,7 @@ import pyarrow as pa
 
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
+from rubricem_core.eval.prompts import aggregate_items, gold_answers, grade_items
 from rubricem_core.eval.synthetic import grade_synthetic
 from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_of, safe_name
 from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
@@ -28,6 +35,8 @@ from rubricem_core.scaffold import extract_answer, neutralize_tags, strip_tags, 
 from rubricem_core.schemas import Query
 from rubricem_core.tools.base import ToolEnv
 
+log = logging.getLogger(__name__)
+
 EVAL_RESULTS_SCHEMA = pa.schema([
     ("checkpoint", pa.string()), ("benchmark", pa.string()), ("query_id", pa.string()), ("retrieval", pa.string()),
     ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
@@ -35,6 +44,12 @@ EVAL_RESULTS_SCHEMA = pa.schema([
     ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
     ("answer", pa.string()), ("text", pa.string()), ("settings", pa.string()),
 ])
+
+
+# Why a query was not graded (``details.ungraded`` and the prefix of ``error`` in its eval_results row).
+NO_RUBRICS = "no_rubrics"  # a rubric benchmark (or the synthetic world) with no rubric items for it
+NO_GOLD_ANSWER = "no_gold_answer"  # a short-form benchmark with neither a reference answer nor a final rubric
+UNGRADED_REASONS: tuple[str, ...] = (NO_RUBRICS, NO_GOLD_ANSWER)
 
 
 def settings_digest(settings: dict[str, Any]) -> str:
@@ -145,6 +160,35 @@ def sample_queries(engine: Any, tokenizer: Any, queries: Sequence[Query], env: T
 # ---- grading -------------------------------------------------------------------------------------
 
 
+def ungraded_reason(benchmark: str, query: Query) -> tuple[str, str] | None:
+    """(reason code, message) when ``benchmark`` has nothing to grade ``query`` against, else None.
+
+    Checked before sampling, so no generation is spent on a query that cannot be graded. Grading
+    input that is there but malformed (a rubric without criterion text, no positive weight) is a
+    data error: it raises EvalError here, before sampling, instead of after it."""
+    family = family_of(benchmark)
+    if family == "synthetic":
+        if not query.rubrics:
+            return NO_RUBRICS, f"query {query.query_id!r} has no persistent rubrics to grade against"
+        return None
+    if family == "short_form":
+        try:
+            gold_answers(query)
+        except EvalError as exc:
+            return NO_GOLD_ANSWER, str(exc)
+        return None
+    if not query.rubrics:
+        return NO_RUBRICS, f"query {query.query_id!r} has no rubric items to grade"
+    try:
+        items = grade_items(query, family)
+        # the denominators do not depend on the scores: all zeros tells whether aggregation is defined
+        aggregate_items(family, items, {item.item_id: 0 for item in items})
+    except EvalError as exc:
+        raise EvalError(f"benchmark {benchmark!r} query {query.query_id!r}: {exc}") from exc
+    return None
+
+
+
 def grade_samples(benchmark: str, queries: Sequence[Query], samples: Sequence[Sequence[EvalSample]],
                   grader: Any = None, max_tool_calls: int | None = None) -> list[list[GradeResult]]:
     """Grades aligned with ``samples``: in-process for synthetic, else one grader call per sample."""
@@ -175,14 +219,46 @@ def result_rows(checkpoint: str, benchmark: str, retrieval: str, samples: Sequen
     return rows
 
 
+def ungraded_row(checkpoint: str, benchmark: str, retrieval: str, query_id: str, reason: tuple[str, str],
+                 grader_model: str) -> dict[str, Any]:
+    """The row of a query that was not graded: no trajectory (it was not sampled), score NULL,
+    ``grade_failed`` true (so every reader that excludes failed grades from means stays right), the
+    reason in ``error`` ("<code>: <message>") and in ``details`` ({"ungraded": code, "reason": message})."""
+    code, message = reason
+    return {
+        "checkpoint": checkpoint, "benchmark": benchmark, "query_id": query_id, "retrieval": retrieval,
+        "score": None, "details": json.dumps({"ungraded": code, "reason": message}, ensure_ascii=False, sort_keys=True),
+        "sample": None, "grade_failed": True, "error": f"{code}: {message}", "grader": grader_model,
+        "valid_scaffold": None, "n_tool_calls": None, "finish_reason": None, "n_policy_tokens": None,
+        "guidance": None, "answer": None, "text": None,
+    }
+
+
+def ungraded_code(row: dict[str, Any]) -> str | None:
+    """The reason code of an eval_results row that was not graded (``ungraded_row``), else None."""
+    if not row.get("grade_failed") or not row.get("details"):
+        return None
+    details = json.loads(row["details"])
+    return details.get("ungraded") if isinstance(details, dict) else None
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Means over graded samples (failed grades excluded and counted) plus sampling health."""
+    """Means over graded samples (failed grades excluded and counted) plus sampling health.
+
+    Queries that were not graded (``ungraded_row``: never sampled) are left out of every mean and
+    rate and of ``n_samples``/``n_queries``/``grade_failed``; ``n_ungraded`` counts them, and
+    ``n_<reason>`` per reason code."""
+    codes = [ungraded_code(r) for r in rows]
+    ungraded = [c for c in codes if c is not None]
+    rows = [r for r, c in zip(rows, codes) if c is None]
     scored = [r["score"] for r in rows if not r["grade_failed"]]
     out = {
         "score_mean": float(np.mean(scored)) if scored else math.nan,
         "n_samples": float(len(rows)),
         "n_queries": float(len({r["query_id"] for r in rows})),
         "grade_failed": float(sum(r["grade_failed"] for r in rows)),
+        "n_ungraded": float(len(ungraded)),
+        **{f"n_{code}": float(ungraded.count(code)) for code in UNGRADED_REASONS},
         "valid_scaffold_rate": float(np.mean([r["valid_scaffold"] for r in rows])) if rows else math.nan,
         "answered_rate": float(np.mean([r["finish_reason"] == ANSWERED for r in rows])) if rows else math.nan,
         "tool_calls_mean": float(np.mean([r["n_tool_calls"] for r in rows])) if rows else math.nan,
@@ -211,17 +287,40 @@ class EvalOutcome:
 def run_eval(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Query], env: ToolEnv,
              options: EvalOptions, checkpoint: str, grader: Any = None,
              bank: ReflectionBank | None = None) -> EvalOutcome:
-    """Sample every query with the real tools (with reflection guidance per ``options.retrieval``), grade
-    each sample independently of training rewards, and return ``eval_results`` rows and their summary."""
+    """Sample every gradable query with the real tools (with reflection guidance per ``options.retrieval``),
+    grade each sample independently of training rewards, and return ``eval_results`` rows and their
+    summary. Queries the benchmark cannot grade (``ungraded_reason``) are not sampled but get a row
+    each (``ungraded_row``); EvalError, before any sampling, when no query can be graded."""
     if not queries:
         raise EvalError(f"benchmark {benchmark!r}: no queries to evaluate")
-    family_of(benchmark)  # fail on an unknown benchmark before sampling
-    guidance = guidance_for(bank, queries, options.retrieval, options.retrieval_k)
-    samples = sample_queries(engine, tokenizer, queries, env, options, guidance)
-    grades = grade_samples(benchmark, queries, samples, grader, options.max_tool_calls)
+    family = family_of(benchmark)  # fail on an unknown benchmark before sampling
+    if family != "synthetic" and grader is None:
+        raise EvalError(f"benchmark {benchmark!r} needs a grader (an LLM endpoint)")
+    # Grade what can be graded: a query without rubrics (or gold answer) is recorded, not sampled.
+    reason_of = [ungraded_reason(benchmark, q) for q in queries]
+    reasons = [r for r in reason_of if r is not None]
+    gradable = [q for q, r in zip(queries, reason_of) if r is None]
+    if not gradable:
+        counts = ", ".join(f"{n} {code}" for code in UNGRADED_REASONS if (n := sum(c == code for c, _ in reasons)))
+        raise EvalError(f"benchmark {benchmark!r}: none of its {len(queries)} queries can be graded ({counts}; "
+                        f"e.g. {reasons[0][1]}); nothing was sampled. Give the queries rubrics (or gold answers "
+                        "for short-form benchmarks), or leave the benchmark out of eval.benchmarks")
+    if reasons:
+        log.warning("benchmark %r: %d of %d queries cannot be graded and are recorded without sampling: %s",
+                    benchmark, len(reasons), len(queries), "; ".join(m for _, m in reasons[:5]))
+    guidance = guidance_for(bank, gradable, options.retrieval, options.retrieval_k)
+    samples = sample_queries(engine, tokenizer, gradable, env, options, guidance)
+    grades = grade_samples(benchmark, gradable, samples, grader, options.max_tool_calls)
     valid = [[not validate(s.text, max_tool_calls=options.max_tool_calls) for s in group] for group in samples]
-    model = "builtin:synthetic" if family_of(benchmark) == "synthetic" else grader.model
-    rows = result_rows(checkpoint, benchmark, options.retrieval, samples, grades, model, valid)
+    model = "builtin:synthetic" if family == "synthetic" else grader.model
+    graded = iter(zip(samples, grades, valid))
+    rows = []
+    for query, reason in zip(queries, reason_of):  # in query order
+        if reason is not None:
+            rows.append(ungraded_row(checkpoint, benchmark, options.retrieval, query.query_id, reason, model))
+        else:
+            group, group_grades, group_valid = next(graded)
+            rows += result_rows(checkpoint, benchmark, options.retrieval, [group], [group_grades], model, [group_valid])
     summary = summarize(rows)
     if grader is not None:
         summary.update(grader.usage.metrics("grader/"))

@@ -39,8 +39,8 @@ def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker
         return None, f"the parent run {run_id} is not in {db}: {exc.message}"
     if artifact_uri is None:
         return None, f"{state_path} names no parent run"
-    # The experiment's artifact location is an absolute path fixed when the run dir was created; in
-    # a copied or moved run directory it still points at the original, which must not be written to.
+    # Opening the Tracker relocates a copied or moved run directory's store to its own artifacts
+    # (rubricem_core.tracking); a store that still points elsewhere must not be written to.
     own = (run_dir / "mlflow" / "artifacts").as_uri() + "/"
     if not artifact_uri.startswith(own):
         return None, (f"the parent run stores artifacts at {artifact_uri}, outside this run directory "

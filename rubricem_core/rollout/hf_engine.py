@@ -55,7 +55,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -187,6 +187,9 @@ class HFRolloutEngine:
         params = inspect.signature(self._decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.stats: dict[str, float] = {}
+        # called as (finished trajectories, all trajectories) while generate runs: the task's progress line
+        self.on_progress: Callable[[int, int], None] | None = None
+        self._all_rows: list[_Row] = []
 
     def _default_stops(self) -> set[int]:
         stops = set()
@@ -221,6 +224,7 @@ class HFRolloutEngine:
             for k in range(request.n):
                 rows.append(self._new_row(request, k, ToolEnv(allowed, request.max_tool_calls)))
         live = [row for row in rows if not row.finished]
+        self._all_rows = rows
         started = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
@@ -236,6 +240,10 @@ class HFRolloutEngine:
             out.append([self._trajectory(rows[index + k]) for k in range(request.n)])
             index += request.n
         return out
+
+    def _report_progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(sum(row.finished for row in self._all_rows), len(self._all_rows))
 
     def _allowed_tools(self, tools: ToolEnv) -> dict:
         if self.tool_names is None:
@@ -318,6 +326,7 @@ class HFRolloutEngine:
                 rows = rows + admitted
             if rows:
                 mask = self._maybe_compact(cache, mask, rows)
+            self._report_progress()
         self.stats.update(forward_calls=n_forward, chunk_slots=n_slots, real_slots=n_real_slots)
 
     def _accept(self, row: _Row, token: int, logprob: float) -> bool:

@@ -134,6 +134,7 @@ class VLLMRolloutEngine:
     _stage_at = staticmethod(HFRolloutEngine._stage_at)
     _decode = HFRolloutEngine._decode
     _allowed_tools = HFRolloutEngine._allowed_tools
+    _report_progress = HFRolloutEngine._report_progress
 
     def __init__(
         self,
@@ -186,6 +187,8 @@ class VLLMRolloutEngine:
             raise RolloutError("no stop token: the tokenizer has no eos_token_id and none was given")
         self._weight_names, self._tied = _checkpoint_names(self.model_path)
         self.stats: dict[str, float] = {}
+        self.on_progress: Callable[[int, int], None] | None = None  # (finished, all) while generate runs
+        self._all_rows: list[_Row] = []
 
     def _model_config(self) -> Any:
         return None if self.llm is None else self.llm.llm_engine.model_config
@@ -245,6 +248,7 @@ class VLLMRolloutEngine:
         for request in requests:
             for k in range(request.n):
                 rows.append(self._new_row(request, k, ToolEnv(allowed, request.max_tool_calls)))
+        self._all_rows = rows
         started = time.perf_counter()
         self._run([row for row in rows if not row.finished])
         self.stats["generate_s"] = time.perf_counter() - started
@@ -286,6 +290,7 @@ class VLLMRolloutEngine:
                 tool_rows = [row for row, sample in zip(callers, samples) if self._replay(row, sample)]
                 self._run_tools(tool_rows)
             live = [row for row in live if not row.finished]
+            self._report_progress()
 
     def _context(self, row: _Row) -> list[int]:
         ids = list(row.request.prompt_ids)

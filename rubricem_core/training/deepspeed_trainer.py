@@ -53,7 +53,7 @@ from rubricem_core.training.checkpoint import (
     write_checkpoint_files,
 )
 from rubricem_core.training.config import TrainerConfig
-from rubricem_core.training.schedule import make_scheduler
+from rubricem_core.training.schedule import make_scheduler, resume_schedule
 from rubricem_core.training.torch_trainer import (
     LossFn,
     MetricsAccumulator,
@@ -64,7 +64,6 @@ from rubricem_core.training.torch_trainer import (
     enable_gradient_checkpointing,
     local_micro_batches,
     seed_everything,
-    warn_schedule_drift,
 )
 
 DS_DIR = "deepspeed"  # DeepSpeed's own checkpoint (module + optimizer shards) inside ours
@@ -262,7 +261,7 @@ class DeepSpeedTrainer:
         if path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint under {directory / DS_DIR} (tag {DS_TAG!r})")
         self.global_step = int(client.get("global_step", state["global_step"]))
-        warn_schedule_drift(state.get("config", {}), self.cfg, directory)
+        resume_schedule(self.scheduler, self.cfg, directory)  # extends it when total_steps grew
         rng_file = directory / f"rng_rank{self.rank}.pt"
         # A different world size has no file for this rank: fall back to rank 0's state.
         restore_rng_state(load_torch_file(rng_file) if rng_file.is_file() else state["rng"])

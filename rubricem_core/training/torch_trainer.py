@@ -45,7 +45,7 @@ from rubricem_core.training.checkpoint import (
     save_checkpoint,
 )
 from rubricem_core.training.config import TrainerConfig
-from rubricem_core.training.schedule import make_scheduler
+from rubricem_core.training.schedule import make_scheduler, resume_schedule
 
 log = logging.getLogger(__name__)
 
@@ -179,18 +179,6 @@ def check_finite(grad_norm: float, loss: float, step: int, applied: bool = False
             "the update was applied: resume from the last checkpoint" if applied else "the update was not applied"
         )
         raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {step} (loss {loss}); {outcome}")
-
-
-def warn_schedule_drift(saved: dict[str, Any], cfg: TrainerConfig, directory: str | Path) -> None:
-    """A resume continues the checkpoint's learning-rate curve exactly; say so when the current
-    config asks for another one (e.g. more total_steps), instead of silently ignoring it."""
-    keys = ("lr", "warmup_steps", "total_steps", "min_lr_ratio")
-    changed = {k: (saved[k], getattr(cfg, k)) for k in keys if k in saved and saved[k] != getattr(cfg, k)}
-    if changed:
-        log.warning(
-            "resuming from %s keeps its learning-rate schedule; these settings differ and are ignored "
-            "(checkpoint, now): %s", directory, changed,
-        )
 
 
 def _bf16_autocast_works(device: torch.device) -> bool:
@@ -327,7 +315,7 @@ class TorchTrainer:
             raise CheckpointError(f"{directory}: optimizer/scheduler state does not fit this model: {exc}") from exc
         self.global_step = int(state["global_step"])
         restore_rng_state(state["rng"])
-        warn_schedule_drift(state.get("config", {}), self.cfg, directory)
+        resume_schedule(self.scheduler, self.cfg, directory)  # extends it when total_steps grew
         return dict(state.get("extra") or {})
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
