@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="grade a policy checkpoint on held-out and benchmark queries → eval_results")
     _common(p)
     p.add_argument("--checkpoint", default=None, help="policy directory (default: newest RL checkpoint, else SFT)")
-    p.add_argument("--retrieval", choices=["none", "cross", "within"], default=None,
-                   help="test-time reflection guidance from the run's bank (default: eval.retrieval)")
+    p.add_argument("--retrieval", choices=["none", "cross", "within", "sequential"], default=None,
+                   help="test-time reflection guidance from the run's bank (default: eval.retrieval); sequential: "
+                   "trial 1 with cross retrieval, a reflection on it, trial 2 guided by it")
     p.add_argument("--benchmark", dest="benchmarks", action="append", default=None,
                    help="benchmark to run (repeatable; default: eval.benchmarks)")
     p.set_defaults(func=cmd_evaluate)

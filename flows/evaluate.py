@@ -14,9 +14,8 @@ from prefect import flow, get_run_logger
 from flows.common import mlflow_url, prefect_links, publish_markdown, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import eval_markdown
-from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
-from rubricem_core.reflection.bank import RETRIEVAL_MODES
 from rubricem_core.tracking import Tracker
 from tasks.evaluate import default_checkpoint, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
@@ -42,7 +41,8 @@ def evaluate(
         checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).
         benchmarks: names to run (default: eval.benchmarks): synthetic, healthbench, deep_research_bench,
             scholarqa_cs, simpleqa, 2wiki.
-        retrieval: test-time reflection guidance none | cross | within (default: eval.retrieval).
+        retrieval: test-time reflection guidance none | cross | within | sequential (default: eval.retrieval);
+            sequential: a trial with cross retrieval, the policy's reflection on it, a second trial guided by it.
     """
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="evaluate")
@@ -51,8 +51,8 @@ def evaluate(
     if any(b != "synthetic" for b in cfg.eval.benchmarks):  # graded through eval.grader
         check_endpoint_keys(cfg.eval.grader)
     mode = retrieval or cfg.eval.retrieval
-    if mode not in RETRIEVAL_MODES:
-        raise EvalError(f"retrieval must be one of {RETRIEVAL_MODES}, got {mode!r}")
+    if mode not in EVAL_RETRIEVAL_MODES:
+        raise EvalError(f"retrieval must be one of {EVAL_RETRIEVAL_MODES}, got {mode!r}")
     path = str(Path(checkpoint) if checkpoint else default_checkpoint(run_dir))
     tag = checkpoint_tag(run_dir, path)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None

@@ -229,8 +229,18 @@ class JudgeConfig(EndpointConfig):
     )
     temperature: float = Field(default=0.0, ge=0, le=2, description="Judge sampling temperature.")
     max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per judge call.")
-    max_new_rubrics_per_stage: int = Field(default=3, ge=0, description="Adaptive rubrics generated per stage per step.")
+    max_new_rubrics_per_stage: int = Field(
+        default=3, ge=0,
+        description="Most adaptive rubrics generated per stage per step; the paper asks 1-4 per plan/research/review "
+        "stage and 2-5 for the answer, capped by this (5 allows the paper's full ranges).",
+    )
     cap_per_stage: int = Field(default=5, ge=1, description="Active adaptive rubrics kept per stage.")
+    show_reference: bool = Field(
+        default=True,
+        description="Show the judge each query's reference answer and spec. That is an answer key: the paper's judge "
+        "sees the query, the rollout group and its rubric buffer only (false). The built-in judge needs the spec "
+        "(true).",
+    )
     min_judged_fraction: float = Field(
         default=0.5, ge=0, le=1,
         description="A step fails (no update, no checkpoint; a rerun re-judges it) when fewer of its rollouts "
@@ -239,6 +249,14 @@ class JudgeConfig(EndpointConfig):
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
     )
+
+    @model_validator(mode="after")
+    def _builtin_needs_reference(self) -> Any:
+        # the built-in judge's checks read the query spec (the subjects a conclusion picks between)
+        if self.model.startswith("rubricem-judge/") and not self.show_reference:
+            raise ValueError(f"judge.show_reference=false needs an LLM judge: the built-in judge {self.model!r} "
+                             "reads the query spec; set judge.show_reference=true or judge.model to an LLM")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -321,6 +339,7 @@ class RLConfig(_Strict):
 
 
 EVAL_BENCHMARKS: tuple[str, ...] = ("synthetic", "healthbench", "deep_research_bench", "scholarqa_cs", "simpleqa", "2wiki")
+EVAL_EXTRA_PATHS: tuple[str, ...] = ("deep_research_bench_reference",)  # eval.paths keys besides benchmarks
 
 
 class EvalGraderConfig(EndpointConfig):
@@ -345,15 +364,37 @@ class EvalConfig(_Strict):
     paths: dict[str, str] = Field(
         default_factory=dict,
         description="Benchmark name → query file (relative paths resolve against the working directory), e.g. "
-        "{simpleqa: ../shared/data/simpleqa/simple_qa_test_set.csv}.",
+        "{simpleqa: ../shared/data/simpleqa/simple_qa_test_set.csv}; plus deep_research_bench_reference → the "
+        "benchmark's reference reports (JSONL of id, prompt, article), needed by drb_grading: race.",
     )
-    max_queries: int = Field(default=8, ge=1, description="Queries per benchmark (the first N of the file or split).")
+    max_queries: int = Field(default=8, ge=1, description="Queries per benchmark (chosen by `sample`).")
+    sample: Literal["first", "random"] = Field(
+        default="first",
+        description="Which max_queries queries of a benchmark file (or the held-out split) are evaluated: the first "
+        "ones, or a fixed random sample drawn with sample_seed (the same seed picks the same queries, whatever the "
+        "file order; a larger max_queries picks a superset).",
+    )
+    sample_seed: int | None = Field(default=None, description="Seed of sample: random (None: the run's seed).")
+    healthbench_grading: Literal["per_criterion", "joint"] = Field(
+        default="per_criterion",
+        description="HealthBench: per_criterion (one met/not-met grader call per rubric criterion, as the official "
+        "grader; one failed call fails that answer's grade) or joint (one call grading all criteria). Both give the "
+        "same scores with the built-in grader.",
+    )
+    drb_grading: Literal["absolute", "race"] = Field(
+        default="absolute",
+        description="DeepResearchBench: absolute (each criterion scored 0..10 on its own) or race (the benchmark's "
+        "RACE: the report and the query's reference report scored on the same criteria, score T / (T + R) of the "
+        "dimension-weighted totals; needs paths.deep_research_bench_reference, queries without a reference are "
+        "recorded ungraded as no_reference).",
+    )
     samples_per_query: int = Field(default=1, ge=1, description="Trajectories sampled per query (scores are averaged).")
     temperature: float = Field(default=0.7, ge=0, description="Sampling temperature of the policy (0 = greedy).")
-    retrieval: Literal["none", "cross", "within"] = Field(
+    retrieval: Literal["none", "cross", "within", "sequential"] = Field(
         default="none",
-        description="Test-time reflection guidance from the run's bank: none, cross (top-k other queries) or "
-        "within (the query's own reflection).",
+        description="Test-time reflection guidance from the run's bank: none, cross (top-k other queries), "
+        "within (the query's own reflection) or sequential (trial 1 with cross retrieval, the policy reflects "
+        "on it, trial 2 guided by that reflection; the paper's test-time reuse).",
     )
     retrieval_k: int = Field(default=1, ge=1, description="Reflections retrieved per query for retrieval=cross.")
     reflection_validity: bool = Field(
@@ -361,8 +402,14 @@ class EvalConfig(_Strict):
         description="Also ask the policy for one reflection on each evaluated trajectory (unforced) and report the "
         "share that passes the meta-policy's validator (reflection_valid_rate; rows in eval_reflections).",
     )
-    bank_dir: str | None = Field(default=None, description="Saved ReflectionBank directory (None: <run_dir>/tables/bank).")
-    bank_embedder: str = Field(default="hashing", description="Embedder the bank was built with (see tools.embedder).")
+    bank_dir: str | None = Field(
+        default=None, description="Saved ReflectionBank directory (None: <run_dir>/state/bank, where RL saves it)."
+    )
+    bank_embedder: str | None = Field(
+        default=None,
+        description="Override of the bank's query embedder (see tools.embedder), e.g. the local path of the model "
+        "it was built with; None: the embedder recorded with the saved bank. One of another dimension is refused.",
+    )
     grader: EvalGraderConfig = Field(default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders.")
 
     @field_validator("benchmarks")
@@ -376,9 +423,10 @@ class EvalConfig(_Strict):
     @field_validator("paths")
     @classmethod
     def _known_paths(cls, value: dict[str, str]) -> dict[str, str]:
-        unknown = [b for b in value if b not in EVAL_BENCHMARKS or b == "synthetic"]
+        unknown = [b for b in value if (b not in EVAL_BENCHMARKS or b == "synthetic") and b not in EVAL_EXTRA_PATHS]
         if unknown:
-            raise ValueError(f"paths has unknown benchmarks {unknown}; choose from {list(EVAL_BENCHMARKS[1:])}")
+            raise ValueError(f"paths has unknown benchmarks {unknown}; choose from "
+                             f"{list(EVAL_BENCHMARKS[1:]) + list(EVAL_EXTRA_PATHS)}")
         return value
 
 
@@ -391,6 +439,11 @@ class ReflectionJudgeConfig(EndpointConfig):
     max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per call (all candidates of one trajectory).")
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
+    )
+    mode: Literal["per_candidate", "joint"] = Field(
+        default="joint",
+        description="per_candidate: each valid candidate scored in its own call (the paper; n_candidates calls "
+        "per source trajectory); joint: all candidates of a trajectory side by side in one call (1 call).",
     )
 
 
@@ -424,6 +477,12 @@ class ReflectionConfig(_Strict):
         description="Seed the bank with the valid teacher reflections (teacher_reflections) before RL, so step 0's "
         "cross-episode retrieval has something to find; they enter at score reflection.min_score, so any "
         "accepted reflection of the policy replaces its query's.",
+    )
+    within_source: Literal["best", "window"] = Field(
+        default="best",
+        description="What a replay step's within-episode retrieval returns: window — the reflection written for "
+        "the query at the new-query step of the same window (the paper; none accepted there: a miss); best — "
+        "the query's best-scoring reflection so far (any window, or the warm start).",
     )
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 

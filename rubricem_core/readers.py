@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -475,6 +476,51 @@ def read_deep_research_bench(path: str | os.PathLike[str], criteria_path: str | 
                 kind="long_form", question=question, messages=[{"role": "user", "content": question}],
                 rubrics=rubrics_by_id.get(query_id, []), reference_answer=None, spec={}, metadata=metadata)
     return out.result()
+
+
+DRB_REFERENCE_KEY = "reference_article"  # Query.metadata key of a DeepResearchBench reference report
+
+
+def read_drb_references(path: str | os.PathLike[str]) -> dict[str, str]:
+    """DeepResearchBench reference reports (JSONL of id, prompt, article, as the benchmark's
+    ``test_data/cleaned_data/reference.jsonl``) → {query_id as ``read_deep_research_bench`` names it: article}.
+
+    RACE grading scores a report relative to its query's reference report. Records are matched by id;
+    their ``prompt`` is kept for ``attach_drb_references`` to check against the query's question."""
+    return {query_id: article for query_id, (article, _) in _drb_reference_records(Path(path)).items()}
+
+
+def _drb_reference_records(path: Path) -> dict[str, tuple[str, str | None]]:
+    if not path.is_file():
+        raise QueryFileError(path, None, "no such file")
+    out: dict[str, tuple[str, str | None]] = {}
+    for where, data in _iter_records(path):
+        record = _Record(path, where, data)
+        query_id = f"deep_research_bench-{record.ident('id')}"
+        if query_id in out:
+            raise QueryFileError(path, where, f"field 'id': a second reference for {query_id!r}")
+        out[query_id] = (record.text("article"), record.text("prompt", required=False))
+    return out
+
+
+def attach_drb_references(queries: list[Query], path: str | os.PathLike[str]) -> list[Query]:
+    """The queries with their reference report in ``metadata["reference_article"]`` (where the file has one;
+    the policy's prompt never shows metadata). A reference written for another prompt than its query's
+    (a different release of the benchmark) is an error, not a silent mismatch."""
+    path = Path(path)
+    records = _drb_reference_records(path)
+    out = []
+    for query in queries:
+        found = records.get(query.query_id)
+        if found is None:
+            out.append(query)
+            continue
+        article, prompt = found
+        if prompt is not None and prompt.strip() != query.question.strip():
+            raise QueryFileError(path, None, f"the reference for {query.query_id!r} was written for another prompt "
+                                 f"({prompt[:60]!r} vs {query.question[:60]!r})")
+        out.append(dataclasses.replace(query, metadata={**query.metadata, DRB_REFERENCE_KEY: article}))
+    return out
 
 
 # ---- SimpleQA ----------------------------------------------------------------------------------

@@ -15,21 +15,25 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
-from rubricem_core.embedders import make_embedder
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
+    SEQUENTIAL,
+    SEQUENTIAL_TRIALS,
+    SequentialOptions,
     settings_digest,
     EvalOptions,
     checkpoint_tag,
     load_benchmark_queries,
     run_eval,
+    select_queries,
     summarize,
     ungraded_code,
     ungraded_reason,
 )
+from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.policy.loading import auto_device, load_policy
-from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank
+from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
 from rubricem_core.rollout import SamplingParams
 from rubricem_core.schemas import queries_from_table
@@ -95,20 +99,51 @@ def _grader(cfg: RunConfig):
     model = register_builtin_grader() if grader_cfg.model.startswith(PROVIDER + "/") else grader_cfg.model
     settings = endpoint_settings(grader_cfg.model_copy(update={"model": model}), api_key=resolve_api_key(grader_cfg))
     return BenchmarkGrader(settings, GraderOptions(temperature=grader_cfg.temperature, max_tokens=grader_cfg.max_tokens,
-                                                   seed=cfg.seed, structured_output=grader_cfg.structured_output))
+                                                   seed=cfg.seed, structured_output=grader_cfg.structured_output,
+                                                   healthbench_grading=cfg.eval.healthbench_grading,
+                                                   drb_grading=cfg.eval.drb_grading))
 
 
-def _bank(run_dir: str, cfg: RunConfig, retrieval: str) -> ReflectionBank | None:
-    if retrieval == "none":
-        return None
-    directory = Path(cfg.eval.bank_dir) if cfg.eval.bank_dir else Path(run_dir) / "tables" / "bank"
+def _bank_location(run_dir: str, cfg: RunConfig, retrieval: str) -> Path:
+    """Where RL saved the run's bank (eval.bank_dir overrides it)."""
+    directory = Path(cfg.eval.bank_dir) if cfg.eval.bank_dir else bank_dir(run_dir)
     if not (directory / ENTRIES_FILE).exists():
         raise FileNotFoundError(f"retrieval={retrieval!r} needs a reflection bank, but none is saved at {directory} "
                                 "(run RL with a reflection recipe, or set eval.bank_dir)")
-    embedder = make_embedder(cfg.eval.bank_embedder)
-    if embedder is None:
-        raise EvalError("eval.bank_embedder must name an embedder when retrieval is cross or within")
-    return ReflectionBank.load(directory, embedder)
+    return directory
+
+
+def _bank(run_dir: str, cfg: RunConfig, retrieval: str) -> ReflectionBank | None:
+    """The saved bank, searched with the embedder recorded with it unless eval.bank_embedder overrides it."""
+    if retrieval == "none":
+        return None
+    return ReflectionBank.load(_bank_location(run_dir, cfg, retrieval), cfg.eval.bank_embedder)
+
+
+def _bank_settings(run_dir: str, cfg: RunConfig, retrieval: str) -> list[str | None]:
+    """The bank's part of an eval part's settings. Without retrieval no bank is read: the value is the
+    one such parts were keyed by before eval.bank_embedder defaulted to the recorded embedder, so their
+    digests stay. With retrieval: the location and the embedder the bank is searched with."""
+    if retrieval == "none":
+        return [cfg.eval.bank_dir, cfg.eval.bank_embedder or "hashing"]
+    embedder = cfg.eval.bank_embedder or saved_bank_info(_bank_location(run_dir, cfg, retrieval)).embedder
+    return [cfg.eval.bank_dir, embedder]
+
+
+def sequential_options(cfg: RunConfig) -> SequentialOptions:
+    """The reflection between the trials of retrieval=sequential: the meta-policy's own settings."""
+    return SequentialOptions(temperature=cfg.reflection.temperature, max_new_tokens=cfg.reflection.max_new_tokens,
+                             max_trajectory_chars=cfg.reflection.max_trajectory_chars)
+
+
+def sample_seed(cfg: RunConfig) -> int:
+    """Seed of eval.sample: random (eval.sample_seed, else the run's seed)."""
+    return cfg.seed if cfg.eval.sample_seed is None else cfg.eval.sample_seed
+
+
+def race_grading(cfg: RunConfig, benchmark: str) -> bool:
+    """Whether ``benchmark`` is graded relative to reference reports (DeepResearchBench, eval.drb_grading race)."""
+    return family_of(benchmark) == "dimension_criteria" and cfg.eval.drb_grading == "race"
 
 
 def eval_queries(run_dir: str, cfg: RunConfig, benchmark: str) -> list:
@@ -116,8 +151,31 @@ def eval_queries(run_dir: str, cfg: RunConfig, benchmark: str) -> list:
         held_out = [q for q in queries_from_table(RunStore(run_dir).read_table("queries")) if q.split == "eval"]
         if not held_out:
             raise EvalError(f"{run_dir}: the queries table has no 'eval' split to evaluate on")
-        return held_out[: cfg.eval.max_queries]
-    return load_benchmark_queries(benchmark, cfg.eval.paths.get(benchmark), cfg.eval.max_queries)
+        return select_queries(held_out, cfg.eval.max_queries, cfg.eval.sample, sample_seed(cfg))
+    reference = None
+    if race_grading(cfg, benchmark):
+        reference = cfg.eval.paths.get(f"{benchmark}_reference")
+        if not reference:
+            raise EvalError(f"eval.drb_grading is 'race', which scores {benchmark} against reference reports: set "
+                            f"eval.paths.{benchmark}_reference (or eval.drb_grading: absolute)")
+    return load_benchmark_queries(benchmark, cfg.eval.paths.get(benchmark), cfg.eval.max_queries, cfg.eval.sample,
+                                  sample_seed(cfg), reference)
+
+
+def grading_settings(cfg: RunConfig, benchmark: str, queries: list) -> dict[str, Any]:
+    """The sampling and grading choices in an eval part's settings beyond the legacy ones (first N queries,
+    HealthBench joint, DeepResearchBench absolute): only added when they differ, so existing parts
+    produced the legacy way keep their digests, and a part produced otherwise is evaluated again."""
+    out: dict[str, Any] = {}
+    if cfg.eval.sample != "first":
+        out["sample"] = {"mode": cfg.eval.sample, "seed": sample_seed(cfg)}
+    family = family_of(benchmark)
+    if family == "rubric_points" and cfg.eval.healthbench_grading != "joint":
+        out["grading"] = cfg.eval.healthbench_grading
+    if race_grading(cfg, benchmark):
+        out["grading"] = "race"  # the references themselves too: a new reference file re-grades
+        out["references"] = settings_digest({q.query_id: reference_article(q) for q in queries})
+    return out
 
 
 @task(name="evaluate-benchmark", cache_policy=NO_CACHE)
@@ -137,13 +195,17 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     produced_by: dict[str, Any] = {
         "options": dataclasses.asdict(options), "queries": [q.query_id for q in queries],
         "grader": cfg.eval.grader.model_dump(include={"model", "temperature", "max_tokens", "structured_output"}),
-        "bank": [cfg.eval.bank_dir, cfg.eval.bank_embedder], "engine": cfg.rollout.engine,
+        "bank": _bank_settings(run_dir, cfg, retrieval), "engine": cfg.rollout.engine,
+        **grading_settings(cfg, benchmark, queries),
     }
     # A query that gains rubrics (or loses them) is evaluated again, not read back as ungraded. Only
     # added when there are such queries, so the digests of existing parts stay as they were.
-    ungraded = [q.query_id for q in queries if ungraded_reason(benchmark, q) is not None]
+    ungraded = [q.query_id for q in queries if ungraded_reason(benchmark, q, race_grading(cfg, benchmark)) is not None]
     if ungraded:
         produced_by["ungraded"] = ungraded
+    sequential = sequential_options(cfg) if retrieval == SEQUENTIAL else None
+    if sequential is not None:
+        produced_by["sequential"] = dataclasses.asdict(sequential)
     settings = settings_digest(produced_by)
     if store.has(TABLE, {}, part):
         rows = store.read_table(TABLE, {}, part).to_pylist()
@@ -154,14 +216,14 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     engine, tokenizer = _engine(checkpoint, cfg)
     grader = None if family_of(benchmark) == "synthetic" else _grader(cfg)
     outcome = run_eval(engine, tokenizer, benchmark, queries, search_env(run_dir, cfg), options, tag, grader,
-                       _bank(run_dir, cfg, retrieval))
+                       _bank(run_dir, cfg, retrieval), sequential)
     rows = [{**r, "settings": settings} for r in outcome.rows]
     store.write_table(TABLE, rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
     s = {**outcome.summary, **_reflection_validity(run_dir, cfg, checkpoint, part, outcome.rows, queries)}
     log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds"
-             "; %d queries not graded (%d without rubrics, %d without a gold answer)",
+             "; %d queries not graded (%d without rubrics, %d without a gold answer, %d without a reference)",
              tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],
-             s["valid_scaffold_rate"], s["n_ungraded"], s["n_no_rubrics"], s["n_no_gold_answer"])
+             s["valid_scaffold_rate"], s["n_ungraded"], s["n_no_rubrics"], s["n_no_gold_answer"], s["n_no_reference"])
     return {"cached": False, **s}
 
 
@@ -185,7 +247,9 @@ def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: st
                                   max_new_tokens=cfg.reflection.max_new_tokens,
                                   max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + zlib.crc32(part.encode()))
         # ungraded queries were never sampled: no trajectory to reflect on
-        by_source = {f"{r['query_id']}-e{r['sample']}": r for r in rows if ungraded_code(r) is None}
+        # the two trials of retrieval=sequential share (query, sample): their ids name the trial too
+        by_source = {f"{r['query_id']}-e{r['sample']}" + (f"-{r['retrieval']}" if r["retrieval"] in SEQUENTIAL_TRIALS
+                                                          else ""): r for r in rows if ungraded_code(r) is None}
         sources = [{"source": sid, "query_id": r["query_id"], "text": r["text"]} for sid, r in by_source.items()]
         sampled = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
                                      cfg.reflection.max_trajectory_chars, search_env(run_dir, cfg))

@@ -1,7 +1,8 @@
 """Prefect tasks of the reflection meta-policy (recipes meta_policy and full).
 
 `reflect` (step N, new-query phase): candidates from the policy → reflection judge → `reflections`
-partition step=N, best valid candidate per query into the bank (`bank` table + saved FAISS index).
+partition step=N, best valid candidate per query into the bank (`bank` table + the FAISS bank saved at
+`bank_dir(run_dir)`, where evaluation reads it).
 `reflection-update` (run in step N+1): one GRPO step on the reflection tokens of step N's candidates.
 The flow overlaps them with the task work (see flows/rl.py); both skip what their Parquet or the
 newest checkpoint already holds, so a retried run redoes only what is missing.
@@ -19,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.types import JudgeQuery
+from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.reflection.judge import (
     ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows, register_builtin_reflection_judge,
 )
@@ -63,7 +65,7 @@ def _judge(cfg: RunConfig) -> ReflectionJudge:
     settings = endpoint_settings(endpoint.model_copy(update={"model": model}), api_key=resolve_api_key(endpoint))
     return ReflectionJudge(settings, ReflectionJudgeOptions(
         temperature=endpoint.temperature, max_tokens=endpoint.max_tokens, seed=cfg.seed,
-        structured_output=endpoint.structured_output,
+        structured_output=endpoint.structured_output, mode=endpoint.mode,
     ))
 
 
@@ -104,7 +106,8 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         rubrics, judgment = judge_view(qid, src["rollout_id"], rubric_rows, score_rows)
         q = queries[qid]
         inputs.append(ReflectionJudgeInput(
-            query=JudgeQuery(qid, q["question"], reference_answer=q.get("reference_answer")),
+            query=JudgeQuery(qid, q["question"],  # the answer key only where the task judge may see it
+                             reference_answer=q.get("reference_answer") if cfg.judge.show_reference else None),
             source_rollout_id=src["rollout_id"], trajectory_text=src["text"],
             candidates=[candidate_text(t, stop_texts) for t in group], rubrics=rubrics, judgment=judgment,
         ))
@@ -141,12 +144,12 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     return {"cached": False, "metrics": metrics}
 
 
-def _write_bank(store: RunStore, bank: Any) -> None:
+def _write_bank(store: RunStore, bank: ReflectionBank) -> None:
     """The `bank` table and the saved FAISS index, both from the session's bank (the replay of
     every `reflections` partition so far)."""
     store.write_table("bank", bank.rows(), schema=BANK_SCHEMA)
     fault_point("rl.bank_table_written")
-    bank.save(store.state_dir / "bank")
+    bank.save(bank_dir(store.run_dir))  # with its embedder's name: evaluation rebuilds the same one
 
 
 @task(name="reflection-update", task_run_name="reflection-update-of-step-{source.step}", cache_policy=NO_CACHE)

@@ -172,6 +172,23 @@ def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTraje
     }
 
 
+def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool) -> JudgeOptions:
+    """The stagewise judge's options for this run's recipe and judge."""
+    # Baseline-RL is DR Tulu's evolving-answer objective: its judge reads the question and the final
+    # answer only. The built-in judge keeps the whole trajectory: its answer checks verify citations
+    # against the snippets the research retrieved (without them every citation reads as invented).
+    answer_only = cfg.rl.recipe == "baseline" and not builtin
+    return JudgeOptions(
+        temperature=cfg.judge.temperature, max_tokens=cfg.judge.max_tokens, seed=cfg.seed,
+        max_new_rubrics_per_stage=cfg.judge.max_new_rubrics_per_stage, rubric_stages=judged_stages,
+        structured_output=cfg.judge.structured_output, view="answer" if answer_only else "trajectory",
+        show_reference=cfg.judge.show_reference,
+        # an LLM judge is held to the paper's fewest rubrics per stage; the built-in one proposes only
+        # rubrics that separate the group, and a group may have none
+        require_min_rubrics=not builtin,
+    )
+
+
 @task(name="judge", task_run_name="judge-step-{plan.step}", cache_policy=NO_CACHE)
 def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Rubric generation (one call per query) and scoring (one call per rollout), buffer update and
@@ -190,14 +207,11 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         if qid not in buffers:
             buffers[qid] = RubricBuffer.from_query(qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step)
     model = cfg.judge.model
-    if model.startswith("rubricem-judge/"):
+    builtin = model.startswith("rubricem-judge/")
+    if builtin:
         model = register_builtin_judge()
     settings = endpoint_settings(cfg.judge.model_copy(update={"model": model}), api_key=resolve_api_key(cfg.judge))
-    judge = LLMJudge(settings, JudgeOptions(
-        temperature=cfg.judge.temperature, max_tokens=cfg.judge.max_tokens, seed=cfg.seed,
-        max_new_rubrics_per_stage=cfg.judge.max_new_rubrics_per_stage, rubric_stages=rs["judged_stages"],
-        structured_output=cfg.judge.structured_output,
-    ))
+    judge = LLMJudge(settings, judge_options(cfg, rs["judged_stages"], builtin))
     groups = []
     for qid in plan.query_ids:
         q = queries[qid]

@@ -14,7 +14,7 @@ from rubricem_core.config import (
 )
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "gpu"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "gpu", "research"])
 def test_builtin_profiles_load(profile):
     cfg = load_config(profile)
     assert isinstance(cfg, RunConfig)
@@ -78,6 +78,28 @@ def test_gpu_profile_names_a_variable_not_a_key():
     cfg = load_config("gpu")
     assert cfg.teacher.api_key_env == "OPENAI_API_KEY"
     assert "sk-" not in config_to_yaml(cfg)
+
+
+def test_research_profile_is_the_papers_settings_on_real_tools():
+    """research: real data through --set only (no path under ../shared), web tools with their cache,
+    litellm endpoints with named key variables, and the paper's / DR Tulu's settings."""
+    from rubricem_core.tools.registry import KIND_ARGS
+
+    cfg = load_config("research")
+    text = config_to_yaml(cfg)
+    assert "shared" not in text and "sk-" not in text
+    assert cfg.data.source == "files" and cfg.data.queries == [] and cfg.data.corpus is None
+    assert {s["kind"] for s in cfg.tools.specs} == {"serper", "semantic_scholar", "web_browse"} <= set(KIND_ARGS)
+    assert all(s["cache"] for s in cfg.tools.specs) and cfg.tools.cache_dir
+    for endpoint in (cfg.teacher, cfg.judge, cfg.reflection.judge, cfg.eval.grader):
+        assert endpoint.api_key_env == "OPENAI_API_KEY" and not endpoint.model.startswith("rubricem-")
+    assert cfg.rollout.max_new_tokens == cfg.rollout.max_total_tokens  # only the total is capped
+    assert (cfg.rl.lr, cfg.rl.warmup_steps, cfg.tools.max_tool_calls) == (5e-7, 0, 10)
+    assert 2 * cfg.rl.window * cfg.rl.n_windows == 600
+    assert cfg.reflection.judge.mode == "per_candidate" and "Qwen3-Embedding" in cfg.reflection.embedder
+    # the user's files come in with --set
+    given = load_config("research", ["data.queries=[{path: q.jsonl, format: dr_tulu}]", "eval.paths.healthbench=h.jsonl"])
+    assert given.data.queries[0].format == "dr_tulu" and given.eval.paths == {"healthbench": "h.jsonl"}
 
 
 def test_tool_specs_build_robust_tools(tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rubricem_core.eval.builtin import BuiltinGraderError, contains_answer, register_builtin_grader, respond
-from rubricem_core.eval.llm_grader import BenchmarkGrader
+from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 from rubricem_core.eval.prompts import aggregate_items, grade_items, items_messages
 from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates, guidance_for, plain_answer
 from rubricem_core.eval.synthetic import grade_synthetic
@@ -207,7 +207,7 @@ SHORT = make_query(query_id="sq1", source="simpleqa", split="eval", kind="short_
 ])
 def test_one_structured_call_per_answer_with_schema_and_usage(benchmark, query, expected):
     with FakeOpenAIServer(good_grader, api_key=API_KEY) as server:
-        grader = BenchmarkGrader(settings(server))
+        grader = BenchmarkGrader(settings(server), GraderOptions(healthbench_grading="joint"))
         results = grader.grade(benchmark, [(query, "answer one"), (query, "answer two")])
         assert len(server.chat_calls) == 2
         body = server.chat_calls[0]

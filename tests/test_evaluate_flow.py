@@ -104,16 +104,19 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
 
 
 def _save_bank(run_dir: str, query_ids: list[str]) -> None:
+    """Saved where and as RL's reflect task saves it, with an embedder other than evaluation's fallback:
+    evaluation must find it at bank_dir and search it with the embedder recorded with it."""
     from rubricem_core.embedders import HashingEmbedder
     from rubricem_core.reflection.bank import BankEntry, ReflectionBank
     from rubricem_core.reflection.format import Reflection
+    from tasks.reflection import _write_bank
 
     queries = {q["query_id"]: q for q in RunStore(run_dir).read_rows("queries")}
-    bank = ReflectionBank(HashingEmbedder())
+    bank = ReflectionBank(HashingEmbedder(dim=64))
     for qid in query_ids:
         reflection = Reflection((f"Find the values for {qid}",), (f"Search each entity of {qid} by name",))
         bank.add(BankEntry(qid, queries[qid]["question"], reflection.render(), 0.8, 0))
-    bank.save(Path(run_dir) / "tables" / "bank")
+    _write_bank(RunStore(run_dir), bank)
 
 
 @pytest.mark.parametrize("mode,expected_guided", [("none", 0.0), ("within", 0.5), ("cross", 1.0)])

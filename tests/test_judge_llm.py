@@ -387,8 +387,9 @@ def test_parse_generation_needs_every_stage_and_bounded_weights():
     too_many = {**{s: [] for s in ("plan", "research", "review")},
                 "answer": [{"polarity": "positive", "title": f"Names X{i}", "description": "", "weight": 1}
                            for i in range(4)]}
-    with pytest.raises(ReplyError, match="is too long"):
-        parse_generation(json.dumps(too_many), 3)
+    rubrics, dropped = parse_generation(json.dumps(too_many), 3)  # the first 3 are kept
+    assert [r.title for r in rubrics] == ["Names X0", "Names X1", "Names X2"]
+    assert dropped == ["answer: 'Names X3' (beyond the stage's 3 new rubrics)"]
 
 
 @pytest.mark.parametrize("title", ["Uses the <answer> tag", "Writes a state_evaluation after each search",

@@ -133,6 +133,29 @@ def test_one_call_per_trajectory_scores_only_valid_candidates():
     assert judge.usage.cost_usd == pytest.approx(judge.usage.prompt_tokens * 1e-6 + judge.usage.completion_tokens * 2e-6)
 
 
+def test_per_candidate_mode_makes_one_call_per_valid_candidate():
+    """The paper's protocol: a call per valid candidate (invalid ones still cost none), each showing
+    that candidate alone."""
+    inputs = [make_input([SPECIFIC, INVALID, GENERIC], "t0"), make_input([MET_ONLY, SPECIFIC], "t1")]
+    with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
+        judge = ReflectionJudge(settings(server), ReflectionJudgeOptions(mode="per_candidate"))
+        scores = judge.score(inputs)
+    assert len(server.chat_calls) == 4 and judge.usage.calls == 4  # 2 + 2 valid candidates
+    assert sorted(candidates_in(b) for b in server.chat_calls) == [[0], [0], [1], [2]]
+    by = {(s.source_rollout_id, s.candidate): s for s in scores}
+    # each candidate scored alone: good_reply gives 0.1 * (number + 1) to the one it sees
+    assert by["t0", 0].score == pytest.approx(0.1) and by["t0", 2].score == pytest.approx(0.3)
+    assert by["t1", 1].score == pytest.approx(0.2) and by["t0", 1].valid is False
+
+
+def test_per_candidate_builtin_scores_match_joint_ones(builtin):
+    """The built-in judge scores a candidate on its own merits, so both modes give the same numbers."""
+    inputs = [make_input([SPECIFIC, MET_ONLY, GENERIC])]
+    joint = [s.score for s in ReflectionJudge(builtin.settings).score(inputs)]
+    alone = ReflectionJudge(builtin.settings, ReflectionJudgeOptions(mode="per_candidate"))
+    assert [s.score for s in alone.score(inputs)] == joint and alone.usage.calls == 3
+
+
 def test_the_prompt_carries_the_privileged_inputs():
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
         ReflectionJudge(settings(server)).score([make_input([SPECIFIC])])

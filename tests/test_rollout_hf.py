@@ -456,3 +456,23 @@ def test_update_weights_and_sync_from(tok, env):
     assert [t.token_ids for t in engine.generate(reqs, env)[0]] == [t.token_ids for t in before]
     with pytest.raises(RuntimeError, match="Missing key"):
         engine.update_weights({})
+
+
+@pytest.mark.parametrize("scaffold", [True, False])
+def test_free_text_requests_end_at_their_stop_text_not_at_the_scaffold(model, tok, env, scaffold):
+    """A reflection (scaffold=False, stop text </reflection>) runs past a literal </answer> and a
+    </call_tool> and ends at </reflection>; a research request ends at the </answer>."""
+    body = ("<reflection>the search for X found nothing</answer> and <call_tool name=\"search\">x</call_tool> "
+            "were mentioned</reflection> and trailing text")
+    script = Script(tok, {"r": [body]})
+    engine = HFRolloutEngine(model, tok, forced_policy=script)
+    sampling = _sampling(max_new_tokens=200, stop_texts=("</reflection>",))
+    request = RolloutRequest("r", _prompt(tok, "Reflect."), sampling=sampling, max_tool_calls=0, scaffold=scaffold)
+    traj = engine.generate([request], env)[0][0]
+    text = _gen_text(tok, traj)
+    assert traj.finish_reason == ANSWERED and traj.n_tool_calls == 0
+    if scaffold:
+        assert text.endswith("</answer>") and "</reflection>" not in text
+    else:
+        assert text.startswith(body[: body.index("</reflection>")]) and "</reflection>" in text
+        assert "trailing" not in text

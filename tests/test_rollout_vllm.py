@@ -296,6 +296,22 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
             _check_views(tok, traj)
 
 
+def test_reflection_requests_stop_at_their_stop_text_like_the_hf_engine(model, tok, env):
+    """scaffold=False: vLLM is asked to stop at the request's stop text only (not at </answer>), and
+    the trajectory matches the HF engine's."""
+    body = "<reflection>nothing found</answer> but more</reflection> trailing"
+    script = {"r": [body]}
+    request = RolloutRequest("r", _prompt(tok, "Reflect."), max_tool_calls=0, scaffold=False,
+                             sampling=_sampling(max_new_tokens=120, stop_texts=("</reflection>",)))
+    sampler = HFSampler(model, tok, script)
+    ours = VLLMRolloutEngine(None, tok, sampler=sampler).generate([request], env)[0][0]
+    reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate([request], env)[0][0]
+    _assert_same(ours, reference)
+    assert sampler.calls[0].stop == ("</reflection>",) and ours.finish_reason == ANSWERED
+    assert "</reflection>" in _decode(tok, ours.token_ids[ours.prompt_len:]) and "trailing" not in _decode(
+        tok, ours.token_ids[ours.prompt_len:])
+
+
 def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world):
     # Each row's first turn is a scripted search; after the tool output both engines decode greedily.
     queries = [d.title for d in world.documents[:5]] + ["no such thing"]

@@ -4,9 +4,11 @@ training rewards.
 - ``types``: EvalSample, GradeResult, benchmark → grader family
 - ``synthetic``: the deterministic synthetic-world grader (persistent rubrics, validity, grounding)
 - ``prompts``: grading prompts, schemas, reply validation and per-family aggregation
-- ``llm_grader``: BenchmarkGrader, one structured-JSON litellm call per answer
+- ``llm_grader``: BenchmarkGrader, one structured-JSON litellm call per answer (HealthBench per_criterion:
+  per criterion; DeepResearchBench race: relative to a reference report)
 - ``builtin``: the offline grader provider ``rubricem-grader``
-- ``run``: guidance retrieval, sampling, grading, ``eval_results`` rows (run_eval)
+- ``run``: query selection (first / seeded random), guidance retrieval, sampling, grading,
+  ``eval_results`` rows (run_eval; retrieval="sequential": two trials with a reflection between)
 
 ``llm_grader`` and ``builtin`` pull in litellm (seconds to import), so they are imported lazily.
 """
@@ -23,6 +25,8 @@ _LAZY = {
     "register_builtin_grader": "rubricem_core.eval.builtin",
     "grade_synthetic": "rubricem_core.eval.synthetic",
     "EvalOptions": "rubricem_core.eval.run",
+    "SequentialOptions": "rubricem_core.eval.run",
+    "select_queries": "rubricem_core.eval.run",
     "EvalOutcome": "rubricem_core.eval.run",
     "EVAL_RESULTS_SCHEMA": "rubricem_core.eval.run",
     "run_eval": "rubricem_core.eval.run",

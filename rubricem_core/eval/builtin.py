@@ -10,6 +10,9 @@ it reads only the prompt.
 - rubric items: an item with a machine-checkable ``check`` is scored by the built-in judge's
   criterion; otherwise by the share of the criterion's content words found in the response
   (``judge.builtin.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
+- one criterion (HealthBench per_criterion): the same item score, met when it is 2 (as in the joint
+  prompt, so both modes give the same numbers).
+- RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
 The stagewise judge's provider (``rubricem-judge``) only reads its own two prompts, hence this one.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import re
 import string
 from typing import Any
 
-from rubricem_core.eval.prompts import SCALES, TASK_LINE
+from rubricem_core.eval.prompts import CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
 from rubricem_core.judge.builtin import Context, TraceView, score_rubric
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
 from rubricem_core.llm.provider import message_text, register_completion_provider
@@ -27,7 +30,7 @@ from rubricem_core.llm.provider import message_text, register_completion_provide
 PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"
 
-_FAMILY = re.compile(r"\((rubric_points|dimension_criteria|rubric_properties|short_form)\)")
+_FAMILY = re.compile(rf"\((rubric_points|dimension_criteria|rubric_properties|short_form|{CRITERION_KIND}|{RACE_KIND})\)")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
@@ -78,18 +81,30 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
     if family == "short_form":
         grade, why = short_form_grade(response, json.loads(sections.get("GOLD ANSWERS", "[]")))
         return json.dumps({"justification": why, "grade": grade})
+    if family == CRITERION_KIND:
+        [score] = _item_scores(sections, [json.loads(sections.get("RUBRIC ITEM", "{}"))], response)
+        return json.dumps({"explanation": score[1], "criteria_met": _to_scale("rubric_points", score[0]) == 1})
+    items = [json.loads(line) for line in sections.get("RUBRIC ITEMS", "").splitlines() if line.strip()]
+    if family == RACE_KIND:
+        target = _item_scores(sections, items, sections.get("ARTICLE 1", ""))
+        reference = _item_scores(sections, items, sections.get("ARTICLE 2", ""))
+        return json.dumps({"items": [
+            {"id": item["id"], "justification": f"article 1: {t[1]}; article 2: {r[1]}",
+             "article_1_score": 5 * t[0], "article_2_score": 5 * r[0]}
+            for item, t, r in zip(items, target, reference)]})
     if family not in SCALES:
         raise BuiltinGraderError(f"unknown grading family {family!r}")
-    items = [json.loads(line) for line in sections.get("RUBRIC ITEMS", "").splitlines() if line.strip()]
+    return json.dumps({"items": [{"id": item["id"], "justification": why, "score": _to_scale(family, score)}
+                                 for item, (score, why) in zip(items, _item_scores(sections, items, response))]})
+
+
+def _item_scores(sections: dict[str, str], items: list[dict[str, Any]], response: str) -> list[tuple[int, str]]:
+    """The built-in judge's 0/1/2 score and reason of every item against ``response``."""
     rubrics = [{"stage": "answer", "title": "", "description": item["criterion"], "check": item.get("check")}
                for item in items]
     ctx = Context(sections.get("QUESTION", ""), {}, rubrics)
     view = TraceView(f"<answer>{response}</answer>")
-    out = []
-    for item, rubric in zip(items, rubrics):
-        score, why = score_rubric(view, rubric, ctx)
-        out.append({"id": item["id"], "justification": why, "score": _to_scale(family, score)})
-    return json.dumps({"items": out})
+    return [score_rubric(view, rubric, ctx) for rubric in rubrics]
 
 
 def register_builtin_grader() -> str:

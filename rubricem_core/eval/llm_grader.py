@@ -1,23 +1,37 @@
-"""Benchmark graders through litellm: one structured-JSON call per answer.
+"""Benchmark graders through litellm: one structured-JSON call per answer (HealthBench
+``per_criterion``: one per rubric criterion; DeepResearchBench ``race``: one per answer, scoring it
+against the query's reference report).
 
 The plumbing is the stagewise judge's (``LLMJudge``): ``run_concurrent`` (bounded concurrency,
 retries with backoff on 429/5xx/timeouts), schema validation of the reply, and one repair turn that
 sends a bad reply's validation error back. A call that still fails marks that answer's grade
-failed — it is excluded from the benchmark mean and counted, never scored 0.
+failed — it is excluded from the benchmark mean and counted, never scored 0. In ``per_criterion``
+mode one failed criterion call fails the whole answer's grade (the criteria that were graded stay
+in its details): a missing criterion would bias the score either way (a positive one lowers it, a
+negative one raises it), and the official grader never scores a partial set either.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from rubricem_core.eval.prompts import (
+    GradeItem,
     aggregate_items,
+    aggregate_race,
+    criterion_messages,
+    criterion_schema,
     grade_items,
     items_messages,
     items_schema,
+    parse_criterion,
     parse_items,
+    parse_race,
     parse_short_form,
+    race_messages,
+    race_schema,
+    reference_article,
     short_form_messages,
     short_form_schema,
 )
@@ -29,6 +43,9 @@ from rubricem_core.schemas import Query
 
 log = logging.getLogger(__name__)
 
+HEALTHBENCH_GRADING: tuple[str, ...] = ("per_criterion", "joint")
+DRB_GRADING: tuple[str, ...] = ("absolute", "race")
+
 
 @dataclass
 class GraderOptions:
@@ -38,6 +55,18 @@ class GraderOptions:
     structured_output: str = field(
         default="json_schema", metadata={"help": "response_format: json_schema, json_object or none."})
     repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
+    healthbench_grading: str = field(default="per_criterion", metadata={
+        "help": "HealthBench: per_criterion (one met/not-met call per criterion, as the official grader) or "
+                "joint (one call grading all criteria)."})
+    drb_grading: str = field(default="absolute", metadata={
+        "help": "DeepResearchBench: absolute (criteria scored 0..10 on their own) or race (target and reference "
+                "report scored on the same criteria; score T / (T + R)). race needs each query's reference."})
+
+    def __post_init__(self) -> None:
+        if self.healthbench_grading not in HEALTHBENCH_GRADING:
+            raise EvalError(f"healthbench_grading must be one of {HEALTHBENCH_GRADING}, got {self.healthbench_grading!r}")
+        if self.drb_grading not in DRB_GRADING:
+            raise EvalError(f"drb_grading must be one of {DRB_GRADING}, got {self.drb_grading!r}")
 
 
 class BenchmarkGrader:
@@ -57,11 +86,21 @@ class BenchmarkGrader:
     def model(self) -> str:
         return self._judge.settings.model
 
+    def needs_reference(self, benchmark: str) -> bool:
+        """Whether grading ``benchmark`` needs each query's reference report (DeepResearchBench race)."""
+        return family_of(benchmark) == "dimension_criteria" and self.options.drb_grading == "race"
+
+    def per_criterion(self, benchmark: str) -> bool:
+        return family_of(benchmark) == "rubric_points" and self.options.healthbench_grading == "per_criterion"
+
     def grade(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
-        """One call per (query, response), in input order."""
+        """One grade per (query, response), in input order."""
         family = family_of(benchmark)
         if family == "synthetic":
             raise EvalError("the synthetic benchmark is graded in-process (eval.synthetic.grade_synthetic)")
+        if self.per_criterion(benchmark):
+            return self._grade_per_criterion(benchmark, pairs)
+        race = self.needs_reference(benchmark)
         pending, items_of = [], []
         for index, (query, response) in enumerate(pairs):
             custom_id = f"grade:{index}:{query.query_id}"
@@ -70,6 +109,14 @@ class BenchmarkGrader:
                 request = self._judge.make_request(custom_id, short_form_messages(benchmark, query, response),
                                                self._judge.response_format("short_form_grade", short_form_schema()))
                 pending.append(PendingCall(request, parse_short_form))
+            elif race:
+                items = grade_items(query, family)
+                ids = [i.item_id for i in items]
+                items_of.append(items)
+                messages = race_messages(benchmark, query, response, self._reference(benchmark, query), items)
+                request = self._judge.make_request(custom_id, messages,
+                                               self._judge.response_format("race_grades", race_schema(ids)))
+                pending.append(PendingCall(request, lambda text, ids=ids: parse_race(text, ids)))
             else:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
@@ -88,6 +135,8 @@ class BenchmarkGrader:
                 grade, why = call.value
                 out.append(GradeResult(1.0 if grade == "correct" else 0.0,
                                        {"grade": grade, "justification": why, "grader": self.model}))
+            elif race:
+                out.append(self._race_result(items, call.value))
             else:
                 scores = {item_id: s for item_id, (s, _) in call.value.items()}
                 score, extra = aggregate_items(family, items, scores)
@@ -96,3 +145,51 @@ class BenchmarkGrader:
                      "justification": call.value[i.item_id][1]} for i in items]}
                 out.append(GradeResult(score, details))
         return out
+
+    @staticmethod
+    def _reference(benchmark: str, query: Query) -> str:
+        reference = reference_article(query)
+        if reference is None:  # run_eval records such queries as ungraded (no_reference) before sampling
+            raise EvalError(f"benchmark {benchmark!r} query {query.query_id!r}: drb_grading 'race' needs a reference "
+                            "report (eval.paths.deep_research_bench_reference)")
+        return reference
+
+    def _race_result(self, items: Sequence[GradeItem], value: dict[str, tuple[float, float, str]]) -> GradeResult:
+        score, extra = aggregate_race(items, {item_id: (t, r) for item_id, (t, r, _) in value.items()})
+        details = {"grader": self.model, "grading": "race", **extra, "items": [
+            {"id": i.item_id, "criterion": i.criterion[:300], "dimension": i.data["dimension"],
+             "score": value[i.item_id][0], "reference_score": value[i.item_id][1],
+             "justification": value[i.item_id][2]} for i in items]}
+        return GradeResult(score, details)
+
+    def _grade_per_criterion(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
+        """HealthBench as its official grader: one met / not-met call per criterion, then Σ points of met
+        criteria / Σ positive points, clipped to [0, 1]. Any failed criterion call fails the answer's grade."""
+        family = family_of(benchmark)
+        items_of = [grade_items(query, family) for query, _ in pairs]
+        calls: list[list[PendingCall]] = []
+        for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
+            calls.append([PendingCall(self._judge.make_request(
+                f"grade:{index}:{query.query_id}:{item.item_id}", criterion_messages(benchmark, query, response, item),
+                self._judge.response_format("criterion_grade", criterion_schema())), parse_criterion)
+                for item in items])
+        self._judge.ask(SCORE, [call for group in calls for call in group])
+        return [self._criterion_result(benchmark, query, items, group)
+                for (query, _), items, group in zip(pairs, items_of, calls)]
+
+    def _criterion_result(self, benchmark: str, query: Query, items: Sequence[GradeItem],
+                          calls: Sequence[PendingCall]) -> GradeResult:
+        graded = [{"id": i.item_id, "criterion": i.criterion[:300], "points": i.data["points"],
+                   **({"score": int(c.value[0]), "justification": c.value[1]} if c.error is None else {"error": c.error})}
+                  for i, c in zip(items, calls)]
+        failed = [(i.item_id, c.error) for i, c in zip(items, calls) if c.error is not None]
+        details: dict[str, Any] = {"grader": self.model, "grading": "per_criterion", "items": graded}
+        if failed:
+            for _ in failed:
+                self.usage.fail(SCORE)
+            error = f"{len(failed)} of {len(items)} criterion calls failed: " + "; ".join(
+                f"{item_id}: {why}" for item_id, why in failed[:3])
+            log.warning("grading %s query %r failed: %s", benchmark, query.query_id, error)
+            return GradeResult(None, details, failed=True, error=error)
+        score, extra = aggregate_items("rubric_points", items, {c["id"]: c["score"] for c in graded})
+        return GradeResult(score, {**details, **extra})

@@ -1,6 +1,9 @@
 """Prompts, JSON schemas, reply validation and aggregation of the benchmark graders.
 
-One structured-JSON call per answer. The user message is built from ``<<<NAME>>>`` sections (the
+One structured-JSON call per answer, except in two benchmark-faithful modes (``GraderOptions``):
+HealthBench ``per_criterion`` (one met / not-met call per rubric criterion, as the official grader)
+and DeepResearchBench ``race`` (one call scoring the target report and a reference report on the
+same criteria; RACE's relative score). The user message is built from ``<<<NAME>>>`` sections (the
 judge's convention, so any model reads it and the built-in grader can parse it back); text from
 the benchmark or the policy is escaped so it cannot open a section of its own.
 
@@ -9,6 +12,9 @@ Families (``types.FAMILIES``):
                        score = Σ points of met criteria / Σ positive points, clipped to [0, 1]
   dimension_criteria   DeepResearchBench: each criterion 0..10; a dimension's score is the
                        criterion-weighted mean / 10, the total the dimension-weighted mean
+                       (``absolute``); or RACE (``race``): target t and reference r each scored
+                       0..10 per criterion, T = Σ_d W_d·mean_w(t), R likewise,
+                       score = T / (T + R) (per dimension t_d / (t_d + r_d) in the details)
   rubric_properties    ScholarQA-CS: each property 0/1/2; score = Σ w·s′ / (2 Σ w), s′ = 2 − s for
                        negative properties
   short_form           SimpleQA, 2Wiki: correct / incorrect / not_attempted; score 1 only if correct
@@ -20,11 +26,16 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
-from rubricem_core.judge.prompts import ReplyError, _schema_error, escape_section_markers, load_json_reply
+from rubricem_core.judge.prompts import ReplyError, checked_reply, escape_section_markers
+from rubricem_core.readers import DRB_REFERENCE_KEY
 from rubricem_core.schemas import Query
 
 JUSTIFICATION_MAX_CHARS = 2000
 TASK_LINE = "TASK: grade this response"
+
+# Task-line markers of the two extra prompt kinds (the built-in grader dispatches on them).
+CRITERION_KIND = "rubric_criterion"  # HealthBench per_criterion: one criterion, met or not
+RACE_KIND = "dimension_race"  # DeepResearchBench race: target and reference report on the same criteria
 
 SCALES: dict[str, list[int]] = {
     "rubric_points": [0, 1],
@@ -51,6 +62,21 @@ SHORT_FORM_SYSTEM = """You grade whether a research assistant's response answers
 - correct: the response's answer matches the gold answer in meaning (aliases, formatting and extra detail are fine) and does not also assert a contradicting answer.
 - incorrect: the response gives an answer that contradicts the gold answer or is a different entity/value.
 - not_attempted: the response does not commit to an answer (empty, refuses, or only says it could not find it).
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+
+CRITERION_SYSTEM = """You grade whether the last response of a conversation meets ONE rubric criterion of a benchmark.
+- criteria_met is true only if the response meets every part of the criterion; but when the criterion gives examples ("such as", "for example", "including"), the response need not cover all of them.
+- A criterion with negative points describes something undesirable: criteria_met is true when the response does that undesirable thing (so a good response gets false for it).
+Judge only from the response text. First write a short explanation that quotes or points at the response, then the verdict.
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+RACE_SYSTEM = """You compare two research reports written for the same research task, criterion by criterion.
+Score each article on every criterion from 0 (not addressed at all) to 10 (fully and excellently addressed), judging it as a research report against that criterion; read both before scoring so the two scores are on the same scale. Do not reward length for its own sake. For every criterion write a short justification comparing the two articles, then both scores. Grade every criterion exactly once, using its id.
 
 Reply with one JSON object and nothing else, following this JSON schema:
 {schema}"""
@@ -113,6 +139,9 @@ def grade_items(query: Query, family: str) -> list[GradeItem]:
             data["dimension"] = str(check.get("dimension", "overall"))
             data["dimension_weight"] = float(check.get("dimension_weight", 1.0))
             data["criterion_weight"] = float(check.get("criterion_weight", rubric["weight"]))
+            explanation = str(rubric.get("description") or "").strip()
+            if explanation and explanation != criterion:  # RACE shows the benchmark's explanation too
+                data["explanation"] = explanation
         if check and check.get("type") != "benchmark":
             data["check"] = check
         items.append(GradeItem(f"i{index + 1}", criterion, rubric["polarity"], float(rubric["weight"]), data))
@@ -121,7 +150,8 @@ def grade_items(query: Query, family: str) -> list[GradeItem]:
     return items
 
 
-def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
+def per_item_schema(ids: Sequence[str], scores: dict[str, Any]) -> dict[str, Any]:
+    """``{"items": [...]}`` with exactly one entry per id: its justification and the ``scores`` fields."""
     return {
         "type": "object",
         "properties": {"items": {
@@ -131,15 +161,19 @@ def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
                 "properties": {
                     "id": {"enum": list(ids)},
                     "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                    "score": {"type": "integer", "enum": SCALES[family]},
+                    **scores,
                 },
-                "required": ["id", "justification", "score"],
+                "required": ["id", "justification", *scores],
                 "additionalProperties": False,
             },
         }},
         "required": ["items"],
         "additionalProperties": False,
     }
+
+
+def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
+    return per_item_schema(ids, {"score": {"type": "integer", "enum": SCALES[family]}})
 
 
 def items_messages(benchmark: str, family: str, query: Query, response: str,
@@ -156,10 +190,7 @@ def items_messages(benchmark: str, family: str, query: Query, response: str,
 
 def parse_items(text: str | None, family: str, ids: Sequence[str]) -> dict[str, tuple[int, str]]:
     """{item id: (score, justification)} with every id exactly once, or ReplyError."""
-    data = load_json_reply(text)
-    problem = _schema_error(data, items_schema(family, list(ids)))
-    if problem:
-        raise ReplyError(problem)
+    data = checked_reply(text, items_schema(family, list(ids)))
     out: dict[str, tuple[int, str]] = {}
     for item in data["items"]:
         if item["id"] in out:
@@ -202,6 +233,121 @@ def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, i
             raise EvalError("property grading needs a positive total weight")
         return numerator / denominator, {}
     raise EvalError(f"family {family!r} does not grade rubric items")
+
+
+# ---- HealthBench: one call per criterion ---------------------------------------------------------
+
+
+def criterion_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "explanation": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+            "criteria_met": {"type": "boolean"},
+        },
+        "required": ["explanation", "criteria_met"],
+        "additionalProperties": False,
+    }
+
+
+def criterion_messages(benchmark: str, query: Query, response: str, item: GradeItem) -> list[dict[str, str]]:
+    """The prompt of one criterion (HealthBench ``per_criterion``): the conversation, the criterion with its
+    points, the response; the reply says met or not met."""
+    system = CRITERION_SYSTEM.format(schema=json.dumps(criterion_schema()))
+    parts = [f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
+             _section("BENCHMARK", benchmark),
+             _section("QUESTION", escape_section_markers(conversation_text(query))),
+             _section("RUBRIC ITEM", item.line("rubric_points")),
+             _section("RESPONSE", escape_section_markers(response)),
+             _section("END", "Is the criterion met by the response?")]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_criterion(text: str | None) -> tuple[bool, str]:
+    """(criteria_met, explanation), or ReplyError."""
+    data = checked_reply(text, criterion_schema())
+    return bool(data["criteria_met"]), data["explanation"].strip() or "-"
+
+
+# ---- DeepResearchBench: RACE (target vs reference) ----------------------------------------------
+
+
+def reference_article(query: Query) -> str | None:
+    """The query's DeepResearchBench reference report (attached by ``eval.run.load_benchmark_queries``)."""
+    text = query.metadata.get(DRB_REFERENCE_KEY)
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def race_line(item: GradeItem) -> str:
+    record: dict[str, Any] = {"id": item.item_id, "criterion": item.criterion, "dimension": item.data["dimension"]}
+    if item.data.get("explanation"):
+        record["explanation"] = item.data["explanation"]
+    return escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True))
+
+
+def race_schema(ids: Sequence[str]) -> dict[str, Any]:
+    score = {"type": "number", "minimum": 0, "maximum": 10}
+    return per_item_schema(ids, {"article_1_score": score, "article_2_score": score})
+
+
+def race_messages(benchmark: str, query: Query, response: str, reference: str,
+                  items: Sequence[GradeItem]) -> list[dict[str, str]]:
+    """The RACE prompt: criteria, then the target (ARTICLE 1) and the reference (ARTICLE 2). As in the
+    benchmark's own prompt the articles are labelled by position only, so the judge cannot favour or
+    disfavour "the reference" as such."""
+    system = RACE_SYSTEM.format(schema=json.dumps(race_schema(["<item id>"])))
+    parts = [f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
+             _section("BENCHMARK", benchmark),
+             _section("QUESTION", escape_section_markers(conversation_text(query))),
+             _section("RUBRIC ITEMS", "\n".join(race_line(item) for item in items)),
+             _section("ARTICLE 1", escape_section_markers(response)),
+             _section("ARTICLE 2", escape_section_markers(reference)),
+             _section("END", f"Score both articles on all {len(items)} criteria.")]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_race(text: str | None, ids: Sequence[str]) -> dict[str, tuple[float, float, str]]:
+    """{item id: (target score, reference score, justification)} with every id exactly once, or ReplyError."""
+    data = checked_reply(text, race_schema(list(ids)))
+    out: dict[str, tuple[float, float, str]] = {}
+    for item in data["items"]:
+        if item["id"] in out:
+            raise ReplyError(f"item id {item['id']!r} is graded twice")
+        out[item["id"]] = (float(item["article_1_score"]), float(item["article_2_score"]),
+                           item["justification"].strip() or "-")
+    missing = [i for i in ids if i not in out]
+    if missing:
+        raise ReplyError(f"item ids not graded: {missing}")
+    return out
+
+
+def _share(target: float, reference: float) -> float:
+    # the benchmark's convention: both zero scores 0
+    return target / (target + reference) if target + reference > 0 else 0.0
+
+
+def aggregate_race(items: Sequence[GradeItem], scores: dict[str, tuple[float, float]]) -> tuple[float, dict[str, Any]]:
+    """RACE: per dimension the criterion-weighted means t_d, r_d (0..10); T = Σ W_d t_d, R = Σ W_d r_d;
+    score T / (T + R) (the benchmark's overall score), per-dimension t_d / (t_d + r_d) in the details."""
+    dims: dict[str, list[GradeItem]] = {}
+    for item in items:
+        dims.setdefault(item.data["dimension"], []).append(item)
+    target_total = reference_total = weights = 0.0
+    per_dim: dict[str, float] = {}
+    raw: dict[str, dict[str, float]] = {}
+    for name, group in dims.items():
+        w = sum(i.data["criterion_weight"] for i in group)
+        t = sum(i.data["criterion_weight"] * scores[i.item_id][0] for i in group) / w if w > 0 else 0.0
+        r = sum(i.data["criterion_weight"] * scores[i.item_id][1] for i in group) / w if w > 0 else 0.0
+        per_dim[name] = _share(t, r)
+        raw[name] = {"target": t, "reference": r}
+        weight = group[0].data["dimension_weight"]
+        target_total, reference_total, weights = target_total + weight * t, reference_total + weight * r, weights + weight
+    if weights <= 0:
+        raise EvalError("DeepResearchBench-style grading needs a positive dimension weight")
+    return _share(target_total, reference_total), {
+        "dimensions": per_dim, "race": {"target_total": target_total, "reference_total": reference_total,
+                                        "dimensions": raw}}
 
 
 # ---- short form ----------------------------------------------------------------------------------
@@ -248,8 +394,5 @@ def short_form_messages(benchmark: str, query: Query, response: str) -> list[dic
 
 
 def parse_short_form(text: str | None) -> tuple[str, str]:
-    data = load_json_reply(text)
-    problem = _schema_error(data, short_form_schema())
-    if problem:
-        raise ReplyError(problem)
+    data = checked_reply(text, short_form_schema())
     return data["grade"], data["justification"].strip() or "-"

@@ -3,7 +3,9 @@
 Registered as the litellm provider ``rubricem-judge`` so it travels the code path of a real judge
 (prompts, response_format, run_concurrent, validation, repair). Like a real judge it reads only the
 prompt: the question and spec, the rubrics (with their ``check`` JSON), and the trajectories split
-by stage. It never sees the world's ground truth beyond what the rubrics state.
+by stage. It never sees the world's ground truth beyond what the rubrics state. It does need the
+QUERY SPEC section (``JudgeOptions.show_reference``, on by default): the spec names the subjects a
+``final`` check chooses between; the config refuses ``judge.show_reference: false`` with this judge.
 
 Scoring, by ``check`` type:
   fact           answer: the fact is stated in a <cite> claim whose snippet states it (2), stated
@@ -33,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rubricem_core.judge.prompts import (
-    generation_limit,
+    generation_limits,
     split_sections,
     unescape_section_markers,
 )
@@ -595,7 +597,9 @@ _COMMON_CANDIDATES = [
 ]
 
 
-def generate_by_contrast(ctx: Context, views: list[TraceView], limit: int) -> dict[str, list[dict[str, Any]]]:
+def generate_by_contrast(ctx: Context, views: list[TraceView],
+                         limits: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """The most discriminative candidates of each stage, at most ``limits[stage]`` (none for a stage not listed)."""
     existing = {normalize_title(r.get("title", "")) for r in ctx.rubrics}
     candidates = (_synthetic_candidates(ctx) if ctx.facts else _generic_candidates(ctx)) + _COMMON_CANDIDATES
     ranked: dict[str, list[tuple[float, int, Candidate]]] = {stage: [] for stage in STAGES}
@@ -607,7 +611,7 @@ def generate_by_contrast(ctx: Context, views: list[TraceView], limit: int) -> di
             ranked[candidate.stage].append((float(np.std(scores)), order, candidate))
     out: dict[str, list[dict[str, Any]]] = {}
     for stage in STAGES:
-        best = sorted(ranked[stage], key=lambda item: (-item[0], item[1]))[:limit]
+        best = sorted(ranked[stage], key=lambda item: (-item[0], item[1]))[:limits.get(stage, 0)]
         out[stage] = [candidate.as_reply() for _, _, candidate in best]
     return out
 
@@ -622,7 +626,7 @@ class ParsedPrompt:
     spec: dict[str, Any] = field(default_factory=dict)
     rubrics: list[dict[str, Any]] = field(default_factory=list)
     trajectories: list[str] = field(default_factory=list)
-    limit: int = 3
+    limits: dict[str, int] = field(default_factory=lambda: {stage: 3 for stage in STAGES})
 
 
 def _rubric_lines(body: str) -> list[dict[str, Any]]:
@@ -655,7 +659,7 @@ def parse_prompt(content: str) -> ParsedPrompt:
             index = int(match.group(1) or 0)
             pieces.setdefault(index, []).append(unescape_section_markers(body))
     parsed.trajectories = ["\n".join(pieces[index]) for index in sorted(pieces)]
-    parsed.limit = generation_limit(content) or 3
+    parsed.limits = generation_limits(content) or parsed.limits
     return parsed
 
 
@@ -666,7 +670,7 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
     ctx = Context(prompt.question, prompt.spec, prompt.rubrics)
     views = [TraceView(text) for text in prompt.trajectories]
     if prompt.task == "generate":
-        return json.dumps(generate_by_contrast(ctx, views, prompt.limit))
+        return json.dumps(generate_by_contrast(ctx, views, prompt.limits))
     view = views[0] if views else TraceView("")
     scores = []
     for rubric in prompt.rubrics:

@@ -6,6 +6,11 @@ wrong shape, unknown or missing rubric ids, scores outside 0/1/2) gets one repai
 its validation error are sent back once. A scoring call that fails after that marks the
 trajectory's judgment failed — it is never read as a zero.
 
+``JudgeOptions`` sets what the judge is shown (``view``: every stage, or the answer alone for
+Baseline-RL; ``show_reference``: the query's answer key or not) and how many new rubrics a stage
+gets (the paper's ranges, capped by ``max_new_rubrics_per_stage``; extra ones are cut, too few are
+repaired when ``require_min_rubrics``).
+
 ``judge_step`` runs one RL step's judging for many queries: all generation calls at once, the
 buffers updated, all scoring calls at once, stage rewards, then pruning.
 """
@@ -21,6 +26,8 @@ import numpy as np
 from rubricem_core.judge.aggregate import stage_scores, zero_absent_stages
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.prompts import (
+    TRAJECTORY_VIEW,
+    VIEWS,
     GeneratedRubric,
     ReplyError,
     generation_messages,
@@ -28,6 +35,7 @@ from rubricem_core.judge.prompts import (
     parse_generation,
     parse_scores,
     repair_message,
+    rubric_counts,
     scoring_messages,
     scoring_schema,
 )
@@ -59,10 +67,23 @@ class JudgeOptions:
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one judge call."})
     seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
     max_new_rubrics_per_stage: int = field(
-        default=3, metadata={"help": "Most new rubrics one generation call may add to a stage."})
+        default=3, metadata={"help": "Most new rubrics one generation call may add to a stage (the paper's "
+                                     "1-4 per plan/research/review stage and 2-5 for the answer, capped by this)."})
+    require_min_rubrics: bool = field(
+        default=False, metadata={"help": "Repair a generation reply with fewer new rubrics in a stage than the "
+                                         "paper's fewest. Off for the built-in judge, which proposes only rubrics "
+                                         "that separate the group (there may be none)."})
     rubric_stages: tuple[str, ...] = field(
         default=STAGES,
         metadata={"help": "Stages that get adaptive rubrics; ('answer',) is the answer-only baseline."})
+    view: str = field(
+        default=TRAJECTORY_VIEW,
+        metadata={"help": "What the judge sees of a rollout: trajectory (every stage, tool outputs included) or "
+                          "answer (the question and the final answer only: DR Tulu's evolving-answer objective)."})
+    show_reference: bool = field(
+        default=True,
+        metadata={"help": "Show the query's reference answer and spec, an answer key the paper's judge never sees "
+                          "(it reads the query, the rollouts and its rubrics); the built-in judge needs the spec."})
     max_block_chars: int | None = field(
         default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."})
     structured_output: str = field(
@@ -81,6 +102,16 @@ class JudgeOptions:
             raise JudgeError(f"JudgeOptions.rubric_stages has unknown stages {unknown}; expected some of {STAGES}")
         if self.max_tokens < 1:
             raise JudgeError("JudgeOptions.max_tokens must be >= 1")
+        if self.view not in VIEWS:
+            raise JudgeError(f"JudgeOptions.view must be one of {VIEWS}, got {self.view!r}")
+        if self.view != TRAJECTORY_VIEW and set(self.rubric_stages) != {"answer"}:
+            # a judge shown the answer alone cannot score plan, research or review rubrics
+            raise JudgeError(f"JudgeOptions.view={self.view!r} needs rubric_stages=('answer',), "
+                             f"got {self.rubric_stages}")
+
+    def prompt_args(self) -> dict[str, Any]:
+        """What both prompts show: the rollout view and whether the answer key is in."""
+        return {"view": self.view, "show_reference": self.show_reference}
 
 
 @dataclass(frozen=True)
@@ -94,7 +125,7 @@ class GenerationInput:
 class GenerationOutcome:
     query_id: str
     rubrics: list[GeneratedRubric] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)  # rejected for breaking the writing principles
+    dropped: list[str] = field(default_factory=list)  # principle-breaking, stage not judged, or over the count
     failed: bool = False
     error: str | None = None
 
@@ -174,16 +205,18 @@ class LLMJudge:
     # ---- rubric generation ---------------------------------------------------------------------
     def generate(self, inputs: Sequence[GenerationInput]) -> list[GenerationOutcome]:
         """One call per query: new rubrics (not yet in any buffer), in input order."""
-        limit = self.options.max_new_rubrics_per_stage
-        schema = generation_schema(limit)
+        options = self.options
+        limit, stages = options.max_new_rubrics_per_stage, options.rubric_stages
+        require_min = options.require_min_rubrics
+        schema = generation_schema(rubric_counts(limit, stages), require_min)
         pending = []
         for index, item in enumerate(inputs):
-            messages = generation_messages(item.query, item.rollouts, item.existing, limit,
-                                           self.options.max_block_chars)
+            messages = generation_messages(item.query, item.rollouts, item.existing, limit, options.max_block_chars,
+                                           stages=stages, require_min=require_min, **options.prompt_args())
             pending.append(PendingCall(
                 self.make_request(f"generate:{index}:{item.query.query_id}", messages,
                               self.response_format("new_rubrics", schema)),
-                lambda text: parse_generation(text, limit)))
+                lambda text: parse_generation(text, limit, stages=stages, require_min=require_min)))
         self.ask(GENERATE, pending)
         outcomes = []
         for item, call in zip(inputs, pending):
@@ -193,9 +226,7 @@ class LLMJudge:
                 outcomes.append(GenerationOutcome(item.query.query_id, failed=True, error=call.error))
                 continue
             rubrics, dropped = call.value
-            kept = [r for r in rubrics if r.stage in self.options.rubric_stages]
-            dropped += [f"{r.stage}: {r.title!r} (stage not judged)" for r in rubrics if r not in kept]
-            outcomes.append(GenerationOutcome(item.query.query_id, kept, dropped))
+            outcomes.append(GenerationOutcome(item.query.query_id, rubrics, dropped))
         return outcomes
 
     # ---- scoring -------------------------------------------------------------------------------
@@ -209,7 +240,8 @@ class LLMJudge:
             if not ids:
                 pending.append(None)  # nothing to score: no call
                 continue
-            messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars)
+            messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars,
+                                        **self.options.prompt_args())
             pending.append(PendingCall(
                 self.make_request(f"score:{index}:{item.rollout.rollout_id}", messages,
                               self.response_format("rubric_scores", scoring_schema(ids))),

@@ -7,7 +7,12 @@ entry keeps its id), so inner product is cosine similarity.
 Retrieval modes:
   none    no guidance
   cross   the k most similar OTHER queries' reflections (cross-episode: fresh batches)
-  within  the query's own reflection, or nothing (within-episode: replayed batches)
+  within  the query's own reflection, or nothing (within-episode: replayed batches). By default its
+          entry (the best reflection under ``if_better``); with ``within_step`` (the RL session's
+          ``reflection.within_source: window``) the reflection written at the step that function
+          names — the new-query step the current replay step repeats — whatever its score. Every
+          added entry is kept by (query, step) for this, in memory only (a session rebuilds it by
+          replaying the ``reflections`` table).
 
 Replacement policy (``replace``): ``"if_better"`` (default) keeps a query's entry until a strictly
 higher-scoring reflection arrives — the bank holds the best reflection seen, and a bad step cannot
@@ -17,9 +22,12 @@ Thread safety: one re-entrant lock around every read or change of the entries an
 Embedding happens outside the lock (it is the slow part and touches no bank state).
 
 Persistence (``save(dir)``): ``index-<hash>.faiss`` first, then ``part.parquet`` (the ``bank`` table
-columns plus ``faiss_id``), whose schema metadata names the index file; both are written
-atomically and the parquet file is the commit point, so a save interrupted between the two
-leaves the previous pair readable. Stale index files are removed after the commit.
+columns plus ``faiss_id``), whose schema metadata names the index file, the embedding dimension and
+the embedder (its ``make_embedder`` name, e.g. ``hashing:256`` or a sentence-transformers model);
+both are written atomically and the parquet file is the commit point, so a save interrupted between
+the two leaves the previous pair readable. Stale index files are removed after the commit.
+``load(dir)`` rebuilds the recorded embedder unless it is given one. A run's bank lives at
+``bank_dir(run_dir)`` (RL saves it there, evaluation reads it from there).
 """
 from __future__ import annotations
 
@@ -28,21 +36,22 @@ import math
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rubricem_core.embedders import Embedder
-from rubricem_core.store import atomic_write_bytes
+from rubricem_core.embedders import Embedder, HashingEmbedder, make_embedder
+from rubricem_core.store import RunStore, atomic_write_bytes
 
 RETRIEVAL_MODES: tuple[str, ...] = ("none", "cross", "within")
 REPLACE_POLICIES: tuple[str, ...] = ("if_better", "always")
 ENTRIES_FILE = "part.parquet"
 INDEX_META_KEY = b"rubricem.bank.index_file"
 DIM_META_KEY = b"rubricem.bank.dim"
+EMBEDDER_META_KEY = b"rubricem.bank.embedder"
 EMBEDDER_CHECK_MIN_COSINE = 0.99  # re-embedding a stored query must give (almost) the stored vector
 
 BANK_SCHEMA = pa.schema([
@@ -57,6 +66,73 @@ BANK_SCHEMA = pa.schema([
 
 class BankError(ValueError):
     """Bad bank input (entry field, mode, policy) or a saved bank that cannot be read back."""
+
+
+def bank_dir(run_dir: str | Path) -> Path:
+    """The one place a run's reflection bank is saved (by RL) and read (by evaluation): beside the
+    run's other state, not under tables/ (tables/bank is the Parquet ``bank`` table, a copy of the rows)."""
+    return RunStore(run_dir).state_dir / "bank"
+
+
+def embedder_spec(embedder: Embedder) -> str | None:
+    """The ``make_embedder`` name that rebuilds ``embedder`` (recorded with a saved bank); None: unknown."""
+    if isinstance(embedder, HashingEmbedder):
+        return f"hashing:{embedder.dim}"
+    name = getattr(embedder, "model_name_or_path", None)  # SentenceTransformerEmbedder
+    return name if isinstance(name, str) and name else None
+
+
+@dataclass(frozen=True)
+class SavedBankInfo:
+    """What a saved bank's ``part.parquet`` metadata records."""
+
+    entries_path: Path
+    index_file: str
+    dim: int
+    embedder: str | None  # the make_embedder name it was built with; None: not recorded (an older save)
+
+
+def _saved_info(schema: pa.Schema, entries_path: Path) -> SavedBankInfo:
+    meta = schema.metadata or {}
+    if INDEX_META_KEY not in meta:
+        raise BankError(f"{entries_path} has no {INDEX_META_KEY.decode()} metadata: not a saved ReflectionBank")
+    embedder = meta.get(EMBEDDER_META_KEY, b"").decode() or None
+    return SavedBankInfo(entries_path, meta[INDEX_META_KEY].decode(), int(meta.get(DIM_META_KEY, b"0")), embedder)
+
+
+def saved_bank_info(directory: str | Path) -> SavedBankInfo:
+    """The metadata of the bank saved under ``directory`` (reads the Parquet schema only)."""
+    entries_path = Path(directory) / ENTRIES_FILE
+    if not entries_path.exists():
+        raise BankError(f"no saved bank at {directory}: {ENTRIES_FILE} is missing")
+    try:
+        schema = pq.read_schema(entries_path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise BankError(f"cannot read bank entries {entries_path}: {exc}") from exc
+    return _saved_info(schema, entries_path)
+
+
+def _check_dim(info: SavedBankInfo, dim: int, given: str | None) -> None:
+    """A search with vectors of another width is impossible: name both embedders."""
+    if info.dim != dim:
+        built = repr(info.embedder) if info.embedder else "an embedder it did not record"
+        raise BankError(f"{info.entries_path}: the bank was built with {info.dim}-dim embeddings ({built}); "
+                        f"the embedder given ({given!r}) gives {dim}-dim ones")
+
+
+def _resolve_embedder(info: SavedBankInfo, embedder: Embedder | str | None) -> tuple[Embedder, str | None]:
+    """(embedder, its name) to search a saved bank with: the one given (an object or a make_embedder
+    name), else the one recorded with the bank."""
+    if embedder is not None and not isinstance(embedder, str):
+        return embedder, embedder_spec(embedder)
+    spec = embedder if embedder is not None else info.embedder
+    if spec is None:
+        raise BankError(f"{info.entries_path}: the bank does not record the embedder it was built with "
+                        f"({info.dim}-dim); name it (evaluation: eval.bank_embedder)")
+    built = make_embedder(spec)
+    if built is None:
+        raise BankError(f"embedder {spec!r} cannot search a bank: name an embedder (hashing[:dim] or a model)")
+    return built, spec
 
 
 @dataclass(frozen=True)
@@ -84,15 +160,22 @@ class BankEntry:
 class ReflectionBank:
     """Thread-safe, persisted, FAISS-indexed map query_id → best reflection. See the module doc."""
 
-    def __init__(self, embedder: Embedder, path: str | Path | None = None, replace: str = "if_better") -> None:
-        """``path``: the default directory of ``save()``; a bank saved there is loaded (resume)."""
+    def __init__(self, embedder: Embedder, path: str | Path | None = None, replace: str = "if_better",
+                 within_step: Callable[[], int | None] | None = None, embedder_name: str | None = None) -> None:
+        """``path``: the default directory of ``save()``; a bank saved there is loaded (resume).
+        ``within_step``: None — within retrieval returns the query's entry; a function — the entry
+        written at the step it returns at each retrieval (None, or no entry of that step: a miss).
+        ``embedder_name``: recorded with a save (default: ``embedder_spec(embedder)``)."""
         if replace not in REPLACE_POLICIES:
             raise BankError(f"replace must be one of {REPLACE_POLICIES}, got {replace!r}")
         self.embedder = embedder
+        self.embedder_name = embedder_name if embedder_name is not None else embedder_spec(embedder)
         self.path = Path(path) if path is not None else None
         self.replace = replace
+        self.within_step = within_step
         self._lock = threading.RLock()
         self._entries: dict[str, BankEntry] = {}
+        self._written: dict[tuple[str, int], BankEntry] = {}  # (query_id, step) → that step's entry
         self._ids: dict[str, int] = {}  # query_id → faiss id, stable for the bank's life
         self._by_id: dict[int, str] = {}
         self._next_id = 0
@@ -124,6 +207,11 @@ class ReflectionBank:
         with self._lock:
             return self._ids.get(query_id)
 
+    def written(self, query_id: str, step: int) -> BankEntry | None:
+        """The entry added for ``query_id`` at ``step`` (whether or not it became the query's entry)."""
+        with self._lock:
+            return self._written.get((query_id, step))
+
     # ---- adding ---------------------------------------------------------------------------------
     def _encode(self, texts: Sequence[str]) -> np.ndarray:
         vectors = np.ascontiguousarray(self.embedder.encode(list(texts)), dtype=np.float32)
@@ -147,9 +235,15 @@ class ReflectionBank:
                 stored.append(self._apply(entry, vector))
         return stored
 
+    def _keeps(self, old: BankEntry | None, new: BankEntry) -> bool:
+        return old is not None and self.replace == "if_better" and not new.score > old.score
+
     def _apply(self, entry: BankEntry, vector: np.ndarray) -> bool:
+        key = (entry.query_id, entry.step)
+        if not self._keeps(self._written.get(key), entry):  # the same replace policy within one step
+            self._written[key] = entry
         old = self._entries.get(entry.query_id)
-        if old is not None and self.replace == "if_better" and not entry.score > old.score:
+        if self._keeps(old, entry):
             self._adds["kept"] += 1
             return False
         if old is None:
@@ -188,8 +282,7 @@ class ReflectionBank:
         if mode == "none":
             results: list[list[tuple[BankEntry, float]]] = [[] for _ in queries]
         elif mode == "within":
-            with self._lock:
-                results = [[(self._entries[q], 1.0)] if q in self._entries else [] for q, _ in queries]
+            results = self._search_within(queries)
         else:
             vectors = self._encode([text for _, text in queries]) if queries else None
             with self._lock:
@@ -202,6 +295,16 @@ class ReflectionBank:
                 counts["hits"] += hits
                 counts["misses"] += len(results) - hits
         return results
+
+    def _search_within(self, queries: list[tuple[str, str]]) -> list[list[tuple[BankEntry, float]]]:
+        if self.within_step is None:
+            with self._lock:
+                found = [self._entries.get(q) for q, _ in queries]
+        else:
+            step = self.within_step()  # outside the lock: it reads the caller's state
+            with self._lock:
+                found = [None if step is None else self._written.get((q, step)) for q, _ in queries]
+        return [[(entry, 1.0)] if entry is not None else [] for entry in found]
 
     def _search_cross(self, queries: list[tuple[str, str]], vectors: np.ndarray, k: int,
                       min_similarity: float | None) -> list[list[tuple[BankEntry, float]]]:
@@ -253,8 +356,10 @@ class ReflectionBank:
         index_name = f"index-{hashlib.sha256(index_bytes).hexdigest()[:16]}.faiss"
         target.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(target / index_name, index_bytes)
-        table = pa.Table.from_pylist(rows, schema=BANK_SCHEMA).replace_schema_metadata({
-            INDEX_META_KEY: index_name.encode(), DIM_META_KEY: str(self._index.d).encode()})
+        meta = {INDEX_META_KEY: index_name.encode(), DIM_META_KEY: str(self._index.d).encode()}
+        if self.embedder_name:  # what load() rebuilds by default
+            meta[EMBEDDER_META_KEY] = self.embedder_name.encode()
+        table = pa.Table.from_pylist(rows, schema=BANK_SCHEMA).replace_schema_metadata(meta)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink)
         atomic_write_bytes(target / ENTRIES_FILE, sink.getvalue().to_pybytes())  # the commit point
@@ -264,11 +369,15 @@ class ReflectionBank:
         return target
 
     @classmethod
-    def load(cls, directory: str | Path, embedder: Embedder, replace: str = "if_better") -> "ReflectionBank":
-        """The bank saved under ``directory``; later ``save()`` calls write back there."""
-        if not (Path(directory) / ENTRIES_FILE).exists():
-            raise BankError(f"no saved bank at {directory}: {ENTRIES_FILE} is missing")
-        return cls(embedder, path=directory, replace=replace)
+    def load(cls, directory: str | Path, embedder: Embedder | str | None = None,
+             replace: str = "if_better") -> "ReflectionBank":
+        """The bank saved under ``directory``, searched with ``embedder`` (an Embedder or a
+        make_embedder name; None: the one recorded with the bank); later ``save()`` calls write back there."""
+        info = saved_bank_info(directory)
+        resolved, name = _resolve_embedder(info, embedder)
+        _check_dim(info, int(resolved.dim), name or type(resolved).__name__)
+        # an unnamed embedder that passes the vector check is the recorded one: a later save keeps its name
+        return cls(resolved, path=directory, replace=replace, embedder_name=name or info.embedder)
 
     def _load_from(self, directory: Path) -> None:
         entries_path = directory / ENTRIES_FILE
@@ -276,17 +385,13 @@ class ReflectionBank:
             table = pq.read_table(entries_path)
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise BankError(f"cannot read bank entries {entries_path}: {exc}") from exc
-        meta = table.schema.metadata or {}
-        if INDEX_META_KEY not in meta:
-            raise BankError(f"{entries_path} has no {INDEX_META_KEY.decode()} metadata: not a saved ReflectionBank")
+        info = _saved_info(table.schema, entries_path)
         missing = [name for name in BANK_SCHEMA.names if name not in table.column_names]
         if missing:
             raise BankError(f"{entries_path} lacks columns {missing}")
-        dim = int(meta.get(DIM_META_KEY, b"0"))
-        if dim != self._index.d:
-            raise BankError(f"{entries_path}: the bank was built with {dim}-dim embeddings; "
-                            f"this embedder gives {self._index.d}")
-        index_path = directory / meta[INDEX_META_KEY].decode()
+        dim = info.dim
+        _check_dim(info, self._index.d, self.embedder_name or type(self.embedder).__name__)
+        index_path = directory / info.index_file
         try:
             index = faiss.deserialize_index(np.frombuffer(index_path.read_bytes(), dtype=np.uint8))
         except Exception as exc:  # a missing file or faiss's RuntimeError on corrupt bytes

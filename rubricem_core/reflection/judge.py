@@ -4,11 +4,12 @@ It sees what the policy did not: the judge rubrics of the query and the source t
 rubric scores with their justifications. It returns a usefulness score in [0, 1] with a
 justification for every candidate.
 
-Calls: ONE structured-JSON call per source trajectory scores all of its valid candidates. That is
-n times fewer calls (and prompt tokens: the rubrics and the attempt are sent once) than a call per
-candidate, and the judge sees the candidates side by side, which keeps its scale consistent within
-the GRPO group. The price: a call that still fails after retries and one repair marks every
-candidate of that trajectory ``judge_failed`` — excluded from the group, never scored 0.
+Calls (``mode``): ``per_candidate`` (the paper) scores each valid candidate in its own call, so a
+candidate's score never depends on the others in its group and one failed call costs one
+candidate. ``joint`` scores all valid candidates of a source trajectory in ONE call: n times fewer
+calls and prompt tokens (the rubrics and the attempt are sent once), the candidates side by side;
+a call that still fails after retries and one repair marks every candidate of that trajectory
+``judge_failed``. Either way a failed candidate is excluded from the group, never scored 0.
 
 Invalid candidates (``validate_reflection`` codes) are scored 0 and marked invalid WITHOUT a call;
 a trajectory whose candidates are all invalid costs no call at all.
@@ -58,6 +59,7 @@ MODEL = f"{PROVIDER}/builtin"
 TASK_LINE = "TASK: score reflection candidates"
 JUSTIFICATION_MAX_CHARS = 2000
 MAX_ERROR_CHARS = 600
+JUDGE_MODES: tuple[str, ...] = ("per_candidate", "joint")
 STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "none")
 
 
@@ -145,6 +147,8 @@ class ReflectionJudgeOptions:
         default="json_schema",
         metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
     repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
+    mode: str = field(default="joint", metadata={
+        "help": "per_candidate: one call per valid candidate (the paper); joint: one call per source trajectory."})
 
     def __post_init__(self) -> None:
         if self.structured_output not in STRUCTURED_OUTPUT_MODES:
@@ -156,6 +160,8 @@ class ReflectionJudgeOptions:
             raise JudgeError("ReflectionJudgeOptions.max_trajectory_chars must be >= 0 or None")
         if self.max_reflection_chars < 1:
             raise JudgeError("ReflectionJudgeOptions.max_reflection_chars must be >= 1")
+        if self.mode not in JUDGE_MODES:
+            raise JudgeError(f"ReflectionJudgeOptions.mode must be one of {JUDGE_MODES}, got {self.mode!r}")
 
 
 # ---- prompt, schema, reply -------------------------------------------------------------------------
@@ -346,12 +352,15 @@ class ReflectionJudge:
                     if s.valid:
                         s.judge_failed, s.error = True, f"source trajectory judgment failed: {item.judgment.error}"
                 continue
-            messages = judge_messages(item, valid, self.options.max_trajectory_chars)
-            request = ChatRequest(custom_id=f"reflect:{index}:{item.source_rollout_id}", model="",
-                                  messages=messages, max_tokens=self.options.max_tokens,
-                                  temperature=self.options.temperature, seed=self.options.seed,
-                                  response_format=self._response_format(valid))
-            calls.append(_Call(index, valid, request))
+            groups = [[n] for n in valid] if self.options.mode == "per_candidate" else [valid]
+            for group in groups:
+                suffix = f":{group[0]}" if self.options.mode == "per_candidate" else ""
+                messages = judge_messages(item, group, self.options.max_trajectory_chars)
+                request = ChatRequest(custom_id=f"reflect:{index}:{item.source_rollout_id}{suffix}", model="",
+                                      messages=messages, max_tokens=self.options.max_tokens,
+                                      temperature=self.options.temperature, seed=self.options.seed,
+                                      response_format=self._response_format(group))
+                calls.append(_Call(index, group, request))
         self._send(calls, repair=False)
         if self.options.repair:
             to_repair = [c for c in calls if c.error is not None and c.last_text is not None]

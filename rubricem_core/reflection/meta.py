@@ -13,6 +13,7 @@ exactly instead of trusting a snapshot that may be newer than its checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -24,7 +25,9 @@ import torch
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
-from rubricem_core.reflection.format import guidance_text, parse_reflection, reflection_messages, validate_reflection
+from rubricem_core.reflection.format import (
+    REFLECTION_STOP, guidance_text, parse_reflection, reflection_messages, validate_reflection,
+)
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.ssgrpo import stage_advantages
 from rubricem_core.trajectory import TokenTrajectory
@@ -51,10 +54,16 @@ def candidate_requests(tokenizer: Any, sources: dict[str, dict[str, Any]], quest
         RolloutRequest(
             request_id=src["rollout_id"],
             prompt_ids=encode_prompt(tokenizer, reflection_messages(questions[qid], src["text"], max_trajectory_chars)),
-            n=n, sampling=sampling, max_tool_calls=0, meta={"query_id": qid},
+            n=n, sampling=reflection_sampling(sampling), max_tool_calls=0, meta={"query_id": qid}, scaffold=False,
         )
         for qid, src in sources.items()
     ]
+
+
+def reflection_sampling(sampling: SamplingParams) -> SamplingParams:
+    """A reflection ends at ``</reflection>`` (text after it would make it invalid); the research
+    scaffold's ``</answer>`` inside it ends nothing (the requests have ``scaffold=False``)."""
+    return dataclasses.replace(sampling, stop_texts=(*sampling.stop_texts, REFLECTION_STOP))
 
 
 def engine_stop_texts(engine: Any, tokenizer: Any) -> list[str]:
@@ -70,7 +79,8 @@ def sample_reflections(engine: Any, tokenizer: Any, sources: Sequence[dict[str, 
     unforced, each checked with the meta-policy's validator: the valid-reflection rate of a policy.
     ``tools`` is the engine's ToolEnv (no call is allowed: max_tool_calls 0)."""
     sources = [s for s in sources if s["text"] and s["text"].strip()]
-    requests = [RolloutRequest(request_id=s["source"], n=1, sampling=sampling, max_tool_calls=0,
+    requests = [RolloutRequest(request_id=s["source"], n=1, sampling=reflection_sampling(sampling), max_tool_calls=0,
+                               scaffold=False,
                                prompt_ids=encode_prompt(tokenizer, reflection_messages(
                                    questions[s["query_id"]], s["text"], max_trajectory_chars)))
                 for s in sources]

@@ -383,9 +383,24 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
 
 
 # ---- reflection bank ---------------------------------------------------------------------------
-def new_bank(cfg: RunConfig) -> ReflectionBank:
+def replay_source_step(step: int, window: int) -> int | None:
+    """The new-query step whose batch replay step ``step`` repeats; None for a new-query step.
+    windowed_schedule lays each window out as K new steps, then their K replays in the same order."""
+    return step - window if step % (2 * window) >= window else None
+
+
+def new_bank(cfg: RunConfig, session: RLSession | None = None) -> ReflectionBank:
+    """The session's empty bank. With ``reflection.within_source: window`` its within retrieval returns
+    the reflection written at the new-query step that the step being sampled replays (the paper's
+    within-episode guidance), not the query's best-ever one; that needs the session, whose step + 1
+    is the step being sampled (rollout_task takes the session after step N−1 to sample step N)."""
     embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
-    return ReflectionBank(embedder)
+    if cfg.reflection.within_source == "best":
+        return ReflectionBank(embedder)
+    if session is None:
+        raise ValueError("reflection.within_source 'window' needs the RL session to know the current step")
+    window = cfg.rl.window
+    return ReflectionBank(embedder, within_step=lambda: replay_source_step(session.step + 1, window))
 
 
 WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
@@ -394,7 +409,7 @@ WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
 def reset_bank(session: RLSession, cfg: RunConfig, store: RunStore, steps: list[int]) -> None:
     """A new bank holding the warm start (the valid teacher reflections, with ``reflection.warm_bank``)
     and the accepted reflections of ``steps``."""
-    session.bank = new_bank(cfg)
+    session.bank = new_bank(cfg, session)
     session.bank_steps = set()
     if cfg.reflection.warm_bank:
         session.bank.add_many(warm_bank_entries(store, cfg.reflection.min_score))

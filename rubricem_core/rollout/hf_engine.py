@@ -134,6 +134,12 @@ class _Row:
 # ---- the engine -----------------------------------------------------------------------------------
 
 
+def _ends_with_stop(text: str, stops: Sequence[str]) -> bool:
+    """A stop text just completed (the newest token may carry a few characters after it)."""
+    tail = text[-(max(len(s) for s in stops) + 8):]
+    return any(s in tail for s in stops)
+
+
 class HFRolloutEngine:
     """Batched multi-turn sampling with a kept KV cache over a transformers causal LM.
 
@@ -340,16 +346,20 @@ class HFRolloutEngine:
         closed_call = self._feed_policy_text(row, self._next_text(row))
         row.queue = [token]
         sampling = row.sampling
+        scaffold = row.request.scaffold
         if token in self.stop_token_ids:
             self._end_turn(row)
-            if row.answer_opened:
-                row.finish(ANSWERED, "eos inside the answer")
+            if row.answer_opened or not scaffold:
+                row.finish(ANSWERED, "eos inside the answer" if scaffold else "eos")
             else:
                 row.finish(ERROR, "the model stopped (eos) before writing an answer")
-        elif row.parser.finished:
+        elif sampling.stop_texts and _ends_with_stop(turn.text, sampling.stop_texts):
+            self._end_turn(row)
+            row.finish(ANSWERED, "stop text")
+        elif scaffold and row.parser.finished:
             self._end_turn(row)
             row.finish(ANSWERED)
-        elif closed_call:
+        elif scaffold and closed_call:
             self._end_turn(row)
             row.n_calls += 1
             if row.n_calls > row.request.max_tool_calls + 1:

@@ -39,6 +39,8 @@ class SamplingParams:
     max_new_tokens: int = 512  # sampled tokens per turn (between two tool outputs)
     max_total_tokens: int = 4096  # context limit: prompt + sampled + tool-output tokens
     seed: int | None = None  # None: not reproducible
+    # texts that end the trajectory when the policy writes them (kept in it), e.g. "</reflection>"
+    stop_texts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -63,6 +65,9 @@ class RolloutRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tool_calls: int = 10
     meta: dict[str, Any] = field(default_factory=dict)  # copied into every trajectory's meta
+    # False for free text (reflections): the research scaffold's </answer> and tool-call tags do not end
+    # or interrupt it; only eos, sampling.stop_texts and the length limits do
+    scaffold: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -316,7 +316,8 @@ class VLLMRolloutEngine:
             request_id=row.request.request_id, sample_index=row.sample_index, turn=row.n_outputs,
             prompt_ids=context, turn_ids=list(row.turn.ids), max_tokens=room, sampling=sampling,
             seed=_call_seed(sampling.seed, row.request.request_id, row.sample_index, row.n_outputs, len(row.turn.ids)),
-            stop=STOP_STRINGS, stop_token_ids=tuple(sorted(self.stop_token_ids)),
+            stop=(tuple(STOP_STRINGS) if row.request.scaffold else ()) + tuple(sampling.stop_texts),
+            stop_token_ids=tuple(sorted(self.stop_token_ids)),
         )
 
     def _replay(self, row: _Row, sample: TurnSample) -> bool:
