@@ -29,7 +29,7 @@ from rubricem_core.progress import Progress
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
     RLSession, buffers_at, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
-    recipe_settings, reflection_on, reset_bank, rl_dir, start_policy, step_checkpoint, update_settings,
+    recipe_settings, reflection_on, replay_source_step, reset_bank, rl_dir, start_policy, step_checkpoint, update_settings,
 )
 from rubricem_core.rl.update import group_advantages, per_token_advantages
 from rubricem_core.rollout import RolloutRequest, SamplingParams
@@ -120,7 +120,8 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         questions = {qid: q["question"] for qid, q in queries.items()}
         guidance, metrics = retrieve_guidance(
             session.bank, [(qid, questions[qid]) for qid in plan.query_ids], plan.retrieval,
-            cfg.reflection.retrieval_k, cfg.reflection.min_similarity, questions)
+            cfg.reflection.retrieval_k, cfg.reflection.min_similarity, questions,
+            source_step=replay_source_step(plan.step, cfg.rl.window))
         metrics["bank/size"] = float(len(session.bank))
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,

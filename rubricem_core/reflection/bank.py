@@ -7,11 +7,11 @@ entry keeps its id), so inner product is cosine similarity.
 Retrieval modes:
   none    no guidance
   cross   the k most similar OTHER queries' reflections (cross-episode: fresh batches)
-  within  the query's own reflection, or nothing (within-episode: replayed batches). By default its
-          entry (the best reflection under ``if_better``); with ``within_step`` (the RL session's
-          ``reflection.within_source: window``) the reflection written at the step that function
-          names — the new-query step the current replay step repeats — whatever its score. Every
-          added entry is kept by (query, step) for this, in memory only (a session rebuilds it by
+  within  the query's own reflection, or nothing (within-episode: replayed batches). With
+          ``within_source="best"`` its entry (the best reflection under ``if_better``); with
+          ``"window"`` (the paper) the reflection written at the ``source_step`` the caller names —
+          the new-query step the current replay step repeats — whatever its score. Every added
+          entry is kept by (query, step) for this, in memory only (a session rebuilds it by
           replaying the ``reflections`` table).
 
 Replacement policy (``replace``): ``"if_better"`` (default) keeps a query's entry until a strictly
@@ -36,7 +36,7 @@ import math
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import faiss
 import numpy as np
@@ -48,6 +48,7 @@ from rubricem_core.store import RunStore, atomic_write_bytes
 
 RETRIEVAL_MODES: tuple[str, ...] = ("none", "cross", "within")
 REPLACE_POLICIES: tuple[str, ...] = ("if_better", "always")
+WITHIN_SOURCES: tuple[str, ...] = ("best", "window")
 ENTRIES_FILE = "part.parquet"
 INDEX_META_KEY = b"rubricem.bank.index_file"
 DIM_META_KEY = b"rubricem.bank.dim"
@@ -161,18 +162,20 @@ class ReflectionBank:
     """Thread-safe, persisted, FAISS-indexed map query_id → best reflection. See the module doc."""
 
     def __init__(self, embedder: Embedder, path: str | Path | None = None, replace: str = "if_better",
-                 within_step: Callable[[], int | None] | None = None, embedder_name: str | None = None) -> None:
+                 within_source: str = "best", embedder_name: str | None = None) -> None:
         """``path``: the default directory of ``save()``; a bank saved there is loaded (resume).
-        ``within_step``: None — within retrieval returns the query's entry; a function — the entry
-        written at the step it returns at each retrieval (None, or no entry of that step: a miss).
+        ``within_source``: "best" — within retrieval returns the query's entry; "window" — the entry
+        written at the ``source_step`` given to ``retrieve_many`` (None, or none of that step: a miss).
         ``embedder_name``: recorded with a save (default: ``embedder_spec(embedder)``)."""
         if replace not in REPLACE_POLICIES:
             raise BankError(f"replace must be one of {REPLACE_POLICIES}, got {replace!r}")
+        if within_source not in WITHIN_SOURCES:
+            raise BankError(f"within_source must be one of {WITHIN_SOURCES}, got {within_source!r}")
         self.embedder = embedder
         self.embedder_name = embedder_name if embedder_name is not None else embedder_spec(embedder)
         self.path = Path(path) if path is not None else None
         self.replace = replace
-        self.within_step = within_step
+        self.within_source = within_source
         self._lock = threading.RLock()
         self._entries: dict[str, BankEntry] = {}
         self._written: dict[tuple[str, int], BankEntry] = {}  # (query_id, step) → that step's entry
@@ -272,8 +275,10 @@ class ReflectionBank:
         return self.retrieve_many([(query_id, query_text)], mode, k, min_similarity)[0]
 
     def retrieve_many(self, queries: Sequence[tuple[str, str]], mode: str, k: int = 1,
-                      min_similarity: float | None = None) -> list[list[tuple[BankEntry, float]]]:
-        """``retrieve_scored`` for many (query_id, query_text) pairs with one embedding batch."""
+                      min_similarity: float | None = None,
+                      source_step: int | None = None) -> list[list[tuple[BankEntry, float]]]:
+        """``retrieve_scored`` for many (query_id, query_text) pairs with one embedding batch;
+        ``source_step``: the step whose reflections ``within`` returns under ``within_source="window"``."""
         if mode not in RETRIEVAL_MODES:
             raise BankError(f"retrieval mode must be one of {RETRIEVAL_MODES}, got {mode!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -282,7 +287,7 @@ class ReflectionBank:
         if mode == "none":
             results: list[list[tuple[BankEntry, float]]] = [[] for _ in queries]
         elif mode == "within":
-            results = self._search_within(queries)
+            results = self._search_within(queries, source_step)
         else:
             vectors = self._encode([text for _, text in queries]) if queries else None
             with self._lock:
@@ -296,14 +301,13 @@ class ReflectionBank:
                 counts["misses"] += len(results) - hits
         return results
 
-    def _search_within(self, queries: list[tuple[str, str]]) -> list[list[tuple[BankEntry, float]]]:
-        if self.within_step is None:
-            with self._lock:
+    def _search_within(self, queries: list[tuple[str, str]],
+                       source_step: int | None) -> list[list[tuple[BankEntry, float]]]:
+        with self._lock:
+            if self.within_source == "best":
                 found = [self._entries.get(q) for q, _ in queries]
-        else:
-            step = self.within_step()  # outside the lock: it reads the caller's state
-            with self._lock:
-                found = [None if step is None else self._written.get((q, step)) for q, _ in queries]
+            else:
+                found = [None if source_step is None else self._written.get((q, source_step)) for q, _ in queries]
         return [[(entry, 1.0)] if entry is not None else [] for entry in found]
 
     def _search_cross(self, queries: list[tuple[str, str]], vectors: np.ndarray, k: int,

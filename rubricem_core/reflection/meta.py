@@ -157,9 +157,11 @@ def rebuild_bank(bank: ReflectionBank, rows: Iterable[dict[str, Any]], questions
 
 
 def retrieve_guidance(bank: ReflectionBank, queries: Sequence[tuple[str, str]], mode: str, k: int,
-                      min_similarity: float | None, questions: dict[str, str]) -> tuple[list[str | None], dict[str, float]]:
-    """Guidance text per query (None when nothing was retrieved) and hit/miss counts for the step."""
-    results = bank.retrieve_many(queries, mode, k=k, min_similarity=min_similarity)
+                      min_similarity: float | None, questions: dict[str, str],
+                      source_step: int | None = None) -> tuple[list[str | None], dict[str, float]]:
+    """Guidance text per query (None when nothing was retrieved) and hit/miss counts for the step;
+    ``source_step``: the new-query step a replay repeats (within retrieval of that window's reflection)."""
+    results = bank.retrieve_many(queries, mode, k=k, min_similarity=min_similarity, source_step=source_step)
     texts: list[str | None] = []
     for (qid, _), found in zip(queries, results):
         parts = []

@@ -389,18 +389,12 @@ def replay_source_step(step: int, window: int) -> int | None:
     return step - window if step % (2 * window) >= window else None
 
 
-def new_bank(cfg: RunConfig, session: RLSession | None = None) -> ReflectionBank:
+def new_bank(cfg: RunConfig) -> ReflectionBank:
     """The session's empty bank. With ``reflection.within_source: window`` its within retrieval returns
     the reflection written at the new-query step that the step being sampled replays (the paper's
-    within-episode guidance), not the query's best-ever one; that needs the session, whose step + 1
-    is the step being sampled (rollout_task takes the session after step N−1 to sample step N)."""
+    within-episode guidance; the rollout task passes ``replay_source_step``), not the query's best-ever one."""
     embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
-    if cfg.reflection.within_source == "best":
-        return ReflectionBank(embedder)
-    if session is None:
-        raise ValueError("reflection.within_source 'window' needs the RL session to know the current step")
-    window = cfg.rl.window
-    return ReflectionBank(embedder, within_step=lambda: replay_source_step(session.step + 1, window))
+    return ReflectionBank(embedder, within_source=cfg.reflection.within_source)
 
 
 WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
@@ -409,7 +403,7 @@ WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
 def reset_bank(session: RLSession, cfg: RunConfig, store: RunStore, steps: list[int]) -> None:
     """A new bank holding the warm start (the valid teacher reflections, with ``reflection.warm_bank``)
     and the accepted reflections of ``steps``."""
-    session.bank = new_bank(cfg, session)
+    session.bank = new_bank(cfg)
     session.bank_steps = set()
     if cfg.reflection.warm_bank:
         session.bank.add_many(warm_bank_entries(store, cfg.reflection.min_score))
