@@ -3,7 +3,7 @@
 The first command writes ``<run_dir>/config.yaml``. A later command with another config is checked
 field by field against it:
 
-- fields that never change what is already written (endpoints' URLs, keys, retries and timeouts,
+- fields that never change what is already written (endpoints' and web tools' URLs, keys, retries and timeouts,
   tracking, devices and ranks, evaluation settings, more RL windows) are accepted and recorded as
   a revision in ``state/config_revisions.jsonl``;
 - any other field is refused, naming the field and both values, once the stage that reads it has
@@ -33,7 +33,8 @@ REVISIONS_FILE = "config_revisions.jsonl"
 
 # Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
 _OPERATIONAL_SUFFIXES = ("api_base", "api_key_env", "api_key_secret_block", "max_concurrency", "timeout_s",
-                         "max_retries", "batch_poll_interval_s", "max_batch_resubmits")
+                         "max_retries", "batch_poll_interval_s", "max_batch_resubmits",
+                         "base_url", "timeout_s_http", "backoff_s")  # the last three: a web tool spec's
 _SAFE_PREFIXES = ("profile", "tracking.", "distributed.", "eval.", "rollout.devices", "rollout.server_python",
                   "rollout.server_startup_timeout_s", "rollout.gpu_memory_utilization", "rollout.max_batch_rows")
 
@@ -83,8 +84,23 @@ def is_safe(change: Change) -> bool:
     return False
 
 
+def _fields(cfg: RunConfig) -> dict[str, Any]:
+    """The config's dotted fields. ``tools.specs`` (a list) is split per tool: ``tools.specs`` holds the tool
+    names in order and ``tools.specs.<name>.<key>`` each argument, so a tool's API URL, key variable,
+    timeouts and concurrency change like an endpoint's, and what shapes its results (kind, top_k, cache) is
+    refused like any other field."""
+    fields = flatten(cfg.model_dump(mode="json"))
+    specs = fields.get("tools.specs") or []
+    names = [s.get("name") for s in specs if isinstance(s, dict)]
+    if len(names) == len(specs) and len(set(names)) == len(names):  # else compared whole (build_tools refuses it)
+        fields["tools.specs"] = names
+        for spec in specs:
+            fields.update({f"tools.specs.{spec['name']}.{key}": value for key, value in spec.items() if key != "name"})
+    return fields
+
+
 def config_changes(old: RunConfig, new: RunConfig) -> list[Change]:
-    a, b = flatten(old.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
+    a, b = _fields(old), _fields(new)
     return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

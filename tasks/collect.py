@@ -24,7 +24,9 @@ from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.builtin import register_builtin_teacher
 from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
-from rubricem_core.teacher.rounds import TEACHER_ERROR, TrajectoryState, apply_result, build_requests, initial_states
+from rubricem_core.teacher.rounds import (
+    TEACHER_ERROR, TrajectoryState, apply_result, build_requests, initial_states, tool_outputs,
+)
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
 
@@ -201,6 +203,9 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         raise RuntimeError(f"round {round_index}: provider returned no result for {missing[:5]} ({len(missing)} total)")
 
     env = search_env(run_dir, cfg)
+    for state in active:  # a round resumed in another process: web search ids of earlier rounds stay browsable
+        for output in tool_outputs(state):
+            env.observe(output)
     by_traj = {s.trajectory_id: s for s in active}
     for req in requests:
         state = by_traj[req.metadata["trajectory_id"]]

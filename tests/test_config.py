@@ -125,3 +125,32 @@ def test_tool_specs_build_robust_tools(tmp_path):
     assert any((tmp_path / "cache").iterdir()), "cached tools write to the configured directory"
     with pytest.raises(Exception, match="kind"):
         local_tool_env(corpus, load_config("tiny", {"tools.specs": [{"name": "x", "kind": "nope"}]}).tools)
+
+
+def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
+    """tools.specs is compared per tool and argument: a moved search API, another key variable or other
+    timeouts are recorded as a revision (as for an LLM endpoint); what shapes results is still refused."""
+    import json
+
+    from rubricem_core.run_config import record_config
+    from rubricem_core.store import RunStore
+
+    def research(**search):
+        specs = [dict(s) for s in load_config("research").tools.specs]
+        specs[0].update(search)
+        return load_config("research", {"tools.specs": specs})
+
+    run = tmp_path / "run"
+    record_config(run, research(base_url="http://127.0.0.1:1"), "collect-sft-data")
+    RunStore(run).write_table("queries", [{"query_id": "q"}])  # collection has written: tools are fixed now
+    moved = research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60, max_concurrency=2)
+    changes = {c.field for c in record_config(run, moved, "evaluate")}
+    assert changes == {f"tools.specs.search.{k}" for k in ("base_url", "api_key_env", "timeout_s", "max_concurrency")}
+    revision = json.loads((run / "state" / "config_revisions.jsonl").read_text().splitlines()[-1])
+    assert revision["changes"]["tools.specs.search.base_url"] == {"old": "http://127.0.0.1:1", "new": "http://127.0.0.1:2"}
+    with pytest.raises(ConfigError, match=r"tools\.specs\.search\.top_k: 8 → 3 .*collect-sft-data"):
+        record_config(run, research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60,
+                                    max_concurrency=2, top_k=3), "evaluate")
+    fewer = load_config("research", {"tools.specs": moved.tools.specs[:1]})
+    with pytest.raises(ConfigError, match=r"tools\.specs: \['search', 'paper_search', 'browse'\] → \['search'\]"):
+        record_config(run, fewer, "evaluate")

@@ -245,6 +245,33 @@ def test_cached_search_refills_the_browse_map(server, keys, tmp_path):
     assert page.ok and "Body text of lakes-2." in page.text
 
 
+def test_a_resumed_teacher_round_browses_what_an_earlier_process_searched(server, keys, tmp_path):
+    """Teacher rounds resume in a new process (the Batch API is resumable): the search ran in round r, the
+    browse of one of its ids in round r+1 with freshly built tools. The round replays the trajectory's
+    tool outputs into the env (ToolEnv.observe), never the teacher's own text (it could invent a URL)."""
+    from rubricem_core.scaffold import ToolCall
+    from rubricem_core.teacher.rounds import TrajectoryState, tool_outputs
+    from rubricem_core.tools.base import ToolEnv
+
+    specs = [{"name": "search", "kind": "serper", "base_url": server.base_url, "backoff_s": 0.0},
+             {"name": "browse", "kind": "web_browse", "backoff_s": 0.0}]
+    first = ToolEnv(build_tools(specs, cache_dir=tmp_path), max_calls=10)
+    found = first.execute(ToolCall("search", "lakes"))
+    invented = f'<snippet id="Wdeadbeef00">x\nURL: {server.page_url("secret")}</snippet>'
+    state = TrajectoryState(trajectory_id="t", query_id="q", sample_index=0, seed=0, messages=[
+        {"role": "system", "content": "s"}, {"role": "user", "content": f"question {invented}"},
+        {"role": "assistant", "content": f'{invented} <call_tool name="search">lakes</call_tool>'},
+        {"role": "user", "content": found.text}])
+    assert tool_outputs(state) == [found.text]
+    second = ToolEnv(build_tools(specs, cache_dir=tmp_path), max_calls=10)  # the rerun's process
+    assert "unknown page id" in second.execute(ToolCall("browse", found.snippet_ids[1])).text
+    for output in tool_outputs(state):
+        second.observe(output)
+    page = second.execute(ToolCall("browse", found.snippet_ids[1]))
+    assert page.ok and "Body text of lakes-1." in page.text
+    assert "unknown page id" in second.execute(ToolCall("browse", "Wdeadbeef00")).text
+
+
 def test_registry_web_kinds(server, keys):
     tools = build_tools([
         {"name": "web", "kind": "serper", "base_url": server.base_url, "top_k": 2, "timeout_s": 3},

@@ -87,6 +87,13 @@ def request_id(state: TrajectoryState, round_index: int) -> str:
     return f"{state.trajectory_id}:r{round_index:02d}"
 
 
+def tool_outputs(state: TrajectoryState) -> list[str]:
+    """The environment's ``<tool_output>`` turns so far: the user turns that answer a tool call (never the
+    query's own conversation, nor text the teacher wrote)."""
+    return [m["content"] for prev, m in zip(state.messages, state.messages[1:])
+            if m["role"] == "user" and prev["role"] == "assistant" and prev["content"].endswith(CALL_CLOSE)]
+
+
 def build_requests(
     states: list[TrajectoryState], round_index: int, model: str, max_tokens: int, temperature: float
 ) -> list[ChatRequest]:

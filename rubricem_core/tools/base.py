@@ -126,6 +126,16 @@ class ToolEnv:
     def calls_made(self) -> int:
         return self.budget.used
 
+    def observe(self, text: str) -> None:
+        """Replay what earlier tool outputs in ``text`` taught the tools (a web search's id → URL book), so
+        a trajectory continued in another process (a resumed teacher round) can still browse an id an
+        earlier round's search returned. Tools without state ignore it; it never calls a tool."""
+        result = ToolResult(text=text, snippet_ids=[])
+        for tool in self.tools.values():
+            observe = getattr(tool, "observe", None)
+            if callable(observe):
+                observe(result)
+
     def execute(self, call: ToolCall) -> ToolResult:
         # Every attempt counts, even an invalid one: the budget bounds the rounds a policy can spend.
         try:

@@ -183,6 +183,12 @@ class RobustTool(Tool):
             self._cache_put(name, query, result)
         return result
 
+    def observe(self, result: ToolResult) -> None:
+        """The inner tool's ``observe`` (web search: refill its id → URL book from an earlier output)."""
+        observe = getattr(self.inner, "observe", None)
+        if callable(observe):
+            observe(result)
+
     def _finish(self, result: ToolResult) -> ToolResult:
         result, cut = cap_output(result, self.max_output_chars)
         if cut:
