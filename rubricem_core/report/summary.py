@@ -10,7 +10,7 @@ PROFILE_NOTES: dict[str, tuple[str, str | None]] = {
     "tiny": (
         "tiny is a plumbing check: every stage runs offline in minutes, but its policy is a random-init "
         "2-layer model that cannot learn on CPU to copy document ids, so valid_scaffold_rate and the scores "
-        "stay near 0 by design. The small profile (SmolLM2-135M, about an hour of SFT on 2 cores) is the CPU "
+        "stay near 0 by design. The small profile (SmolLM2-135M, about two hours of SFT on 2 cores) is the CPU "
         "profile that writes valid scaffolds after SFT.",
         "rubricem run --run-dir runs/small --profile small",
     ),
