@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_url, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import collection_markdown
 from rubricem_core.tracking import Tracker
@@ -73,7 +73,7 @@ def collect_sft_data(
             )
             child.log_dict(stats, "sft_collection_summary.json")
         publish_markdown("collect-sft-data", run_dir, collection_markdown(
-            stats, last_round + 1, totals, run_dir, mlflow_url(child), tracker.tracking_uri if tracker else None),
+            stats, last_round + 1, totals, run_dir, **mlflow_links(tracker, child)),
             f"SFT data collection of {run_dir}: acceptance and reject codes")
     log.info(
         "collected %d trajectories (%d accepted) from %d queries, %d valid teacher reflections; tables in %s/tables",

@@ -65,13 +65,14 @@ def _crash_stale_runs(run_dir: str) -> None:
 
     if flow_run.parent_flow_run_id:
         return
+    log = get_run_logger()
     try:
         n = mark_stale_runs_crashed(run_dir)
     except Exception as exc:  # noqa: BLE001 - the server's bookkeeping, not the run's work
-        get_run_logger().warning("could not check for crashed runs of %s: %s", run_dir, exc)
+        log.warning("could not check for crashed runs of %s: %s", run_dir, exc)
         return
     if n:
-        get_run_logger().info("marked %d flow run(s) of %s Crashed: their process had died", n, run_dir)
+        log.info("marked %d flow run(s) of %s Crashed: their process had died", n, run_dir)
 
 
 def require_tables(run_dir: str, tables: list[str], command: str) -> None:
@@ -121,11 +122,13 @@ def prefect_links() -> dict[str, str]:
     return tags
 
 
-def mlflow_url(child: Any) -> str | None:
-    """The MLflow UI address of a flow's child run (MLFLOW_UI_URL, default http://127.0.0.1:5000)."""
-    if child is None:
-        return None
-    return child.ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000"))
+def mlflow_links(tracker: Any, child: Any) -> dict[str, str | None]:
+    """The links section of a flow run's summary: its child run's MLflow UI address (MLFLOW_UI_URL,
+    default http://127.0.0.1:5000) and the store to start `mlflow ui` on; both None when untracked."""
+    if tracker is None or child is None:
+        return {"mlflow_url": None, "mlflow_db": None}
+    return {"mlflow_url": child.ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
+            "mlflow_db": tracker.tracking_uri}
 
 
 def mark_stale_runs_crashed(run_dir: str) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_url, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
@@ -70,7 +70,6 @@ def evaluate(
         if child is not None:
             child.log_dict({"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results},
                            f"eval/{tag}--{mode}.json")
-        publish_markdown("evaluate", run_dir, eval_markdown(tag, path, mode, results, run_dir, mlflow_url(child),
-                                                            tracker.tracking_uri if tracker else None),
+        publish_markdown("evaluate", run_dir, eval_markdown(tag, path, mode, results, run_dir, **mlflow_links(tracker, child)),
                          f"evaluation of {tag} in {run_dir}")
     return {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}

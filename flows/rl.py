@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_url, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
+from flows.common import mlflow_links, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.progress import Progress
@@ -159,8 +159,8 @@ def rl(
             last = metrics or last
             progress.update(i + 1, f"step {plan.step} ({plan.phase}, retrieval {plan.retrieval}) done")
         publish_markdown("rl", run_dir, rl_markdown(
-            step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, mlflow_url(child),
-            tracker.tracking_uri if tracker else None), f"RL of {run_dir}: one row per step")
+            step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
+            f"RL of {run_dir}: one row per step")
     final = step_checkpoint(run_dir, plans[-1].step)
     return {"steps": len(plans), "final_checkpoint": str(final), "recipe": cfg.rl.recipe,
             "last_metrics": {k: v for k, v in last.items() if k.startswith(("reward/", "rl/loss", "rl/kl"))}}

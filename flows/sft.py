@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_url, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
+from flows.common import mlflow_links, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import sft_markdown
 from rubricem_core.tracking import Tracker
@@ -41,8 +41,6 @@ def sft(
             child.set_tags({"checkpoint.final": result["final_dir"], "policy.base": policy_dir})
             if checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
                 child.log_artifact(result["final_dir"], artifact_path="checkpoints/sft_final")
-        publish_markdown("sft", run_dir, sft_markdown(result, run_dir, mlflow_url(child),
-                                                       tracker.tracking_uri if tracker else None),
-                         f"SFT of {run_dir}")
+        publish_markdown("sft", run_dir, sft_markdown(result, run_dir, **mlflow_links(tracker, child)), f"SFT of {run_dir}")
     log.info("SFT policy: %s", result["final_dir"])
     return result
