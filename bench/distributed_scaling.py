@@ -47,7 +47,7 @@ def worker(out: str, steps: int, micro: int, seq: int) -> None:
     from rubricem_core.batching import collate
     from rubricem_core.distributed import is_main, shutdown
     from rubricem_core.logprobs import sft_loss
-    from rubricem_core.rl.update import ss_grpo_update
+    from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
     from rubricem_core.training import TrainerConfig, make_trainer
     from rubricem_core.trajectory import TokenTrajectory
 
@@ -68,7 +68,7 @@ def worker(out: str, steps: int, micro: int, seq: int) -> None:
     advs = [[0.0] * 16 + [float((-1) ** i)] * (seq - 16) for i in range(len(trajs))]
     t0 = time.perf_counter()
     for _ in range(steps):
-        ss_grpo_update(trainer, ref, trajs, advs, 0, 2 * seq, 1.0, 0.2, 0.28, 0.001)
+        ss_grpo_update(trainer, ref, trajs, advs, 0, UpdateConfig(clip_high=0.28, max_tokens_per_batch=2 * seq))
     update_s = time.perf_counter() - t0
     if is_main():
         tokens = steps * sum(len(t) for t in trajs)

@@ -48,7 +48,7 @@ CLI = [sys.executable, "-m", "flows.cli"]
 # Write boundaries of the two steps, in the order a sync-schedule run reaches them (tests/test_fault_kill.py).
 BOUNDARIES = [
     "rl.rollouts_written", "rl.judge_failures_written", "rl.judge_rubrics_written", "rl.judge_done",
-    "checkpoint.weights_written", "rl.checkpoint_saved", "rl.stage_rewards_written", "rl.step_done",
+    "checkpoint.weights_written", "rl.checkpoint_saved", "rl.step_done",
     "rl.bank_table_written", "rl.reflections_written",  # step 0's reflections (new-query step)
     "rl.rollouts_written", "rl.reflection_update_done", "rl.judge_done", "checkpoint.weights_written", "rl.step_done",
 ]

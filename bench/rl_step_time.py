@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.config import ToolsConfig  # noqa: E402
 from rubricem_core.policy.loading import DTYPES, _ensure_pad_token, auto_device, load_policy  # noqa: E402
-from rubricem_core.rl.update import ss_grpo_update  # noqa: E402
+from rubricem_core.rl.update import UpdateConfig, ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
 from rubricem_core.training.config import TrainerConfig  # noqa: E402
@@ -149,8 +149,8 @@ def main() -> None:
         advs = [[rng.gauss(0.0, 1.0) * m for m in t.loss_mask] for t in trajs]
         sync()
         t0 = time.perf_counter()
-        metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id, args.max_tokens_per_batch,
-                                 temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.001)
+        metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id,
+                                 UpdateConfig(max_tokens_per_batch=args.max_tokens_per_batch))
         sync()
         update_s += time.perf_counter() - t0
         trained += total

@@ -38,44 +38,47 @@ from tasks.rl import (
 def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> dict[str, float]:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections."""
-    reflecting = reflection_on(cfg)
-    deferred = reflecting and cfg.reflection.schedule == "deferred"
-    pending = previous if reflecting and previous is not None and previous.phase == "new" else None
-    parts: list[dict] = []
-    if pending is not None and not RunStore(run_dir).has("reflections", {"step": pending.step}):
-        reflect_task(run_dir, cfg, pending)  # the previous step's reflections (its metrics are that step's)
-    if pending is not None and deferred:
-        rollout_future = rollout_task.submit(run_dir, cfg, plan)
-        update_future = reflection_update_task.submit(run_dir, cfg, pending, plan.step)
-        _wait_all(rollout_future, update_future)
-        rolled = rollout_future.result()
-        parts.append(update_future.result())
-    else:
-        rolled = rollout_task(run_dir, cfg, plan)
-        if pending is not None:
-            parts.append(reflection_update_task(run_dir, cfg, pending, plan.step))
+    overlap = cfg.reflection.schedule == "deferred"
+    pending = _reflections_to_train(run_dir, cfg, previous)
+    reflecting_now = reflection_on(cfg) and plan.phase == "new"
+    rolled, updated_reflections = _alongside(
+        overlap, (rollout_task, run_dir, cfg, plan),
+        pending and (reflection_update_task, run_dir, cfg, pending, plan.step))
     judged = judge_task(run_dir, cfg, plan)
-    if reflecting and plan.phase == "new" and deferred:
-        reflect_future = reflect_task.submit(run_dir, cfg, plan)
-        try:
-            updated = update_task(run_dir, cfg, plan)
-        finally:
-            _wait_all(reflect_future)
-        parts.append(reflect_future.result())
-    else:
-        updated = update_task(run_dir, cfg, plan)
-        if reflecting and plan.phase == "new":
-            parts.append(reflect_task(run_dir, cfg, plan))
+    updated, reflected = _alongside(overlap, (update_task, run_dir, cfg, plan),
+                                    reflecting_now and (reflect_task, run_dir, cfg, plan))
     metrics: dict[str, float] = {}
-    for part in (rolled, judged, updated, *parts):
-        metrics.update(part.get("metrics", {}))
+    for part in (rolled, judged, updated, updated_reflections, reflected):
+        metrics.update((part or {}).get("metrics", {}))
     return metrics
 
 
-def _wait_all(*futures: Any) -> None:
-    """Wait for every future (a failure of one must not leave another still changing the weights)."""
-    for future in futures:
-        future.wait()
+def _reflections_to_train(run_dir: str, cfg: RunConfig, previous: StepPlan | None) -> StepPlan | None:
+    """The new-query step before this one, whose reflection candidates this step trains on (written
+    now if a killed run left them out)."""
+    if not reflection_on(cfg) or previous is None or previous.phase != "new":
+        return None
+    if not RunStore(run_dir).has("reflections", {"step": previous.step}):
+        reflect_task(run_dir, cfg, previous)  # the previous step's reflections (its metrics are that step's)
+    return previous
+
+
+def _alongside(overlap: bool, main: tuple, side: tuple | None | bool) -> tuple[Any, Any]:
+    """Run ``main`` (a task and its arguments), and ``side`` with it: submitted to run concurrently when
+    ``overlap`` (reflection.schedule: deferred), else after ``main`` — the same order of weight
+    changes either way, so both schedules give the same numbers."""
+    main_task, *main_args = main
+    if not side:
+        return main_task(*main_args), None
+    side_task, *side_args = side
+    if not overlap:
+        return main_task(*main_args), side_task(*side_args)
+    side_future = side_task.submit(*side_args)
+    try:
+        out = main_task(*main_args)
+    finally:
+        side_future.wait()  # a failure of one must not leave the other still changing the weights
+    return out, side_future.result()
 
 
 @contextmanager
@@ -137,8 +140,7 @@ def rl(
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"rl": cfg.rl.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
                       "judge": cfg.judge.model_dump(mode="json")})
-    params["rl.lambda"] = str(rs["lam"].tolist())
-    params["rl.kl_coef_effective"] = rs["kl_coef"]
+    params["rl.lambda"] = str(rs.lam.tolist())
     last: dict[str, float] = {}
     with (tracker.child_run("rl", params=params, tags=prefect_links()) if tracker else nullcontext()) as child, \
             _ranks_end_with_flow(cfg):

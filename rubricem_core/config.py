@@ -312,7 +312,15 @@ class RLConfig(_Strict):
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
     max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    kl_coef: float | None = Field(default=None, ge=0, description="k3 KL coefficient (None: the recipe's).")
+    kl_coef: float = Field(default=0.001, ge=0, description="β: weight of the k3 KL to the frozen reference policy.")
+    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below: ratios under 1 − clip_low get no gradient.")
+    clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above: 1 + clip_high (DAPO's clip-higher uses ~0.28).")
+
+    @field_validator("kl_coef", mode="before")
+    @classmethod
+    def _kl_default(cls, value: Any) -> Any:
+        # run directories written before kl_coef had a value recorded `kl_coef: null` ("the recipe's": 0.001)
+        return 0.001 if value is None else value
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")

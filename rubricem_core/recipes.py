@@ -1,10 +1,11 @@
 """The four training recipes of the paper as typed presets.
 
 A recipe fixes what the RL step optimizes: which stages the judge writes adaptive rubrics for, how
-stage scores turn into returns (Λ), whether the reflection meta-policy is trained, and the PPO/KL
-settings. ``baseline`` is the DR Tulu objective (answer-only evolving rubrics, the answer reward
-broadcast to every token); ``ss_grpo`` adds rubrics for every stage with causal credit;
-``meta_policy`` and ``full`` add reflection training to each.
+stage scores turn into returns (Λ), and whether the reflection meta-policy is trained. ``baseline`` is
+the DR Tulu objective (answer-only evolving rubrics, the answer reward broadcast to every token);
+``ss_grpo`` adds rubrics for every stage with causal credit; ``meta_policy`` and ``full`` add reflection
+training to each. The PPO clip and KL settings are the same for every recipe and live in ``RLConfig``
+(rl.clip_low, rl.clip_high, rl.kl_coef).
 """
 from __future__ import annotations
 
@@ -32,9 +33,6 @@ class Recipe(BaseModel):
         description="Stages the judge writes adaptive rubrics for; other stages score NaN (no rubrics).",
     )
     reflection: bool = Field(description="Train the reflection meta-policy and use the reflection bank.")
-    kl_coef: float = Field(default=0.001, ge=0.0, description="Weight of the k3 KL to the reference policy.")
-    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="PPO ratio clip below: 1 − clip_low.")
-    clip_high: float = Field(default=0.2, ge=0.0, description="PPO ratio clip above: 1 + clip_high.")
 
     @field_validator("lambda_spec")
     @classmethod

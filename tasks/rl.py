@@ -7,11 +7,9 @@ from the previous step's checkpoint after a restart.
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -20,7 +18,6 @@ from rubricem_core.config import RunConfig
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.faults import fault_point
-from rubricem_core.judge.aggregate import stage_reward_rows
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import register_builtin_judge
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
@@ -31,13 +28,13 @@ from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows
     RLSession, buffers_at, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
     recipe_settings, reflection_on, replay_source_step, reset_bank, rl_dir, start_policy, step_checkpoint, update_settings,
 )
-from rubricem_core.rl.update import group_advantages, per_token_advantages
+from rubricem_core.rl.records import rollout_row
+from rubricem_core.rl.update import group_advantages, reward_rows as reward_rows_of, training_batch
 from rubricem_core.rollout import RolloutRequest, SamplingParams
-from rubricem_core.scaffold import STAGES, validate
+from rubricem_core.scaffold import STAGES
 from rubricem_core.reflection.meta import retrieve_guidance
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.endpoint import endpoint_settings
-from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
 
@@ -157,22 +154,6 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     return {"cached": False, "metrics": metrics}
 
 
-def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int,
-                guidance: str | None) -> dict[str, Any]:
-    text = "".join(s.text for s in traj.segments if s.kind != "prompt")
-    violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls)})
-    return {
-        "step": plan.step, "query_id": query_id, "rollout_id": rollout_id, "phase": plan.phase,
-        "retrieval": plan.retrieval, "token_ids": traj.token_ids, "loss_mask": traj.loss_mask,
-        "stage_ids": traj.stage_ids, "logprobs": [None if math.isnan(x) else x for x in traj.logprobs],
-        "n_tool_calls": traj.n_tool_calls, "finish_reason": traj.finish_reason,
-        "valid_scaffold": not violations, "judge_failed": False, "judge_error": None, "violations": violations,
-        "n_tokens": len(traj), "n_policy_tokens": traj.n_policy_tokens, "prompt_len": traj.prompt_len,
-        "text": text, "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
-        "guidance": guidance,
-    }
-
-
 def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool) -> JudgeOptions:
     """The stagewise judge's options for this run's recipe and judge."""
     # Baseline-RL is DR Tulu's evolving-answer objective: its judge reads the question and the final
@@ -193,7 +174,8 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
 @task(name="judge", task_run_name="judge-step-{plan.step}", cache_policy=NO_CACHE)
 def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Rubric generation (one call per query) and scoring (one call per rollout), buffer update and
-    pruning → `judge_rubrics`, `judge_scores`, `stage_rewards` (R); failed judgments are marked."""
+    pruning → `judge_rubrics`, `judge_scores`, and `stage_rewards` (R, and from it G = RΛᵀ and the
+    per-stage advantages A); failed judgments are marked in `rollouts` and get no G or A."""
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("stage_rewards", _key(plan.step)):
@@ -212,7 +194,7 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     if builtin:
         model = register_builtin_judge()
     settings = endpoint_settings(cfg.judge.model_copy(update={"model": model}), api_key=resolve_api_key(cfg.judge))
-    judge = LLMJudge(settings, judge_options(cfg, rs["judged_stages"], builtin))
+    judge = LLMJudge(settings, judge_options(cfg, rs.judged_stages, builtin))
     groups = []
     for qid in plan.query_ids:
         q = queries[qid]
@@ -231,11 +213,17 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
                 errors[j.rollout_id] = j.error or "judgment failed"
             else:
                 score_rows.extend(j.rows(plan.step, g.query_id))
-        reward_rows.extend(stage_reward_rows(plan.step, g.query_id, g.rollout_ids, g.R))
-    for r in rollouts:
-        r["judge_failed"] = r["rollout_id"] in errors
-        r["judge_error"] = errors.get(r["rollout_id"])
-    store.write_table("rollouts", rollouts, _key(plan.step), schema=ROLLOUTS_SCHEMA)
+        failed = [rid in errors for rid in g.rollout_ids]
+        reward_rows.extend(reward_rows_of(plan.step, g.query_id, g.rollout_ids, group_advantages(g.R, rs.lam, failed)))
+    # The judge's verdict on each rollout, kept even when the step cannot train. Rewritten only when it
+    # differs from what the rollout task (or a failed attempt's judge) wrote: with every judgment in,
+    # the rollouts partition stays as sampled.
+    if any(r["judge_failed"] != (r["rollout_id"] in errors) or r["judge_error"] != errors.get(r["rollout_id"])
+           for r in rollouts):
+        for r in rollouts:
+            r["judge_failed"] = r["rollout_id"] in errors
+            r["judge_error"] = errors.get(r["rollout_id"])
+        store.write_table("rollouts", rollouts, _key(plan.step), schema=ROLLOUTS_SCHEMA)
     fault_point("rl.judge_failures_written")
     judged = len(rollouts) - len(errors)
     if judged == 0 or judged < cfg.judge.min_judged_fraction * len(rollouts):
@@ -249,16 +237,13 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     store.write_table("judge_rubrics", rubric_rows, _key(plan.step), schema=JUDGE_RUBRICS_SCHEMA)
     fault_point("rl.judge_rubrics_written")
     store.write_table("judge_scores", score_rows, _key(plan.step), schema=JUDGE_SCORES_SCHEMA)
-    for row in reward_rows:
-        row.setdefault("G", None)
-        row.setdefault("A", None)
-    # R now; the update task rewrites this partition with G and A
     metrics = judge.usage.metrics()
     metrics["judge/failed_trajectories"] = float(len(errors))
     metrics["judge/seconds"] = seconds
     for stage in STAGES:
         metrics[f"buffer/{stage}_active"] = float(sum(len(buffers[q].active(stage)) for q in plan.query_ids))
     save_task_metrics(store, "judge", plan.step, metrics)  # before stage_rewards, which marks the task done
+    # R, G and A, final: the update trains on these advantages and writes nothing here
     store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
     session.buffers_step = plan.step
     fault_point("rl.judge_done")
@@ -268,42 +253,19 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
 
 @task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}", cache_policy=NO_CACHE)
 def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
-    """G = RΛᵀ, per-stage advantages, one clipped policy-gradient step; checkpoint with buffers."""
+    """One clipped policy-gradient step on the judged rollouts with the judge task's advantages;
+    checkpoint with the rubric buffers."""
     log = get_run_logger()
     store = RunStore(run_dir)
     ckpt = step_checkpoint(run_dir, plan.step)
     if completed_step(run_dir) >= plan.step:
         return {"cached": True, "metrics": cached_task_metrics(store, "update", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
-    rs = recipe_settings(cfg)
-    rollouts = store.read_rows("rollouts", _key(plan.step))
-    rewards = store.read_rows("stage_rewards", _key(plan.step))
-    R_of = {(r["rollout_id"], r["stage"]): (np.nan if r["R"] is None else r["R"]) for r in rewards}
-
-    trajs, advs, reward_rows = [], [], []
-    stage_stats: dict[str, list[float]] = {f"{m}/{s}": [] for m in ("R", "G", "A") for s in STAGES}
-    for qid in plan.query_ids:
-        group = [r for r in rollouts if r["query_id"] == qid]
-        R = np.array([[R_of[(r["rollout_id"], s)] for s in STAGES] for r in group], dtype=np.float64)
-        ga = group_advantages(R, rs["lam"])
-        for i, r in enumerate(group):
-            for k, s in enumerate(STAGES):
-                failed = r["judge_failed"]  # no reward: no return, no advantage (NULL, never 0)
-                reward_rows.append({"step": plan.step, "query_id": qid, "rollout_id": r["rollout_id"], "stage": s,
-                                    "R": _num(ga.R[i, k]), "G": None if failed else _num(ga.G[i, k]),
-                                    "A": None if failed else _num(ga.A[i, k])})
-                for name, arr in (("R", ga.R), ("G", ga.G), ("A", ga.A)):
-                    if not math.isnan(arr[i, k]) and not failed:
-                        stage_stats[f"{name}/{s}"].append(float(arr[i, k]))
-            if r["judge_failed"]:
-                continue  # excluded from the update, never scored 0
-            traj = TokenTrajectory(token_ids=r["token_ids"], loss_mask=r["loss_mask"], stage_ids=r["stage_ids"],
-                                   logprobs=[math.nan if x is None else x for x in r["logprobs"]])
-            trajs.append(traj)
-            advs.append(per_token_advantages(traj, ga.A[i]))
+    batch = training_batch(store.read_rows("rollouts", _key(plan.step)), store.read_rows("stage_rewards", _key(plan.step)))
     t0 = time.perf_counter()
     session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
-    metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.rollout.temperature))
+    metrics = session.policy.update(batch.trajectories, batch.token_advantages,
+                                    update_settings(cfg, cfg.rollout.temperature))
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
     # this step's reflections may still be sampling with the old ones.
@@ -312,24 +274,15 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     session.policy.save(ckpt, extra={"buffers": buffers, "step": plan.step})
     session.step = plan.step
     fault_point("rl.checkpoint_saved")
-    store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
-    fault_point("rl.stage_rewards_written")
-    out = {f"rl/{k}": v for k, v in metrics.items()}
-    for name, values in stage_stats.items():
-        if values:
-            out[f"reward/{name}_mean"] = float(np.mean(values))
+    out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
     save_task_metrics(store, "update", plan.step, out)  # before the progress file, which marks the step done
     atomic_write_text(store.state_dir / "rl_progress.json", json.dumps({"completed_step": plan.step}))
     fault_point("rl.step_done")
     _prune_checkpoints(run_dir, keep=2)
-    log.info("step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f", plan.step, len(trajs),
+    log.info("step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f", plan.step, len(batch.trajectories),
              metrics.get("loss", float("nan")), metrics.get("kl", float("nan")),
              metrics.get("clip_fraction", float("nan")), metrics.get("logprob_gap_mean", float("nan")))
     return {"cached": False, "metrics": out}
-
-
-def _num(x: float) -> float | None:
-    return None if math.isnan(x) else float(x)
 
 
 def _prune_checkpoints(run_dir: str, keep: int) -> None:

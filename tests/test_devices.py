@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rubricem_core.policy.loading import auto_device
-from rubricem_core.rl.update import ss_grpo_update
+from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.training.config import TrainerConfig
@@ -60,8 +60,8 @@ def _advantages(trajs) -> list[list[float]]:
 
 
 def _update(trainer: TorchTrainer, ref_model, trajs, tok) -> dict[str, float]:
-    return ss_grpo_update(trainer, ref_model, trajs, _advantages(trajs), tok.pad_token_id, max_tokens_per_batch=1024,
-                          temperature=1.0, clip_low=0.2, clip_high=0.2, kl_coef=0.01)
+    return ss_grpo_update(trainer, ref_model, trajs, _advantages(trajs), tok.pad_token_id,
+                          UpdateConfig(kl_coef=0.01, max_tokens_per_batch=1024))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -25,6 +25,8 @@ from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.training.checkpoint import load_checkpoint, read_meta
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "flows.cli"]
 
@@ -234,12 +236,11 @@ RL_TABLES = {
 # fresh process resumed from the previous kill, so one chain visits them all.
 RL_BOUNDARIES = [
     "rl.rollouts_written:1",        # step 0: rollouts
-    "rl.judge_failures_written:1",  # judge: rollouts with judge_failed/judge_error
+    "rl.judge_failures_written:1",  # judge: failed judgments marked in rollouts (none here: nothing written)
     "rl.judge_rubrics_written:1",   # judge: buffers as judge_rubrics
-    "rl.judge_done:1",              # judge: scores, stage_rewards (R): the judge task is done
+    "rl.judge_done:1",              # judge: scores, stage_rewards (R, G, A): the judge task is done
     "checkpoint.weights_written:1",  # update: inside the checkpoint save
-    "rl.checkpoint_saved:1",        # update: checkpoint in place, stage_rewards (G, A) not yet
-    "rl.stage_rewards_written:1",   # update: G and A written, the step not yet marked done
+    "rl.checkpoint_saved:1",        # update: checkpoint in place, the step not yet marked done
     "rl.step_done:1",               # update: step marked done, its metrics not logged, no reflections
     "rl.bank_table_written:1",      # reflect: candidates judged, bank table written, FAISS index not yet
     "rl.reflections_written:1",     # reflect: bank saved and `reflections` written: the task is done

@@ -171,7 +171,7 @@ def options_for(recipe: str, model: str = "openai/judge-model") -> JudgeOptions:
     from tasks.rl import judge_options
 
     cfg = load_config("tiny", {"rl.recipe": recipe, "judge.model": model})
-    return judge_options(cfg, recipe_settings(cfg)["judged_stages"], model.startswith("rubricem-judge/"))
+    return judge_options(cfg, recipe_settings(cfg).judged_stages, model.startswith("rubricem-judge/"))
 
 
 def test_baseline_judge_sees_the_question_and_the_answer_only():

@@ -10,6 +10,7 @@ import torch
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.rl.update import group_advantages, per_token_advantages
+from rubricem_core.scaffold import STAGES
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
@@ -50,6 +51,32 @@ def test_per_token_advantages_follow_stage_and_mask():
     traj = TokenTrajectory(token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 1, 0, 1, 1], stage_ids=[-1, 0, 1, 1, 3],
                            logprobs=[float("nan"), -1.0, float("nan"), -0.5, -0.2])
     assert per_token_advantages(traj, np.array([0.1, 0.2, 0.3, 0.4])) == [0.0, 0.1, 0.0, 0.2, 0.4]
+
+
+def test_training_batch_trains_on_the_written_advantages():
+    """Judge side (R → G, A rows) and update side (rows → token advantages) against a loop worked per
+    token: a[t] = A[i, stage(t)] on trained tokens, 0 elsewhere; a failed judgment is in neither."""
+    from rubricem_core.rl.update import reward_rows, training_batch
+
+    nan = float("nan")
+    R = np.array([[1.0, 0.0, nan, 0.5], [0.0, 1.0, nan, 1.0], [nan, nan, nan, nan]])
+    failed = [False, False, True]
+    ga = group_advantages(R, get_recipe("ss_grpo").lam(), failed)
+    rows = reward_rows(4, "q", ["a", "b", "c"], ga)
+    by = {(r["rollout_id"], r["stage"]): r for r in rows}
+    assert all(by[("c", s)]["G"] is None and by[("c", s)]["A"] is None for s in STAGES)  # never 0
+    assert by[("a", "review")]["R"] is None and by[("a", "review")]["G"] is None and by[("a", "review")]["A"] == 0.0
+    rollouts = [{"rollout_id": rid, "judge_failed": f, "token_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 1, 1, 0, 1, 1],
+                 "stage_ids": [-1, 0, 1, 1, 2, 3], "logprobs": [None, -1.0, -0.5, None, -0.2, -0.1]}
+                for rid, f in zip("abc", failed)]
+    batch = training_batch(rollouts, rows)
+    assert len(batch.trajectories) == 2 and len(batch.token_advantages) == 2
+    for i, advs in enumerate(batch.token_advantages):
+        loop = [float(ga.A[i, s]) if m and s >= 0 else 0.0 for m, s in zip(rollouts[i]["loss_mask"], rollouts[i]["stage_ids"])]
+        assert advs == loop
+    assert batch.trajectories[0].logprobs[0] != batch.trajectories[0].logprobs[0]  # NULL → NaN (never sampled)
+    assert batch.stage_means["reward/R/plan_mean"] == 0.5 and "reward/R/review_mean" not in batch.stage_means
+    assert batch.stage_means["reward/A/plan_mean"] == pytest.approx(0.0)
 
 
 SMALL = {
@@ -110,6 +137,7 @@ def _check_prefect_view(run_dir: str) -> None:
         assert {"rollout-step-0", "judge-step-0", "ss-grpo-update-step-1"} <= tasks, tasks
 
 
+@pytest.mark.slow
 def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     from flows.rl import rl
     import tasks.rl as rl_tasks

@@ -391,10 +391,30 @@ def test_recipes():
     # meta_policy = baseline + reflection; full = ss_grpo + reflection.
     assert meta.model_dump(exclude={"name", "reflection"}) == base.model_dump(exclude={"name", "reflection"})
     assert full.model_dump(exclude={"name", "reflection"}) == ss.model_dump(exclude={"name", "reflection"})
-    assert (base.kl_coef, base.clip_low, base.clip_high) == (0.001, 0.2, 0.2)
     copy = get_recipe("full")
-    copy.kl_coef = 0.5
-    assert RECIPES["full"].kl_coef == 0.001
+    copy.lambda_spec = "stage_local"
+    assert RECIPES["full"].lambda_spec == "causal"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rl.kl_coef": 0.05, "rl.clip_low": 0.1, "rl.clip_high": 0.28}], ids=str)
+def test_update_config_comes_from_the_rl_section(overrides):
+    from rubricem_core.config import load_config
+    from rubricem_core.rl.update import UpdateConfig
+
+    cfg = load_config("tiny", overrides)
+    config = UpdateConfig.from_rl(cfg.rl, temperature=0.7)
+    expected = {"kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2} | {k.split(".")[1]: v for k, v in overrides.items()}
+    assert (config.kl_coef, config.clip_low, config.clip_high) == (expected["kl_coef"], expected["clip_low"],
+                                                                   expected["clip_high"])
+    assert config.temperature == 0.7 and config.max_tokens_per_batch == cfg.rl.max_tokens_per_batch
+
+
+def test_older_run_configs_with_a_null_kl_coef_load_with_the_default():
+    from rubricem_core.config import RLConfig
+
+    assert RLConfig(kl_coef=None).kl_coef == 0.001
+    with pytest.raises(ValueError, match="clip_low"):
+        RLConfig(clip_low=1.0)
 
 
 def test_recipe_validation():

@@ -134,7 +134,8 @@ def _trajectory(d: dict[str, Any]) -> TokenTrajectory:
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    from rubricem_core.rl.session import LocalPolicy, UpdateSettings
+    from rubricem_core.rl.session import LocalPolicy
+    from rubricem_core.rl.update import UpdateConfig
 
     spec, cfg = start_rank("One RL trainer rank (started by the rl flow with torchrun).", argv)
     policy = LocalPolicy(Path(spec["base"]), cfg)
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         if op == "update":
             payload = torch.load(cmd["payload"], weights_only=False)
             trajs = [_trajectory(t) for t in payload["trajectories"]]
-            reply["metrics"] = policy.update(trajs, payload["token_advs"], UpdateSettings(**cmd["settings"]))
+            reply["metrics"] = policy.update(trajs, payload["token_advs"], UpdateConfig(**cmd["settings"]))
         elif op == "save":
             policy.save(Path(cmd["directory"]), cmd["extra"])
         elif op == "load":

@@ -107,13 +107,19 @@ def zero_absent_stages(R: np.ndarray, texts: Sequence[str]) -> np.ndarray:
     return np.where(~written & ~np.isnan(R), 0.0, R)
 
 
-def stage_reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], R: np.ndarray) -> list[dict]:
-    """``stage_rewards`` rows with R only (G and A are added by SS-GRPO); R is None where NaN."""
-    if R.shape != (len(rollout_ids), N_STAGES):
-        raise JudgeError(f"R has shape {R.shape}, expected ({len(rollout_ids)}, {N_STAGES})")
+def stage_reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], R: np.ndarray,
+                      G: np.ndarray | None = None, A: np.ndarray | None = None) -> list[dict]:
+    """``stage_rewards`` rows; R, G and A are None where NaN (G and A: None when not given)."""
+    for name, values in (("R", R), ("G", G), ("A", A)):
+        if values is not None and values.shape != (len(rollout_ids), N_STAGES):
+            raise JudgeError(f"{name} has shape {values.shape}, expected ({len(rollout_ids)}, {N_STAGES})")
+
+    def num(values: np.ndarray | None, i: int, k: int) -> float | None:
+        return None if values is None or math.isnan(values[i, k]) else float(values[i, k])
+
     return [
         {"step": step, "query_id": query_id, "rollout_id": rollout_id, "stage": stage,
-         "R": None if math.isnan(R[i, k]) else float(R[i, k])}
+         "R": num(R, i, k), "G": num(G, i, k), "A": num(A, i, k)}
         for i, rollout_id in enumerate(rollout_ids)
         for k, stage in enumerate(STAGES)
     ]

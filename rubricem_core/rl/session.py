@@ -33,10 +33,10 @@ from rubricem_core.config import RunConfig
 from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.policy.loading import load_policy
-from rubricem_core.recipes import get_recipe
+from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank
-from rubricem_core.rl.update import ss_grpo_update
+from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore
@@ -73,14 +73,19 @@ def completed_step(run_dir: str) -> int:
 
 
 # ---- recipe ------------------------------------------------------------------------------------
-def recipe_settings(cfg: RunConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecipeSettings:
+    """What the run's recipe fixes for the judge and the advantages, with `rl.lambda_spec` applied."""
+
+    recipe: Recipe
+    lam: torch.Tensor  # K×K credit matrix Λ
+    judged_stages: tuple[str, ...]
+
+
+def recipe_settings(cfg: RunConfig) -> RecipeSettings:
     recipe = get_recipe(cfg.rl.recipe)
     lam = as_lambda(cfg.rl.lambda_spec) if cfg.rl.lambda_spec is not None else recipe.lam()
-    return {
-        "recipe": recipe, "lam": lam,
-        "kl_coef": recipe.kl_coef if cfg.rl.kl_coef is None else cfg.rl.kl_coef,
-        "judged_stages": tuple(recipe.judged_stages),
-    }
+    return RecipeSettings(recipe=recipe, lam=lam, judged_stages=tuple(recipe.judged_stages))
 
 
 def reflection_on(cfg: RunConfig) -> bool:
@@ -92,21 +97,9 @@ def total_updates(cfg: RunConfig) -> int:
     return task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
 
 
-@dataclass(frozen=True)
-class UpdateSettings:
-    """The numbers of one clipped policy-gradient step besides its trajectories."""
-
-    temperature: float  # the sampling temperature the logprobs are taken at
-    clip_low: float
-    clip_high: float
-    kl_coef: float
-    max_tokens_per_batch: int
-
-
-def update_settings(cfg: RunConfig, temperature: float) -> UpdateSettings:
-    rs = recipe_settings(cfg)
-    return UpdateSettings(temperature=temperature, clip_low=rs["recipe"].clip_low, clip_high=rs["recipe"].clip_high,
-                          kl_coef=rs["kl_coef"], max_tokens_per_batch=cfg.rl.max_tokens_per_batch)
+def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
+    """The update's settings from the `rl` section, at the temperature the trained tokens were sampled with."""
+    return UpdateConfig.from_rl(cfg.rl, temperature)
 
 
 # ---- the trainer side --------------------------------------------------------------------------
@@ -123,7 +116,7 @@ class Policy(Protocol):
     """Where the trainer and the reference live; the tasks drive it through these calls only."""
 
     def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
-               settings: UpdateSettings) -> dict[str, float]: ...
+               settings: UpdateConfig) -> dict[str, float]: ...
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None: ...
 
@@ -174,12 +167,9 @@ class LocalPolicy:
         return self.trainer.device
 
     def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
-               settings: UpdateSettings) -> dict[str, float]:
-        return ss_grpo_update(
-            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id,
-            settings.max_tokens_per_batch, settings.temperature, settings.clip_low, settings.clip_high,
-            settings.kl_coef,
-        )
+               settings: UpdateConfig) -> dict[str, float]:
+        return ss_grpo_update(self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id,
+                              settings)
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None:
         self.trainer.save(directory, extra=extra, tokenizer=self.tokenizer)
