@@ -9,7 +9,7 @@ RUN_DIR ?= runs/tiny
 PROFILE ?= tiny
 VLLM_TESTS ?= 1
 
-.PHONY: install run test clean-run
+.PHONY: install run test test-fast lint clean-run
 
 install: $(STAMP)
 
@@ -37,6 +37,19 @@ endif
 ifeq ($(VLLM_TESTS),1)
 	VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py
 endif
+
+# Everything but the `slow` tests (flows end to end, Prefect servers, torchrun ranks): the quick loop while editing
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# ruff (lint + format check, whole tree) and mypy (rubricem_core; settings in pyproject.toml). All three run,
+# then the target fails if any did. To apply the autofixes: .venv/bin/ruff check --fix . && .venv/bin/ruff format .
+lint: $(STAMP)
+	@status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
+	$(VENV)/bin/ruff format --check --output-format concise . || status=1; \
+	$(VENV)/bin/mypy rubricem_core || status=1; \
+	exit $$status
 
 clean-run:
 	rm -rf $(RUN_DIR)

@@ -19,9 +19,11 @@ from prefect import flow, get_run_logger
 from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
-from rubricem_core.eval.ablation import ABLATION_SCHEMA, ablation_plot, ablation_rows
+from rubricem_core.eval.ablation import ablation_plot, ablation_rows
+from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
 from rubricem_core.runlock import run_dir_lock
+from rubricem_core.schemas import ABLATION_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_bytes
 from rubricem_core.tracking import Tracker
 from tasks.rl import start_policy
@@ -40,11 +42,12 @@ def _copy_once(src: Path, dst: Path) -> None:
 
 def prepare_recipe_run(run_dir: str, recipe: str) -> str:
     """``<run_dir>/ablation/<recipe>`` with the parent's inputs and SFT policy (copied once)."""
-    parent, sub = Path(run_dir), Path(run_dir) / "ablation" / recipe
+    parent = RunLayout(run_dir)
+    sub = RunLayout(parent.ablation_run_dir(recipe))
     for table in ("queries", "corpus"):
-        _copy_once(parent / "tables" / table, sub / "tables" / table)
-    _copy_once(start_policy(run_dir), sub / "checkpoints" / "sft" / "final")
-    return str(sub)
+        _copy_once(parent.table_dir(table), sub.table_dir(table))
+    _copy_once(start_policy(run_dir), sub.sft_final)
+    return str(sub.root)
 
 
 @flow(name="ablation", flow_run_name="{run_dir}")
@@ -93,7 +96,7 @@ def ablation(
         log.info("ablation %s: %s", recipe, {r["benchmark"]: r["score_mean"] for r in rows if r["recipe"] == recipe})
     store = RunStore(run_dir)
     store.write_table("ablation", rows, schema=ABLATION_SCHEMA)
-    plot = Path(run_dir) / "ablation" / "ablation.png"
+    plot = RunLayout(run_dir).ablation_plot
     atomic_write_bytes(plot, ablation_plot(rows, f"Recipe ablation ({budget['rl_steps']} RL steps each)"))
     if cfg.tracking.enabled:
         tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)

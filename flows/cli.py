@@ -17,6 +17,7 @@ from typing import Iterator
 
 STARTED = time.time()  # before the imports below: `rubricem ranks` counts launch files from here
 
+from rubricem_core.layout import RunLayout
 from rubricem_core.offline import apply_offline_defaults
 
 apply_offline_defaults()
@@ -44,7 +45,7 @@ def _writing(args: argparse.Namespace) -> Iterator[None]:
     (flows/prefect_server.py); main() already holds the run directory."""
     from flows.prefect_server import owned_ephemeral_server
 
-    with owned_ephemeral_server(log_path=Path(args.run_dir) / "state" / "prefect-server.log"):
+    with owned_ephemeral_server(log_path=RunLayout(args.run_dir).prefect_server_log):
         yield
 
 
@@ -184,7 +185,7 @@ run directory: {rd}
            rubricem sql --run-dir {run_dir} "SELECT step, stage, avg(score) AS mean_score FROM judge_scores GROUP BY ALL ORDER BY ALL"
            rubricem sql --run-dir {run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) FROM eval_results GROUP BY ALL"
   report:  rubricem report --run-dir {run_dir}
-  MLflow:  mlflow ui --backend-store-uri sqlite:///{rd}/mlflow/mlflow.db
+  MLflow:  mlflow ui --backend-store-uri sqlite:///{RunLayout(rd).mlflow_db}
            (then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning)
   Prefect: prefect server start   (then open http://127.0.0.1:4200; set PREFECT_API_URL to keep runs there)"""
     )

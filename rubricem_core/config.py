@@ -46,7 +46,7 @@ class DataConfig(_Strict):
     source: Literal["synthetic", "files"] = Field(
         default="synthetic", description="synthetic: the seeded research world; files: queries/corpus below."
     )
-    world: WorldConfig = Field(default_factory=WorldConfig, description="Synthetic world settings.")
+    world: WorldConfig = Field(default_factory=WorldConfig, description="Synthetic world settings.")  # type: ignore[arg-type]
     queries: list[QuerySource] = Field(default_factory=list, description="Query files (source=files).")
     corpus: str | None = Field(
         default=None, description="Corpus for the local search tool: JSONL, Parquet, or a folder of .txt/.md."

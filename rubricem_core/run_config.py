@@ -26,10 +26,8 @@ from typing import Any, Callable
 import yaml
 
 from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten, load_config
+from rubricem_core.layout import RunLayout
 from rubricem_core.store import RunStore, atomic_write_text
-
-CONFIG_FILE = "config.yaml"
-REVISIONS_FILE = "config_revisions.jsonl"
 
 # Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
 _OPERATIONAL_SUFFIXES = ("api_base", "api_key_env", "api_key_secret_block", "max_concurrency", "timeout_s",
@@ -40,7 +38,7 @@ _SAFE_PREFIXES = ("profile", "tracking.", "distributed.", "eval.", "rollout.devi
 
 
 def _sft_started(run_dir: Path) -> bool:
-    root = run_dir / "checkpoints" / "sft"
+    root = RunLayout(run_dir).sft_checkpoints_dir
     return root.is_dir() and any(root.iterdir())
 
 
@@ -106,7 +104,7 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[Change]:
 
 def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
     """The run directory's recorded config (None: no config.yaml yet)."""
-    path = Path(run_dir) / CONFIG_FILE
+    path = RunLayout(run_dir).config_file
     if not path.exists():
         return None
     try:
@@ -120,7 +118,7 @@ def base_config(run_dir: str | os.PathLike[str], profile: str | None,
     """``profile`` + ``overrides``; with no profile, the run directory's recorded config (so a later
     command needs no --profile and no repeated --set), or ``tiny`` for a new run directory."""
     if profile is None:
-        recorded = Path(run_dir) / CONFIG_FILE
+        recorded = RunLayout(run_dir).config_file
         profile = str(recorded) if recorded.is_file() else "tiny"
     return load_config(profile, overrides)
 
@@ -149,18 +147,18 @@ def record_config(run_dir: str | os.PathLike[str], cfg: RunConfig, command: str)
     if refused:
         lines = "\n".join(f"  {c}  (already used by {stage})" for c, stage in refused)
         raise ConfigError(
-            f"{command}: the config differs from {root / CONFIG_FILE} in fields that finished work was made with:\n"
+            f"{command}: the config differs from {RunLayout(root).config_file} in fields that finished work was made with:\n"
             f"{lines}\nrerun with the run's own settings (the profile {old.profile!r} and its --set values), or use a "
             f"new --run-dir for a new experiment")
     if old is None or changes:
-        atomic_write_text(root / CONFIG_FILE, config_to_yaml(cfg))
+        atomic_write_text(RunLayout(root).config_file, config_to_yaml(cfg))
     if changes:
         _append_revision(root, command, changes)
     return changes
 
 
 def _append_revision(root: Path, command: str, changes: list[Change]) -> None:
-    path = RunStore(root).state_dir / REVISIONS_FILE
+    path = RunLayout(root).config_revisions_file
     path.parent.mkdir(parents=True, exist_ok=True)
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
              "changes": {c.field: {"old": c.old, "new": c.new} for c in changes}}

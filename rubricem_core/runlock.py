@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rubricem_core.config import ConfigError
+from rubricem_core.layout import LOCK_FILE, RunLayout
 
-LOCK_NAME = ".rubricem.lock"
+LOCK_NAME = LOCK_FILE  # the name tests and callers have always imported from here
 # A concurrent lock_holder() probe holds the lock for microseconds; retrying this long before
 # refusing keeps such a probe from being mistaken for a running writer.
 _CONTENTION_RETRY_S = 0.2
@@ -69,7 +70,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def lock_path(run_dir: str | os.PathLike[str]) -> Path:
     """The lock file of ``run_dir`` (it may not exist yet)."""
-    return Path(run_dir) / LOCK_NAME
+    return RunLayout(run_dir).lock_file
 
 
 @contextmanager
@@ -157,7 +158,7 @@ def _release(path: Path) -> None:
 
 def _lock_fd(path: Path) -> int:
     """Open and exclusively lock the lock file of ``path``, or raise RunDirLocked."""
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(RunLayout(path).lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     deadline = time.monotonic() + _CONTENTION_RETRY_S
     while True:
         try:

@@ -1,11 +1,18 @@
-"""Arrow schemas of the `queries` and `corpus` tables, and the `Query` record that fills `queries`.
+"""The one home of every table's Arrow schema, the `Query` record that fills `queries`, and the
+NaN ↔ None conversion of row values.
 
-JSON-valued columns (messages, spec, metadata, rubric check) are stored as JSON strings so that the
-tables stay flat and DuckDB-friendly; the `Query` dataclass holds them decoded.
+Table names and the columns DESIGN.md lists are a contract (SQL users rely on them); tables may have
+more columns. ``TABLE_SCHEMAS`` maps each table written with a fixed schema to it. JSON-valued columns
+(messages, spec, metadata, rubric check, ...) are stored as JSON strings so that the tables stay flat and
+DuckDB-friendly; the `Query` dataclass holds them decoded.
+
+Floats: in memory a missing value is NaN (numpy/torch arithmetic), in a table it is NULL (SQL's
+``avg`` and ``IS NULL`` see it); ``nan_to_none`` / ``none_to_nan`` are the one conversion between them.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +56,187 @@ CORPUS_SCHEMA = pa.schema(
         pa.field("source", pa.string(), nullable=False),
     ]
 )
+
+
+# ---- SFT data collection (tasks/collect.py) -----------------------------------------------------
+TEACHER_REQUESTS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("round", pa.int64()),
+        ("model", pa.string()),
+        ("mode", pa.string()),
+        ("batch_id", pa.string()),
+        ("status", pa.string()),
+        ("n_messages", pa.int64()),
+        ("last_message", pa.string()),
+        ("submitted_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+TEACHER_RESPONSES_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("round", pa.int64()),
+        ("model", pa.string()),
+        ("status", pa.string()),
+        ("response", pa.string()),
+        ("error", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+        ("attempts", pa.int64()),
+        ("latency_s", pa.float64()),
+        ("batch_id", pa.string()),
+    ]
+)
+SFT_TRAJECTORIES_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("accepted", pa.bool_()),
+        ("reject_reasons", pa.list_(pa.string())),
+        ("reject_details", pa.list_(pa.string())),
+        ("n_tool_calls", pa.int64()),
+        ("n_rounds", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("text", pa.string()),
+        ("messages", pa.string()),
+        ("model", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+    ]
+)
+TEACHER_REFLECTIONS_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("model", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("response", pa.string()),
+        ("text", pa.string()),
+        ("valid", pa.bool_()),
+        ("reject_codes", pa.list_(pa.string())),
+        ("messages", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+        ("attempts", pa.int64()),
+    ]
+)
+
+# ---- one RL step (tasks/rl.py), partitioned by step ------------------------------------------------
+ROLLOUTS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("phase", pa.string()),
+    ("retrieval", pa.string()), ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())),
+    ("stage_ids", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())), ("n_tool_calls", pa.int64()),
+    ("finish_reason", pa.string()), ("valid_scaffold", pa.bool_()), ("judge_failed", pa.bool_()),
+    ("judge_error", pa.string()), ("violations", pa.list_(pa.string())), ("n_tokens", pa.int64()), ("n_policy_tokens", pa.int64()),
+    ("prompt_len", pa.int64()), ("text", pa.string()), ("segments", pa.string()), ("guidance", pa.string()),
+])
+JUDGE_RUBRICS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("rubric_id", pa.string()), ("stage", pa.string()),
+    ("polarity", pa.string()), ("origin", pa.string()), ("title", pa.string()), ("description", pa.string()),
+    ("weight", pa.float64()), ("status", pa.string()), ("created_step", pa.int64()), ("pruned_step", pa.int64()),
+    ("check", pa.string()),
+])
+JUDGE_SCORES_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("rubric_id", pa.string()),
+    ("stage", pa.string()), ("polarity", pa.string()), ("weight", pa.float64()), ("score", pa.int64()),
+    ("justification", pa.string()),
+])
+STAGE_REWARDS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("stage", pa.string()),
+    ("R", pa.float64()), ("G", pa.float64()), ("A", pa.float64()),
+])
+
+# ---- reflection meta-policy (tasks/reflection.py) and its bank -------------------------------------
+REFLECTIONS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("query_id", pa.string()), ("source_rollout_id", pa.string()), ("candidate", pa.int64()),
+    ("text", pa.string()), ("valid", pa.bool_()), ("score", pa.float64()), ("accepted", pa.bool_()),
+    ("judge_failed", pa.bool_()), ("codes", pa.list_(pa.string())), ("justification", pa.string()),
+    ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
+    ("n_tokens", pa.int64()), ("finish_reason", pa.string()),
+])
+# The `bank` table (tables/bank): one row per query, a copy of the bank's entries for SQL.
+BANK_SCHEMA = pa.schema([
+    ("query_id", pa.string()), ("query_text", pa.string()), ("reflection", pa.string()), ("score", pa.float64()),
+    ("step", pa.int64()),
+])
+# The saved bank's entries file (state/bank/part.parquet, rubricem_core.reflection.bank): the same
+# columns, never null, plus each entry's id in the FAISS index saved beside it.
+BANK_ENTRIES_SCHEMA = pa.schema(
+    [pa.field(f.name, f.type, nullable=False) for f in BANK_SCHEMA]
+    + [pa.field("faiss_id", pa.int64(), nullable=False)]
+)
+
+# ---- tracking (rubricem_core.tracking mirrors MLflow's metrics here for SQL) ------------------------
+METRICS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("name", pa.string()),
+        ("value", pa.float64()),
+        ("flow", pa.string()),
+        ("run_id", pa.string()),
+        ("logged_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+# ---- evaluation (rubricem_core.eval.run, tasks/evaluate.py, the ablation flow) ----------------------
+EVAL_RESULTS_SCHEMA = pa.schema([
+    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("query_id", pa.string()), ("retrieval", pa.string()),
+    ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
+    ("error", pa.string()), ("grader", pa.string()), ("valid_scaffold", pa.bool_()), ("n_tool_calls", pa.int64()),
+    ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
+    ("answer", pa.string()), ("text", pa.string()), ("settings", pa.string()),
+])
+EVAL_REFLECTIONS_SCHEMA = pa.schema([
+    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("query_id", pa.string()),
+    ("sample", pa.int64()), ("text", pa.string()), ("valid", pa.bool_()), ("codes", pa.list_(pa.string())),
+])
+ABLATION_SCHEMA = pa.schema([
+    ("recipe", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("checkpoint", pa.string()),
+    ("score_mean", pa.float64()), ("n_samples", pa.int64()), ("grade_failed", pa.int64()),
+    ("valid_scaffold_rate", pa.float64()), ("rl_steps", pa.int64()), ("queries_per_step", pa.int64()),
+    ("group_size", pa.int64()), ("run_dir", pa.string()),
+])
+
+# table name → the schema it is written with (teacher_state has none: its rows are TrajectoryState's)
+TABLE_SCHEMAS: dict[str, pa.Schema] = {
+    "queries": QUERIES_SCHEMA,
+    "corpus": CORPUS_SCHEMA,
+    "teacher_requests": TEACHER_REQUESTS_SCHEMA,
+    "teacher_responses": TEACHER_RESPONSES_SCHEMA,
+    "sft_trajectories": SFT_TRAJECTORIES_SCHEMA,
+    "teacher_reflections": TEACHER_REFLECTIONS_SCHEMA,
+    "rollouts": ROLLOUTS_SCHEMA,
+    "judge_rubrics": JUDGE_RUBRICS_SCHEMA,
+    "judge_scores": JUDGE_SCORES_SCHEMA,
+    "stage_rewards": STAGE_REWARDS_SCHEMA,
+    "reflections": REFLECTIONS_SCHEMA,
+    "bank": BANK_SCHEMA,
+    "metrics": METRICS_SCHEMA,
+    "eval_results": EVAL_RESULTS_SCHEMA,
+    "eval_reflections": EVAL_REFLECTIONS_SCHEMA,
+    "ablation": ABLATION_SCHEMA,
+}
+
+
+# ---- NaN (in memory) ↔ NULL (in a table) -----------------------------------------------------------
+def nan_to_none(value: float | None) -> float | None:
+    """A float for a table cell: NaN (and None) → None, anything else unchanged."""
+    return None if value is None or math.isnan(value) else value
+
+
+def none_to_nan(value: float | None) -> float:
+    """A table cell back to a float for arithmetic: None → NaN, anything else unchanged."""
+    return math.nan if value is None else value
 
 
 class QueryValidationError(ValueError):

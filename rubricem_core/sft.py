@@ -20,6 +20,7 @@ from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
 from rubricem_core.faults import fault_point
+from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
@@ -28,6 +29,7 @@ from rubricem_core.progress import Progress
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
+from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 from rubricem_core.training import TrainerConfig, make_trainer
@@ -147,7 +149,7 @@ def reflection_mix(n_research: int, n_reflections: int, ratio: float, seed: int)
     cycle = 0
     while len(out) < want:
         order = list(range(n_reflections))
-        random.Random(seed * 7_919 + cycle).shuffle(order)
+        random.Random(derive_seed(seed, SFT_REFLECTION_MIX, cycle)).shuffle(order)
         out.extend(order[: want - len(out)])
         cycle += 1
     return out
@@ -176,7 +178,7 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
     seed + epoch; a fractional epoch count takes a prefix of the last epoch."""
     micro: list[list[int]] = []
     for epoch in range(math.ceil(sft.epochs)):
-        batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=seed + epoch)
+        batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=derive_seed(seed, SFT_EPOCH, epoch))
         if epoch + 1 > sft.epochs:  # fractional last epoch
             batches = batches[: max(1, int(len(batches) * (sft.epochs - epoch)))]
         micro.extend(batches)
@@ -214,7 +216,7 @@ def run_sft(
     Under torchrun every rank runs this same function: the schedule is a pure function of the seed,
     so all ranks hold the same global micro-batches and the trainer trains each on its shard; saves
     are collective (rank 0 writes the HF weights). Give ``log_metrics`` on rank 0 only."""
-    final_dir = checkpoint_root / "final"
+    final_dir = final_checkpoint_dir(checkpoint_root)
     random.seed(seed)
     model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
     data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
@@ -255,7 +257,7 @@ def run_sft(
             if log_metrics is not None:
                 log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
         if done % sft.checkpoint_every == 0 and done < len(schedule):
-            trainer.save(checkpoint_root / f"step-{done:06d}")
+            trainer.save(step_checkpoint_dir(checkpoint_root, done))
         fault_point("sft.step_done")
         if stop_after is not None and done >= stop_after:
             return {"stopped_at": done, "total_steps": len(schedule)}

@@ -31,6 +31,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rubricem_core.layout import RunLayout
 from rubricem_core.store import TABLE_NAME
 
 OutputFormat = Literal["table", "csv", "json"]
@@ -62,7 +63,7 @@ def _require_run_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 def _table_files(run_dir: Path) -> dict[str, list[Path]]:
-    tables_dir = run_dir / "tables"
+    tables_dir = RunLayout(run_dir).tables_dir
     if not tables_dir.is_dir():
         return {}
     out = {}

@@ -1,14 +1,10 @@
 """Run directory and its Parquet tables.
 
-Layout of one run::
+Tables of one run (the rest of the run directory: rubricem_core.layout)::
 
-    <run_dir>/
-      config.yaml                      the resolved RunConfig of the run
-      tables/<table>/part-*.parquet    unpartitioned tables (queries, corpus, sft_trajectories, ...)
-      tables/<table>/step=0003/part-*.parquet   tables with a step (rollouts, judge_scores, metrics, ...)
-      tables/<table>/round=0002/part-*.parquet  teacher tables, one partition per round
-      mlflow/                          SQLite tracking DB and artifacts
-      state/                           small JSON/NPZ state files (checkpoints of loops)
+    <run_dir>/tables/<table>/part-*.parquet    unpartitioned tables (queries, corpus, sft_trajectories, ...)
+    <run_dir>/tables/<table>/step=0003/part-*.parquet   tables with a step (rollouts, judge_scores, metrics, ...)
+    <run_dir>/tables/<table>/round=0002/part-*.parquet  teacher tables, one partition per round
 
 Every file is written atomically: to a hidden temp file in the same directory, fsync, then
 ``os.replace``; a reader never sees half a file and a killed writer leaves only a ``.tmp`` file
@@ -27,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rubricem_core.faults import fault_point
+from rubricem_core.layout import RunLayout
 
 TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -58,14 +55,15 @@ class RunStore:
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir).resolve()
-        self.tables_dir = self.run_dir / "tables"
-        self.state_dir = self.run_dir / "state"
+        self.layout = RunLayout(self.run_dir)
+        self.tables_dir = self.layout.tables_dir
+        self.state_dir = self.layout.state_dir
 
     # ---- paths -----------------------------------------------------------------------------
     def table_dir(self, table: str) -> Path:
         if not TABLE_NAME.match(table):
             raise StoreError(f"invalid table name {table!r}: use lower_snake_case")
-        return self.tables_dir / table
+        return self.layout.table_dir(table)
 
     def partition_path(self, table: str, partition: dict[str, int] | None = None, part: str = "part") -> Path:
         base = self.table_dir(table)

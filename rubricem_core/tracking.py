@@ -40,9 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
-import pyarrow as pa
-
+from rubricem_core.layout import TRACKING_STATE_FILE, RunLayout
 from rubricem_core.offline import apply_offline_defaults
+from rubricem_core.schemas import METRICS_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_text
 
 if TYPE_CHECKING:
@@ -59,18 +59,7 @@ MAX_KEY_CHARS = 250
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 
-METRICS_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("name", pa.string()),
-        ("value", pa.float64()),
-        ("flow", pa.string()),
-        ("run_id", pa.string()),
-        ("logged_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-
-STATE_FILE = "mlflow_parent.json"
+STATE_FILE = TRACKING_STATE_FILE  # state/<this>: the run directory's parent run and its children
 # MLflow 3's UI reads this experiment tag to pick the experiment's view (its kind selector writes it)
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
@@ -203,7 +192,7 @@ def _attempt_of(run: "Run") -> int:
 
 
 def _artifact_root(run_dir: str | os.PathLike[str]) -> str:
-    return (Path(run_dir) / "mlflow" / "artifacts").as_uri()
+    return RunLayout(run_dir).mlflow_artifacts_dir.as_uri()
 
 
 def _tables(conn: sqlite3.Connection) -> set[str]:
@@ -384,11 +373,12 @@ class Tracker:
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.experiment = experiment
         self.store = RunStore(self.run_dir)
-        self.mlflow_dir = self.run_dir / "mlflow"
-        self.db_path = self.mlflow_dir / "mlflow.db"
+        layout = RunLayout(self.run_dir)
+        self.mlflow_dir = layout.mlflow_dir
+        self.db_path = layout.mlflow_db
         self.tracking_uri = f"sqlite:///{self.db_path}"
         self.artifact_uri = _artifact_root(self.run_dir)
-        self.state_path = self.run_dir / "state" / STATE_FILE
+        self.state_path = layout.tracking_state_file
         self._client: MlflowClient | None = None
         self._experiment_id: str | None = None
         self._lock = threading.RLock()

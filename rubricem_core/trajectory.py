@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rubricem_core.scaffold import STAGE_IDS, STAGES
+from rubricem_core.schemas import none_to_nan
 
 NO_STAGE = -1  # prompt tokens (system prompt, guidance, query) belong to no stage
 REFLECTION_STAGE = len(STAGES)  # SFT: tokens of a reflection (the meta-policy's task), after the four research stages
@@ -86,6 +87,6 @@ class TokenTrajectory:
     def from_row(cls, row: dict[str, Any]) -> "TokenTrajectory":
         data = dict(row)
         data["segments"] = [TokenSegment(**s) for s in data.get("segments") or []]
-        data["logprobs"] = [math.nan if v is None else v for v in data["logprobs"]]
+        data["logprobs"] = [none_to_nan(v) for v in data["logprobs"]]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})

@@ -53,7 +53,7 @@ class WorldConfig(BaseModel):
         0.1, ge=0.0, le=1.0, description="Fraction of organization/person passages that get a re-phrased duplicate."
     )
     query_kinds: list[QueryKind] = Field(
-        default_factory=lambda: list(ALL_QUERY_KINDS), description="Query kinds to generate, round-robin."
+        default_factory=lambda: list(ALL_QUERY_KINDS), description="Query kinds to generate, round-robin."  # type: ignore[arg-type]
     )
 
     @field_validator("query_kinds")
@@ -436,7 +436,7 @@ class _QueryBuilder:
         self.org_by_name = {o.name: o for o in world_orgs}
         self.person_by_name = {p.name: p for p in persons}
         self.distractor_of = {o.confusable_with: o for o in world_orgs if o.is_distractor}
-        self.distractor_of.update({p.confusable_with: p for p in persons if p.is_distractor})
+        self.distractor_of.update({p.confusable_with: p for p in persons if p.is_distractor})  # type: ignore[misc]
         self.acquired = [o for o in self.real_orgs if o.acquired_by is not None]
 
     def _required(self, entity: str, attribute: str, value: str) -> dict[str, Any]:
@@ -630,7 +630,7 @@ def _make_queries(cfg: WorldConfig, orgs: list[Organization], persons: list[Pers
         n_eval = 1
     eval_indices = set(rng.sample(range(len(built)), n_eval))
     queries = []
-    for index, (kind, question, answer, spec, required, rubrics) in enumerate(built):
+    for index, (kind, question, answer, spec, required, rubrics) in enumerate(built):  # type: ignore[assignment]
         gold = sorted({doc_id for fact in required for doc_id in fact["doc_ids"]})
         queries.append(Query(
             query_id=f"syn-{index:05d}", source="synthetic", split="eval" if index in eval_indices else "train",

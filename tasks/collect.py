@@ -20,88 +20,18 @@ from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
 from rubricem_core.progress import Progress
 from rubricem_core.llm.types import ChatResult
+from rubricem_core.schemas import (
+    SFT_TRAJECTORIES_SCHEMA, TEACHER_REFLECTIONS_SCHEMA, TEACHER_REQUESTS_SCHEMA, TEACHER_RESPONSES_SCHEMA,
+)
 from rubricem_core.store import RunStore, atomic_write_text
-from rubricem_core.teacher.builtin import register_builtin_teacher
-from rubricem_core.teacher.endpoint import endpoint_settings, is_builtin, run_round
+from rubricem_core.llm.endpoints import endpoint_for
+from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (
     TEACHER_ERROR, TrajectoryState, apply_result, build_requests, initial_states, tool_outputs,
 )
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
-
-TEACHER_REQUESTS_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("trajectory_id", pa.string()),
-        ("query_id", pa.string()),
-        ("round", pa.int64()),
-        ("model", pa.string()),
-        ("mode", pa.string()),
-        ("batch_id", pa.string()),
-        ("status", pa.string()),
-        ("n_messages", pa.int64()),
-        ("last_message", pa.string()),
-        ("submitted_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
-TEACHER_RESPONSES_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("trajectory_id", pa.string()),
-        ("query_id", pa.string()),
-        ("round", pa.int64()),
-        ("model", pa.string()),
-        ("status", pa.string()),
-        ("response", pa.string()),
-        ("error", pa.string()),
-        ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("cost_usd", pa.float64()),
-        ("attempts", pa.int64()),
-        ("latency_s", pa.float64()),
-        ("batch_id", pa.string()),
-    ]
-)
-SFT_TRAJECTORIES_SCHEMA = pa.schema(
-    [
-        ("trajectory_id", pa.string()),
-        ("query_id", pa.string()),
-        ("accepted", pa.bool_()),
-        ("reject_reasons", pa.list_(pa.string())),
-        ("reject_details", pa.list_(pa.string())),
-        ("n_tool_calls", pa.int64()),
-        ("n_rounds", pa.int64()),
-        ("finish_reason", pa.string()),
-        ("text", pa.string()),
-        ("messages", pa.string()),
-        ("model", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("cost_usd", pa.float64()),
-    ]
-)
-
-TEACHER_REFLECTIONS_SCHEMA = pa.schema(
-    [
-        ("request_id", pa.string()),
-        ("trajectory_id", pa.string()),
-        ("query_id", pa.string()),
-        ("model", pa.string()),
-        ("status", pa.string()),
-        ("error", pa.string()),
-        ("response", pa.string()),
-        ("text", pa.string()),
-        ("valid", pa.bool_()),
-        ("reject_codes", pa.list_(pa.string())),
-        ("messages", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-        ("cost_usd", pa.float64()),
-        ("attempts", pa.int64()),
-    ]
-)
 
 
 def _round_key(round_index: int) -> dict[str, int]:
@@ -124,7 +54,7 @@ def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[Trajec
 def batch_marker(store: RunStore, name: str, what: str, n_requests: int) -> tuple[Path, str | None, Any]:
     """A crash after submitting a batch must re-attach to it, not pay for it twice: the marker file
     ``state/<name>.json``, the batch id it holds (None: nothing submitted yet) and the callback that writes it."""
-    marker = store.state_dir / f"{name}.json"
+    marker = store.layout.batch_marker(name)
     resume_batch_id = json.loads(marker.read_text())["batch_id"] if marker.exists() else None
 
     def on_submitted(batch_id: str) -> None:
@@ -178,9 +108,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     states = load_states(store, cfg, round_index - 1)
     active = [s for s in states if not s.finished]
     tcfg = cfg.teacher
-    if is_builtin(tcfg.model):
-        register_builtin_teacher(tcfg, max_tool_calls=cfg.tools.max_tool_calls)
-    settings = endpoint_settings(tcfg, api_key=resolve_api_key(tcfg))
+    settings = endpoint_for(tcfg, api_key=resolve_api_key(tcfg), max_tool_calls=cfg.tools.max_tool_calls)
     requests = build_requests(active, round_index, tcfg.model, tcfg.max_tokens, tcfg.temperature)
     if not requests:
         return {"round": round_index, "cached": False, "unfinished": 0, "requests": 0}
@@ -334,9 +262,7 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
         stats = reflection_stats([old[r.custom_id] for r in every])
         log.info("teacher reflections already written (cached Parquet): %d valid of %d", stats["reflections_valid"], stats["reflections"])
         return {**stats, "cached": True}
-    if is_builtin(tcfg.model):
-        register_builtin_teacher(tcfg, max_tool_calls=cfg.tools.max_tool_calls)
-    settings = endpoint_settings(tcfg, api_key=resolve_api_key(tcfg))
+    settings = endpoint_for(tcfg, api_key=resolve_api_key(tcfg), max_tool_calls=cfg.tools.max_tool_calls)
     marker, resume_batch_id, on_submitted = batch_marker(store, "teacher_reflections", "reflections", len(requests))
 
     log.info("reflections: %d requests (%s mode, model %s)", len(requests), tcfg.mode, tcfg.model)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -32,15 +30,17 @@ from rubricem_core.eval.run import (
 )
 from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.types import EvalError, family_of
+from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
 from rubricem_core.rollout import SamplingParams
-from rubricem_core.schemas import queries_from_table
+from rubricem_core.schemas import EVAL_REFLECTIONS_SCHEMA, queries_from_table
+from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.teacher.endpoint import endpoint_settings
+from rubricem_core.llm.endpoints import endpoint_for
 from tasks.inputs import search_env
-from tasks.rl import completed_step, step_checkpoint
+from tasks.rl import completed_step
 from tasks.secrets import resolve_api_key
 
 TABLE = "eval_results"
@@ -51,8 +51,8 @@ _ENGINE_LOCK = threading.Lock()
 
 def default_checkpoint(run_dir: str) -> Path:
     """The newest finished RL checkpoint, else the SFT policy."""
-    step = completed_step(run_dir)
-    path = step_checkpoint(run_dir, step) if step >= 0 else Path(run_dir) / "checkpoints" / "sft" / "final"
+    step, layout = completed_step(run_dir), RunLayout(run_dir)
+    path = layout.rl_step_checkpoint(step) if step >= 0 else layout.sft_final
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint")
     return path
@@ -92,16 +92,12 @@ def drop_engines() -> None:
 
 
 def _grader(cfg: RunConfig):
-    from rubricem_core.eval.builtin import PROVIDER, register_builtin_grader
     from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 
     grader_cfg = cfg.eval.grader
-    model = register_builtin_grader() if grader_cfg.model.startswith(PROVIDER + "/") else grader_cfg.model
-    settings = endpoint_settings(grader_cfg.model_copy(update={"model": model}), api_key=resolve_api_key(grader_cfg))
-    return BenchmarkGrader(settings, GraderOptions(temperature=grader_cfg.temperature, max_tokens=grader_cfg.max_tokens,
-                                                   seed=cfg.seed, structured_output=grader_cfg.structured_output,
-                                                   healthbench_grading=cfg.eval.healthbench_grading,
-                                                   drb_grading=cfg.eval.drb_grading))
+    settings = endpoint_for(grader_cfg, api_key=resolve_api_key(grader_cfg))
+    return BenchmarkGrader(settings, GraderOptions.from_config(
+        grader_cfg, seed=cfg.seed, healthbench_grading=cfg.eval.healthbench_grading, drb_grading=cfg.eval.drb_grading))
 
 
 def _bank_location(run_dir: str, cfg: RunConfig, retrieval: str) -> Path:
@@ -189,7 +185,7 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     options = EvalOptions(
         samples_per_query=cfg.eval.samples_per_query, temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
-        max_tool_calls=cfg.tools.max_tool_calls, seed=cfg.seed * 100_003 + zlib.crc32(benchmark.encode()),
+        max_tool_calls=cfg.tools.max_tool_calls, seed=derive_seed(cfg.seed, EVAL_SAMPLING, benchmark),
         prompt_style=cfg.policy.prompt_style, retrieval=retrieval, retrieval_k=cfg.eval.retrieval_k,
     )
     produced_by: dict[str, Any] = {
@@ -228,10 +224,6 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
 
 
 REFLECTIONS_TABLE = "eval_reflections"
-EVAL_REFLECTIONS_SCHEMA = pa.schema([
-    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("query_id", pa.string()),
-    ("sample", pa.int64()), ("text", pa.string()), ("valid", pa.bool_()), ("codes", pa.list_(pa.string())),
-])
 
 
 def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: str, rows: list[dict[str, Any]],
@@ -245,7 +237,7 @@ def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: st
         engine, tokenizer = _engine(checkpoint, cfg)
         sampling = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.reflection.max_new_tokens,
-                                  max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + zlib.crc32(part.encode()))
+                                  max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, EVAL_REFLECTION, part))
         # ungraded queries were never sampled: no trajectory to reflect on
         # the two trials of retrieval=sequential share (query, sample): their ids name the trial too
         by_source = {f"{r['query_id']}-e{r['sample']}" + (f"-{r['retrieval']}" if r["retrieval"] in SEQUENTIAL_TRIALS

@@ -13,7 +13,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -22,7 +21,7 @@ from rubricem_core.faults import fault_point
 from rubricem_core.judge.types import JudgeQuery
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.reflection.judge import (
-    ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows, register_builtin_reflection_judge,
+    ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows,
 )
 from rubricem_core.reflection.meta import (
     candidate_advantages, candidate_requests, candidate_text, engine_stop_texts, judge_view, pick_source_rollouts, reflection_metrics,
@@ -30,8 +29,10 @@ from rubricem_core.reflection.meta import (
 )
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rollout import SamplingParams
+from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA, nan_to_none, none_to_nan
+from rubricem_core.seeds import REFLECTION_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.teacher.endpoint import endpoint_settings
+from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
@@ -40,18 +41,6 @@ from tasks.rl import (
 )
 from tasks.secrets import resolve_api_key
 
-REFLECTIONS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("source_rollout_id", pa.string()), ("candidate", pa.int64()),
-    ("text", pa.string()), ("valid", pa.bool_()), ("score", pa.float64()), ("accepted", pa.bool_()),
-    ("judge_failed", pa.bool_()), ("codes", pa.list_(pa.string())), ("justification", pa.string()),
-    ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
-    ("n_tokens", pa.int64()), ("finish_reason", pa.string()),
-])
-BANK_SCHEMA = pa.schema([
-    ("query_id", pa.string()), ("query_text", pa.string()), ("reflection", pa.string()), ("score", pa.float64()),
-    ("step", pa.int64()),
-])
-
 
 def _key(step: int) -> dict[str, int]:
     return {"step": step}
@@ -59,14 +48,8 @@ def _key(step: int) -> dict[str, int]:
 
 def _judge(cfg: RunConfig) -> ReflectionJudge:
     endpoint = cfg.reflection.judge
-    model = endpoint.model
-    if model.startswith("rubricem-reflection-judge/"):
-        model = register_builtin_reflection_judge()
-    settings = endpoint_settings(endpoint.model_copy(update={"model": model}), api_key=resolve_api_key(endpoint))
-    return ReflectionJudge(settings, ReflectionJudgeOptions(
-        temperature=endpoint.temperature, max_tokens=endpoint.max_tokens, seed=cfg.seed,
-        structured_output=endpoint.structured_output, mode=endpoint.mode,
-    ))
+    settings = endpoint_for(endpoint, api_key=resolve_api_key(endpoint))
+    return ReflectionJudge(settings, ReflectionJudgeOptions.from_config(endpoint, seed=cfg.seed))
 
 
 @task(name="reflect", task_run_name="reflect-step-{plan.step}", cache_policy=NO_CACHE)
@@ -87,7 +70,7 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     sources = pick_source_rollouts(rollouts, plan.query_ids, cfg.seed, plan.step)
     sampling = SamplingParams(
         temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.reflection.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_019 + plan.step,
+        max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, REFLECTION_SAMPLING, plan.step),
     )
     requests = candidate_requests(session.tokenizer, sources, questions, cfg.reflection.n_candidates, sampling,
                                   cfg.reflection.max_trajectory_chars)
@@ -122,7 +105,7 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     for row in rows:
         traj: TokenTrajectory = trajs[(row["source_rollout_id"], row["candidate"])]
         row.update(token_ids=traj.token_ids, loss_mask=traj.loss_mask, n_tokens=len(traj),
-                   logprobs=[None if x != x else x for x in traj.logprobs], finish_reason=traj.finish_reason)
+                   logprobs=[nan_to_none(x) for x in traj.logprobs], finish_reason=traj.finish_reason)
     metrics = reflection_metrics(rows)
     metrics.update(judge.usage.metrics())
     metrics["reflection/generate_seconds"] = gen_seconds
@@ -177,7 +160,7 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
                 continue  # no reward: left out of the update, never treated as a zero
             trajs.append(TokenTrajectory(token_ids=row["token_ids"], loss_mask=row["loss_mask"],
                                          stage_ids=[-1] * len(row["token_ids"]),
-                                         logprobs=[float("nan") if x is None else x for x in row["logprobs"]]))
+                                         logprobs=[none_to_nan(x) for x in row["logprobs"]]))
             advs.append(reflection_token_advantages(row["loss_mask"], adv))
             nonzero += adv != 0.0
     t0 = time.perf_counter()

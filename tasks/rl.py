@@ -10,7 +10,6 @@ import json
 import time
 from typing import Any
 
-import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -19,9 +18,9 @@ from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.judge.builtin import register_builtin_judge
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
+from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
 from rubricem_core.progress import Progress
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
@@ -33,35 +32,11 @@ from rubricem_core.rl.update import group_advantages, reward_rows as reward_rows
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES
 from rubricem_core.reflection.meta import retrieve_guidance
+from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA  # noqa: F401
+from rubricem_core.seeds import ROLLOUT, derive_seed
 from rubricem_core.store import RunStore, atomic_write_text
-from rubricem_core.teacher.endpoint import endpoint_settings
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
-
-ROLLOUTS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("phase", pa.string()),
-    ("retrieval", pa.string()), ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())),
-    ("stage_ids", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())), ("n_tool_calls", pa.int64()),
-    ("finish_reason", pa.string()), ("valid_scaffold", pa.bool_()), ("judge_failed", pa.bool_()),
-    ("judge_error", pa.string()), ("violations", pa.list_(pa.string())), ("n_tokens", pa.int64()), ("n_policy_tokens", pa.int64()),
-    ("prompt_len", pa.int64()), ("text", pa.string()), ("segments", pa.string()), ("guidance", pa.string()),
-])
-JUDGE_RUBRICS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rubric_id", pa.string()), ("stage", pa.string()),
-    ("polarity", pa.string()), ("origin", pa.string()), ("title", pa.string()), ("description", pa.string()),
-    ("weight", pa.float64()), ("status", pa.string()), ("created_step", pa.int64()), ("pruned_step", pa.int64()),
-    ("check", pa.string()),
-])
-JUDGE_SCORES_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("rubric_id", pa.string()),
-    ("stage", pa.string()), ("polarity", pa.string()), ("weight", pa.float64()), ("score", pa.int64()),
-    ("justification", pa.string()),
-])
-STAGE_REWARDS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("stage", pa.string()),
-    ("R", pa.float64()), ("G", pa.float64()), ("A", pa.float64()),
-])
-
 
 class JudgeStepError(RuntimeError):
     """Too few of a step's rollouts could be judged to train on them."""
@@ -73,13 +48,13 @@ def _key(step: int) -> dict[str, int]:
 
 def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, float]) -> None:
     """A task's metrics next to its Parquet, so a retried run that skips the task still logs them."""
-    path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
+    path = store.layout.task_metrics_file(task, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(metrics))
 
 
 def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
-    path = store.state_dir / "task_metrics" / f"{task}-{step:04d}.json"
+    path = store.layout.task_metrics_file(task, step)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -122,7 +97,7 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         metrics["bank/size"] = float(len(session.bank))
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed * 100_003 + plan.step,
+        max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, ROLLOUT, plan.step),
     )
     requests = [
         RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(
@@ -160,11 +135,8 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
     # answer only. The built-in judge keeps the whole trajectory: its answer checks verify citations
     # against the snippets the research retrieved (without them every citation reads as invented).
     answer_only = cfg.rl.recipe == "baseline" and not builtin
-    return JudgeOptions(
-        temperature=cfg.judge.temperature, max_tokens=cfg.judge.max_tokens, seed=cfg.seed,
-        max_new_rubrics_per_stage=cfg.judge.max_new_rubrics_per_stage, rubric_stages=judged_stages,
-        structured_output=cfg.judge.structured_output, view="answer" if answer_only else "trajectory",
-        show_reference=cfg.judge.show_reference,
+    return JudgeOptions.from_config(
+        cfg.judge, seed=cfg.seed, rubric_stages=judged_stages, view="answer" if answer_only else "trajectory",
         # an LLM judge is held to the paper's fewest rubrics per stage; the built-in one proposes only
         # rubrics that separate the group, and a group may have none
         require_min_rubrics=not builtin,
@@ -189,11 +161,8 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     for qid in plan.query_ids:
         if qid not in buffers:
             buffers[qid] = RubricBuffer.from_query(qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step)
-    model = cfg.judge.model
-    builtin = model.startswith("rubricem-judge/")
-    if builtin:
-        model = register_builtin_judge()
-    settings = endpoint_settings(cfg.judge.model_copy(update={"model": model}), api_key=resolve_api_key(cfg.judge))
+    builtin = builtin_provider(cfg.judge.model) == "rubricem-judge"
+    settings = endpoint_for(cfg.judge, api_key=resolve_api_key(cfg.judge))
     judge = LLMJudge(settings, judge_options(cfg, rs.judged_stages, builtin))
     groups = []
     for qid in plan.query_ids:
@@ -276,7 +245,7 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     fault_point("rl.checkpoint_saved")
     out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
     save_task_metrics(store, "update", plan.step, out)  # before the progress file, which marks the step done
-    atomic_write_text(store.state_dir / "rl_progress.json", json.dumps({"completed_step": plan.step}))
+    atomic_write_text(store.layout.rl_progress_file, json.dumps({"completed_step": plan.step}))
     fault_point("rl.step_done")
     _prune_checkpoints(run_dir, keep=2)
     log.info("step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f", plan.step, len(batch.trajectories),

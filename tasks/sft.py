@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.distributed.sft_worker import launch_sft
+from rubricem_core.layout import RunLayout, final_checkpoint_dir
 from rubricem_core.sft import prepare_policy, run_sft, sft_inputs
 from rubricem_core.store import RunStore
 
@@ -17,11 +18,11 @@ ARTIFACT_MAX_BYTES = 200 * 2**20  # larger checkpoints are tracked by path, not 
 
 
 def policy_base_dir(run_dir: str) -> Path:
-    return Path(run_dir) / "policy" / "base"
+    return RunLayout(run_dir).policy_base_dir
 
 
 def sft_checkpoint_root(run_dir: str) -> Path:
-    return Path(run_dir) / "checkpoints" / "sft"
+    return RunLayout(run_dir).sft_checkpoints_dir
 
 
 @task(name="prepare-policy", cache_policy=NO_CACHE)
@@ -47,7 +48,7 @@ def train_sft_task(
 ) -> dict[str, Any]:
     log = get_run_logger()
     root = sft_checkpoint_root(run_dir)
-    final = root / "final"
+    final = final_checkpoint_dir(root)
     if (final / "config.json").exists():
         log.info("SFT already finished: %s (cached)", final)
         if cfg.distributed.nnodes > 1:

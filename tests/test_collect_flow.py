@@ -11,7 +11,7 @@ from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]  # flows end to end
 
 SMALL = {
     "data.world.n_documents": 120,

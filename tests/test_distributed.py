@@ -67,6 +67,7 @@ def test_the_launch_follows_the_distributed_section():
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["RUBRICEM_COLLECTIVE_TIMEOUT_S"] == "120.0"
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(
@@ -107,6 +108,7 @@ def two_ranks(tmp_path: Path, case: str, arg: dict) -> dict:
 
 # Measured max |Δweight| after 2 steps: 3e-6 torch, 4e-6 ZeRO-1, 2e-5 ZeRO-3 (the steps move weights ~1e-2;
 # Adam magnifies the rounding of a different summation order on near-zero gradients).
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 1, 1e-5), ("deepspeed", 3, 1e-4)])
 def test_two_ranks_train_like_one_on_disjoint_micro_batches(tmp_path, one_rank_reference, backend, stage, tol):
     ref_weights, ref_history, ref_seen = one_rank_reference

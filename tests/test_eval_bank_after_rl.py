@@ -15,6 +15,8 @@ from rubricem_core.store import RunStore
 from tests import test_rl as rl_tests, test_rl_reflection as reflection_tests
 from tests.test_rl_reflection import _run
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 # the module fixtures of the RL tests (assigned, not imported by name, so pyflakes sees them used)
 sft_run = rl_tests.sft_run
 forced_reflections = reflection_tests.forced_reflections

@@ -16,6 +16,8 @@ from rubricem_core.config import load_config
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 SMALL = {
     "data.world.n_documents": 120,
     "data.world.n_queries": 12,

@@ -272,6 +272,7 @@ def test_query_without_rubrics_gets_no_reward_and_no_update_signal():
     assert np.all(A == 0.0) and not any(math.isnan(x) for x in A.ravel())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,missing", [("sft", "corpus, sft_trajectories"), ("rl", "queries, corpus")])
 def test_a_missing_prerequisite_names_the_command_to_run(tmp_path, command, missing):
     import subprocess

@@ -22,6 +22,8 @@ from rubricem_core.judge.builtin import respond as builtin_judge_reply
 from rubricem_core.store import RunStore
 from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 
 SMALL = {

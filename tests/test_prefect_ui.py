@@ -85,6 +85,7 @@ def _client():
     return get_client(sync_client=True)
 
 
+@pytest.mark.slow
 def test_core_logs_reach_the_flow_run_log(prefect_harness, tmp_path):
     from prefect import flow
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -112,6 +113,7 @@ def test_core_logs_reach_the_flow_run_log(prefect_harness, tmp_path):
     assert any(marker in log.message for log in logs), [log.message for log in logs]
 
 
+@pytest.mark.slow
 def test_a_dead_run_of_the_run_directory_is_marked_crashed(prefect_harness, tmp_path):
     """A flow run (and its task run) left Running by a killed process is Crashed once the next run of
     the same run directory starts; runs of other run directories are left alone."""

@@ -12,6 +12,8 @@ from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from tests.test_rl import SMALL, sft_run  # noqa: F401,F811  (module fixture)
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 UNFORCED = {**SMALL, "rl.recipe": "full", "reflection.n_candidates": 2, "reflection.max_new_tokens": 64}
 
 

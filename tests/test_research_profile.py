@@ -42,6 +42,8 @@ from tests.fakes.forced_reflections import forcing_engine
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.web_search_server import FakeWebSearchServer
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 # comparison and two-hop questions: two searches each, as research's filter.min_tool_calls asks
 WORLD = WorldConfig(seed=0, n_documents=80, n_queries=8, eval_fraction=0.25, query_kinds=["comparison", "multi_hop"])
 RETRIEVAL_MODES = ("none", "cross", "within", "sequential")

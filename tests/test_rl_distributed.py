@@ -21,6 +21,8 @@ from rubricem_core.trajectory import TokenTrajectory
 from tests.untrained_run import write_untrained_run
 from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 TINY = {
     "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
     "policy.n_layers": 1, "policy.n_heads": 2, "policy.n_kv_heads": 1, "policy.intermediate_size": 64,

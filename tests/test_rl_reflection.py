@@ -93,6 +93,7 @@ def _weights(run_dir: str, step: int) -> dict[str, torch.Tensor]:
     return load_file(f"{run_dir}/checkpoints/rl/step-{step:06d}/model.safetensors")
 
 
+@pytest.mark.slow
 def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, forced_reflections):
     deferred = deferred_run
     store = RunStore(deferred)
@@ -140,6 +141,7 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
     assert [(r["text"], r["score"]) for r in RunStore(sync).read_rows("reflections")] == [(r["text"], r["score"]) for r in refl]
 
 
+@pytest.mark.slow
 def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced_reflections, monkeypatch):
     import tasks.rl as rl_tasks
 

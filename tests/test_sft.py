@@ -37,6 +37,7 @@ def collected_run(tmp_path_factory, prefect_harness):
     return run_dir
 
 
+@pytest.mark.slow
 def test_sft_flow_trains_and_logs(collected_run):
     from flows.sft import sft
 
@@ -56,6 +57,7 @@ def test_sft_flow_trains_and_logs(collected_run):
     assert sft(run_dir=collected_run, profile="tiny", overrides=SMALL)["cached"] is True
 
 
+@pytest.mark.slow
 def test_sft_mixes_reflection_examples_with_their_own_loss(collected_run):
     """The teacher's reflections are SFT examples of the meta-policy's task: its exact prompt untrained,
     the reflection and end-of-turn token trained under their own stage; the task losses are logged apart."""
@@ -96,6 +98,7 @@ def test_reflection_mix_sizes_and_covers(n_research, n_reflections, ratio, expec
     assert picks == reflection_mix(n_research, n_reflections, ratio, seed=3)  # a pure function of the seed
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
     cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3, "sft.relabel_doc_ids": True})
     rows = RunStore(collected_run).read_rows("sft_trajectories")
@@ -126,6 +129,7 @@ def final_weights(root):
     return load_file(str(root / "final" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
     cfg = load_config("tiny", SMALL)
     corpus = RunStore(collected_run).read_table("corpus")

@@ -16,6 +16,8 @@ from rubricem_core.sql import run_sql
 
 from test_sft import SMALL, collected_run  # noqa: F401  (the module's collected run fixture)
 
+pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+
 # Two micro-batches per step, so each of the 2 ranks trains on one.
 DIST = {**SMALL, "sft.max_steps": 4, "sft.checkpoint_every": 2, "sft.log_every": 1, "sft.grad_accum_steps": 2,
         "sft.max_tokens_per_batch": 4096}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rubricem_core.layout import RunLayout
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import LaunchSpec
 from rubricem_core.distributed.ranks import is_main, rank
@@ -17,7 +18,7 @@ from rubricem_core.distributed.ranks import is_main, rank
 def launch_path(run_dir: str | Path, name: str) -> Path:
     """A file of the launches under ``<run_dir>/state/launch/`` (``sft.json``, ``rl.json``, payloads), its
     folder created: node 0 writes there and the other nodes read it, so it sits on the shared run dir."""
-    folder = Path(run_dir) / "state" / "launch"
+    folder = RunLayout(run_dir).launch_dir
     folder.mkdir(parents=True, exist_ok=True)
     return folder / name
 

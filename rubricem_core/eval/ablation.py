@@ -7,18 +7,14 @@ as such. The SFT policy the recipes start from is the ``sft`` reference row.
 from __future__ import annotations
 
 import io
-import math
 from typing import Any, Sequence
 
-import pyarrow as pa
 from matplotlib.figure import Figure
 
-ABLATION_SCHEMA = pa.schema([
-    ("recipe", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("checkpoint", pa.string()),
-    ("score_mean", pa.float64()), ("n_samples", pa.int64()), ("grade_failed", pa.int64()),
-    ("valid_scaffold_rate", pa.float64()), ("rl_steps", pa.int64()), ("queries_per_step", pa.int64()),
-    ("group_size", pa.int64()), ("run_dir", pa.string()),
-])
+from rubricem_core import schemas
+from rubricem_core.schemas import nan_to_none
+
+ABLATION_SCHEMA = schemas.ABLATION_SCHEMA  # defined in schemas; the ablation flow imports it from here
 
 
 def ablation_rows(recipe: str, evaluation: dict[str, Any], budget: dict[str, int], run_dir: str) -> list[dict[str, Any]]:
@@ -35,8 +31,10 @@ def ablation_rows(recipe: str, evaluation: dict[str, Any], budget: dict[str, int
     return rows
 
 
-def _num(value: float) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+def _num(value: float | None) -> float | None:
+    """A summary figure for the table: NaN (nothing to average) → NULL."""
+    value = nan_to_none(value)
+    return None if value is None else float(value)
 
 
 def ablation_plot(rows: Sequence[dict[str, Any]], title: str = "Recipe ablation") -> bytes:

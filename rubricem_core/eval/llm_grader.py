@@ -2,9 +2,9 @@
 ``per_criterion``: one per rubric criterion; DeepResearchBench ``race``: one per answer, scoring it
 against the query's reference report).
 
-The plumbing is the stagewise judge's (``LLMJudge``): ``run_concurrent`` (bounded concurrency,
-retries with backoff on 429/5xx/timeouts), schema validation of the reply, and one repair turn that
-sends a bad reply's validation error back. A call that still fails marks that answer's grade
+The plumbing is every judge's (``rubricem_core.llm.structured``): ``run_concurrent`` (bounded
+concurrency, retries with backoff on 429/5xx/timeouts), schema validation of the reply, and one repair
+turn that sends a bad reply's validation error back. A call that still fails marks that answer's grade
 failed — it is excluded from the benchmark mean and counted, never scored 0. In ``per_criterion``
 mode one failed criterion call fails the whole answer's grade (the criteria that were graded stay
 in its details): a missing criterion would bias the score either way (a positive one lowers it, a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 from rubricem_core.eval.prompts import (
@@ -36,8 +37,8 @@ from rubricem_core.eval.prompts import (
     short_form_schema,
 )
 from rubricem_core.eval.types import EvalError, GradeResult, family_of
-from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, PendingCall
 from rubricem_core.judge.types import SCORE, JudgeUsage
+from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.schemas import Query
 
@@ -48,13 +49,16 @@ DRB_GRADING: tuple[str, ...] = ("absolute", "race")
 
 
 @dataclass
-class GraderOptions:
-    temperature: float | None = field(default=0.0, metadata={"help": "Sampling temperature; None = provider default."})
+class GraderOptions(StructuredOptions):
+    """Sampling options of the grader and how two benchmarks are graded.
+
+    ``GraderOptions.from_config(cfg.eval.grader, seed=cfg.seed, healthbench_grading=cfg.eval.healthbench_grading,
+    drb_grading=cfg.eval.drb_grading)`` takes the rest from the grader section.
+    """
+
+    error_type = EvalError
+
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one grading call."})
-    seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
-    structured_output: str = field(
-        default="json_schema", metadata={"help": "response_format: json_schema, json_object or none."})
-    repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
     healthbench_grading: str = field(default="per_criterion", metadata={
         "help": "HealthBench: per_criterion (one met/not-met call per criterion, as the official grader) or "
                 "joint (one call grading all criteria)."})
@@ -63,6 +67,7 @@ class GraderOptions:
                 "report scored on the same criteria; score T / (T + R)). race needs each query's reference."})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.healthbench_grading not in HEALTHBENCH_GRADING:
             raise EvalError(f"healthbench_grading must be one of {HEALTHBENCH_GRADING}, got {self.healthbench_grading!r}")
         if self.drb_grading not in DRB_GRADING:
@@ -73,18 +78,17 @@ class BenchmarkGrader:
     """Grades (query, response) pairs of one benchmark; ``usage`` accumulates over every call."""
 
     def __init__(self, settings: EndpointSettings, options: GraderOptions | None = None) -> None:
+        self.settings = settings
         self.options = options or GraderOptions()
-        self._judge = LLMJudge(settings, JudgeOptions(
-            temperature=self.options.temperature, max_tokens=self.options.max_tokens, seed=self.options.seed,
-            structured_output=self.options.structured_output, repair=self.options.repair))
-
-    @property
-    def usage(self) -> JudgeUsage:
-        return self._judge.usage
+        self.usage = JudgeUsage()  # every grading call counts as a "score" call (metrics grader/score_*)
+        self.client = StructuredClient(settings, self.options)
 
     @property
     def model(self) -> str:
-        return self._judge.settings.model
+        return self.settings.model
+
+    def _ask(self, calls: list[StructuredCall]) -> None:
+        self.client.ask(calls, partial(self.usage.add_call, SCORE))
 
     def needs_reference(self, benchmark: str) -> bool:
         """Whether grading ``benchmark`` needs each query's reference report (DeepResearchBench race)."""
@@ -101,30 +105,29 @@ class BenchmarkGrader:
         if self.per_criterion(benchmark):
             return self._grade_per_criterion(benchmark, pairs)
         race = self.needs_reference(benchmark)
-        pending, items_of = [], []
+        pending: list[Any] = []
+        items_of: list[Any] = []
         for index, (query, response) in enumerate(pairs):
             custom_id = f"grade:{index}:{query.query_id}"
             if family == "short_form":
                 items_of.append(None)
-                request = self._judge.make_request(custom_id, short_form_messages(benchmark, query, response),
-                                               self._judge.response_format("short_form_grade", short_form_schema()))
-                pending.append(PendingCall(request, parse_short_form))
+                pending.append(self.client.call(custom_id, short_form_messages(benchmark, query, response),
+                                                "short_form_grade", short_form_schema(), parse_short_form))
             elif race:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
                 messages = race_messages(benchmark, query, response, self._reference(benchmark, query), items)
-                request = self._judge.make_request(custom_id, messages,
-                                               self._judge.response_format("race_grades", race_schema(ids)))
-                pending.append(PendingCall(request, lambda text, ids=ids: parse_race(text, ids)))
+                pending.append(self.client.call(custom_id, messages, "race_grades", race_schema(ids),
+                                                lambda text, ids=ids: parse_race(text, ids)))  # type: ignore[misc]
             else:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
-                request = self._judge.make_request(custom_id, items_messages(benchmark, family, query, response, items),
-                                               self._judge.response_format("rubric_grades", items_schema(family, ids)))
-                pending.append(PendingCall(request, lambda text, ids=ids: parse_items(text, family, ids)))
-        self._judge.ask(SCORE, pending)
+                pending.append(self.client.call(custom_id, items_messages(benchmark, family, query, response, items),
+                                                "rubric_grades", items_schema(family, ids),
+                                                lambda text, ids=ids: parse_items(text, family, ids)))  # type: ignore[misc]
+        self._ask(pending)
         out = []
         for (query, _), call, items in zip(pairs, pending, items_of):
             if call.error is not None:
@@ -167,18 +170,17 @@ class BenchmarkGrader:
         criteria / Σ positive points, clipped to [0, 1]. Any failed criterion call fails the answer's grade."""
         family = family_of(benchmark)
         items_of = [grade_items(query, family) for query, _ in pairs]
-        calls: list[list[PendingCall]] = []
+        calls: list[list[StructuredCall]] = []
         for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
-            calls.append([PendingCall(self._judge.make_request(
+            calls.append([self.client.call(
                 f"grade:{index}:{query.query_id}:{item.item_id}", criterion_messages(benchmark, query, response, item),
-                self._judge.response_format("criterion_grade", criterion_schema())), parse_criterion)
-                for item in items])
-        self._judge.ask(SCORE, [call for group in calls for call in group])
+                "criterion_grade", criterion_schema(), parse_criterion) for item in items])
+        self._ask([call for group in calls for call in group])
         return [self._criterion_result(benchmark, query, items, group)
                 for (query, _), items, group in zip(pairs, items_of, calls)]
 
     def _criterion_result(self, benchmark: str, query: Query, items: Sequence[GradeItem],
-                          calls: Sequence[PendingCall]) -> GradeResult:
+                          calls: Sequence[StructuredCall]) -> GradeResult:
         graded = [{"id": i.item_id, "criterion": i.criterion[:300], "points": i.data["points"],
                    **({"score": int(c.value[0]), "justification": c.value[1]} if c.error is None else {"error": c.error})}
                   for i, c in zip(items, calls)]

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
-from rubricem_core.judge.prompts import ReplyError, checked_reply, escape_section_markers
+from rubricem_core.judge.prompts import escape_section_markers
+from rubricem_core.llm.replies import ReplyError, checked_reply, one_entry_per_id
 from rubricem_core.readers import DRB_REFERENCE_KEY
 from rubricem_core.schemas import Query
 
@@ -152,24 +153,8 @@ def grade_items(query: Query, family: str) -> list[GradeItem]:
 
 def per_item_schema(ids: Sequence[str], scores: dict[str, Any]) -> dict[str, Any]:
     """``{"items": [...]}`` with exactly one entry per id: its justification and the ``scores`` fields."""
-    return {
-        "type": "object",
-        "properties": {"items": {
-            "type": "array", "minItems": len(ids), "maxItems": len(ids),
-            "items": {
-                "type": "object",
-                "properties": {
-                    "id": {"enum": list(ids)},
-                    "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                    **scores,
-                },
-                "required": ["id", "justification", *scores],
-                "additionalProperties": False,
-            },
-        }},
-        "required": ["items"],
-        "additionalProperties": False,
-    }
+    justification = {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS}
+    return one_entry_per_id("items", "id", ids, {"justification": justification, **scores})
 
 
 def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:

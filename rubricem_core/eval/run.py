@@ -26,30 +26,24 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.eval.prompts import aggregate_items, gold_answers, grade_items, reference_article
 from rubricem_core.eval.synthetic import grade_synthetic
 from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_of, safe_name
+from rubricem_core.layout import STEP_CHECKPOINT, RunLayout
 from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
 from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import extract_answer, neutralize_tags, strip_tags, validate
+from rubricem_core import schemas
 from rubricem_core.schemas import Query
 from rubricem_core.tools.base import ToolEnv
 
 log = logging.getLogger(__name__)
 
-EVAL_RESULTS_SCHEMA = pa.schema([
-    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("query_id", pa.string()), ("retrieval", pa.string()),
-    ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
-    ("error", pa.string()), ("grader", pa.string()), ("valid_scaffold", pa.bool_()), ("n_tool_calls", pa.int64()),
-    ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
-    ("answer", pa.string()), ("text", pa.string()), ("settings", pa.string()),
-])
-
+EVAL_RESULTS_SCHEMA = schemas.EVAL_RESULTS_SCHEMA  # defined in schemas; tasks and tests import it from here
 
 # Why a query was not graded (``details.ungraded`` and the prefix of ``error`` in its eval_results row).
 NO_RUBRICS = "no_rubrics"  # a rubric benchmark (or the synthetic world) with no rubric items for it
@@ -107,10 +101,10 @@ class SequentialOptions:
 
 def checkpoint_tag(run_dir: str | Path, checkpoint: str | Path) -> str:
     """A short stable name: ``sft``, ``rl-step-000003``, or the directory name plus a path hash."""
-    run, path = Path(run_dir).resolve(), Path(checkpoint).resolve()
-    if path == run / "checkpoints" / "sft" / "final":
+    run, path = RunLayout(Path(run_dir).resolve()), Path(checkpoint).resolve()
+    if path == run.sft_final:
         return "sft"
-    if path.parent == run / "checkpoints" / "rl" and re.fullmatch(r"step-\d+", path.name):
+    if path.parent == run.rl_checkpoints_dir and STEP_CHECKPOINT.fullmatch(path.name):
         return f"rl-{path.name}"
     return f"{safe_name(path.name)}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 

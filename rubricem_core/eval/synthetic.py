@@ -60,7 +60,7 @@ def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) 
     # persistent rubrics are answer-stage; a query with rubrics on several stages gets their mean.
     # No answer, no credit: an inverted negative rubric ("gives a wrong value") must not pay for silence.
     answered = bool(view.answer_plain.strip())
-    score = float(sum(judged) / len(judged)) if answered else 0.0
+    mean = float(sum(judged) / len(judged)) if answered else 0.0
     finals = [i for i in items if i["check"] == "final"]
     violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls)})
     details = {
@@ -71,5 +71,5 @@ def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) 
         "violations": violations,
         **citation_grounding(text),
     }
-    return GradeResult(score, details)
+    return GradeResult(mean, details)
 

@@ -7,25 +7,18 @@
 - ``buffer``: RubricBuffer, the evolving per-query rubric set
 - ``aggregate``: stage_scores, R[i, k] = Σ w·s′ / (2 Σ w)
 
-Names are imported lazily: ``llm_judge`` and ``builtin`` pull in litellm, which takes seconds to
-import; table and buffer code should not pay for it.
+Names are imported lazily, each from the module named in ``_LAZY``: ``llm_judge`` and ``builtin`` pull
+in litellm, which takes seconds to import; table and buffer code should not pay for it.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from rubricem_core.judge.types import (
-    JudgeError,
-    JudgeQuery,
-    JudgeRollout,
-    JudgeUsage,
-    Rubric,
-    RubricScore,
-    TrajectoryJudgment,
-)
+_TYPES = ("JudgeError", "JudgeQuery", "JudgeRollout", "JudgeUsage", "Rubric", "RubricScore", "TrajectoryJudgment")
 
 _LAZY = {
+    **{name: "rubricem_core.judge.types" for name in _TYPES},
     "RubricBuffer": "rubricem_core.judge.buffer",
     "stage_scores": "rubricem_core.judge.aggregate",
     "stage_scores_loop": "rubricem_core.judge.aggregate",
@@ -40,8 +33,7 @@ _LAZY = {
     "BUILTIN_JUDGE_MODEL": "rubricem_core.judge.builtin",
 }
 
-__all__ = ["JudgeError", "JudgeQuery", "JudgeRollout", "JudgeUsage", "Rubric", "RubricScore", "TrajectoryJudgment",
-           *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

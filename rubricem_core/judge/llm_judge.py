@@ -1,10 +1,10 @@
 """The stagewise LLM judge: rubric generation and trajectory scoring through litellm.
 
-Both calls go through ``run_concurrent`` (bounded concurrency, retries with backoff on 429/5xx/
-timeouts, resampling of replies that are not JSON). A reply that still fails validation (not JSON,
-wrong shape, unknown or missing rubric ids, scores outside 0/1/2) gets one repair: the reply and
-its validation error are sent back once. A scoring call that fails after that marks the
-trajectory's judgment failed — it is never read as a zero.
+Both calls go through the structured client (``rubricem_core.llm.structured``: bounded concurrency,
+retries with backoff on 429/5xx/timeouts, resampling of replies that are not JSON). A reply that still
+fails validation (not JSON, wrong shape, unknown or missing rubric ids, scores outside 0/1/2) gets one
+repair: the reply and its validation error are sent back once. A scoring call that fails after that
+marks the trajectory's judgment failed — it is never read as a zero.
 
 ``JudgeOptions`` sets what the judge is shown (``view``: every stage, or the answer alone for
 Baseline-RL; ``show_reference``: the query's answer key or not) and how many new rubrics a stage
@@ -16,10 +16,10 @@ buffers updated, all scoring calls at once, stage rewards, then pruning.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from functools import partial
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,12 +29,10 @@ from rubricem_core.judge.prompts import (
     TRAJECTORY_VIEW,
     VIEWS,
     GeneratedRubric,
-    ReplyError,
     generation_messages,
     generation_schema,
     parse_generation,
     parse_scores,
-    repair_message,
     rubric_counts,
     scoring_messages,
     scoring_schema,
@@ -50,22 +48,27 @@ from rubricem_core.judge.types import (
     RubricScore,
     TrajectoryJudgment,
 )
-from rubricem_core.llm.concurrent import run_concurrent
-from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
+from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
+from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.scaffold import STAGES
 
 log = logging.getLogger(__name__)
 
-STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "none")
+# One logical judge call through first try and repair (the structured client's call).
+PendingCall = StructuredCall
 
 
 @dataclass
-class JudgeOptions:
-    """Sampling and prompt options of the judge (the endpoint itself is an ``EndpointSettings``)."""
+class JudgeOptions(StructuredOptions):
+    """Sampling and prompt options of the judge (the endpoint itself is an ``EndpointSettings``).
 
-    temperature: float | None = field(default=0.0, metadata={"help": "Sampling temperature; None = provider default."})
+    ``JudgeOptions.from_config(cfg.judge, seed=..., rubric_stages=..., view=..., require_min_rubrics=...)``
+    takes the rest from the ``judge`` section.
+    """
+
+    error_type = JudgeError
+
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one judge call."})
-    seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
     max_new_rubrics_per_stage: int = field(
         default=3, metadata={"help": "Most new rubrics one generation call may add to a stage (the paper's "
                                      "1-4 per plan/research/review stage and 2-5 for the answer, capped by this)."})
@@ -86,22 +89,14 @@ class JudgeOptions:
                           "(it reads the query, the rollouts and its rubrics); the built-in judge needs the spec."})
     max_block_chars: int | None = field(
         default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."})
-    structured_output: str = field(
-        default="json_schema",
-        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
-    repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
 
     def __post_init__(self) -> None:
-        if self.structured_output not in STRUCTURED_OUTPUT_MODES:
-            raise JudgeError(f"JudgeOptions.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, "
-                             f"got {self.structured_output!r}")
+        super().__post_init__()
         if not isinstance(self.max_new_rubrics_per_stage, int) or self.max_new_rubrics_per_stage < 0:
             raise JudgeError("JudgeOptions.max_new_rubrics_per_stage must be an int >= 0")
         unknown = [s for s in self.rubric_stages if s not in STAGES]
         if unknown:
             raise JudgeError(f"JudgeOptions.rubric_stages has unknown stages {unknown}; expected some of {STAGES}")
-        if self.max_tokens < 1:
-            raise JudgeError("JudgeOptions.max_tokens must be >= 1")
         if self.view not in VIEWS:
             raise JudgeError(f"JudgeOptions.view must be one of {VIEWS}, got {self.view!r}")
         if self.view != TRAJECTORY_VIEW and set(self.rubric_stages) != {"answer"}:
@@ -137,18 +132,6 @@ class ScoringInput:
     rubrics: Sequence[Rubric]
 
 
-@dataclass
-class PendingCall:
-    """One logical call while it goes through first try and repair; ``validate`` turns the reply text
-    into a value or raises ``ReplyError`` (which triggers the repair). Graders build their own."""
-
-    request: ChatRequest
-    validate: Callable[[str | None], Any]
-    value: Any = None
-    error: str | None = None
-    last_text: str | None = None
-
-
 class LLMJudge:
     """The two judge calls against one endpoint; ``usage`` accumulates over every call made."""
 
@@ -156,51 +139,11 @@ class LLMJudge:
         self.settings = settings
         self.options = options or JudgeOptions()
         self.usage = JudgeUsage()
-
-    # ---- plumbing (public: the evaluation graders send their own calls through it) --------------
-    def response_format(self, name: str, schema: dict[str, Any]) -> dict[str, Any] | None:
-        mode = self.options.structured_output
-        if mode == "json_schema":
-            return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": False}}
-        if mode == "json_object":
-            return {"type": "json_object"}
-        return None
-
-    def make_request(self, custom_id: str, messages: list[dict[str, str]], response_format: dict | None) -> ChatRequest:
-        return ChatRequest(custom_id=custom_id, model="", messages=messages, max_tokens=self.options.max_tokens,
-                           temperature=self.options.temperature, seed=self.options.seed,
-                           response_format=response_format)
-
-    def _run(self, kind: str, pending: list[PendingCall], repair: bool) -> None:
-        """Send each pending call once; validated values land in ``value``, problems in ``error``."""
-        if not pending:
-            return
-        requests = [p.request for p in pending]
-        results: list[ChatResult] = run_concurrent(requests, self.settings)
-        for item, result in zip(pending, results):
-            self.usage.record(kind, result.prompt_tokens, result.completion_tokens, result.cost_usd,
-                              result.attempts, repair=repair)
-            item.last_text = result.text
-            if not result.ok and result.text is None:
-                item.error = result.error or "judge call failed"
-                continue
-            try:
-                item.value, item.error = item.validate(result.text), None
-            except ReplyError as exc:
-                item.error = str(exc)
+        self.client = StructuredClient(settings, self.options)
 
     def ask(self, kind: str, pending: list[PendingCall]) -> None:
-        """First try for all, then one repair for those whose reply came back but was unusable."""
-        self._run(kind, pending, repair=False)
-        if not self.options.repair:
-            return
-        to_repair = [p for p in pending if p.error is not None and p.last_text is not None]
-        for item in to_repair:
-            messages = [*item.request.messages, {"role": "assistant", "content": item.last_text},
-                        repair_message(item.error)]
-            item.request = dataclasses.replace(item.request, custom_id=item.request.custom_id + ":repair",
-                                               messages=messages)
-        self._run(kind, to_repair, repair=True)
+        """Send the calls (first try, one repair), counting them under ``kind`` in ``usage``."""
+        self.client.ask(pending, partial(self.usage.add_call, kind))
 
     # ---- rubric generation ---------------------------------------------------------------------
     def generate(self, inputs: Sequence[GenerationInput]) -> list[GenerationOutcome]:
@@ -213,9 +156,8 @@ class LLMJudge:
         for index, item in enumerate(inputs):
             messages = generation_messages(item.query, item.rollouts, item.existing, limit, options.max_block_chars,
                                            stages=stages, require_min=require_min, **options.prompt_args())
-            pending.append(PendingCall(
-                self.make_request(f"generate:{index}:{item.query.query_id}", messages,
-                              self.response_format("new_rubrics", schema)),
+            pending.append(self.client.call(
+                f"generate:{index}:{item.query.query_id}", messages, "new_rubrics", schema,
                 lambda text: parse_generation(text, limit, stages=stages, require_min=require_min)))
         self.ask(GENERATE, pending)
         outcomes = []
@@ -242,10 +184,9 @@ class LLMJudge:
                 continue
             messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars,
                                         **self.options.prompt_args())
-            pending.append(PendingCall(
-                self.make_request(f"score:{index}:{item.rollout.rollout_id}", messages,
-                              self.response_format("rubric_scores", scoring_schema(ids))),
-                lambda text, ids=ids: parse_scores(text, ids)))
+            pending.append(self.client.call(
+                f"score:{index}:{item.rollout.rollout_id}", messages, "rubric_scores", scoring_schema(ids),
+                lambda text, ids=ids: parse_scores(text, ids)))  # type: ignore[misc]
         self.ask(SCORE, [p for p in pending if p is not None])
         judgments = []
         for item, call in zip(inputs, pending):

@@ -24,12 +24,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import jsonschema
-
 from rubricem_core.judge.types import ADAPTIVE_WEIGHTS, POLARITIES, SCORES, JudgeQuery, JudgeRollout, Rubric
+from rubricem_core.llm.replies import (  # ReplyError stays importable from here
+    ReplyError,
+    entries_shape,
+    load_json_reply,
+    one_entry_per_id,
+    schema_error as _schema_error,
+)
 from rubricem_core.scaffold import STAGES, TAG_NAMES, extract_plan, parse_segments
 
-MAX_ERROR_CHARS = 600
 TITLE_MAX_CHARS = 200
 DESCRIPTION_MAX_CHARS = 1000
 JUSTIFICATION_MAX_CHARS = 2000
@@ -45,10 +49,6 @@ RUBRIC_COUNTS: dict[str, tuple[int, int]] = {"plan": (1, 4), "research": (1, 4),
 _SECTION_LINE = re.compile(r"^<<<([^<>\n]+)>>>$", re.M)
 _COUNTS_LINE = re.compile(r"^New rubrics per stage: (.+)\.$", re.M)
 _COUNT_ITEM = re.compile(r"(\w+) (\d+)-(\d+)")
-
-
-class ReplyError(ValueError):
-    """A judge reply is unusable: not JSON, wrong shape, unknown ids, out-of-range scores."""
 
 
 # ---- the stage view of a trajectory ---------------------------------------------------------------
@@ -304,36 +304,6 @@ class GeneratedRubric:
     check: dict[str, Any] | None = None
 
 
-def load_json_reply(text: str | None) -> Any:
-    if text is None:
-        raise ReplyError("the reply has no text")
-    stripped = text.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", stripped, re.S)  # models often fence JSON
-    if fenced:
-        stripped = fenced.group(1)
-    try:
-        return json.loads(stripped)
-    except json.JSONDecodeError as exc:
-        raise ReplyError(f"the reply is not valid JSON: {exc}") from exc
-
-
-def _schema_error(data: Any, schema: dict[str, Any]) -> str | None:
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
-    if error is None:
-        return None
-    where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
-    return f"at {where}: {error.message}"[:MAX_ERROR_CHARS]
-
-
-def checked_reply(text: str | None, schema: dict[str, Any]) -> Any:
-    """A reply's JSON when it follows ``schema``; ReplyError naming the first violation otherwise."""
-    data = load_json_reply(text)
-    problem = _schema_error(data, schema)
-    if problem:
-        raise ReplyError(problem)
-    return data
-
-
 def _too_few(data: dict[str, Any], counts: Mapping[str, tuple[int, int]]) -> str | None:
     short = [f"{stage} has {len(data[stage])}, at least {low} asked"
              for stage, (low, _) in counts.items() if len(data[stage]) < low]
@@ -408,29 +378,13 @@ _SCORING_VIEW = {
 }
 
 
+# A scored rubric: its justification, then the 0/1/2 score.
+_SCORE_FIELDS = {"justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+                 "score": {"type": "integer", "enum": list(SCORES)}}
+
+
 def scoring_schema(rubric_ids: Sequence[str]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "scores": {
-                "type": "array",
-                "minItems": len(rubric_ids),
-                "maxItems": len(rubric_ids),
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "rubric_id": {"enum": list(rubric_ids)},
-                        "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                        "score": {"type": "integer", "enum": list(SCORES)},
-                    },
-                    "required": ["rubric_id", "justification", "score"],
-                    "additionalProperties": False,
-                },
-            }
-        },
-        "required": ["scores"],
-        "additionalProperties": False,
-    }
+    return one_entry_per_id("scores", "rubric_id", rubric_ids, _SCORE_FIELDS)
 
 
 def scoring_messages(query: JudgeQuery, rollout: JudgeRollout, rubrics: Sequence[Rubric],
@@ -440,11 +394,8 @@ def scoring_messages(query: JudgeQuery, rollout: JudgeRollout, rubrics: Sequence
     # The exact schema (its id enum) differs per request and travels as response_format; the
     # system prompt shows the shape with a placeholder id so it is identical for every trajectory
     # (providers cache shared prompt prefixes).
-    shape = scoring_schema([])
-    scores = shape["properties"]["scores"]
-    scores.pop("minItems")
-    scores.pop("maxItems")
-    scores["items"]["properties"]["rubric_id"] = {"type": "string", "description": "the id of a listed rubric"}
+    shape = entries_shape("scores", "rubric_id", {"type": "string", "description": "the id of a listed rubric"},
+                          _SCORE_FIELDS)
     shown = (f"The question and the agent's final answer are shown: {STAGE_GUIDE['answer']}." if view == ANSWER_VIEW
              else "The trajectory is shown split by stage:\n"
              + "\n".join(f"- {stage}: {STAGE_GUIDE[stage]}" for stage in STAGES))
@@ -473,12 +424,6 @@ def parse_scores(text: str | None, rubric_ids: Sequence[str]) -> dict[str, tuple
     if missing:
         raise ReplyError(f"rubric ids not scored: {missing}")
     return out
-
-
-def repair_message(error: str) -> dict[str, str]:
-    return {"role": "user", "content": (
-        f"Your reply could not be used: {error[:MAX_ERROR_CHARS]}\n"
-        "Reply again with only the corrected JSON object, following the schema in the instructions.")}
 
 
 # ---- reading a prompt back (the built-in judge) ----------------------------------------------------

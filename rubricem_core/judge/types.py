@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rubricem_core.llm.types import ChatResult, Traffic
 from rubricem_core.scaffold import STAGES
 
 POLARITIES: tuple[str, ...] = ("positive", "negative")
@@ -161,30 +162,28 @@ class TrajectoryJudgment:
 
 
 @dataclass
-class JudgeUsage:
+class JudgeUsage(Traffic):
     """Judge traffic: logical calls (requests) by kind, HTTP attempts, tokens, dollars, failures.
 
     A repair re-asks one call with its validation error; it is counted under ``repairs`` and its
-    tokens and cost are included in the totals.
+    tokens and cost are included in the totals (``Traffic``).
     """
 
     calls: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in CALL_KINDS})
     repairs: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in CALL_KINDS})
     failures: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in CALL_KINDS})
-    attempts: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
 
     def record(self, kind: str, prompt_tokens: int, completion_tokens: int, cost_usd: float, attempts: int,
                repair: bool = False) -> None:
         if kind not in CALL_KINDS:
             raise JudgeError(f"unknown judge call kind {kind!r}; expected one of {CALL_KINDS}")
         (self.repairs if repair else self.calls)[kind] += 1
-        self.attempts += attempts
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-        self.cost_usd += cost_usd
+        self.add_traffic(prompt_tokens, completion_tokens, cost_usd, attempts)
+
+    def add_call(self, kind: str, result: ChatResult, repair: bool = False) -> None:
+        """``record`` of one answered call (a structured client's record hook, with ``kind`` bound)."""
+        self.record(kind, result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts,
+                    repair=repair)
 
     def fail(self, kind: str) -> None:
         self.failures[kind] += 1
@@ -199,10 +198,7 @@ class JudgeUsage:
             mine, theirs = getattr(self, name), getattr(other, name)
             for kind, count in theirs.items():
                 mine[kind] = mine.get(kind, 0) + count
-        self.attempts += other.attempts
-        self.prompt_tokens += other.prompt_tokens
-        self.completion_tokens += other.completion_tokens
-        self.cost_usd += other.cost_usd
+        self.add_traffic(other.prompt_tokens, other.completion_tokens, other.cost_usd, other.attempts)
         return self
 
     def metrics(self, prefix: str = "judge/") -> dict[str, float]:

@@ -25,13 +25,7 @@ from rubricem_core.llm._litellm import litellm
 
 from rubricem_core.llm.concurrent import backoff_delay, error_status, error_text, is_retryable_error
 from rubricem_core.llm.cost import call_cost
-from rubricem_core.llm.types import (
-    ChatRequest,
-    ChatResult,
-    EndpointSettings,
-    content_problem,
-    validate_requests,
-)
+from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,7 @@ from rubricem_core.llm._litellm import litellm
 import openai
 
 from rubricem_core.llm.cost import call_cost
-from rubricem_core.llm.types import (
-    ChatRequest,
-    ChatResult,
-    EndpointSettings,
-    content_problem,
-    validate_requests,
-)
+from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
 
 log = logging.getLogger(__name__)
 

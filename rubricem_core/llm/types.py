@@ -71,6 +71,42 @@ class ChatResult:
 
 
 @dataclass
+class Traffic:
+    """HTTP attempts, tokens and dollars of the calls a client made; callers' usage records extend it."""
+
+    attempts: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+    def add_traffic(self, prompt_tokens: int, completion_tokens: int, cost_usd: float, attempts: int) -> None:
+        self.attempts += attempts
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.cost_usd += cost_usd
+
+    def add_result(self, result: ChatResult) -> None:
+        """The traffic of one answered call (repairs are billed like first tries)."""
+        self.add_traffic(result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts)
+
+
+@dataclass
+class CallUsage(Traffic):
+    """``Traffic`` of a caller with one kind of call, and its logical calls, repairs and failed calls."""
+
+    calls: int = 0
+    repairs: int = 0  # a repair re-asks one call with its validation error
+    failed_calls: int = 0
+
+    def record(self, result: ChatResult, repair: bool) -> None:
+        if repair:
+            self.repairs += 1
+        else:
+            self.calls += 1
+        self.add_result(result)
+
+
+@dataclass
 class EndpointSettings:
     """How to reach one model endpoint; shared by the concurrent runner and the Batch API client."""
 

@@ -22,7 +22,7 @@ Thread safety: one re-entrant lock around every read or change of the entries an
 Embedding happens outside the lock (it is the slow part and touches no bank state).
 
 Persistence (``save(dir)``): ``index-<hash>.faiss`` first, then ``part.parquet`` (the ``bank`` table
-columns plus ``faiss_id``), whose schema metadata names the index file, the embedding dimension and
+columns plus ``faiss_id``: ``schemas.BANK_ENTRIES_SCHEMA``), whose schema metadata names the index file, the embedding dimension and
 the embedder (its ``make_embedder`` name, e.g. ``hashing:256`` or a sentence-transformers model);
 both are written atomically and the parquet file is the commit point, so a save interrupted between
 the two leaves the previous pair readable. Stale index files are removed after the commit.
@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rubricem_core.embedders import Embedder, HashingEmbedder, make_embedder
+from rubricem_core.schemas import BANK_ENTRIES_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_bytes
 
 RETRIEVAL_MODES: tuple[str, ...] = ("none", "cross", "within")
@@ -55,24 +56,14 @@ DIM_META_KEY = b"rubricem.bank.dim"
 EMBEDDER_META_KEY = b"rubricem.bank.embedder"
 EMBEDDER_CHECK_MIN_COSINE = 0.99  # re-embedding a stored query must give (almost) the stored vector
 
-BANK_SCHEMA = pa.schema([
-    pa.field("query_id", pa.string(), nullable=False),
-    pa.field("query_text", pa.string(), nullable=False),
-    pa.field("reflection", pa.string(), nullable=False),
-    pa.field("score", pa.float64(), nullable=False),
-    pa.field("step", pa.int64(), nullable=False),
-    pa.field("faiss_id", pa.int64(), nullable=False),
-])
-
-
 class BankError(ValueError):
     """Bad bank input (entry field, mode, policy) or a saved bank that cannot be read back."""
 
 
 def bank_dir(run_dir: str | Path) -> Path:
-    """The one place a run's reflection bank is saved (by RL) and read (by evaluation): beside the
-    run's other state, not under tables/ (tables/bank is the Parquet ``bank`` table, a copy of the rows)."""
-    return RunStore(run_dir).state_dir / "bank"
+    """The one place a run's reflection bank is saved (by RL) and read (by evaluation), resolved:
+    ``RunLayout.bank_dir`` (beside the run's other state; tables/bank is the Parquet ``bank`` table)."""
+    return RunStore(run_dir).layout.bank_dir
 
 
 def embedder_spec(embedder: Embedder) -> str | None:
@@ -257,7 +248,7 @@ class ReflectionBank:
             self._adds["inserted"] += 1
         else:
             faiss_id = self._ids[entry.query_id]
-            self._index.remove_ids(np.array([faiss_id], dtype=np.int64))
+            self._index.remove_ids(np.array([faiss_id], dtype=np.int64))  # type: ignore[arg-type]
             self._adds["replaced"] += 1
         self._index.add_with_ids(vector.reshape(1, -1), np.array([faiss_id], dtype=np.int64))
         self._entries[entry.query_id] = entry
@@ -363,7 +354,7 @@ class ReflectionBank:
         meta = {INDEX_META_KEY: index_name.encode(), DIM_META_KEY: str(self._index.d).encode()}
         if self.embedder_name:  # what load() rebuilds by default
             meta[EMBEDDER_META_KEY] = self.embedder_name.encode()
-        table = pa.Table.from_pylist(rows, schema=BANK_SCHEMA).replace_schema_metadata(meta)
+        table = pa.Table.from_pylist(rows, schema=BANK_ENTRIES_SCHEMA).replace_schema_metadata(meta)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink)
         atomic_write_bytes(target / ENTRIES_FILE, sink.getvalue().to_pybytes())  # the commit point
@@ -390,7 +381,7 @@ class ReflectionBank:
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise BankError(f"cannot read bank entries {entries_path}: {exc}") from exc
         info = _saved_info(table.schema, entries_path)
-        missing = [name for name in BANK_SCHEMA.names if name not in table.column_names]
+        missing = [name for name in BANK_ENTRIES_SCHEMA.names if name not in table.column_names]
         if missing:
             raise BankError(f"{entries_path} lacks columns {missing}")
         dim = info.dim

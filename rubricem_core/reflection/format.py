@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rubricem_core.scaffold import TAG_NAMES, neutralize_tags
+from rubricem_core.scaffold import TAG_NAMES, CodeTable, neutralize_tags
 
 REFLECTION_STOP = "</reflection>"
 DEFAULT_MAX_TRAJECTORY_CHARS = 24_000
@@ -32,34 +32,24 @@ MAX_ITEMS = 8  # per list
 MAX_ITEM_CHARS = 400
 COPY_MIN_WORDS = 12  # a run of this many words shared with the trajectory is a verbatim copy
 
-# Validation codes (reflections.valid is False when any is present).
-MISSING_REFLECTION = "missing_reflection"
-MISSING_RUBRICS = "missing_rubrics"
-MISSING_TAKEAWAYS = "missing_takeaways"
-REPEATED_TAG = "repeated_tag"
-TEXT_OUTSIDE_TAGS = "text_outside_tags"
-EMPTY_RUBRICS = "empty_rubrics"
-EMPTY_TAKEAWAYS = "empty_takeaways"
-TOO_LONG = "too_long"
-TOO_MANY_ITEMS = "too_many_items"
-COPIES_TRAJECTORY = "copies_trajectory"
-SCAFFOLD_TAGS = "scaffold_tags"
-MENTIONS_SCORES = "mentions_scores"
+# Validation codes (reflections.valid is False when any is present), declared like the scaffold's.
+REFLECTION_CODES = CodeTable()
+_code = REFLECTION_CODES.code
 
-REFLECTION_CODES: dict[str, str] = {
-    MISSING_REFLECTION: "no <reflection> element",
-    MISSING_RUBRICS: "no <reflection_rubrics> element inside the reflection",
-    MISSING_TAKEAWAYS: "no <takeaways> element inside the reflection",
-    REPEATED_TAG: "a reflection tag opens more than once",
-    TEXT_OUTSIDE_TAGS: "text before <reflection>, after </reflection>, or between the two lists",
-    EMPTY_RUBRICS: "the rubric list has no items",
-    EMPTY_TAKEAWAYS: "the takeaway list has no items",
-    TOO_LONG: f"over {MAX_REFLECTION_CHARS} characters, or an item over {MAX_ITEM_CHARS}",
-    TOO_MANY_ITEMS: f"a list has more than {MAX_ITEMS} items",
-    COPIES_TRAJECTORY: f"repeats {COPY_MIN_WORDS}+ consecutive words of the trajectory verbatim",
-    SCAFFOLD_TAGS: "contains scaffold tags (<answer>, <cite>, <call_tool>, ...)",
-    MENTIONS_SCORES: "talks about scores, rewards or grading, which the policy never saw",
-}
+MISSING_REFLECTION = _code("missing_reflection", "no <reflection> element")
+MISSING_RUBRICS = _code("missing_rubrics", "no <reflection_rubrics> element inside the reflection")
+MISSING_TAKEAWAYS = _code("missing_takeaways", "no <takeaways> element inside the reflection")
+REPEATED_TAG = _code("repeated_tag", "a reflection tag opens more than once")
+TEXT_OUTSIDE_TAGS = _code("text_outside_tags",
+                          "text before <reflection>, after </reflection>, or between the two lists")
+EMPTY_RUBRICS = _code("empty_rubrics", "the rubric list has no items")
+EMPTY_TAKEAWAYS = _code("empty_takeaways", "the takeaway list has no items")
+TOO_LONG = _code("too_long", f"over {MAX_REFLECTION_CHARS} characters, or an item over {MAX_ITEM_CHARS}")
+TOO_MANY_ITEMS = _code("too_many_items", f"a list has more than {MAX_ITEMS} items")
+COPIES_TRAJECTORY = _code("copies_trajectory",
+                          f"repeats {COPY_MIN_WORDS}+ consecutive words of the trajectory verbatim")
+SCAFFOLD_TAGS = _code("scaffold_tags", "contains scaffold tags (<answer>, <cite>, <call_tool>, ...)")
+MENTIONS_SCORES = _code("mentions_scores", "talks about scores, rewards or grading, which the policy never saw")
 
 REFLECTION_SYSTEM = f"""You review one of your own earlier research attempts so that the next attempt at this question, or at a similar one, goes better. You see the question and the attempt exactly as it happened: your plan, your tool calls, the tool outputs you got, your review and your final answer. Nobody tells you how good it was; judge that yourself from the evidence.
 

@@ -21,29 +21,21 @@ takeaways, and a penalty for redundant items.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
-import jsonschema
 import numpy as np
 
-from rubricem_core.judge.prompts import (
-    ReplyError,
-    load_json_reply,
-    escape_section_markers,
-    repair_message,
-    split_sections,
-    unescape_section_markers,
-)
+from rubricem_core.judge.prompts import escape_section_markers, split_sections, unescape_section_markers
 from rubricem_core.judge.types import JudgeError, JudgeQuery, Rubric, TrajectoryJudgment
-from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.provider import message_text, register_completion_provider
-from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
+from rubricem_core.llm.replies import ReplyError, checked_reply, entries_shape, one_entry_per_id
+from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
+from rubricem_core.llm.types import CallUsage, EndpointSettings
 from rubricem_core.reflection.format import (
     MAX_REFLECTION_CHARS,
     Reflection,
@@ -58,9 +50,7 @@ PROVIDER = "rubricem-reflection-judge"
 MODEL = f"{PROVIDER}/builtin"
 TASK_LINE = "TASK: score reflection candidates"
 JUSTIFICATION_MAX_CHARS = 2000
-MAX_ERROR_CHARS = 600
 JUDGE_MODES: tuple[str, ...] = ("per_candidate", "joint")
-STRUCTURED_OUTPUT_MODES = ("json_schema", "json_object", "none")
 
 
 # ---- inputs and outputs ----------------------------------------------------------------------------
@@ -103,59 +93,42 @@ class CandidateScore:
 
 
 @dataclass
-class ReflectionJudgeUsage:
+class ReflectionJudgeUsage(CallUsage):
     """Reflection-judge traffic and outcomes, for the ``metrics`` table / MLflow."""
 
-    calls: int = 0
-    repairs: int = 0
-    failed_calls: int = 0
-    attempts: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
     candidates: int = 0
     invalid_candidates: int = 0
     failed_candidates: int = 0
 
-    def record(self, result: ChatResult, repair: bool) -> None:
-        if repair:
-            self.repairs += 1
-        else:
-            self.calls += 1
-        self.attempts += result.attempts
-        self.prompt_tokens += result.prompt_tokens
-        self.completion_tokens += result.completion_tokens
-        self.cost_usd += result.cost_usd
+    # metric order: the calls, their traffic, then the candidates' outcomes
+    METRICS: ClassVar[tuple[str, ...]] = ("calls", "repairs", "failed_calls", "attempts", "prompt_tokens",
+                                          "completion_tokens", "cost_usd", "candidates", "invalid_candidates",
+                                          "failed_candidates")
 
     def metrics(self, prefix: str = "reflection_judge/") -> dict[str, float]:
-        return {f"{prefix}{name}": float(value) for name, value in dataclasses.asdict(self).items()}
+        return {f"{prefix}{name}": float(getattr(self, name)) for name in self.METRICS}
 
 
 @dataclass
-class ReflectionJudgeOptions:
-    """Sampling and prompt options of the reflection judge (the endpoint is an ``EndpointSettings``)."""
+class ReflectionJudgeOptions(StructuredOptions):
+    """Sampling and prompt options of the reflection judge (the endpoint is an ``EndpointSettings``).
 
-    temperature: float | None = field(default=0.0, metadata={"help": "Sampling temperature; None = provider default."})
+    ``ReflectionJudgeOptions.from_config(cfg.reflection.judge, seed=cfg.seed)`` takes the rest from the section.
+    """
+
+    error_type = JudgeError
+
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one call (all candidates)."})
-    seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
     max_trajectory_chars: int | None = field(
         default=20_000,
         metadata={"help": "Longest source trajectory shown (its middle is cut); 0 = not shown; None = all."})
     max_reflection_chars: int = field(
         default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."})
-    structured_output: str = field(
-        default="json_schema",
-        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
-    repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
     mode: str = field(default="joint", metadata={
         "help": "per_candidate: one call per valid candidate (the paper); joint: one call per source trajectory."})
 
     def __post_init__(self) -> None:
-        if self.structured_output not in STRUCTURED_OUTPUT_MODES:
-            raise JudgeError(f"ReflectionJudgeOptions.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, "
-                             f"got {self.structured_output!r}")
-        if self.max_tokens < 1:
-            raise JudgeError("ReflectionJudgeOptions.max_tokens must be >= 1")
+        super().__post_init__()
         if self.max_trajectory_chars is not None and self.max_trajectory_chars < 0:
             raise JudgeError("ReflectionJudgeOptions.max_trajectory_chars must be >= 0 or None")
         if self.max_reflection_chars < 1:
@@ -181,29 +154,13 @@ Reply with one JSON object and nothing else, following this JSON schema:
 {schema}"""
 
 
+# A scored candidate: its justification, then the usefulness score.
+_SCORE_FIELDS = {"justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+                 "score": {"type": "number", "minimum": 0, "maximum": 1}}
+
+
 def reply_schema(candidates: Sequence[int]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "scores": {
-                "type": "array",
-                "minItems": len(candidates),
-                "maxItems": len(candidates),
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "candidate": {"enum": list(candidates)},
-                        "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                        "score": {"type": "number", "minimum": 0, "maximum": 1},
-                    },
-                    "required": ["candidate", "justification", "score"],
-                    "additionalProperties": False,
-                },
-            }
-        },
-        "required": ["scores"],
-        "additionalProperties": False,
-    }
+    return one_entry_per_id("scores", "candidate", candidates, _SCORE_FIELDS)
 
 
 def _section(name: str, body: str) -> str:
@@ -238,11 +195,8 @@ def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
                    max_trajectory_chars: int | None) -> list[dict[str, str]]:
     # The system prompt shows the reply shape with a generic candidate field so it is identical for
     # every call (providers cache shared prefixes); the exact schema travels as response_format.
-    shape = reply_schema([])
-    scores = shape["properties"]["scores"]
-    scores.pop("minItems")
-    scores.pop("maxItems")
-    scores["items"]["properties"]["candidate"] = {"type": "integer", "description": "a listed candidate number"}
+    shape = entries_shape("scores", "candidate", {"type": "integer", "description": "a listed candidate number"},
+                          _SCORE_FIELDS)
     parts = [TASK_LINE, _section("QUESTION", escape_section_markers(item.query.question))]
     parts.append(_section("JUDGE RUBRICS AND SCORES", "\n".join(rubric_score_lines(item.rubrics, item.judgment))
                           or "(none)"))
@@ -259,12 +213,7 @@ def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
 
 def parse_reply(text: str | None, candidates: Sequence[int]) -> dict[int, tuple[float, str]]:
     """{candidate: (score, justification)} with every asked candidate exactly once, or ReplyError."""
-    data = load_json_reply(text)
-    validator = jsonschema.Draft202012Validator(reply_schema(list(candidates)))
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
-    if error is not None:
-        where = "/".join(str(part) for part in error.absolute_path) or "(top level)"
-        raise ReplyError(f"at {where}: {error.message}"[:MAX_ERROR_CHARS])
+    data = checked_reply(text, reply_schema(list(candidates)))
     out: dict[int, tuple[float, str]] = {}
     for entry in data["scores"]:
         index = int(entry["candidate"])
@@ -283,16 +232,6 @@ def parse_reply(text: str | None, candidates: Sequence[int]) -> dict[int, tuple[
 # ---- the judge ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Call:
-    item_index: int
-    candidates: list[int]
-    request: ChatRequest
-    value: dict[int, tuple[float, str]] | None = None
-    error: str | None = None
-    last_text: str | None = None
-
-
 class ReflectionJudge:
     """Scores reflection candidates against one endpoint; ``usage`` accumulates over every call."""
 
@@ -300,35 +239,13 @@ class ReflectionJudge:
         self.settings = settings
         self.options = options or ReflectionJudgeOptions()
         self.usage = ReflectionJudgeUsage()
-
-    def _response_format(self, candidates: Sequence[int]) -> dict[str, Any] | None:
-        mode = self.options.structured_output
-        if mode == "json_schema":
-            return {"type": "json_schema", "json_schema": {"name": "reflection_scores",
-                                                           "schema": reply_schema(candidates), "strict": False}}
-        if mode == "json_object":
-            return {"type": "json_object"}
-        return None
-
-    def _send(self, calls: list[_Call], repair: bool) -> None:
-        if not calls:
-            return
-        results = run_concurrent([c.request for c in calls], self.settings)
-        for call, result in zip(calls, results):
-            self.usage.record(result, repair)
-            call.last_text = result.text
-            if not result.ok and result.text is None:
-                call.error = result.error or "reflection judge call failed"
-                continue
-            try:
-                call.value, call.error = parse_reply(result.text, call.candidates), None
-            except ReplyError as exc:
-                call.error = str(exc)
+        self.client = StructuredClient(settings, self.options, failure="reflection judge call failed")
 
     def score(self, inputs: Sequence[ReflectionJudgeInput]) -> list[CandidateScore]:
         """Every candidate of every input, in input order then candidate order."""
         out: list[list[CandidateScore]] = []
-        calls: list[_Call] = []
+        calls: list[StructuredCall] = []
+        targets: list[tuple[int, list[int]]] = []  # each call's (input index, candidates)
         for index, item in enumerate(inputs):
             if item.judgment.rollout_id != item.source_rollout_id:
                 raise JudgeError(f"input {index}: judgment is for rollout {item.judgment.rollout_id!r}, "
@@ -356,27 +273,18 @@ class ReflectionJudge:
             for group in groups:
                 suffix = f":{group[0]}" if self.options.mode == "per_candidate" else ""
                 messages = judge_messages(item, group, self.options.max_trajectory_chars)
-                request = ChatRequest(custom_id=f"reflect:{index}:{item.source_rollout_id}{suffix}", model="",
-                                      messages=messages, max_tokens=self.options.max_tokens,
-                                      temperature=self.options.temperature, seed=self.options.seed,
-                                      response_format=self._response_format(group))
-                calls.append(_Call(index, group, request))
-        self._send(calls, repair=False)
-        if self.options.repair:
-            to_repair = [c for c in calls if c.error is not None and c.last_text is not None]
-            for call in to_repair:
-                messages = [*call.request.messages, {"role": "assistant", "content": call.last_text},
-                            repair_message(call.error)]
-                call.request = dataclasses.replace(call.request, custom_id=call.request.custom_id + ":repair",
-                                                   messages=messages)
-            self._send(to_repair, repair=True)
-        for call in calls:
-            scores = out[call.item_index]
+                calls.append(self.client.call(f"reflect:{index}:{item.source_rollout_id}{suffix}", messages,
+                                              "reflection_scores", reply_schema(group),
+                                              lambda text, group=group: parse_reply(text, group)))  # type: ignore[misc]
+                targets.append((index, group))
+        self.client.ask(calls, self.usage.record)
+        for call, (index, group) in zip(calls, targets):
+            scores = out[index]
             if call.error is not None:
                 self.usage.failed_calls += 1
                 log.warning("reflection judge call for rollout %r failed: %s",
                             scores[0].source_rollout_id, call.error)
-                for number in call.candidates:
+                for number in group:
                     scores[number].judge_failed, scores[number].error = True, call.error
                 continue
             for number, (value, why) in call.value.items():

@@ -29,6 +29,7 @@ from rubricem_core.reflection.format import (
     REFLECTION_STOP, guidance_text, parse_reflection, reflection_messages, validate_reflection,
 )
 from rubricem_core.rollout import RolloutRequest, SamplingParams
+from rubricem_core.seeds import REFLECTION_SOURCE, derive_seed
 from rubricem_core.ssgrpo import stage_advantages
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -37,7 +38,7 @@ def pick_source_rollouts(rollouts: Sequence[dict[str, Any]], query_ids: Sequence
                          step: int) -> dict[str, dict[str, Any]]:
     """query_id → one rollout drawn uniformly from its group. Rollouts whose judgment failed are left
     out: the reflection judge would have no scores to judge the candidates with."""
-    rng = random.Random(seed * 1_000_003 + step)
+    rng = random.Random(derive_seed(seed, REFLECTION_SOURCE, step))
     chosen: dict[str, dict[str, Any]] = {}
     for qid in query_ids:
         group = sorted((r for r in rollouts if r["query_id"] == qid and not r["judge_failed"]),

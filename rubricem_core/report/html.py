@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rubricem_core.layout import RunLayout
 from rubricem_core.report import sections
 from rubricem_core.report.data import STAGES, RunData
 from rubricem_core.report.plots import PLOTS, make_plots
@@ -228,7 +229,7 @@ def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str) -> str:
         if all(t in tables for t in needs):
             command = f'rubricem sql --run-dir {target} "{query}"'
             items.append(f"<li>{_esc(title)}<pre>{_esc(command)}</pre></li>")
-    db = shlex.quote(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    db = shlex.quote(f"sqlite:///{RunLayout(run_dir).mlflow_db}")
     return (
         "<h2>Dig further</h2><ul class=sql>" + "".join(items) + "</ul>"
         f"<p>MLflow: <code>{_esc(f'mlflow ui --backend-store-uri {db}')}</code></p>"
@@ -274,9 +275,10 @@ def write_report(
     root = Path(run_dir).expanduser().resolve()
     if not root.is_dir():
         raise ReportError(f"run directory {root} does not exist")
-    if not (root / "tables").is_dir() and not (root / "config.yaml").is_file():
+    layout = RunLayout(root)
+    if not layout.looks_like_run_dir():
         raise ReportError(f"{root} is not a run directory: it has neither tables/ nor config.yaml")
-    out = Path(out_path).expanduser().resolve() if out_path is not None else root / "report" / "report.html"
+    out = Path(out_path).expanduser().resolve() if out_path is not None else layout.report_html
     plots_dir = out.parent / f"{out.stem}_plots"
 
     raw_config, config_error = sections.read_config(root)

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.tracking import STATE_FILE, Tracker, TrackingError
+from rubricem_core.layout import RunLayout
+from rubricem_core.tracking import Tracker, TrackingError
 
 ARTIFACT_PATH = "report"
 
@@ -21,8 +22,9 @@ def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker
     tracking = config.get("tracking") or {}
     if not tracking.get("enabled", False):
         return None, "tracking is disabled in config.yaml (tracking.enabled)"
-    db = run_dir / "mlflow" / "mlflow.db"
-    state_path = run_dir / "state" / STATE_FILE
+    layout = RunLayout(run_dir)
+    db = layout.mlflow_db
+    state_path = layout.tracking_state_file
     if not db.is_file() or not state_path.is_file():
         return None, f"the run has no MLflow store ({db} and {state_path} are needed)"
     try:
@@ -41,7 +43,7 @@ def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker
         return None, f"{state_path} names no parent run"
     # Opening the Tracker relocates a copied or moved run directory's store to its own artifacts
     # (rubricem_core.tracking); a store that still points elsewhere must not be written to.
-    own = (run_dir / "mlflow" / "artifacts").as_uri() + "/"
+    own = layout.mlflow_artifacts_dir.as_uri() + "/"
     if not artifact_uri.startswith(own):
         return None, (f"the parent run stores artifacts at {artifact_uri}, outside this run directory "
                       "(was it copied or moved?); not writing there")

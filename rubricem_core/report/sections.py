@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from rubricem_core.layout import RunLayout
 from rubricem_core.report.data import STAGES, RunData
 
 # Tables in the order a run writes them (the contract's names), for the table inventory.
@@ -32,7 +33,7 @@ def _dig(raw: dict[str, Any], dotted: str) -> Any:
 def read_config(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """``config.yaml`` of the run as plain YAML (not validated, so a run written by an older config
     schema still reports), or None and the reason it is unusable."""
-    path = run_dir / "config.yaml"
+    path = RunLayout(run_dir).config_file
     if not path.is_file():
         return None, f"no config.yaml in {run_dir}"
     try:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.scaffold import validate
+from rubricem_core.schemas import nan_to_none, none_to_nan
 from rubricem_core.trajectory import TokenTrajectory
 
 
@@ -18,7 +18,7 @@ def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTraje
     return {
         "step": plan.step, "query_id": query_id, "rollout_id": rollout_id, "phase": plan.phase,
         "retrieval": plan.retrieval, "token_ids": traj.token_ids, "loss_mask": traj.loss_mask,
-        "stage_ids": traj.stage_ids, "logprobs": [None if math.isnan(x) else x for x in traj.logprobs],
+        "stage_ids": traj.stage_ids, "logprobs": [nan_to_none(x) for x in traj.logprobs],
         "n_tool_calls": traj.n_tool_calls, "finish_reason": traj.finish_reason,
         "valid_scaffold": not violations, "judge_failed": False, "judge_error": None, "violations": violations,
         "n_tokens": len(traj), "n_policy_tokens": traj.n_policy_tokens, "prompt_len": traj.prompt_len,
@@ -30,4 +30,4 @@ def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTraje
 def rollout_trajectory(row: dict[str, Any]) -> TokenTrajectory:
     """A `rollouts` row as the token trajectory it was sampled as (NULL logprobs: never sampled)."""
     return TokenTrajectory(token_ids=row["token_ids"], loss_mask=row["loss_mask"], stage_ids=row["stage_ids"],
-                           logprobs=[math.nan if x is None else x for x in row["logprobs"]])
+                           logprobs=[none_to_nan(x) for x in row["logprobs"]])

@@ -25,13 +25,14 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from rubricem_core.config import RunConfig
 from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.judge.buffer import RubricBuffer
+from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
@@ -47,15 +48,15 @@ log = logging.getLogger(__name__)
 
 # ---- paths and progress -------------------------------------------------------------------------
 def rl_dir(run_dir: str) -> Path:
-    return Path(run_dir) / "checkpoints" / "rl"
+    return RunLayout(run_dir).rl_checkpoints_dir
 
 
 def step_checkpoint(run_dir: str, step: int) -> Path:
-    return rl_dir(run_dir) / f"step-{step:06d}"
+    return RunLayout(run_dir).rl_step_checkpoint(step)
 
 
 def start_policy(run_dir: str) -> Path:
-    final = Path(run_dir) / "checkpoints" / "sft" / "final"
+    final = RunLayout(run_dir).sft_final
     if not (final / "config.json").exists():
         raise FileNotFoundError(f"no SFT checkpoint at {final}: run `rubricem sft` (or the pipeline) first")
     return final
@@ -63,7 +64,7 @@ def start_policy(run_dir: str) -> Path:
 
 def completed_step(run_dir: str) -> int:
     """The last RL step whose update, checkpoint and tables are all written (-1: none)."""
-    path = RunStore(run_dir).state_dir / "rl_progress.json"
+    path = RunStore(run_dir).layout.rl_progress_file
     if not path.exists():
         return -1
     step = int(json.loads(path.read_text())["completed_step"])
@@ -114,6 +115,8 @@ def rl_trainer_config(cfg: RunConfig) -> TrainerConfig:
 
 class Policy(Protocol):
     """Where the trainer and the reference live; the tasks drive it through these calls only."""
+
+    tokenizer: Any  # the policy's tokenizer (the engine encodes and decodes with it)
 
     def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
                settings: UpdateConfig) -> dict[str, float]: ...
@@ -256,6 +259,7 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
             # task a resumed run skipped
             buffers = rebuild_buffers(RunStore(run_dir), after_step, cfg.judge.cap_per_stage)
             tokenizer = policy.tokenizer
+            engine: Any  # one of the three engines below, all driven through generate() and load_weights()
             log.info("RL session at step %d: trainer %s (%d rank%s)", after_step, cfg.rl.backend,
                      cfg.distributed.world_size, "s" if cfg.distributed.world_size > 1 else "")
             if cfg.rollout.engine == "vllm_server":
@@ -288,7 +292,9 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
                 separate, engine_step = True, -1
             else:
-                engine = HFRolloutEngine(policy.trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+                # shares_engine_module: a LocalPolicy, whose trainer's module the engine samples from
+                engine = HFRolloutEngine(cast(LocalPolicy, policy).trainer.model, tokenizer,
+                                         max_batch_rows=cfg.rollout.max_batch_rows)
                 separate, engine_step = False, after_step
         except BaseException:
             policy.close()

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rubricem_core.rollout.rows import decode_ids
 from rubricem_core.rollout.types import (
     ANSWERED,
     ERROR,
@@ -73,7 +74,7 @@ class NaiveRolloutBaseline:
         self.tool_names = None if tool_names is None else tuple(tool_names)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return decode_ids(self.tokenizer, ids)
 
     def generate(self, requests: list[RolloutRequest], tools: ToolEnv) -> list[list[BaselineRollout]]:
         allowed = dict(tools.tools) if self.tool_names is None else {n: tools.tools[n] for n in self.tool_names}

@@ -15,10 +15,10 @@ vLLM returns are appended exactly as sampled (the text is never re-tokenized), a
 continues from the same ids, so vLLM's prefix cache serves the whole shared past (the prompt of a
 request's ``n`` rows, and every earlier turn) without recomputing it.
 
-The returned ids are *replayed* through the transformers engine's own per-token bookkeeping (its
-``_accept`` / ``_end_turn`` / ``_run_tools`` / ``_trajectory`` methods, shared verbatim below):
-incremental detokenization, ``scaffold.StreamParser`` stage ids, the tool budget, finish reasons and
-tool failure handling are therefore identical to the HF engine's, and
+The returned ids are *replayed* token by token through the per-row bookkeeping both engines share
+(:class:`~rubricem_core.rollout.rows.RowState`: ``accept``, ``end_turn``, ``run_tool_calls``,
+``to_trajectory``): incremental detokenization, ``scaffold.StreamParser`` stage ids, the tool budget,
+finish reasons and tool failure handling are therefore identical to the HF engine's, and
 ``tests/test_rollout_vllm.py`` checks that both engines give the same trajectories. vLLM's stop
 strings only decide where a call *ends*; whether the turn ended is the parser's decision. A call
 that stopped on a string the parser does not treat as an end (a stray ``</answer>`` outside an
@@ -73,7 +73,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from rubricem_core.rollout.hf_engine import HFRolloutEngine, _Block, _Row
+from rubricem_core.rollout.batch import RowBatch, allowed_tools, default_stop_ids
+from rubricem_core.rollout.rows import RowState, run_tool_calls
 from rubricem_core.rollout.types import ERROR, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STOP_STRINGS
 from rubricem_core.tools.base import ToolEnv
@@ -120,21 +121,6 @@ class VLLMRolloutEngine:
     (None: the LLM's own). ``tool_names`` as in the HF engine. ``sampler`` replaces vLLM in the turn
     loop (tests); ``model_path_or_llm`` may then be None.
     """
-
-    # Per-token bookkeeping shared verbatim with the transformers engine: both engines cut turns,
-    # assign stage ids, run tools and name finish reasons the same way.
-    _accept = HFRolloutEngine._accept
-    _next_text = HFRolloutEngine._next_text
-    _feed_policy_text = HFRolloutEngine._feed_policy_text
-    _add_piece = staticmethod(HFRolloutEngine._add_piece)
-    _end_turn = HFRolloutEngine._end_turn
-    _append_tool_output = HFRolloutEngine._append_tool_output
-    _run_tools = HFRolloutEngine._run_tools
-    _trajectory = HFRolloutEngine._trajectory
-    _stage_at = staticmethod(HFRolloutEngine._stage_at)
-    _decode = HFRolloutEngine._decode
-    _allowed_tools = HFRolloutEngine._allowed_tools
-    _report_progress = HFRolloutEngine._report_progress
 
     def __init__(
         self,
@@ -188,24 +174,18 @@ class VLLMRolloutEngine:
         self._weight_names, self._tied = _checkpoint_names(self.model_path)
         self.stats: dict[str, float] = {}
         self.on_progress: Callable[[int, int], None] | None = None  # (finished, all) while generate runs
-        self._all_rows: list[_Row] = []
 
     def _model_config(self) -> Any:
         return None if self.llm is None else self.llm.llm_engine.model_config
 
     def _default_stops(self) -> set[int]:
         """The tokenizer's eos plus the model's generation-config eos ids (what the HF engine stops on)."""
-        stops = set()
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is not None:
-            stops.add(int(eos))
+        gen_eos = None
         if self.model_path is not None and (self.model_path / "generation_config.json").is_file():
             from transformers import GenerationConfig
 
             gen_eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-            if gen_eos is not None:
-                stops.update(int(t) for t in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
-        return stops
+        return default_stop_ids(self.tokenizer, gen_eos)
 
     # ---- weights --------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -243,40 +223,17 @@ class VLLMRolloutEngine:
     # ---- public entry ---------------------------------------------------------------------------
     def generate(self, requests: list[RolloutRequest], tools: ToolEnv) -> list[list[TokenTrajectory]]:
         self.stats = {"vllm_calls": 0, "turn_calls": 0, "sampled_tokens": 0, "discarded_tokens": 0}
-        allowed = self._allowed_tools(tools)
-        rows: list[_Row] = []
-        for request in requests:
-            for k in range(request.n):
-                rows.append(self._new_row(request, k, ToolEnv(allowed, request.max_tool_calls)))
-        self._all_rows = rows
+        # No row rng: vLLM draws, with a seed per call from _call_seed.
+        batch = RowBatch(requests, allowed_tools(self.tool_names, tools), self.tokenizer, self.stop_token_ids,
+                         vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         started = time.perf_counter()
-        self._run([row for row in rows if not row.finished])
+        self._run(batch)
         self.stats["generate_s"] = time.perf_counter() - started
-        out: list[list[TokenTrajectory]] = []
-        index = 0
-        for request in requests:
-            out.append([self._trajectory(rows[index + k]) for k in range(request.n)])
-            index += request.n
-        return out
-
-    def _new_row(self, request: RolloutRequest, k: int, env: ToolEnv) -> _Row:
-        # The rng is unused (vLLM draws); seeds per call come from _call_seed.
-        row = _Row(request=request, sample_index=k, env=env, rng=None, length=len(request.prompt_ids))
-        limit = request.sampling.max_total_tokens
-        if not request.prompt_ids:
-            row.finish(ERROR, "empty prompt")
-        elif len(request.prompt_ids) >= limit:
-            row.finish(ERROR, f"prompt has {len(request.prompt_ids)} tokens; the context limit is {limit}")
-        elif self.max_model_len is not None and len(request.prompt_ids) >= self.max_model_len:
-            row.finish(ERROR, f"prompt has {len(request.prompt_ids)} tokens; vLLM max_model_len is {self.max_model_len}")
-        elif max(request.prompt_ids) >= self.vocab_size or min(request.prompt_ids) < 0:
-            row.finish(ERROR, f"prompt has token ids outside the vocabulary (size {self.vocab_size})")
-        else:
-            row.turn = _Block("policy", 0)
-        return row
+        return batch.trajectories()
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def _run(self, live: list[_Row]) -> None:
+    def _run(self, batch: RowBatch) -> None:
+        live = batch.live
         while live:
             calls, callers = [], []
             for row in live:
@@ -288,29 +245,21 @@ class VLLMRolloutEngine:
                 samples = self._sample(calls)
                 self.stats["turn_calls"] += len(calls)
                 tool_rows = [row for row, sample in zip(callers, samples) if self._replay(row, sample)]
-                self._run_tools(tool_rows)
+                run_tool_calls(tool_rows, self.tool_timeout_s)
             live = [row for row in live if not row.finished]
-            self._report_progress()
+            batch.report(self.on_progress)
 
-    def _context(self, row: _Row) -> list[int]:
-        ids = list(row.request.prompt_ids)
-        for block in row.blocks:
-            ids.extend(block.ids)
-        if row.turn is not None:
-            ids.extend(row.turn.ids)
-        return ids
-
-    def _next_call(self, row: _Row) -> TurnCall | None:
+    def _next_call(self, row: RowState) -> TurnCall | None:
         """The call that continues ``row``, or None when vLLM's context is full (row truncated)."""
         sampling = row.sampling
         room = min(sampling.max_new_tokens - len(row.turn.ids), sampling.max_total_tokens - row.length)
         if self.max_model_len is not None:
             if row.length >= self.max_model_len:
-                self._end_turn(row)
+                row.end_turn()
                 row.finish(TRUNCATED, f"vLLM max_model_len {self.max_model_len} reached")
                 return None
             room = min(room, self.max_model_len - row.length)
-        context = self._context(row)
+        context = row.context_ids()
         assert len(context) == row.length, (len(context), row.length)
         return TurnCall(
             request_id=row.request.request_id, sample_index=row.sample_index, turn=row.n_outputs,
@@ -320,21 +269,21 @@ class VLLMRolloutEngine:
             stop_token_ids=tuple(sorted(self.stop_token_ids)),
         )
 
-    def _replay(self, row: _Row, sample: TurnSample) -> bool:
+    def _replay(self, row: RowState, sample: TurnSample) -> bool:
         """Feed a call's ids through the per-token bookkeeping; True when a tool call must run now."""
         if len(sample.token_ids) != len(sample.logprobs):
             raise RuntimeError(f"sampler returned {len(sample.token_ids)} ids but {len(sample.logprobs)} logprobs")
         if not sample.token_ids:
-            self._end_turn(row)
+            row.end_turn()
             row.finish(ERROR, "the sampler returned no tokens")
             return False
         self.stats["sampled_tokens"] += len(sample.token_ids)
         for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs)):
             if not 0 <= token < self.vocab_size:
-                self._end_turn(row)
+                row.end_turn()
                 row.finish(ERROR, f"sampled token id {token} outside the vocabulary (size {self.vocab_size})")
                 return False
-            run_tool = self._accept(row, int(token), float(logprob))
+            run_tool = row.accept(int(token), float(logprob))
             if run_tool or row.finished or row.turn is None:
                 self.stats["discarded_tokens"] += len(sample.token_ids) - i - 1
                 return run_tool

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rubricem_core.seeds import TEACHER_TURN, derive_seed
 from rubricem_core.config import TeacherConfig
 from rubricem_core.llm.provider import message_text, register_completion_provider
 from rubricem_core.reflection.format import REFLECTION_SYSTEM, Reflection
@@ -33,8 +34,8 @@ _TITLE_PREFIX = re.compile(r"^[^.:<>]{1,80}:\s+")  # snippets read "Title: text"
 _QUESTION_FORMS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(rf"^Which was founded earlier, ({_NAME}) or ({_NAME})\?$"), "earlier"),
     (re.compile(rf"^Which has more employees, ({_NAME}) or ({_NAME})\?$"), "more"),
-    (re.compile(rf"^What is the combined number of employees of (.+)\?$"), "sum"),
-    (re.compile(rf"^Order these organizations by founding year: (.+)\.$"), "sort"),
+    (re.compile(r"^What is the combined number of employees of (.+)\?$"), "sum"),
+    (re.compile(r"^Order these organizations by founding year: (.+)\.$"), "sort"),
     (re.compile(rf"^In which city is the headquarters of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:headquarters"),
     (re.compile(rf"^What is the founding year of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:founded"),
     (re.compile(rf"^In which sector does the organization (founded by|that acquired) ({_NAME}) operate\?$"), "hop:sector"),
@@ -75,12 +76,21 @@ class ErrorPlan:
 
 @dataclass
 class TeacherRates:
+    """The teacher's error rates (``TeacherConfig``'s built-in fields) and its tool-call budget."""
+
     skip_stage_rate: float = 0.0
     malformed_call_rate: float = 0.0
     uncited_rate: float = 0.0
     ungrounded_rate: float = 0.0
     max_tool_calls: int = 10
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: TeacherConfig, max_tool_calls: int = 10) -> "TeacherRates":
+        """The section's rates (same-named fields); the budget is the run's ``tools.max_tool_calls``."""
+        rates = {name: getattr(cfg, name) for name in ("skip_stage_rate", "malformed_call_rate", "uncited_rate",
+                                                        "ungrounded_rate")}
+        return cls(**rates, max_tool_calls=max_tool_calls)
 
 
 def _split_names(listing: str) -> list[str]:
@@ -153,7 +163,7 @@ class ScriptedTeacher:
         seed = int(params.get("seed") or 0) - len(assistant)
         rng = random.Random(seed)
         errors = _draw_errors(rng, self.rates)
-        turn_rng = random.Random(seed * 7919 + len(assistant))
+        turn_rng = random.Random(derive_seed(seed, TEACHER_TURN, len(assistant)))
         calls = [c for text in assistant for c in extract_tool_calls(text)]
         n_calls = sum(text.count("<call_tool") for text in assistant)
         task = understand_question(question)
@@ -400,9 +410,5 @@ def _perturb(value: str) -> str:
 
 def register_builtin_teacher(cfg: TeacherConfig, max_tool_calls: int = 10) -> None:
     """Register (idempotently) the scripted teacher as the litellm provider ``rubricem-teacher``."""
-    rates = TeacherRates(
-        skip_stage_rate=cfg.skip_stage_rate, malformed_call_rate=cfg.malformed_call_rate,
-        uncited_rate=cfg.uncited_rate, ungrounded_rate=cfg.ungrounded_rate, max_tool_calls=max_tool_calls,
-    )
-    teacher = ScriptedTeacher(rates)
+    teacher = ScriptedTeacher(TeacherRates.from_config(cfg, max_tool_calls))
     register_completion_provider(PROVIDER, teacher.respond)

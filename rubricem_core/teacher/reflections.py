@@ -12,6 +12,7 @@ import json
 import random
 from typing import Any, Sequence
 
+from rubricem_core.seeds import TEACHER_REFLECTION_CUTS, TEACHER_REFLECTION_REQUEST, derive_seed
 from rubricem_core.llm.types import ChatRequest, ChatResult
 from rubricem_core.reflection.format import REFLECTION_STOP, parse_reflection, reflection_messages, validate_reflection
 
@@ -29,11 +30,11 @@ def reflection_sources(trajectories: Sequence[dict[str, Any]], prefixes: int, se
     out = []
     for i, row in enumerate(trajectories):
         text = row["text"]
-        out.append({**row, "variant": 0, "text": text, "seed": seed * 1_000_033 + i * 16})
-        rng = random.Random(seed * 1_000_033 + i)
+        out.append({**row, "variant": 0, "text": text, "seed": derive_seed(seed, TEACHER_REFLECTION_REQUEST, i, 0)})
+        rng = random.Random(derive_seed(seed, TEACHER_REFLECTION_CUTS, i))
         for k in range(1, prefixes + 1):
             cut = rng.randint(len(text) // 5, max(len(text) // 5, 4 * len(text) // 5))
-            out.append({**row, "variant": k, "text": text[:cut], "seed": seed * 1_000_033 + i * 16 + k})
+            out.append({**row, "variant": k, "text": text[:cut], "seed": derive_seed(seed, TEACHER_REFLECTION_REQUEST, i, k)})
     return out
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from rubricem_core.llm.types import ChatRequest, ChatResult
 from rubricem_core.rollout.types import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED
 from rubricem_core.scaffold import ToolCall, extract_tool_calls, format_tool_output, system_prompt
+from rubricem_core.seeds import TEACHER_REQUEST, TEACHER_TRAJECTORY, derive_seed
 
 CALL_CLOSE = "</call_tool>"
 ANSWER_CLOSE = "</answer>"
@@ -76,7 +77,7 @@ def initial_states(
                     trajectory_id=f"{q['query_id']}-t{s}",
                     query_id=q["query_id"],
                     sample_index=s,
-                    seed=(seed * 1_000_003 + qi * 101 + s) % (2**31 - 1),
+                    seed=derive_seed(seed, TEACHER_TRAJECTORY, qi, s),
                     messages=[{"role": "system", "content": system}, *prompt_messages],
                 )
             )
@@ -106,7 +107,7 @@ def build_requests(
             stop=[CALL_CLOSE],
             max_tokens=max_tokens,
             temperature=temperature,
-            seed=s.seed + round_index,
+            seed=derive_seed(s.seed, TEACHER_REQUEST, round_index),  # the built-in teacher relies on it
             metadata={"trajectory_id": s.trajectory_id, "round": round_index},
         )
         for s in states

@@ -128,9 +128,9 @@ def build_tools(
             if cache is None:
                 cache = ToolCache(cache_dir)
             if kind.startswith("local_"):  # the result depends on the corpus and the constructor args
-                args = json.dumps({k: v for k, v in spec.items() if k != "dense"}, sort_keys=True, default=str)
+                settings = json.dumps({k: v for k, v in spec.items() if k != "dense"}, sort_keys=True, default=str)
                 dense = getattr(inner, "embedder", None)
-                fingerprint = f"{kind}/v1 {args} corpus={corpus_digest(corpus)} dense={type(dense).__name__ if dense else None}"
+                fingerprint = f"{kind}/v1 {settings} corpus={corpus_digest(corpus)} dense={type(dense).__name__ if dense else None}"
         try:
             tools[name] = RobustTool(
                 inner,

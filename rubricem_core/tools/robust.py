@@ -231,9 +231,9 @@ class RobustTool(Tool):
             self._count("timeouts")
             return error_result(f"tool {name!r} timed out after {self.timeout_s:g}s")
         if "exc" in box:
-            exc = box["exc"]
+            raised = box["exc"]
             self._count("errors")
-            return error_result(f"tool {name!r} failed: {type(exc).__name__}: {exc}")
+            return error_result(f"tool {name!r} failed: {type(raised).__name__}: {raised}")
         result = validate_result(box.get("result"), name)
         if not result.ok:
             self._count("errors")

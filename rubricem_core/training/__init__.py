@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from rubricem_core.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -25,6 +26,7 @@ class Trainer(Protocol):
     global_step: int
     cfg: TrainerConfig
     backend: str
+    device: torch.device
 
     def step(
         self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None

@@ -60,7 +60,7 @@ def capture_rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "python": _to_lists(random.getstate()),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],  # type: ignore[index]
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

@@ -73,7 +73,7 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # YAML gives lists
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # YAML gives lists; checked just below
         checks = [
             ("lr", self.lr > 0, "must be > 0"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
