@@ -1,4 +1,5 @@
 """What several benchmark scripts share."""
+
 from __future__ import annotations
 
 from pathlib import Path

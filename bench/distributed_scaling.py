@@ -12,6 +12,7 @@
 
     .venv/bin/python bench/distributed_scaling.py [--quick] [--gpus 8] [--gpu-gib 80]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,23 @@ import torch  # noqa: E402
 
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.distributed.memory import (  # noqa: E402
-    ModelShape, TrainSetup, memory_plan, saved_activation_bytes,
+    ModelShape,
+    TrainSetup,
+    memory_plan,
+    saved_activation_bytes,
 )
 
 GIB = 2**30
-TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 
 
 def tiny_model(seed: int = 0):
@@ -53,9 +65,15 @@ def worker(out: str, steps: int, micro: int, seq: int) -> None:
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    trajs = [TokenTrajectory(token_ids=torch.randint(3, TINY["vocab_size"], (seq,), generator=g).tolist(),
-                             loss_mask=[0] * 16 + [1] * (seq - 16), stage_ids=[-1] * 16 + [3] * (seq - 16),
-                             logprobs=[float("nan")] * 16 + [-8.0] * (seq - 16)) for _ in range(2 * micro)]
+    trajs = [
+        TokenTrajectory(
+            token_ids=torch.randint(3, TINY["vocab_size"], (seq,), generator=g).tolist(),
+            loss_mask=[0] * 16 + [1] * (seq - 16),
+            stage_ids=[-1] * 16 + [3] * (seq - 16),
+            logprobs=[float("nan")] * 16 + [-8.0] * (seq - 16),
+        )
+        for _ in range(2 * micro)
+    ]
     trainer = make_trainer(tiny_model(), TrainerConfig(lr=1e-4, total_steps=2 * steps + 2))
     batches = [collate(trajs[2 * i : 2 * i + 2], 0) for i in range(micro)]
     weights = [float(b.loss_mask.sum()) for b in batches]
@@ -100,8 +118,12 @@ def zero_worker(out: str, stage: int) -> None:
 
     adam = sum(nbytes(list(opt.optimizer.state.values()), {}).values())
     flat = {}
-    for name in ("bit16_groups_flat", "single_partition_of_fp32_groups",  # ZeRO-1/2: all weights, master partition
-                 "fp16_partitioned_groups_flat", "fp32_partitioned_groups_flat"):  # ZeRO-3: both partitions
+    for name in (
+        "bit16_groups_flat",
+        "single_partition_of_fp32_groups",  # ZeRO-1/2: all weights, master partition
+        "fp16_partitioned_groups_flat",
+        "fp32_partitioned_groups_flat",
+    ):  # ZeRO-3: both partitions
         if hasattr(opt, name):
             nbytes(getattr(opt, name), flat)
     if is_main():
@@ -116,8 +138,11 @@ def zero_check(stage: int) -> dict[str, int]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "zero.json"
-        run_ranks(LaunchSpec(nproc_per_node=2), str(Path(__file__).resolve()), ["--zero-worker", str(out),
-                                                                                "--stage", str(stage)])
+        run_ranks(
+            LaunchSpec(nproc_per_node=2),
+            str(Path(__file__).resolve()),
+            ["--zero-worker", str(out), "--stage", str(stage)],
+        )
         return json.loads(out.read_text())
 
 
@@ -128,8 +153,11 @@ def throughput(ranks: int, steps: int, micro: int, seq: int) -> dict[str, float]
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        run_ranks(LaunchSpec(nproc_per_node=ranks), str(Path(__file__).resolve()),
-                  ["--worker", str(out), "--steps", str(steps), "--micro", str(micro), "--seq", str(seq)])
+        run_ranks(
+            LaunchSpec(nproc_per_node=ranks),
+            str(Path(__file__).resolve()),
+            ["--worker", str(out), "--steps", str(steps), "--micro", str(micro), "--seq", str(seq)],
+        )
         return json.loads(out.read_text())
 
 
@@ -180,9 +208,11 @@ def main() -> None:
     for ranks in (1, 2):
         r = throughput(ranks, steps, micro, seq)
         base = base or r
-        print(f"   {ranks} rank{'s' if ranks > 1 else ' '}: SFT {r['sft_tokens_per_s']:8.0f} tok/s "
-              f"(x{r['sft_tokens_per_s'] / base['sft_tokens_per_s']:.2f})   SS-GRPO update "
-              f"{r['update_tokens_per_s']:8.0f} tok/s (x{r['update_tokens_per_s'] / base['update_tokens_per_s']:.2f})")
+        print(
+            f"   {ranks} rank{'s' if ranks > 1 else ' '}: SFT {r['sft_tokens_per_s']:8.0f} tok/s "
+            f"(x{r['sft_tokens_per_s'] / base['sft_tokens_per_s']:.2f})   SS-GRPO update "
+            f"{r['update_tokens_per_s']:8.0f} tok/s (x{r['update_tokens_per_s'] / base['update_tokens_per_s']:.2f})"
+        )
 
     print("2. the plan against a tiny Qwen3 (fp32, 2 x 1024 tokens)")
     shape = ModelShape.from_config(TINY)
@@ -193,36 +223,53 @@ def main() -> None:
         plan = saved_activation_bytes(shape, 2048, 4, gc, seq_len=1024, fused_attention=True)
         measured = measured_saved_bytes(gc)
         ratios.append(measured / plan)
-        print(f"   saved activations, checkpointing {'on ' if gc else 'off'}: plan {plan / 2**20:7.1f} MiB  "
-              f"measured {measured / 2**20:7.1f} MiB  (measured/plan {measured / plan:.3f})")
+        print(
+            f"   saved activations, checkpointing {'on ' if gc else 'off'}: plan {plan / 2**20:7.1f} MiB  "
+            f"measured {measured / 2**20:7.1f} MiB  (measured/plan {measured / plan:.3f})"
+        )
     for stage in (1, 3):
         got = zero_check(stage)
         plan = memory_plan(shape, TrainSetup(n_gpus=2, zero_stage=stage, precision="fp32"))
         planned = plan.weights + plan.optimizer  # what DeepSpeed's optimizer holds: weights, master, moments
         ratios.append((got["adam"] + got["flat"]) / planned)
-        print(f"   ZeRO-{stage} on 2 ranks, per rank: plan weights+optimizer {planned / 2**20:6.2f} MiB  measured "
-              f"{(got['adam'] + got['flat']) / 2**20:6.2f} MiB (Adam moments {got['adam'] / 2**20:.2f}, flat groups "
-              f"{got['flat'] / 2**20:.2f})")
+        print(
+            f"   ZeRO-{stage} on 2 ranks, per rank: plan weights+optimizer {planned / 2**20:6.2f} MiB  measured "
+            f"{(got['adam'] + got['flat']) / 2**20:6.2f} MiB (Adam moments {got['adam'] / 2**20:.2f}, flat groups "
+            f"{got['flat'] / 2**20:.2f})"
+        )
 
     print(f"3. Qwen3-8B on {args.gpus} x {args.gpu_gib:.0f} GiB (ZeRO-3, bf16, checkpointing, 16k-token micro-batches)")
     qwen = ModelShape.from_config(json.loads((REPO_ROOT / "data" / "models" / "qwen3-8b.json").read_text()))
     rows = {}
-    for name, kw in {"replicated reference": dict(reference="replicated"), "sharded reference": dict(reference="sharded"),
-                     "sharded, optimizer offload": dict(reference="sharded", offload=True),
-                     "no checkpointing": dict(reference="sharded", gradient_checkpointing=False)}.items():
+    for name, kw in {
+        "replicated reference": dict(reference="replicated"),
+        "sharded reference": dict(reference="sharded"),
+        "sharded, optimizer offload": dict(reference="sharded", offload=True),
+        "no checkpointing": dict(reference="sharded", gradient_checkpointing=False),
+    }.items():
         rows[name] = memory_plan(qwen, TrainSetup(n_gpus=args.gpus, gpu_bytes=int(args.gpu_gib * GIB), **kw))
     print(f"   {'':28s}" + "".join(f"{k:>12s}" for k in rows["sharded reference"].as_dict()) + "    fits")
     for name, plan in rows.items():
         print(f"   {name:28s}" + "".join(f"{v / GIB:10.1f}Gi" for v in plan.as_dict().values()) + f"    {plan.fits}")
     print(f"   ({qwen.params / 1e9:.2f}B parameters; buffers, CUDA context and fragmentation: keep 10% free)")
     # the gpu profile: sharded reference, and vLLM's 40% of GPU 0 beside trainer rank 0
-    chosen = memory_plan(qwen, TrainSetup(n_gpus=args.gpus, gpu_bytes=int(args.gpu_gib * GIB), reference="sharded",
-                                          engine_fraction=0.4))
-    print(f"   gpu profile on rank 0 (sharded reference, vLLM's 40% beside it): {chosen.total / GIB:.1f} GiB, "
-          f"fits: {chosen.fits}")
+    chosen = memory_plan(
+        qwen, TrainSetup(n_gpus=args.gpus, gpu_bytes=int(args.gpu_gib * GIB), reference="sharded", engine_fraction=0.4)
+    )
+    print(
+        f"   gpu profile on rank 0 (sharded reference, vLLM's 40% beside it): {chosen.total / GIB:.1f} GiB, "
+        f"fits: {chosen.fits}"
+    )
     checked = all(0.9 <= r <= 1.1 for r in ratios)
-    print(figure_line("qwen3_8b_gpu_profile_rank0", round(chosen.total / GIB, 1), "GiB",
-                      f"fits in 0.9 x {args.gpu_gib:.0f} GiB, plan within 10% of measured on tiny", chosen.fits and checked))
+    print(
+        figure_line(
+            "qwen3_8b_gpu_profile_rank0",
+            round(chosen.total / GIB, 1),
+            "GiB",
+            f"fits in 0.9 x {args.gpu_gib:.0f} GiB, plan within 10% of measured on tiny",
+            chosen.fits and checked,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ rendering the result — as ``rubricem sql`` does. The figure is the slowest que
     .venv/bin/python bench/duckdb_latency.py                  # 1M rows (~1 min to write)
     .venv/bin/python bench/duckdb_latency.py --rows 20000 --repeats 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,28 +33,37 @@ from rubricem_core.store import RunStore  # noqa: E402
 GOAL_S = 0.5
 
 # judge_scores columns per DESIGN.md, with the types the judge task writes
-JUDGE_SCORES_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("rubric_id", pa.string()),
-    ("stage", pa.string()), ("polarity", pa.string()), ("weight", pa.float64()), ("score", pa.int64()),
-    ("justification", pa.string()),
-])
+JUDGE_SCORES_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("rollout_id", pa.string()),
+        ("rubric_id", pa.string()),
+        ("stage", pa.string()),
+        ("polarity", pa.string()),
+        ("weight", pa.float64()),
+        ("score", pa.int64()),
+        ("justification", pa.string()),
+    ]
+)
 
 QUERIES = {
     "stage_means": "SELECT step, stage, avg(score) AS mean_score, count(*) AS n FROM judge_scores "
-                   "GROUP BY ALL ORDER BY step, stage",
+    "GROUP BY ALL ORDER BY step, stage",
     "discriminative_rubrics": "SELECT step, query_id, rubric_id, any_value(stage) AS stage, "
-                              "stddev_samp(score) AS spread FROM judge_scores GROUP BY step, query_id, rubric_id "
-                              "ORDER BY spread DESC, rubric_id LIMIT 20",
+    "stddev_samp(score) AS spread FROM judge_scores GROUP BY step, query_id, rubric_id "
+    "ORDER BY spread DESC, rubric_id LIMIT 20",
     "top_rollouts": "SELECT step, query_id, rollout_id, sum(weight * CASE WHEN polarity = 'negative' "
-                    "THEN 2 - score ELSE score END) / (2 * sum(weight)) AS R FROM judge_scores "
-                    "GROUP BY ALL ORDER BY R DESC, rollout_id LIMIT 10",
+    "THEN 2 - score ELSE score END) / (2 * sum(weight)) AS R FROM judge_scores "
+    "GROUP BY ALL ORDER BY R DESC, rollout_id LIMIT 10",
     "one_group": "SELECT rollout_id, rubric_id, stage, score, justification FROM judge_scores "
-                 "WHERE step = {last_step} AND query_id = '{query_id}' ORDER BY rollout_id, rubric_id",
+    "WHERE step = {last_step} AND query_id = '{query_id}' ORDER BY rollout_id, rubric_id",
 }
 
 
-def step_rows(step: int, n_queries: int, n_rollouts: int, n_rubrics: int, query_pool: int,
-              rng: np.random.Generator) -> pa.Table:
+def step_rows(
+    step: int, n_queries: int, n_rollouts: int, n_rubrics: int, query_pool: int, rng: np.random.Generator
+) -> pa.Table:
     """One step: every rollout of every query scored on every rubric of its query."""
     qids = rng.choice(query_pool, size=n_queries, replace=False)
     per_rollout = n_rubrics
@@ -76,14 +86,25 @@ def step_rows(step: int, n_queries: int, n_rollouts: int, n_rubrics: int, query_
     evidence = rng.integers(0, 20_000, size=n)
     verdict = np.array(["not met", "partly met", "met"])[score]
     justification = [f"{v}: see D{e}" for v, e in zip(verdict.tolist(), evidence.tolist())]
-    return pa.table({
-        "step": np.full(n, step, dtype=np.int64), "query_id": query_id, "rollout_id": rollout_id,
-        "rubric_id": rubric_id, "stage": stage, "polarity": polarity, "weight": weight, "score": score,
-        "justification": justification,
-    }, schema=JUDGE_SCORES_SCHEMA)
+    return pa.table(
+        {
+            "step": np.full(n, step, dtype=np.int64),
+            "query_id": query_id,
+            "rollout_id": rollout_id,
+            "rubric_id": rubric_id,
+            "stage": stage,
+            "polarity": polarity,
+            "weight": weight,
+            "score": score,
+            "justification": justification,
+        },
+        schema=JUDGE_SCORES_SCHEMA,
+    )
 
 
-def write_scores(run_dir: Path, rows: int, n_queries: int, n_rollouts: int, n_rubrics: int, seed: int) -> tuple[int, int, str]:
+def write_scores(
+    run_dir: Path, rows: int, n_queries: int, n_rollouts: int, n_rubrics: int, seed: int
+) -> tuple[int, int, str]:
     """Write ≈``rows`` rows as whole steps; returns (rows written, last step, a query id of it)."""
     store = RunStore(run_dir)
     per_step = n_queries * n_rollouts * n_rubrics
@@ -128,7 +149,9 @@ def main() -> None:
     run_dir = Path(args.run_dir) if args.run_dir else Path(tmp := tempfile.mkdtemp(prefix="rubricem-duckdb-"))
     try:
         started = time.perf_counter()
-        written, last_step, query_id = write_scores(run_dir, args.rows, args.queries, args.rollouts, args.rubrics, args.seed)
+        written, last_step, query_id = write_scores(
+            run_dir, args.rows, args.queries, args.rollouts, args.rubrics, args.seed
+        )
         write_s = time.perf_counter() - started
         counted = int(run_sql(run_dir, "SELECT count(*) AS n FROM judge_scores", fmt="csv").split()[1])
         if counted != written:
@@ -144,10 +167,15 @@ def main() -> None:
             print(f"{name:<24} {first:>8.3f} {median:>9.3f} {len(out.splitlines()) - 1:>8}")
             if median > worst:
                 worst_name, worst = name, median
-        print(f"slowest: {worst_name} (median of {args.repeats} runs after a warm-up, each opening the run's views; "
-              "timings on a shared machine are noisy)")
-        print(figure_line("duckdb_max_latency", worst, "s", f"< {GOAL_S} s over {written} judge_scores rows",
-                          worst < GOAL_S))
+        print(
+            f"slowest: {worst_name} (median of {args.repeats} runs after a warm-up, each opening the run's views; "
+            "timings on a shared machine are noisy)"
+        )
+        print(
+            figure_line(
+                "duckdb_max_latency", worst, "s", f"< {GOAL_S} s over {written} judge_scores rows", worst < GOAL_S
+            )
+        )
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

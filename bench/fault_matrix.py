@@ -13,6 +13,7 @@ Scenarios (README "Fault tolerance"):
 
 Figure: faults after which the resumed run equals the uninterrupted one, out of all injected.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,21 +37,44 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 SMALL = {
-    "data.world.n_documents": 60, "data.world.n_queries": 8, "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1, "policy.vocab_size": 1024, "policy.hidden_size": 64, "policy.n_layers": 2,
-    "policy.intermediate_size": 128, "sft.max_steps": 4, "sft.warmup_steps": 1, "sft.checkpoint_every": 2,
-    "rl.window": 1, "rl.n_windows": 1, "rl.queries_per_step": 2, "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48, "rollout.max_total_tokens": 1200, "tools.max_tool_calls": 2,
+    "data.world.n_documents": 60,
+    "data.world.n_queries": 8,
+    "data.world.eval_fraction": 0.25,
+    "teacher.trajectories_per_query": 1,
+    "policy.vocab_size": 1024,
+    "policy.hidden_size": 64,
+    "policy.n_layers": 2,
+    "policy.intermediate_size": 128,
+    "sft.max_steps": 4,
+    "sft.warmup_steps": 1,
+    "sft.checkpoint_every": 2,
+    "rl.window": 1,
+    "rl.n_windows": 1,
+    "rl.queries_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 48,
+    "rollout.max_total_tokens": 1200,
+    "tools.max_tool_calls": 2,
     "reflection.schedule": "sync",  # a fixed order of write boundaries (deferred gives the same numbers)
 }
 SETS = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
 CLI = [sys.executable, "-m", "flows.cli"]
 # Write boundaries of the two steps, in the order a sync-schedule run reaches them (tests/test_fault_kill.py).
 BOUNDARIES = [
-    "rl.rollouts_written", "rl.judge_failures_written", "rl.judge_rubrics_written", "rl.judge_done",
-    "checkpoint.weights_written", "rl.checkpoint_saved", "rl.step_done",
-    "rl.bank_table_written", "rl.reflections_written",  # step 0's reflections (new-query step)
-    "rl.rollouts_written", "rl.reflection_update_done", "rl.judge_done", "checkpoint.weights_written", "rl.step_done",
+    "rl.rollouts_written",
+    "rl.judge_failures_written",
+    "rl.judge_rubrics_written",
+    "rl.judge_done",
+    "checkpoint.weights_written",
+    "rl.checkpoint_saved",
+    "rl.step_done",
+    "rl.bank_table_written",
+    "rl.reflections_written",  # step 0's reflections (new-query step)
+    "rl.rollouts_written",
+    "rl.reflection_update_done",
+    "rl.judge_done",
+    "checkpoint.weights_written",
+    "rl.step_done",
 ]
 
 
@@ -59,13 +83,16 @@ def fault_specs(chain: bool) -> list[str]:
     first call is the next boundary); from a fresh copy the n-th call of a point is its n-th boundary."""
     if chain:
         return [f"{p}:1" for p in BOUNDARIES]
-    return [f"{p}:{BOUNDARIES[:i + 1].count(p)}" for i, p in enumerate(BOUNDARIES)]
+    return [f"{p}:{BOUNDARIES[: i + 1].count(p)}" for i, p in enumerate(BOUNDARIES)]
 
 
 TABLES = {
-    "rollouts": ("step", "rollout_id"), "judge_scores": ("step", "rollout_id", "rubric_id"),
-    "judge_rubrics": ("step", "query_id", "rubric_id"), "stage_rewards": ("step", "rollout_id", "stage"),
-    "reflections": ("step", "source_rollout_id", "candidate"), "bank": ("query_id", "step"),
+    "rollouts": ("step", "rollout_id"),
+    "judge_scores": ("step", "rollout_id", "rubric_id"),
+    "judge_rubrics": ("step", "query_id", "rubric_id"),
+    "stage_rewards": ("step", "rollout_id", "stage"),
+    "reflections": ("step", "source_rollout_id", "candidate"),
+    "bank": ("query_id", "step"),
 }
 VOLATILE_COLUMNS = {"latency_s", "submitted_at", "logged_at", "run_id"}
 VOLATILE_METRIC = ("seconds", "_per_s", "step_time_s", "padding_fraction")
@@ -80,10 +107,14 @@ def differences(run: Path, ref: Path) -> list[str]:
 
     out = []
     for table, key in TABLES.items():
-        def canon(d: Path) -> list[dict]:
+
+        def canon(d: Path, table: str = table, key: tuple = key) -> list[dict]:
             rows = RunStore(d).read_rows(table) if RunStore(d).files(table) else []
-            return sorted(({k: v for k, v in r.items() if k not in VOLATILE_COLUMNS} for r in rows),
-                          key=lambda r: tuple(r[k] for k in key))
+            return sorted(
+                ({k: v for k, v in r.items() if k not in VOLATILE_COLUMNS} for r in rows),
+                key=lambda r: tuple(r[k] for k in key),
+            )
+
         got, want = canon(run), canon(ref)
         if len(got) != len(want):
             out.append(f"{table}: {len(got)} rows, {len(want)} in the uninterrupted run")
@@ -118,15 +149,30 @@ def differences(run: Path, ref: Path) -> list[str]:
 
 
 # ---- running ---------------------------------------------------------------------------------
-def cli(command: str, run: Path, env: dict[str, str], fault: str | None = None, log: Path | None = None,
-        preexec: Callable[[], None] | None = None) -> int:
+def cli(
+    command: str,
+    run: Path,
+    env: dict[str, str],
+    fault: str | None = None,
+    log: Path | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> int:
     env = {**env, **({"RUBRICEM_FAULT_POINT": fault} if fault else {})}
     with open(log or os.devnull, "ab") as out:
-        return subprocess.run([*CLI, command, "--run-dir", str(run), *SETS], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, preexec_fn=preexec, timeout=600).returncode
+        return subprocess.run(
+            [*CLI, command, "--run-dir", str(run), *SETS],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
+            timeout=600,
+        ).returncode
 
 
-def scenario_kills(trained: Path, ref: Path, work: Path, env: dict[str, str], quick: bool) -> list[tuple[str, bool, str]]:
+def scenario_kills(
+    trained: Path, ref: Path, work: Path, env: dict[str, str], quick: bool
+) -> list[tuple[str, bool, str]]:
     results = []
     if quick:  # one chain: each kill resumes the previous one
         run = work / "kill-chain"
@@ -161,8 +207,12 @@ def scenario_disk_full(trained: Path, ref: Path, work: Path, env: dict[str, str]
     mount = work / "tmpfs"
     mount.mkdir()
     size_kb = _du(trained) // 1024 + 1536  # the SFT run plus 1.5 MB: the first RL checkpoint does not fit
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         return [("disk full", None, "skipped: cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")]
     try:
         run = mount / "run"
@@ -188,13 +238,15 @@ def scenario_concurrent(trained: Path, ref: Path, work: Path, env: dict[str, str
     run = work / "concurrent"
     shutil.copytree(trained, run)
     log = open(work / "concurrent.log", "ab")
-    first = subprocess.Popen([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        [*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     problems = []
     while not (lock_holder(run) or {}).get("pid") and first.poll() is None:
         time.sleep(0.1)
-    second = subprocess.run([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=600)
+    second = subprocess.run(
+        [*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     if second.returncode != 2 or f"pid {first.pid}" not in second.stderr:
         problems.append(f"second writer: exit {second.returncode}, {second.stderr.strip()[-200:]!r}")
     if first.wait(timeout=600) != 0:
@@ -277,8 +329,15 @@ def main() -> int:
         print(f"work directory: {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-    print(figure_line("faults_survived_identical", survived / max(len(counted), 1), "of injected faults",
-                      "1.0 (every fault)", survived == len(counted)))
+    print(
+        figure_line(
+            "faults_survived_identical",
+            survived / max(len(counted), 1),
+            "of injected faults",
+            "1.0 (every fault)",
+            survived == len(counted),
+        )
+    )
     return 0
 
 

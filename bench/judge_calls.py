@@ -6,6 +6,7 @@ that a group differs; the built-in judge answers through litellm, the same path 
 
     .venv/bin/python bench/judge_calls.py [--queries 8] [--rollouts 8] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,14 @@ def write_rollouts(queries: list[dict], tools: dict, n: int, seed: int) -> dict[
         results = {x.custom_id: x for x in run_concurrent(requests, settings)}
         by_id = {s.trajectory_id: s for s in states}
         for request in requests:
-            apply_result(by_id[request.metadata["trajectory_id"]], results[request.custom_id],
-                         lambda call: env.execute(call).text, r, MAX_ROUNDS, MAX_TOOL_CALLS)
+            apply_result(
+                by_id[request.metadata["trajectory_id"]],
+                results[request.custom_id],
+                lambda call: env.execute(call).text,
+                r,
+                MAX_ROUNDS,
+                MAX_TOOL_CALLS,
+            )
     out: dict[str, list[JudgeRollout]] = {}
     for s in states:
         out.setdefault(s.query_id, []).append(JudgeRollout(s.trajectory_id, s.text))
@@ -80,32 +87,45 @@ def main() -> None:
     teacher_s = time.perf_counter() - started
 
     judge = LLMJudge(EndpointSettings(model=register_builtin_judge(), max_concurrency=8, max_retries=0, timeout_s=120))
-    buffers = {q["query_id"]: RubricBuffer.from_query(q["query_id"], q["rubrics"], cap_per_stage=args.cap)
-               for q in queries}
-    groups = [(JudgeQuery(q["query_id"], q["question"], json.loads(q["spec"]), q["reference_answer"]),
-               rollouts[q["query_id"]]) for q in queries]
+    buffers = {
+        q["query_id"]: RubricBuffer.from_query(q["query_id"], q["rubrics"], cap_per_stage=args.cap) for q in queries
+    }
+    groups = [
+        (
+            JudgeQuery(q["query_id"], q["question"], json.loads(q["spec"]), q["reference_answer"]),
+            rollouts[q["query_id"]],
+        )
+        for q in queries
+    ]
     started = time.perf_counter()
     results = judge_step(judge, groups, buffers, step=0)
     judge_s = time.perf_counter() - started
 
     per_rubric = judge.usage.calls["generate"]  # it needs the rubrics too
-    print(f"{'query':<10} {'kind':<11} {'n':>2} {'rubrics':>7} {'added':>5} {'pruned':>6} {'failed':>6}  "
-          + "  ".join(f"R_{s:<8}" for s in STAGES))
+    print(
+        f"{'query':<10} {'kind':<11} {'n':>2} {'rubrics':>7} {'added':>5} {'pruned':>6} {'failed':>6}  "
+        + "  ".join(f"R_{s:<8}" for s in STAGES)
+    )
     for q, group in zip(queries, results):
         per_rubric += len(group.judgments) * len(group.rubrics)
         means = [np.nanmean(col) if not np.isnan(col).all() else float("nan") for col in group.R.T]
-        print(f"{group.query_id:<10} {q['kind']:<11} {len(group.judgments):>2} {len(group.rubrics):>7} "
-              f"{len(group.added):>5} {len(group.pruned):>6} {group.n_failed:>6}  "
-              + "  ".join(f"{m:<10.2f}" for m in means))
+        print(
+            f"{group.query_id:<10} {q['kind']:<11} {len(group.judgments):>2} {len(group.rubrics):>7} "
+            f"{len(group.added):>5} {len(group.pruned):>6} {group.n_failed:>6}  "
+            + "  ".join(f"{m:<10.2f}" for m in means)
+        )
     usage = judge.usage
     ours = usage.total_calls
-    print(f"teacher rollouts: {sum(len(r) for r in rollouts.values())} in {teacher_s:.1f}s; "
-          f"judge step: {judge_s:.1f}s")
-    print(f"judge calls: generate {usage.calls['generate']} + score {usage.calls['score']} "
-          f"+ repairs {sum(usage.repairs.values())}; failures {usage.failures}; "
-          f"tokens {usage.prompt_tokens} prompt / {usage.completion_tokens} completion")
-    print(f"figure: judge_calls={ours} calls  goal: < {per_rubric} calls of per-rubric scoring  "
-          f"met: {'yes' if ours < per_rubric else 'no'}")
+    print(f"teacher rollouts: {sum(len(r) for r in rollouts.values())} in {teacher_s:.1f}s; judge step: {judge_s:.1f}s")
+    print(
+        f"judge calls: generate {usage.calls['generate']} + score {usage.calls['score']} "
+        f"+ repairs {sum(usage.repairs.values())}; failures {usage.failures}; "
+        f"tokens {usage.prompt_tokens} prompt / {usage.completion_tokens} completion"
+    )
+    print(
+        f"figure: judge_calls={ours} calls  goal: < {per_rubric} calls of per-rubric scoring  "
+        f"met: {'yes' if ours < per_rubric else 'no'}"
+    )
 
 
 if __name__ == "__main__":

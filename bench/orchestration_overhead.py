@@ -21,6 +21,7 @@ produce the same rollouts (checked). Timings on a shared CPU machine are noisy.
     .venv/bin/python bench/orchestration_overhead.py --run-dir runs/tiny          # after `make run`
     .venv/bin/python bench/orchestration_overhead.py --run-dir runs/tiny --quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,7 +120,9 @@ def same_rollouts(a: str, b: str, steps: list[int]) -> bool:
     for step in steps:
         ta = RunStore(a).read_table("rollouts", {"step": step}).sort_by("rollout_id")
         tb = RunStore(b).read_table("rollouts", {"step": step}).sort_by("rollout_id")
-        if not (ta["token_ids"].equals(tb["token_ids"]) and pc.all(pc.equal(ta["judge_failed"], tb["judge_failed"])).as_py()):
+        if not (
+            ta["token_ids"].equals(tb["token_ids"]) and pc.all(pc.equal(ta["judge_failed"], tb["judge_failed"])).as_py()
+        ):
             return False
     return True
 
@@ -128,14 +131,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="runs/tiny", help="finished run with checkpoints/sft/final; only read")
     parser.add_argument("--steps", type=int, default=2, help="RL steps per path")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="repeats on fresh copies; the order alternates (default 2, 1 with --quick)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override on top of the run's config.yaml (repeatable)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="repeats on fresh copies; the order alternates (default 2, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override on top of the run's config.yaml (repeatable)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary run copies")
-    parser.add_argument("--quick", action="store_true", help="2 steps of 2 queries x 2 samples, 128 tokens per turn, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 steps of 2 queries x 2 samples, 128 tokens per turn, 1 repeat"
+    )
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
@@ -152,10 +171,13 @@ def main() -> None:
         overrides.update(QUICK)
     cfg = load_config(src / "config.yaml", {**overrides, **dict(parse_override(s) for s in args.overrides)})
     train = [q["query_id"] for q in RunStore(src).read_rows("queries") if q["split"] == "train"]
-    plans = windowed_schedule(train, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed,
-                              reflection=False)[: args.steps]
-    print(f"{args.steps} steps x {cfg.rl.queries_per_step} queries x {cfg.rollout.group_size} samples, "
-          f"{cfg.rollout.max_new_tokens} tokens per turn, recipe {cfg.rl.recipe}, from {src}")
+    plans = windowed_schedule(
+        train, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=False
+    )[: args.steps]
+    print(
+        f"{args.steps} steps x {cfg.rl.queries_per_step} queries x {cfg.rollout.group_size} samples, "
+        f"{cfg.rollout.max_new_tokens} tokens per turn, recipe {cfg.rl.recipe}, from {src}"
+    )
 
     started = time.perf_counter()
     empty_flow()
@@ -182,8 +204,11 @@ def main() -> None:
                 seconds, cpu_s = run_path(name, dirs[name], cfg, plans)
                 totals[name] += sum(seconds)
                 cpu[name] += cpu_s
-                print(f"repeat {rep} {name:<7}: " + " ".join(f"{s:.2f}s" for s in seconds)
-                      + f"  (sum {sum(seconds):.2f}s wall, {cpu_s:.2f}s CPU)")
+                print(
+                    f"repeat {rep} {name:<7}: "
+                    + " ".join(f"{s:.2f}s" for s in seconds)
+                    + f"  (sum {sum(seconds):.2f}s wall, {cpu_s:.2f}s CPU)"
+                )
             same = same_rollouts(dirs["direct"], dirs["prefect"], [p.step for p in plans])
             identical &= same
             print(f"repeat {rep}: both paths wrote the same rollouts: {'yes' if same else 'NO'}")
@@ -197,15 +222,26 @@ def main() -> None:
     n = args.steps * args.repeats
     overhead = (totals["prefect"] - totals["direct"]) / totals["direct"]
     cpu_overhead = (cpu["prefect"] - cpu["direct"]) / cpu["direct"]
-    print(f"per step: direct {totals['direct'] / n:.2f}s, prefect {totals['prefect'] / n:.2f}s "
-          f"({(totals['prefect'] - totals['direct']) / n:+.2f}s wall); CPU incl. the Prefect server "
-          f"{cpu['direct'] / n:.2f}s vs {cpu['prefect'] / n:.2f}s ({100 * cpu_overhead:+.1f}%)")
-    print(f"torch threads {torch.get_num_threads()}, load average {psutil.getloadavg()[0]:.1f} on "
-          f"{psutil.cpu_count()} CPUs: wall timings on a shared machine are noisy")
+    print(
+        f"per step: direct {totals['direct'] / n:.2f}s, prefect {totals['prefect'] / n:.2f}s "
+        f"({(totals['prefect'] - totals['direct']) / n:+.2f}s wall); CPU incl. the Prefect server "
+        f"{cpu['direct'] / n:.2f}s vs {cpu['prefect'] / n:.2f}s ({100 * cpu_overhead:+.1f}%)"
+    )
+    print(
+        f"torch threads {torch.get_num_threads()}, load average {psutil.getloadavg()[0]:.1f} on "
+        f"{psutil.cpu_count()} CPUs: wall timings on a shared machine are noisy"
+    )
     if not identical:
         print("warning: the paths wrote different rollouts, so they did not do the same work")
-    print(figure_line("prefect_overhead", round(100 * overhead, 2), "%",
-                      f"< {100 * GOAL:.0f}% per RL step (rl_step subflow vs direct task bodies)", overhead < GOAL))
+    print(
+        figure_line(
+            "prefect_overhead",
+            round(100 * overhead, 2),
+            "%",
+            f"< {100 * GOAL:.0f}% per RL step (rl_step subflow vs direct task bodies)",
+            overhead < GOAL,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ with the profile and overrides used.
     .venv/bin/python bench/peak_memory.py --quick            # a smaller world, model and step counts (~1-2 min)
     .venv/bin/python bench/peak_memory.py --set rl.window=1  # any `rubricem run --set` override
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,21 @@ from bench.run_all import figure_line  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # the small configuration the RL flow tests use: every stage runs, on a toy scale
 QUICK = (
-    "data.world.n_documents=120", "data.world.n_queries=10", "data.world.eval_fraction=0.2",
-    "policy.vocab_size=1024", "policy.hidden_size=64", "policy.n_layers=2", "policy.intermediate_size=128",
-    "sft.max_steps=4", "sft.warmup_steps=1", "rl.window=1", "rl.queries_per_step=2", "rollout.group_size=2",
-    "rollout.max_new_tokens=48", "rollout.max_total_tokens=1200", "tools.max_tool_calls=2",
+    "data.world.n_documents=120",
+    "data.world.n_queries=10",
+    "data.world.eval_fraction=0.2",
+    "policy.vocab_size=1024",
+    "policy.hidden_size=64",
+    "policy.n_layers=2",
+    "policy.intermediate_size=128",
+    "sft.max_steps=4",
+    "sft.warmup_steps=1",
+    "rl.window=1",
+    "rl.queries_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=48",
+    "rollout.max_total_tokens=1200",
+    "tools.max_tool_calls=2",
 )
 
 
@@ -61,8 +73,14 @@ def rubricem_command() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="tiny")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="passed to `rubricem run --set` (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to `rubricem run --set` (repeatable)",
+    )
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between RSS samples")
     parser.add_argument("--run-dir", default=None, help="default: a temp dir, deleted afterwards")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
@@ -98,10 +116,15 @@ def main() -> None:
         # Linux reports ru_maxrss in KiB: the largest resident set of any waited-for descendant
         largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         print(f"pipeline finished in {seconds:.0f}s; {samples} RSS samples every {args.interval}s")
-        print(f"peak RSS of the process tree: {peak / 2**20:.0f} MiB over {peak_count} processes; "
-              f"largest single process: {largest / 2**20:.0f} MiB (getrusage)")
-        profile = f"profile {args.profile}" + (f" with {len(overrides)} overrides (--quick)" if args.quick
-                                                else (f" with {' '.join(overrides)}" if overrides else ", no overrides"))
+        print(
+            f"peak RSS of the process tree: {peak / 2**20:.0f} MiB over {peak_count} processes; "
+            f"largest single process: {largest / 2**20:.0f} MiB (getrusage)"
+        )
+        profile = f"profile {args.profile}" + (
+            f" with {len(overrides)} overrides (--quick)"
+            if args.quick
+            else (f" with {' '.join(overrides)}" if overrides else ", no overrides")
+        )
         print(figure_line("tiny_pipeline_peak_rss", round(peak / 2**20), "MiB", f"report ({profile})", None))
     finally:
         if tmp is not None and not args.keep:

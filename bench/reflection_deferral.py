@@ -13,6 +13,7 @@ measures the schedule, not reflection quality.
 
     .venv/bin/python bench/reflection_deferral.py --run-dir runs/tiny [--latency 6] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ def copy_base(src: Path, dst: Path) -> str:
     dst.mkdir(parents=True)
     for name in ("tables", "policy", "config.yaml"):
         if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("rollouts", "judge_*", "stage_rewards",
-                                                                                  "reflections", "bank", "metrics", "eval_results"))
+            shutil.copytree(
+                src / name,
+                dst / name,
+                ignore=shutil.ignore_patterns(
+                    "rollouts", "judge_*", "stage_rewards", "reflections", "bank", "metrics", "eval_results"
+                ),
+            )
         elif (src / name).exists():
             shutil.copy2(src / name, dst / name)
     shutil.copytree(src / "checkpoints" / "sft" / "final", dst / "checkpoints" / "sft" / "final")
@@ -61,21 +67,33 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=4, help="queries per step")
     parser.add_argument("--candidates", type=int, default=4, help="reflection candidates per trajectory")
     parser.add_argument("--quick", action="store_true", help="2 queries, 128 tokens per turn")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs per schedule, alternating sync/deferred; the fastest of each is compared "
-                        "(on a shared machine other jobs inflate single runs)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per schedule, alternating sync/deferred; the fastest of each is compared "
+        "(on a shared machine other jobs inflate single runs)",
+    )
     args = parser.parse_args()
     src = Path(args.run_dir)
     if not has_sft_checkpoint(src, "figure: deferred_over_sync=nan x  goal: <= 0.75  met: n/a"):
         return
     os.environ[KEY_ENV] = "bench-key"
     overrides = {
-        "rl.recipe": "full", "rl.window": args.window, "rl.n_windows": 1,
-        "rl.queries_per_step": 2 if args.quick else args.queries, "rollout.group_size": 2,
-        "rollout.max_new_tokens": 128 if args.quick else 256, "reflection.n_candidates": args.candidates,
-        "reflection.max_new_tokens": 400, "reflection.max_trajectory_chars": 2000, "tracking.enabled": True,
-        "reflection.judge.model": "openai/reflection-judge", "reflection.judge.api_key_env": KEY_ENV,
-        "reflection.judge.input_cost_per_token": 0.0, "reflection.judge.output_cost_per_token": 0.0,
+        "rl.recipe": "full",
+        "rl.window": args.window,
+        "rl.n_windows": 1,
+        "rl.queries_per_step": 2 if args.quick else args.queries,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 128 if args.quick else 256,
+        "reflection.n_candidates": args.candidates,
+        "reflection.max_new_tokens": 400,
+        "reflection.max_trajectory_chars": 2000,
+        "tracking.enabled": True,
+        "reflection.judge.model": "openai/reflection-judge",
+        "reflection.judge.api_key_env": KEY_ENV,
+        "reflection.judge.input_cost_per_token": 0.0,
+        "reflection.judge.output_cost_per_token": 0.0,
     }
     questions = {q["query_id"]: q["question"] for q in RunStore(src).read_rows("queries")}
     import rubricem_core.rl.session as rl_session
@@ -86,22 +104,36 @@ def main() -> None:
 
     seconds: dict[str, float] = {"sync": float("inf"), "deferred": float("inf")}
     steps = 2 * args.window
-    with FakeOpenAIServer(respond=lambda body: builtin_reflection_reply(body["messages"], body)) as server, \
-            tempfile.TemporaryDirectory() as tmp:
+    with (
+        FakeOpenAIServer(respond=lambda body: builtin_reflection_reply(body["messages"], body)) as server,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         server.delay_s = args.latency
         overrides["reflection.judge.api_base"] = server.base_url
         for attempt, schedule in enumerate(("sync", "deferred") * args.repeats):
             run_dir = copy_base(src, Path(tmp) / f"{schedule}-{attempt}")
             rl_tasks.drop_sessions()
             t0 = time.perf_counter()
-            rl(run_dir=run_dir, profile=str(src / "config.yaml"), overrides={**overrides, "reflection.schedule": schedule})
+            rl(
+                run_dir=run_dir,
+                profile=str(src / "config.yaml"),
+                overrides={**overrides, "reflection.schedule": schedule},
+            )
             elapsed = time.perf_counter() - t0
             seconds[schedule] = min(seconds[schedule], elapsed)
-            rows = json.loads(run_sql(run_dir, "SELECT step, name, round(value, 2) AS v FROM metrics WHERE name IN "
-                                      "('rollout/seconds', 'rl/update_seconds', 'reflection/generate_seconds', "
-                                      "'reflection/judge_seconds', 'reflection_update/seconds') ORDER BY ALL", fmt="json"))
-            print(f"{schedule}: {elapsed:.1f}s for {steps} steps ({elapsed / steps:.1f}s/step); "
-                  + ", ".join(f"s{r['step']} {r['name']}={r['v']}" for r in rows))
+            rows = json.loads(
+                run_sql(
+                    run_dir,
+                    "SELECT step, name, round(value, 2) AS v FROM metrics WHERE name IN "
+                    "('rollout/seconds', 'rl/update_seconds', 'reflection/generate_seconds', "
+                    "'reflection/judge_seconds', 'reflection_update/seconds') ORDER BY ALL",
+                    fmt="json",
+                )
+            )
+            print(
+                f"{schedule}: {elapsed:.1f}s for {steps} steps ({elapsed / steps:.1f}s/step); "
+                + ", ".join(f"s{r['step']} {r['name']}={r['v']}" for r in rows)
+            )
         calls = len(server.chat_calls)
     ratio = seconds["deferred"] / seconds["sync"]
     print(f"reflection-judge calls: {calls} at {args.latency:.1f}s each; steps per schedule: {steps}")

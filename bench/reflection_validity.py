@@ -8,6 +8,7 @@ reject codes. Goal (issue #19): >= 0.5 on `tiny`, >= 0.8 on `small`.
 
     .venv/bin/python bench/reflection_validity.py --run-dir runs/tiny     # after `make run`
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,8 @@ def main() -> int:
     args = parser.parse_args()
     goal = ">= 0.5 (tiny), >= 0.8 (small) valid"
     if args.checkpoint is None and not has_sft_checkpoint(
-            Path(args.run_dir), figure_line("reflection_valid", float("nan"), "of reflections", goal, None)):
+        Path(args.run_dir), figure_line("reflection_valid", float("nan"), "of reflections", goal, None)
+    ):
         return 0
     if args.quick:
         args.max_queries, args.samples = 4, 1
@@ -56,27 +58,57 @@ def main() -> int:
     questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
     env = local_tool_env(store.read_table("corpus"), cfg.tools)
     t0 = time.perf_counter()
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
-                              seed=cfg.seed)
-    groups = engine.generate([
-        RolloutRequest(request_id=q["query_id"], n=args.samples, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls,
-                       prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)))
-        for q in queries], env)
-    own = [{"source": f"{q['query_id']}-{i}", "query_id": q["query_id"],
-            "text": "".join(s.text for s in traj.segments if s.kind != "prompt")}
-           for q, group in zip(queries, groups) for i, traj in enumerate(group)]
-    teacher = [{"source": r["trajectory_id"], "query_id": r["query_id"], "text": r["text"]}
-               for r in store.read_rows("sft_trajectories") if r["accepted"]][: len(own)]
-    reflect = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
-                             max_new_tokens=cfg.reflection.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
-                             seed=cfg.seed + 1)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=cfg.seed,
+    )
+    groups = engine.generate(
+        [
+            RolloutRequest(
+                request_id=q["query_id"],
+                n=args.samples,
+                sampling=sampling,
+                max_tool_calls=cfg.tools.max_tool_calls,
+                prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
+            )
+            for q in queries
+        ],
+        env,
+    )
+    own = [
+        {
+            "source": f"{q['query_id']}-{i}",
+            "query_id": q["query_id"],
+            "text": "".join(s.text for s in traj.segments if s.kind != "prompt"),
+        }
+        for q, group in zip(queries, groups)
+        for i, traj in enumerate(group)
+    ]
+    teacher = [
+        {"source": r["trajectory_id"], "query_id": r["query_id"], "text": r["text"]}
+        for r in store.read_rows("sft_trajectories")
+        if r["accepted"]
+    ][: len(own)]
+    reflect = SamplingParams(
+        temperature=cfg.reflection.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.reflection.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=cfg.seed + 1,
+    )
     results = {}
     for name, sources in (("own held-out rollouts", own), ("teacher trajectories", teacher)):
-        rows = sample_reflections(engine, tokenizer, sources, questions, reflect, cfg.reflection.max_trajectory_chars, env)
+        rows = sample_reflections(
+            engine, tokenizer, sources, questions, reflect, cfg.reflection.max_trajectory_chars, env
+        )
         codes = Counter(c for r in rows for c in r["codes"])
         results[name] = sum(r["valid"] for r in rows) / max(len(rows), 1)
-        print(f"{name}: {sum(r['valid'] for r in rows)} of {len(rows)} valid ({results[name]:.3f}); codes {dict(codes.most_common())}")
+        print(
+            f"{name}: {sum(r['valid'] for r in rows)} of {len(rows)} valid ({results[name]:.3f}); codes {dict(codes.most_common())}"
+        )
     print(f"checkpoint {checkpoint}, profile {cfg.profile}, {time.perf_counter() - t0:.0f} s")
     share = results["own held-out rollouts"]
     target = 0.8 if cfg.profile == "small" else 0.5

@@ -11,6 +11,7 @@ The goal counts as met when the last recipe's paired gain exceeds twice its stan
     .venv/bin/python bench/rl_improvement.py --run-dir runs/tiny [--quick] [--set rl.n_windows=2 ...]
     .venv/bin/python bench/rl_improvement.py --run-dir runs/small --work-dir runs/small-rl   # kept; rerun resumes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,11 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
     """Per-query mean scores and the parts of the score for one checkpoint's synthetic evaluation."""
     from rubricem_core.store import RunStore
 
-    rows = [r for r in RunStore(run_dir).read_rows("eval_results")
-            if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]]
+    rows = [
+        r
+        for r in RunStore(run_dir).read_rows("eval_results")
+        if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]
+    ]
     per_query: dict[str, list[float]] = {}
     answered = facts = facts_full = finals = finals_right = 0
     for row in rows:
@@ -61,9 +65,12 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
                 finals, finals_right = finals + 1, finals_right + (item["score"] == 2)
     n = max(1, len(rows))
     return {
-        "per_query": {q: sum(v) / len(v) for q, v in per_query.items()}, "n": len(rows),
-        "answered": answered / n, "valid": sum(bool(r["valid_scaffold"]) for r in rows) / n,
-        "facts": facts_full / facts if facts else math.nan, "finals": finals_right / finals if finals else math.nan,
+        "per_query": {q: sum(v) / len(v) for q, v in per_query.items()},
+        "n": len(rows),
+        "answered": answered / n,
+        "valid": sum(bool(r["valid_scaffold"]) for r in rows) / n,
+        "facts": facts_full / facts if facts else math.nan,
+        "finals": finals_right / finals if finals else math.nan,
     }
 
 
@@ -84,8 +91,11 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
     parser.add_argument("--recipes", default="baseline,full")
     parser.add_argument("--quick", action="store_true", help="one window of one step, 4 eval queries, 256 tokens/turn")
-    parser.add_argument("--work-dir", default=None,
-                        help="keep the RL runs here (default: a temporary directory); a rerun resumes after the last finished step")
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="keep the RL runs here (default: a temporary directory); a rerun resumes after the last finished step",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     args = parser.parse_args()
     src = Path(args.run_dir)
@@ -103,13 +113,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = copy_inputs(src, Path(args.work_dir) if args.work_dir else Path(tmp) / "run")
-        result = ablation(run_dir=run_dir, profile=str(src / "config.yaml"), overrides=overrides,
-                          recipes=recipes, benchmarks=["synthetic"], retrieval="none")
-        parts = {r["recipe"]: {"score": r["score_mean"], **breakdown(r["run_dir"], r["checkpoint"])}
-                 for r in result["rows"] if r["benchmark"] == "synthetic"}
+        result = ablation(
+            run_dir=run_dir,
+            profile=str(src / "config.yaml"),
+            overrides=overrides,
+            recipes=recipes,
+            benchmarks=["synthetic"],
+            retrieval="none",
+        )
+        parts = {
+            r["recipe"]: {"score": r["score_mean"], **breakdown(r["run_dir"], r["checkpoint"])}
+            for r in result["rows"]
+            if r["benchmark"] == "synthetic"
+        }
     print(f"budget per recipe: {result['budget']}")
-    print(f"{'policy':<10} {'score':>6} {'vs SFT':>7} {'± se':>6} {'graded':>6} {'answered':>8} {'valid':>6} "
-          f"{'facts':>6} {'finals':>6}")
+    print(
+        f"{'policy':<10} {'score':>6} {'vs SFT':>7} {'± se':>6} {'graded':>6} {'answered':>8} {'valid':>6} "
+        f"{'facts':>6} {'finals':>6}"
+    )
     sft = parts.get("sft")
     gains: dict[str, tuple[float, float]] = {}
     for name in ["sft", *recipes]:
@@ -120,10 +141,14 @@ def main() -> None:
         gain, se = (0.0, 0.0) if name == "sft" or sft is None else paired_gain(p["per_query"], sft["per_query"])
         gains[name] = (gain, se)
         score = p["score"] if p["score"] is not None else math.nan
-        print(f"{name:<10} {score:>6.3f} {gain:>+7.3f} {se:>6.3f} {p['n']:>6d} {p['answered']:>8.2f} {p['valid']:>6.2f} "
-              f"{p['facts']:>6.2f} {p['finals']:>6.2f}")
-    print("score: mean answer score (persistent rubrics); vs SFT: mean per-query difference, ± its standard error;\n"
-          "answered / valid: shares of trajectories; facts / finals: shares of fact rubrics met in full / right finals")
+        print(
+            f"{name:<10} {score:>6.3f} {gain:>+7.3f} {se:>6.3f} {p['n']:>6d} {p['answered']:>8.2f} {p['valid']:>6.2f} "
+            f"{p['facts']:>6.2f} {p['finals']:>6.2f}"
+        )
+    print(
+        "score: mean answer score (persistent rubrics); vs SFT: mean per-query difference, ± its standard error;\n"
+        "answered / valid: shares of trajectories; facts / finals: shares of fact rubrics met in full / right finals"
+    )
     if len(recipes) >= 2 and all(parts.get(r) for r in recipes[-2:]):
         a, b = recipes[-2], recipes[-1]
         diff, diff_se = paired_gain(parts[b]["per_query"], parts[a]["per_query"])

@@ -13,6 +13,7 @@ and, on a GPU, peak memory: what one step of `rubricem rl` costs with this model
 config and tokenizer are enough to size a GPU node); a random model never calls tools and writes
 every turn to ``--max-new-tokens``, so its rollouts are the long, tool-free case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,14 @@ apply_offline_defaults()
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.config import ToolsConfig  # noqa: E402
+from rubricem_core.encoding import encode_prompt  # noqa: E402
+from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
 from rubricem_core.policy.loading import DTYPES, _ensure_pad_token, auto_device, load_policy  # noqa: E402
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
-from rubricem_core.training.config import TrainerConfig  # noqa: E402
 from rubricem_core.training import make_trainer  # noqa: E402
+from rubricem_core.training.config import TrainerConfig  # noqa: E402
 from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 
 
@@ -56,7 +57,9 @@ def load(policy: str, random_init: bool, dtype: str, device: torch.device):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", default="runs/tiny", help="its checkpoints/sft/final is the policy (unless --policy)")
+    parser.add_argument(
+        "--run-dir", default="runs/tiny", help="its checkpoints/sft/final is the policy (unless --policy)"
+    )
     parser.add_argument("--policy", default=None, help="a Hugging Face causal-LM directory (with its tokenizer)")
     parser.add_argument("--random-init", action="store_true", help="random weights from config.json (speed only)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
@@ -70,8 +73,12 @@ def main() -> None:
     parser.add_argument("--backend", default="torch", choices=["torch", "deepspeed"], help="trainer backend")
     parser.add_argument("--zero-stage", type=int, default=3, help="deepspeed: ZeRO stage")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    parser.add_argument("--steps", type=int, default=1,
-                        help="RL steps (rollouts, update, weight sync to the engine's own copy after each)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="RL steps (rollouts, update, weight sync to the engine's own copy after each)",
+    )
     parser.add_argument("--sft-steps", type=int, default=0, help="SFT steps on the first rollouts before RL")
     parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 64 tokens per turn")
     args = parser.parse_args()
@@ -85,31 +92,49 @@ def main() -> None:
     device = auto_device() if args.device == "auto" else torch.device(args.device)
     model, tokenizer = load(args.policy, args.random_init, args.dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"policy: {args.policy}{' (random init)' if args.random_init else ''}, {n_params / 1e6:.1f}M params, "
-          f"{args.dtype} on {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(
+        f"policy: {args.policy}{' (random init)' if args.random_init else ''}, {n_params / 1e6:.1f}M params, "
+        f"{args.dtype} on {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
 
     world = generate_world(WorldConfig(seed=0, n_documents=400, n_queries=max(args.queries, 4)))
     env = local_tool_env(world.corpus_table(), ToolsConfig())
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
-                              max_total_tokens=args.max_total_tokens, seed=0)
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_new_tokens, max_total_tokens=args.max_total_tokens, seed=0
+    )
     requests = []
     for q in world.queries[: args.queries]:
         messages = prompt_messages({"question": q.question}, style="compact")
-        requests.append(RolloutRequest(q.query_id, encode_prompt(tokenizer, messages), n=args.group,
-                                       sampling=sampling, max_tool_calls=4))
+        requests.append(
+            RolloutRequest(
+                q.query_id, encode_prompt(tokenizer, messages), n=args.group, sampling=sampling, max_tool_calls=4
+            )
+        )
 
     # the reference and (with --steps > 1 or ZeRO-3) the engine's own copy, before ZeRO-3 partitions the model
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     separate = args.steps > 1 or (args.backend == "deepspeed" and args.zero_stage == 3)
     engine_model = copy.deepcopy(model).eval().requires_grad_(False) if separate else None
-    trainer = make_trainer(model, TrainerConfig(
-        lr=1e-6, weight_decay=0.0, total_steps=args.steps + args.sft_steps + 1, precision=args.precision,
-        device=str(device), backend=args.backend, zero_stage=args.zero_stage,
-        gradient_checkpointing=args.gradient_checkpointing))
+    trainer = make_trainer(
+        model,
+        TrainerConfig(
+            lr=1e-6,
+            weight_decay=0.0,
+            total_steps=args.steps + args.sft_steps + 1,
+            precision=args.precision,
+            device=str(device),
+            backend=args.backend,
+            zero_stage=args.zero_stage,
+            gradient_checkpointing=args.gradient_checkpointing,
+        ),
+    )
     engine = HFRolloutEngine(engine_model if separate else trainer.model, tokenizer)
-    print(f"trainer: {args.backend}" + (f" ZeRO-{args.zero_stage}" if args.backend == "deepspeed" else "")
-          + (", gradient checkpointing" if args.gradient_checkpointing else "")
-          + (", engine with its own copy of the weights" if separate else ", engine shares the trainer's module"))
+    print(
+        f"trainer: {args.backend}"
+        + (f" ZeRO-{args.zero_stage}" if args.backend == "deepspeed" else "")
+        + (", gradient checkpointing" if args.gradient_checkpointing else "")
+        + (", engine with its own copy of the weights" if separate else ", engine shares the trainer's module")
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -125,19 +150,25 @@ def main() -> None:
         rollout_s += time.perf_counter() - t0
         generated += sum(t.n_policy_tokens for t in trajs)
         total = sum(len(t) for t in trajs)
-        print(f"step {step} rollouts: {len(trajs)} trajectories, {sum(t.n_policy_tokens for t in trajs)} generated of "
-              f"{total} tokens; finish: {sorted({t.finish_reason for t in trajs})}")
+        print(
+            f"step {step} rollouts: {len(trajs)} trajectories, {sum(t.n_policy_tokens for t in trajs)} generated of "
+            f"{total} tokens; finish: {sorted({t.finish_reason for t in trajs})}"
+        )
         if device.type == "cuda" and step == 0:
             free, total_mem = torch.cuda.mem_get_info(device)
-            print(f"after rollouts: torch allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
-                  f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB; device free {free / 2**30:.1f} of "
-                  f"{total_mem / 2**30:.1f} GiB")
+            print(
+                f"after rollouts: torch allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
+                f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB; device free {free / 2**30:.1f} of "
+                f"{total_mem / 2**30:.1f} GiB"
+            )
         if step == 0 and args.sft_steps:
             from rubricem_core.batching import bucket_batches, collate
             from rubricem_core.logprobs import sft_loss
 
-            micro = [collate([trajs[i] for i in idx], tokenizer.pad_token_id)
-                     for idx in bucket_batches([len(t) for t in trajs], args.max_tokens_per_batch)]
+            micro = [
+                collate([trajs[i] for i in idx], tokenizer.pad_token_id)
+                for idx in bucket_batches([len(t) for t in trajs], args.max_tokens_per_batch)
+            ]
             sync()
             t0 = time.perf_counter()
             for _ in range(args.sft_steps):
@@ -149,8 +180,14 @@ def main() -> None:
         advs = [[rng.gauss(0.0, 1.0) * m for m in t.loss_mask] for t in trajs]
         sync()
         t0 = time.perf_counter()
-        metrics = ss_grpo_update(trainer, ref_model, trajs, advs, tokenizer.pad_token_id,
-                                 UpdateConfig(max_tokens_per_batch=args.max_tokens_per_batch))
+        metrics = ss_grpo_update(
+            trainer,
+            ref_model,
+            trajs,
+            advs,
+            tokenizer.pad_token_id,
+            UpdateConfig(max_tokens_per_batch=args.max_tokens_per_batch),
+        )
         sync()
         update_s += time.perf_counter() - t0
         trained += total

@@ -13,6 +13,7 @@ sampling; both systems produce the same texts (checked below).
     .venv/bin/python bench/rollout_engine.py            # ~1-3 min on 2 CPU cores
     .venv/bin/python bench/rollout_engine.py --queries 4 --n 2 --layers 2   # quicker
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,14 +88,24 @@ def main() -> None:
     tok = train_bpe_tokenizer(texts, vocab_size=2048)
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4,
-        max_position_embeddings=8192, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
     model = Qwen3ForCausalLM(config).eval()
     table = world.corpus_table()
-    tools = {"search": LocalSearchTool(table, top_k=3, snippet_chars=240), "browse": LocalBrowseTool(table, max_chars=800)}
+    tools = {
+        "search": LocalSearchTool(table, top_k=3, snippet_chars=240),
+        "browse": LocalBrowseTool(table, max_chars=800),
+    }
     env = ToolEnv(tools, max_calls=args.max_tool_calls)
 
     queries = world.queries[: args.queries]
@@ -102,13 +113,19 @@ def main() -> None:
     system = system_prompt()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=600, max_total_tokens=8192, seed=0)
     requests = [
-        RolloutRequest(q.query_id, encode_prompt(tok, [{"role": "system", "content": system},
-                                                       {"role": "user", "content": q.question}]),
-                       n=args.n, sampling=sampling, max_tool_calls=args.max_tool_calls)
+        RolloutRequest(
+            q.query_id,
+            encode_prompt(tok, [{"role": "system", "content": system}, {"role": "user", "content": q.question}]),
+            n=args.n,
+            sampling=sampling,
+            max_tool_calls=args.max_tool_calls,
+        )
         for q in queries
     ]
-    print(f"workload: {len(requests)} queries x {args.n} samples, prompt ~{len(requests[0].prompt_ids)} tokens, "
-          f"model {args.layers}x{args.hidden} (vocab {len(tok)}), torch threads {args.threads}")
+    print(
+        f"workload: {len(requests)} queries x {args.n} samples, prompt ~{len(requests[0].prompt_ids)} tokens, "
+        f"model {args.layers}x{args.hidden} (vocab {len(tok)}), torch threads {args.threads}"
+    )
 
     engine = HFRolloutEngine(model, tok, forced_policy=TeacherSchedule(tok, questions, args.max_tool_calls))
     started = time.perf_counter()
@@ -123,20 +140,26 @@ def main() -> None:
     baseline_tokens = sum(r.n_generated for r in baseline_out)
 
     same = sum(
-        tok.decode(t.token_ids[t.prompt_len:], skip_special_tokens=False, clean_up_tokenization_spaces=False) == r.text
+        tok.decode(t.token_ids[t.prompt_len :], skip_special_tokens=False, clean_up_tokenization_spaces=False) == r.text
         for t, r in zip(engine_out, baseline_out)
     )
     turns = sum(t.n_tool_calls + 1 for t in engine_out)
     reasons = sorted({t.finish_reason for t in engine_out})
-    print(f"trajectories: {len(engine_out)}, turns {turns}, tool calls {sum(t.n_tool_calls for t in engine_out)}, "
-          f"finish {reasons}, identical texts {same}/{len(engine_out)}")
+    print(
+        f"trajectories: {len(engine_out)}, turns {turns}, tool calls {sum(t.n_tool_calls for t in engine_out)}, "
+        f"finish {reasons}, identical texts {same}/{len(engine_out)}"
+    )
     stats = engine.stats
-    print(f"engine:   {engine_tokens} policy tokens in {engine_s:.2f} s = {engine_tokens / engine_s:.1f} tok/s "
-          f"({stats['forward_calls']} forward calls, {stats['real_slots'] / stats['chunk_slots']:.0%} of chunk "
-          f"positions real, {stats.get('compactions', 0)} cache compactions)")
+    print(
+        f"engine:   {engine_tokens} policy tokens in {engine_s:.2f} s = {engine_tokens / engine_s:.1f} tok/s "
+        f"({stats['forward_calls']} forward calls, {stats['real_slots'] / stats['chunk_slots']:.0%} of chunk "
+        f"positions real, {stats.get('compactions', 0)} cache compactions)"
+    )
     print(f"baseline: {baseline_tokens} policy tokens in {baseline_s:.2f} s = {baseline_tokens / baseline_s:.1f} tok/s")
     ratio = (engine_tokens / engine_s) / (baseline_tokens / baseline_s)
-    print(f"figure: engine_speedup={ratio:.2f} x  goal: > 1 x the per-turn generate loop  met: {'yes' if ratio > 1 else 'no'}")
+    print(
+        f"figure: engine_speedup={ratio:.2f} x  goal: > 1 x the per-turn generate loop  met: {'yes' if ratio > 1 else 'no'}"
+    )
 
 
 if __name__ == "__main__":

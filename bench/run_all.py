@@ -13,6 +13,7 @@ run directory (an SFT checkpoint) are skipped when it is absent.
     .venv/bin/python bench/run_all.py --quick            # small sizes (a few minutes)
     .venv/bin/python bench/run_all.py --only duckdb_latency,throughput --quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,7 +72,9 @@ def parse_figure_line(line: str) -> Figure:
     """Parse one last line; raises FigureParseError naming what is wrong."""
     match = FIGURE_LINE.match(line.strip())
     if match is None:
-        raise FigureParseError(f"not a figure line (expected 'figure: name=value unit  goal: …  met: yes|no|n/a'): {line!r}")
+        raise FigureParseError(
+            f"not a figure line (expected 'figure: name=value unit  goal: …  met: yes|no|n/a'): {line!r}"
+        )
     try:
         value = float(match["value"])
     except ValueError as exc:
@@ -141,8 +144,9 @@ def script_command(script: Script, quick: bool, run_dir: str, python: str, bench
     return cmd
 
 
-def run_script(script: Script, quick: bool, run_dir: str, python: str, timeout_s: float, log_dir: Path,
-               bench_dir: Path = BENCH_DIR) -> Result:
+def run_script(
+    script: Script, quick: bool, run_dir: str, python: str, timeout_s: float, log_dir: Path, bench_dir: Path = BENCH_DIR
+) -> Result:
     """Run one script and parse its last line; never raises for a script's failure."""
     path = bench_dir / f"{script.name}.py"
     if not path.exists():
@@ -155,14 +159,24 @@ def run_script(script: Script, quick: bool, run_dir: str, python: str, timeout_s
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return Result(script.name, "crashed", time.perf_counter() - started, note=f"timed out after {timeout_s:.0f}s",
-                      tail=out.splitlines()[-5:])
+        return Result(
+            script.name,
+            "crashed",
+            time.perf_counter() - started,
+            note=f"timed out after {timeout_s:.0f}s",
+            tail=out.splitlines()[-5:],
+        )
     seconds = time.perf_counter() - started
     (log_dir / f"{script.name}.stdout.txt").write_text(proc.stdout, encoding="utf-8")
     (log_dir / f"{script.name}.stderr.txt").write_text(proc.stderr, encoding="utf-8")
     if proc.returncode != 0:
-        return Result(script.name, "crashed", seconds, note=f"exit code {proc.returncode}",
-                      tail=(proc.stderr or proc.stdout).splitlines()[-8:])
+        return Result(
+            script.name,
+            "crashed",
+            seconds,
+            note=f"exit code {proc.returncode}",
+            tail=(proc.stderr or proc.stdout).splitlines()[-8:],
+        )
     try:
         figure = last_figure(proc.stdout)
     except FigureParseError as exc:
@@ -197,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help="comma-separated script names (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes (passed to scripts that support them)")
-    parser.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "tiny"),
-                        help="finished run with an SFT checkpoint, read (never modified) by the scripts that need one")
+    parser.add_argument(
+        "--run-dir",
+        default=str(REPO_ROOT / "runs" / "tiny"),
+        help="finished run with an SFT checkpoint, read (never modified) by the scripts that need one",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per script")
     parser.add_argument("--log-dir", default=None, help="where each script's stdout/stderr go (default: a temp dir)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the scripts")

@@ -7,6 +7,7 @@ policy copy from its context at all; see rubricem_core/policy/copy_probe.py and 
 The run directory must hold `queries`, `corpus` and checkpoints/sft/final (from `rubricem run` or
 `rubricem sft`). Sampling uses the transformers rollout engine at the configured temperature.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per held-out query")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-queries", type=int, default=24)
-    parser.add_argument("--dump", default=None, help="write each sampled trajectory (text, violations) to this JSONL file")
+    parser.add_argument(
+        "--dump", default=None, help="write each sampled trajectory (text, violations) to this JSONL file"
+    )
     args = parser.parse_args()
 
     store = RunStore(args.run_dir)
@@ -49,12 +52,19 @@ def main() -> None:
     queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]
     env = local_tool_env(store.read_table("corpus"), cfg.tools)
     sampling = SamplingParams(
-        temperature=args.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed,
+        temperature=args.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=cfg.seed,
     )
     requests = [
-        RolloutRequest(request_id=q["query_id"], prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-                       n=args.samples, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
+        RolloutRequest(
+            request_id=q["query_id"],
+            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
+            n=args.samples,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
         for q in queries
     ]
     engine = HFRolloutEngine(model, tokenizer)
@@ -74,22 +84,34 @@ def main() -> None:
             valid += not violations
             codes.update({v.code for v in violations})
             finish[traj.finish_reason] += 1
-            dumped.append({"query_id": query["query_id"], "finish_reason": traj.finish_reason, "text": text,
-                           "violations": [{"code": v.code, "message": v.message} for v in violations]})
+            dumped.append(
+                {
+                    "query_id": query["query_id"],
+                    "finish_reason": traj.finish_reason,
+                    "text": text,
+                    "violations": [{"code": v.code, "message": v.message} for v in violations],
+                }
+            )
     if args.dump:
         Path(args.dump).write_text("".join(json.dumps(row) + "\n" for row in dumped))
     print(f"checkpoint: {checkpoint}")
-    print(f"held-out queries: {len(queries)} x {args.samples} samples = {n} trajectories, "
-          f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)")
+    print(
+        f"held-out queries: {len(queries)} x {args.samples} samples = {n} trajectories, "
+        f"{generated} generated tokens in {seconds:.1f}s ({generated / max(seconds, 1e-9):.0f} tok/s)"
+    )
     print(f"finish reasons: {dict(finish)}")
     print(f"violations (trajectories with each code): {dict(codes.most_common())}")
     # names and ids in a trace are copied from the context; 0 here means no induction mechanism
     probe = probe_copying(model, tokenizer)
-    print("copy probe (argmax accuracy on a repeated random span): "
-          + ", ".join(f"spans up to {span} tokens {acc:.3f}" for span, acc in probe.items()))
+    print(
+        "copy probe (argmax accuracy on a repeated random span): "
+        + ", ".join(f"spans up to {span} tokens {acc:.3f}" for span, acc in probe.items())
+    )
     share = valid / max(n, 1)
-    print(f"figure: scaffold_valid={share:.3f} of trajectories  goal: >= 0.8 pass the scaffold validator  "
-          f"met: {'yes' if share >= 0.8 else 'no'}")
+    print(
+        f"figure: scaffold_valid={share:.3f} of trajectories  goal: >= 0.8 pass the scaffold validator  "
+        f"met: {'yes' if share >= 0.8 else 'no'}"
+    )
 
 
 if __name__ == "__main__":

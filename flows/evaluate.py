@@ -3,6 +3,7 @@ it independently of training rewards → `eval_results` (one Parquet part per ch
 retrieval mode) and per-benchmark means in MLflow (child run "evaluate", step = policy updates in the
 checkpoint: SFT 0, RL step N → N + 1). A rerun skips benchmarks whose part exists.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -13,9 +14,9 @@ from prefect import flow, get_run_logger
 
 from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
-from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
+from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.tracking import Tracker
 from tasks.evaluate import default_checkpoint, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
@@ -47,7 +48,9 @@ def evaluate(
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="evaluate")
     if benchmarks is not None:
-        cfg = cfg.model_copy(update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})})
+        cfg = cfg.model_copy(
+            update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})}
+        )
     if any(b != "synthetic" for b in cfg.eval.benchmarks):  # graded through eval.grader
         check_endpoint_keys(cfg.eval.grader)
     mode = retrieval or cfg.eval.retrieval
@@ -58,18 +61,24 @@ def evaluate(
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
     results: dict[str, dict[str, Any]] = {}
-    with (tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext()) as child:
+    with tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext() as child:
         for benchmark in cfg.eval.benchmarks:
             summary = evaluate_benchmark(run_dir, cfg, path, benchmark, mode)
             results[benchmark] = summary
             if child is not None:
-                numbers = {f"eval/{benchmark}/{mode}/{k}": v for k, v in summary.items()
-                           if k != "cached" and v == v}  # NaN (nothing scored) is not logged
+                numbers = {
+                    f"eval/{benchmark}/{mode}/{k}": v for k, v in summary.items() if k != "cached" and v == v
+                }  # NaN (nothing scored) is not logged
                 child.log_metrics(numbers, step=checkpoint_updates(tag))
             log.info("%s: %s score %.3f", tag, benchmark, summary["score_mean"])
         if child is not None:
-            child.log_dict({"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results},
-                           f"eval/{tag}--{mode}.json")
-        publish_markdown("evaluate", run_dir, eval_markdown(tag, path, mode, results, run_dir, **mlflow_links(tracker, child)),
-                         f"evaluation of {tag} in {run_dir}")
+            child.log_dict(
+                {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}, f"eval/{tag}--{mode}.json"
+            )
+        publish_markdown(
+            "evaluate",
+            run_dir,
+            eval_markdown(tag, path, mode, results, run_dir, **mlflow_links(tracker, child)),
+            f"evaluation of {tag} in {run_dir}",
+        )
     return {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}

@@ -4,6 +4,7 @@ collect_sft_data → sft → rl → evaluate (held-out queries, graded independe
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
 one child run per stage under the run directory's parent run.
 """
+
 from __future__ import annotations
 
 from typing import Any

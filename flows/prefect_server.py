@@ -12,6 +12,7 @@ so setting ``os.environ`` afterwards is not enough: the URL is also applied to t
 process-global settings context (as ``prefect.testing.utilities.prefect_test_harness`` does), and
 to the environment for child processes (torchrun ranks) that import prefect themselves.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +25,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from rubricem_core.processes import die_with_parent
 

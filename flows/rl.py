@@ -10,10 +10,12 @@ With the reflection meta-policy (recipes meta_policy, full) a step N also runs
 so the Prefect timeline shows the overlap. `reflection.schedule: sync` runs the same tasks one after
 another in the same order of weight changes, so both schedules give the same numbers.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any
 
 from prefect import flow, get_run_logger
 
@@ -27,11 +29,20 @@ from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
-from tasks.secrets import check_endpoint_keys
 from tasks.rl import (
-    completed_step, drop_sessions, judge_task, recipe_settings, reflection_on, rollout_task, step_checkpoint,
-    start_policy, step_metrics, step_metrics_logged, update_task,
+    completed_step,
+    drop_sessions,
+    judge_task,
+    recipe_settings,
+    reflection_on,
+    rollout_task,
+    start_policy,
+    step_checkpoint,
+    step_metrics,
+    step_metrics_logged,
+    update_task,
 )
+from tasks.secrets import check_endpoint_keys
 
 
 @flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}")
@@ -42,11 +53,14 @@ def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | N
     pending = _reflections_to_train(run_dir, cfg, previous)
     reflecting_now = reflection_on(cfg) and plan.phase == "new"
     rolled, updated_reflections = _alongside(
-        overlap, (rollout_task, run_dir, cfg, plan),
-        pending and (reflection_update_task, run_dir, cfg, pending, plan.step))
+        overlap,
+        (rollout_task, run_dir, cfg, plan),
+        pending and (reflection_update_task, run_dir, cfg, pending, plan.step),
+    )
     judged = judge_task(run_dir, cfg, plan)
-    updated, reflected = _alongside(overlap, (update_task, run_dir, cfg, plan),
-                                    reflecting_now and (reflect_task, run_dir, cfg, plan))
+    updated, reflected = _alongside(
+        overlap, (update_task, run_dir, cfg, plan), reflecting_now and (reflect_task, run_dir, cfg, plan)
+    )
     metrics: dict[str, float] = {}
     for part in (rolled, judged, updated, updated_reflections, reflected):
         metrics.update((part or {}).get("metrics", {}))
@@ -104,15 +118,19 @@ def _finish_done_step(run_dir: str, cfg: RunConfig, plan: StepPlan, child: Any) 
 def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
     """One row per finished step for the flow run's artifact (the tasks' saved metrics)."""
     store, done = RunStore(run_dir), completed_step(run_dir)
-    return [{"step": p.step, "phase": p.phase, "retrieval": p.retrieval, **step_metrics(store, p.step)}
-            for p in plans if p.step <= done]
+    return [
+        {"step": p.step, "phase": p.phase, "retrieval": p.retrieval, **step_metrics(store, p.step)}
+        for p in plans
+        if p.step <= done
+    ]
 
 
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
     reflecting = get_recipe(cfg.rl.recipe).reflection
-    return windowed_schedule(queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed,
-                             reflection=reflecting)
+    return windowed_schedule(
+        queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=reflecting
+    )
 
 
 @flow(name="rl", flow_run_name="{run_dir}")
@@ -138,17 +156,23 @@ def rl(
     plans = rl_plans(run_dir, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
-    params = flatten({"rl": cfg.rl.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
-                      "judge": cfg.judge.model_dump(mode="json")})
+    params = flatten(
+        {
+            "rl": cfg.rl.model_dump(mode="json"),
+            "rollout": cfg.rollout.model_dump(mode="json"),
+            "judge": cfg.judge.model_dump(mode="json"),
+        }
+    )
     params["rl.lambda"] = str(rs.lam.tolist())
     last: dict[str, float] = {}
-    with (tracker.child_run("rl", params=params, tags=prefect_links()) if tracker else nullcontext()) as child, \
-            _ranks_end_with_flow(cfg):
+    with (
+        tracker.child_run("rl", params=params, tags=prefect_links()) if tracker else nullcontext() as child,
+        _ranks_end_with_flow(cfg),
+    ):
         done = completed_step(run_dir)
         if done >= 0:
             log.info("resuming RL after step %d", done)
-        progress = Progress("RL step", len(plans), log.info, every_s=0.0,
-                            start_done=sum(p.step <= done for p in plans))
+        progress = Progress("RL step", len(plans), log.info, every_s=0.0, start_done=sum(p.step <= done for p in plans))
         if done >= plans[-1].step and cfg.distributed.nnodes > 1:
             announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
@@ -160,9 +184,16 @@ def rl(
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last
             progress.update(i + 1, f"step {plan.step} ({plan.phase}, retrieval {plan.retrieval}) done")
-        publish_markdown("rl", run_dir, rl_markdown(
-            step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
-            f"RL of {run_dir}: one row per step")
+        publish_markdown(
+            "rl",
+            run_dir,
+            rl_markdown(step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
+            f"RL of {run_dir}: one row per step",
+        )
     final = step_checkpoint(run_dir, plans[-1].step)
-    return {"steps": len(plans), "final_checkpoint": str(final), "recipe": cfg.rl.recipe,
-            "last_metrics": {k: v for k, v in last.items() if k.startswith(("reward/", "rl/loss", "rl/kl"))}}
+    return {
+        "steps": len(plans),
+        "final_checkpoint": str(final),
+        "recipe": cfg.rl.recipe,
+        "last_metrics": {k: v for k, v in last.items() if k.startswith(("reward/", "rl/loss", "rl/kl"))},
+    }

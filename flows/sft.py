@@ -1,4 +1,5 @@
 """Flow `sft`: fine-tune the policy on accepted `sft_trajectories` (tool outputs masked)."""
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -32,8 +33,10 @@ def sft(
     cfg = resolve_config(run_dir, profile, overrides, command="sft")
     require_tables(run_dir, ["corpus", "sft_trajectories"], "collect-sft-data")
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
-    params = flatten({"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed})
-    with (tracker.child_run("sft", params=params, tags=prefect_links()) if tracker else nullcontext()) as child:
+    params = flatten(
+        {"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed}
+    )
+    with tracker.child_run("sft", params=params, tags=prefect_links()) if tracker else nullcontext() as child:
         policy_dir = prepare_policy_task(run_dir, cfg)
         result = train_sft_task(run_dir, cfg, policy_dir, log_metrics=child.log_metrics if child else None)
         if child is not None and not result.get("cached"):
@@ -41,6 +44,8 @@ def sft(
             child.set_tags({"checkpoint.final": result["final_dir"], "policy.base": policy_dir})
             if checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
                 child.log_artifact(result["final_dir"], artifact_path="checkpoints/sft_final")
-        publish_markdown("sft", run_dir, sft_markdown(result, run_dir, **mlflow_links(tracker, child)), f"SFT of {run_dir}")
+        publish_markdown(
+            "sft", run_dir, sft_markdown(result, run_dir, **mlflow_links(tracker, child)), f"SFT of {run_dir}"
+        )
     log.info("SFT policy: %s", result["final_dir"])
     return result

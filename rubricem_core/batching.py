@@ -4,12 +4,13 @@ Research trajectories vary from a few hundred to many thousand tokens; batching 
 spends most of the compute on padding. Sorting by length and filling batches up to a padded-token
 budget keeps padding small and memory per step bounded.
 """
+
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, fields
-from typing import Sequence, Sized
 
 import torch
 
@@ -37,7 +38,7 @@ class TokenBatch:
     def batch_size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device: torch.device | str) -> "TokenBatch":
+    def to(self, device: torch.device | str) -> TokenBatch:
         moved = {
             f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
             for f in fields(self)

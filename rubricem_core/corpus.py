@@ -4,12 +4,14 @@ Accepted JSONL/Parquet fields: id | doc_id | _id; title (optional); text | conte
 source (optional). FlashRAG-style `contents` ("\"Title\"\\ntext", quotes optional) has its title split off.
 Very long documents are kept whole (the search tool chunks them); empty texts are rejected.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -85,7 +87,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise CorpusError(f"{path}: line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+                raise CorpusError(
+                    f"{path}: line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                ) from exc
             if not line.strip():
                 continue
             try:
@@ -155,8 +159,9 @@ def load_folder_corpus(path: Path, source: str | None = None) -> pa.Table:
         if not text.strip():
             raise CorpusError(f"{file}: document has empty text")
         title = _markdown_title(text) or file.stem
-        rows.append({"doc_id": relative.with_suffix("").as_posix(), "title": title, "text": text,
-                     "source": default_source})
+        rows.append(
+            {"doc_id": relative.with_suffix("").as_posix(), "title": title, "text": text, "source": default_source}
+        )
         locations.append(f"file {relative.as_posix()}")
     if not rows:
         raise CorpusError(f"{path}: corpus is empty (no {'/'.join(FOLDER_SUFFIXES)} files)")

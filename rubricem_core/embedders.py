@@ -4,11 +4,13 @@ Every embedder returns float32 rows that are L2-normalized, so inner product is 
 and FAISS ``IndexFlatIP`` can be used directly. An all-empty text (no word characters) has no
 direction and comes back as a zero row.
 """
+
 from __future__ import annotations
 
 import re
 import zlib
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -145,7 +147,11 @@ class SentenceTransformerEmbedder:
         if not texts:
             return np.zeros((0, self._dim), dtype=np.float32)
         vectors = self._model.encode(
-            texts, batch_size=self._batch_size, normalize_embeddings=True, show_progress_bar=False, convert_to_numpy=True
+            texts,
+            batch_size=self._batch_size,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+            convert_to_numpy=True,
         )
         return l2_normalize(vectors)
 

@@ -13,6 +13,7 @@ because that is how the engine produces it: generation stops right after ``</cal
 environment's ids are appended, and generation resumes. Tokenizing the whole text at once would
 merge tokens across those boundaries and train on sequences the policy never sees.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,7 +45,9 @@ def _tokenizer_name(tokenizer: Any) -> str:
 
 def _render_prompt(tokenizer: Any, messages: list[dict], **template_kwargs: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise EncodingError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat_template; set one in its tokenizer_config")
+        raise EncodingError(
+            f"tokenizer {_tokenizer_name(tokenizer)} has no chat_template; set one in its tokenizer_config"
+        )
     if not messages:
         raise EncodingError("encode_prompt needs at least one message")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
@@ -90,8 +93,12 @@ def _token_char_ends(offsets: list[tuple[int, int]], n_chars: int) -> list[int]:
 
 
 def _encode_policy_run(
-    tokenizer: Any, traj: TokenTrajectory, text: str, base: int,
-    seg_starts: list[int], seg_stages: list[str],
+    tokenizer: Any,
+    traj: TokenTrajectory,
+    text: str,
+    base: int,
+    seg_starts: list[int],
+    seg_stages: list[str],
 ) -> None:
     """Tokenize one policy run once and append it as one segment per stage change."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -134,7 +141,7 @@ def encode_trajectory(
         if not segment.is_tool_output:
             continue
         if segment.start > run_from:
-            _encode_policy_run(tokenizer, traj, text[run_from:segment.start], run_from, seg_starts, seg_stages)
+            _encode_policy_run(tokenizer, traj, text[run_from : segment.start], run_from, seg_starts, seg_stages)
         traj.append("tool_output", TOOL_OUTPUT_STAGE, encode_tool_output(tokenizer, segment.text), segment.text)
         n_tool_outputs += 1
         run_from = segment.end
@@ -152,7 +159,11 @@ def encode_trajectory(
 
 
 def encode_completion(
-    tokenizer: Any, prompt_messages: list[dict], completion: str, stage_id: int, max_len: int | None = None,
+    tokenizer: Any,
+    prompt_messages: list[dict],
+    completion: str,
+    stage_id: int,
+    max_len: int | None = None,
     **template_kwargs: Any,
 ) -> TokenTrajectory:
     """A one-turn SFT example (the reflection task): the prompt exactly as ``encode_prompt`` gives it
@@ -161,11 +172,15 @@ def encode_completion(
     prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))
     ids = list(tokenizer.encode(completion, add_special_tokens=False)) + [end_of_turn_id(tokenizer)]
     n, m = len(prompt_ids), len(ids)
-    traj = TokenTrajectory(token_ids=prompt_ids + ids, loss_mask=[0] * n + [1] * m,
-                           stage_ids=[NO_STAGE] * n + [stage_id] * m, logprobs=[math.nan] * (n + m),
-                           segments=[TokenSegment("prompt", None, 0, n, prompt_text),
-                                     TokenSegment("policy", None, n, n + m, completion)],
-                           prompt_len=n, finish_reason="stop")
+    traj = TokenTrajectory(
+        token_ids=prompt_ids + ids,
+        loss_mask=[0] * n + [1] * m,
+        stage_ids=[NO_STAGE] * n + [stage_id] * m,
+        logprobs=[math.nan] * (n + m),
+        segments=[TokenSegment("prompt", None, 0, n, prompt_text), TokenSegment("policy", None, n, n + m, completion)],
+        prompt_len=n,
+        finish_reason="stop",
+    )
     if max_len is not None and len(traj) > max_len:
         raise TrajectoryTooLong(len(traj), max_len, traj.prompt_len)
     return traj
@@ -174,6 +189,6 @@ def encode_completion(
 def decode_segments(tokenizer: Any, traj: TokenTrajectory) -> list[str]:
     """Decode each segment's ids on their own (tests: equals each segment's ``text``)."""
     return [
-        tokenizer.decode(traj.token_ids[s.start:s.end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        tokenizer.decode(traj.token_ids[s.start : s.end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         for s in traj.segments
     ]

@@ -3,6 +3,7 @@
 One place builds both, so SFT data collection, rollouts and evaluation see the same tools and the
 same prompt (system prompt with an optional guidance block, then the query).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ def local_tool_env(corpus: pa.Table, tools: ToolsConfig) -> ToolEnv:
     if tools.specs:
         from rubricem_core.tools.registry import build_tools
 
-        built = build_tools(tools.specs, corpus=corpus, cache_dir=tools.cache_dir, embedder=make_embedder(tools.embedder))
+        built = build_tools(
+            tools.specs, corpus=corpus, cache_dir=tools.cache_dir, embedder=make_embedder(tools.embedder)
+        )
         return ToolEnv(built, max_calls=2**31 - 1)
     if corpus.num_rows == 0:
         raise ValueError("the corpus is empty: set data.corpus to use the local search tool")
@@ -37,7 +40,7 @@ def local_tool_env(corpus: pa.Table, tools: ToolsConfig) -> ToolEnv:
 COMPACT_PROMPT = (
     "You are a research agent. Write <structured_plan> (deep_analysis, rubric, research_plan), then search "
     'with <call_tool name="search">query</call_tool> and judge each result in <state_evaluation>, then '
-    "<review>, then an <answer> that cites retrieved ids with <cite id=\"...\">claim</cite>."
+    '<review>, then an <answer> that cites retrieved ids with <cite id="...">claim</cite>.'
 )
 
 
@@ -48,14 +51,19 @@ def policy_system_prompt(style: str = "full", guidance: str | None = None) -> st
         return system_prompt(guidance=guidance)
     if style == "compact":
         if guidance:
-            return COMPACT_PROMPT + "\n\n=== GUIDANCE FROM PAST RESEARCH (advice only; never cite it) ===\n" + guidance + "\n=== END GUIDANCE ==="
+            return (
+                COMPACT_PROMPT
+                + "\n\n=== GUIDANCE FROM PAST RESEARCH (advice only; never cite it) ===\n"
+                + guidance
+                + "\n=== END GUIDANCE ==="
+            )
         return COMPACT_PROMPT
     raise ValueError(f"unknown prompt style {style!r}; expected 'full' or 'compact'")
 
 
 def prompt_messages(query: dict[str, Any], guidance: str | None = None, style: str = "full") -> list[dict[str, str]]:
     """System prompt (with the retrieved guidance block, if any) followed by the query's conversation."""
-    conversation = json.loads(query["messages"]) if query.get("messages") else [
-        {"role": "user", "content": query["question"]}
-    ]
+    conversation = (
+        json.loads(query["messages"]) if query.get("messages") else [{"role": "user", "content": query["question"]}]
+    )
     return [{"role": "system", "content": policy_system_prompt(style, guidance)}, *conversation]

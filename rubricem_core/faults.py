@@ -6,6 +6,7 @@ exactly what an OOM killer or a preempted node does. Without the variable a call
 The fault-tolerance tests (tests/test_fault_kill.py) use it to stop a run at a chosen point
 deterministically and then check that a rerun completes with the same tables.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 A trace is rejected with coded reasons (a list, so SQL can ``unnest`` them): every scaffold
 violation code from ``rubricem_core.scaffold.validate``, plus the codes below.
 """
+
 from __future__ import annotations
 
 import re

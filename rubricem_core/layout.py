@@ -23,6 +23,7 @@
 A ``RunLayout`` never resolves or creates anything: it joins names onto the path it is given, so each
 caller keeps its own choice of a resolved or a relative run directory.
 """
+
 from __future__ import annotations
 
 import os

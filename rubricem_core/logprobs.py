@@ -5,6 +5,7 @@ float32 (B, T, V) log-softmax never exists at once: with V ≈ 150k, B·T = 32k 
 ~19 GB. Under autograd each chunk is checkpointed, so backward recomputes the float32 chunk
 instead of keeping every chunk's upcast copy alive.
 """
+
 from __future__ import annotations
 
 from typing import Any

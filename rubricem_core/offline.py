@@ -3,6 +3,7 @@
 Applied by the project itself (CLI, flows, tests) so users never have to export them.
 Values already set by the user win (``setdefault``), so a GPU node can still opt in to a hub.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,11 +1,12 @@
 """Child processes that do not outlive the process that started them."""
+
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

@@ -4,12 +4,13 @@ steps, rollouts, RL steps): "sft step 20/74 (27%), 3m 10s elapsed, ETA 8m 33s".
 The ETA is linear in the work done so far: (elapsed / done) × (total − done). Lines are throttled
 (`every_s`) so a loop of thousands of items writes a few lines, and the last item always writes one.
 """
+
 from __future__ import annotations
 
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def format_seconds(seconds: float) -> str:
@@ -36,8 +37,15 @@ class Progress:
 
     ``update(done, detail)`` may be called from several threads (concurrent LLM calls)."""
 
-    def __init__(self, what: str, total: int, emit: Callable[[str], None], every_s: float = 10.0,
-                 start_done: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        emit: Callable[[str], None],
+        every_s: float = 10.0,
+        start_done: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.what = what
         self.total = int(total)
         self.emit = emit

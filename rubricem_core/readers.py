@@ -9,6 +9,7 @@ Rubric `check` objects written here:
                                                 (HealthBench points/tags, ScholarQA evidence,
                                                 DeepResearchBench dimension and weights)
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,14 +17,32 @@ import csv
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow.parquet as pq
 
-from rubricem_core.schemas import QUERIES_SCHEMA, QUERY_SPLITS, RUBRIC_POLARITIES, RUBRIC_STAGES, Query, QueryValidationError, queries_from_table
+from rubricem_core.schemas import (
+    QUERIES_SCHEMA,
+    QUERY_SPLITS,
+    RUBRIC_POLARITIES,
+    RUBRIC_STAGES,
+    Query,
+    QueryValidationError,
+    queries_from_table,
+)
 
-FORMATS: tuple[str, ...] = ("dr_tulu", "healthbench", "scholarqa_cs", "deep_research_bench", "simpleqa", "2wiki", "jsonl", "parquet")
+FORMATS: tuple[str, ...] = (
+    "dr_tulu",
+    "healthbench",
+    "scholarqa_cs",
+    "deep_research_bench",
+    "simpleqa",
+    "2wiki",
+    "jsonl",
+    "parquet",
+)
 
 
 class QueryFileError(ValueError):
@@ -35,6 +54,7 @@ class QueryFileError(ValueError):
 
 
 # ---- low-level record access -------------------------------------------------------------------
+
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as fh:
@@ -48,7 +68,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield f"line {line_no}", json.loads(line)
             except json.JSONDecodeError as exc:
-                raise QueryFileError(path, f"line {line_no}", f"malformed JSON: {exc.msg} (column {exc.colno})") from exc
+                raise QueryFileError(
+                    path, f"line {line_no}", f"malformed JSON: {exc.msg} (column {exc.colno})"
+                ) from exc
 
 
 def _load_json(path: Path) -> Any:
@@ -112,6 +134,7 @@ def _is_single_json(path: Path) -> bool:
 
 # ---- field helpers -----------------------------------------------------------------------------
 
+
 class _Record:
     """A record plus its location, with typed field access that raises QueryFileError."""
 
@@ -170,8 +193,11 @@ def _messages(record: _Record, field: str, value: Any) -> list[dict[str, str]]:
         raise record.error(field, "expected a non-empty list of {role, content} messages")
     out = []
     for index, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise record.error(f"{field}[{index}]", "expected an object with string 'role' and 'content'")
         out.append({"role": message["role"], "content": message["content"]})
     return out
@@ -190,7 +216,9 @@ def _rubric(record: _Record, field: str, item: Any) -> dict[str, Any]:
         item = {"description": item}
     if not isinstance(item, dict):
         raise record.error(field, f"expected a rubric object, got {type(item).__name__}")
-    description = next((item[k] for k in ("description", "criterion", "rubric", "text") if isinstance(item.get(k), str)), None)
+    description = next(
+        (item[k] for k in ("description", "criterion", "rubric", "text") if isinstance(item.get(k), str)), None
+    )
     title = next((item[k] for k in ("title", "name") if isinstance(item.get(k), str)), None)
     if not (description or title):
         raise record.error(field, "rubric has neither a description/criterion nor a title")
@@ -210,8 +238,14 @@ def _rubric(record: _Record, field: str, item: Any) -> dict[str, Any]:
             raise record.error(f"{field}.check", "expected a JSON object") from None
     if check is not None and not isinstance(check, dict):
         raise record.error(f"{field}.check", "expected a JSON object or null")
-    return {"title": title or _short_title(description), "description": description or title,
-            "weight": abs(weight), "polarity": polarity, "stage": stage, "check": check}
+    return {
+        "title": title or _short_title(description),
+        "description": description or title,
+        "weight": abs(weight),
+        "polarity": polarity,
+        "stage": stage,
+        "check": check,
+    }
 
 
 def _rubric_list(record: _Record, field: str, value: Any) -> list[dict[str, Any]]:
@@ -228,9 +262,14 @@ def _rubric_list(record: _Record, field: str, value: Any) -> list[dict[str, Any]
 
 
 def _final_rubric(answer: str, aliases: list[str]) -> dict[str, Any]:
-    return {"title": f"Answers {_short_title(answer, 70)}", "description": f"The final answer is {answer}.",
-            "weight": 3.0, "polarity": "positive", "stage": "answer",
-            "check": {"type": "final", "value": answer, "aliases": aliases}}
+    return {
+        "title": f"Answers {_short_title(answer, 70)}",
+        "description": f"The final answer is {answer}.",
+        "weight": 3.0,
+        "polarity": "positive",
+        "stage": "answer",
+        "check": {"type": "final", "value": answer, "aliases": aliases},
+    }
 
 
 def _check_split(split: str) -> str:
@@ -264,6 +303,7 @@ class _Collector:
 
 
 # ---- DR Tulu RL rows ---------------------------------------------------------------------------
+
 
 def _parse_ground_truth(record: _Record, value: Any) -> tuple[dict[str, Any] | None, list[str]]:
     """DR Tulu `ground_truth`: a JSON string (often wrapped in a one-element list) of
@@ -308,7 +348,9 @@ def read_dr_tulu(path: str | os.PathLike[str], split: str = "train") -> list[Que
         if truth is not None:
             if truth.get("rubrics") is not None:
                 rubrics = _rubric_list(record, "ground_truth.rubrics", truth["rubrics"])
-            answer = next((truth[k] for k in ("answer", "Answer", "ground_truth") if isinstance(truth.get(k), str)), None)
+            answer = next(
+                (truth[k] for k in ("answer", "Answer", "ground_truth") if isinstance(truth.get(k), str)), None
+            )
             if answer:
                 aliases = [answer]
             if not rubrics and not aliases:
@@ -323,14 +365,24 @@ def read_dr_tulu(path: str | os.PathLike[str], split: str = "train") -> list[Que
                 rubrics = [_final_rubric(reference, aliases)]
         raw_id = data.get("id", data.get("query_id"))
         query_id = f"dr_tulu-{raw_id}" if isinstance(raw_id, (str, int)) and str(raw_id) else f"dr_tulu-{index:06d}"
-        out.add(where, query_id=query_id, source="dr_tulu", split=split,
-                kind="long_form" if truth is not None and truth.get("rubrics") else "short_form",
-                question=_last_user_turn(record, "messages", messages), messages=messages, rubrics=rubrics,
-                reference_answer=reference, spec={}, metadata=metadata)
+        out.add(
+            where,
+            query_id=query_id,
+            source="dr_tulu",
+            split=split,
+            kind="long_form" if truth is not None and truth.get("rubrics") else "short_form",
+            question=_last_user_turn(record, "messages", messages),
+            messages=messages,
+            rubrics=rubrics,
+            reference_answer=reference,
+            spec={},
+            metadata=metadata,
+        )
     return out.result()
 
 
 # ---- HealthBench -------------------------------------------------------------------------------
+
 
 def read_healthbench(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
     """HealthBench JSONL: prompt (conversation), prompt_id, rubrics [{criterion, points, tags}]."""
@@ -345,30 +397,49 @@ def read_healthbench(path: str | os.PathLike[str], split: str = "eval") -> list[
         rubrics = []
         for i, item in enumerate(items):
             field = f"rubrics[{i}]"
-            if not isinstance(item, dict) or not isinstance(item.get("criterion"), str) or not item["criterion"].strip():
+            if (
+                not isinstance(item, dict)
+                or not isinstance(item.get("criterion"), str)
+                or not item["criterion"].strip()
+            ):
                 raise record.error(f"{field}.criterion", "missing or not a string")
             if "points" not in item:
                 raise record.error(f"{field}.points", "missing")
             points = _number(record, f"{field}.points", item["points"])
             tags = item.get("tags") or []
-            rubrics.append({
-                "title": _short_title(item["criterion"]), "description": item["criterion"],
-                "weight": abs(points), "polarity": "negative" if points < 0 else "positive", "stage": "answer",
-                "check": {"type": "benchmark", "benchmark": "healthbench", "points": points, "tags": tags},
-            })
+            rubrics.append(
+                {
+                    "title": _short_title(item["criterion"]),
+                    "description": item["criterion"],
+                    "weight": abs(points),
+                    "polarity": "negative" if points < 0 else "positive",
+                    "stage": "answer",
+                    "check": {"type": "benchmark", "benchmark": "healthbench", "points": points, "tags": tags},
+                }
+            )
         ideal = data.get("ideal_completions_data")
         reference = ideal.get("ideal_completion") if isinstance(ideal, dict) else None
         metadata = {"example_tags": data.get("example_tags") or [], "n_turns": len(messages)}
         if isinstance(ideal, dict) and ideal.get("ideal_completions_group"):
             metadata["ideal_completions_group"] = ideal["ideal_completions_group"]
-        out.add(where, query_id=f"healthbench-{record.ident('prompt_id')}", source="healthbench", split=split,
-                kind="long_form", question=_last_user_turn(record, "prompt", messages), messages=messages,
-                rubrics=rubrics, reference_answer=reference if isinstance(reference, str) else None,
-                spec={}, metadata=metadata)
+        out.add(
+            where,
+            query_id=f"healthbench-{record.ident('prompt_id')}",
+            source="healthbench",
+            split=split,
+            kind="long_form",
+            question=_last_user_turn(record, "prompt", messages),
+            messages=messages,
+            rubrics=rubrics,
+            reference_answer=reference if isinstance(reference, str) else None,
+            spec={},
+            metadata=metadata,
+        )
     return out.result()
 
 
 # ---- ScholarQA-CS ------------------------------------------------------------------------------
+
 
 def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
     """ScholarQA-CS JSON: case_id, initial_prompt, metric_config.config.other_properties[...]."""
@@ -377,7 +448,9 @@ def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list
     for where, data in _iter_records(path):
         record = _Record(path, where, data)
         question = record.text("initial_prompt")
-        config = (data.get("metric_config") or {}).get("config") if isinstance(data.get("metric_config"), dict) else None
+        config = (
+            (data.get("metric_config") or {}).get("config") if isinstance(data.get("metric_config"), dict) else None
+        )
         if not isinstance(config, dict):
             raise record.error("metric_config.config", "missing or not an object")
         properties = config.get("other_properties")
@@ -390,22 +463,45 @@ def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list
                 raise record.error(f"{field}.criterion", "missing or not a string")
             weight = _number(record, f"{field}.weight", item.get("weight"))
             name = item.get("name") if isinstance(item.get("name"), str) else f"item_{i}"
-            rubrics.append({
-                "title": f"{name}: {_short_title(item['criterion'], 60)}", "description": item["criterion"],
-                "weight": abs(weight), "polarity": "negative" if weight < 0 else "positive", "stage": "answer",
-                "check": {"type": "benchmark", "benchmark": "scholarqa_cs", "name": name,
-                          "evidence": item.get("evidence") or []},
-            })
+            rubrics.append(
+                {
+                    "title": f"{name}: {_short_title(item['criterion'], 60)}",
+                    "description": item["criterion"],
+                    "weight": abs(weight),
+                    "polarity": "negative" if weight < 0 else "positive",
+                    "stage": "answer",
+                    "check": {
+                        "type": "benchmark",
+                        "benchmark": "scholarqa_cs",
+                        "name": name,
+                        "evidence": item.get("evidence") or [],
+                    },
+                }
+            )
         scalar_config = {k: v for k, v in config.items() if isinstance(v, (int, float, str)) and k != "question"}
-        metadata = {"metric": (data.get("metric_config") or {}).get("name"), "metric_config": scalar_config,
-                    "annotator": data.get("annotator")}
-        out.add(where, query_id=f"scholarqa_cs-{record.ident('case_id')}", source="scholarqa_cs", split=split,
-                kind="long_form", question=question, messages=[{"role": "user", "content": question}],
-                rubrics=rubrics, reference_answer=None, spec={}, metadata=metadata)
+        metadata = {
+            "metric": (data.get("metric_config") or {}).get("name"),
+            "metric_config": scalar_config,
+            "annotator": data.get("annotator"),
+        }
+        out.add(
+            where,
+            query_id=f"scholarqa_cs-{record.ident('case_id')}",
+            source="scholarqa_cs",
+            split=split,
+            kind="long_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=rubrics,
+            reference_answer=None,
+            spec={},
+            metadata=metadata,
+        )
     return out.result()
 
 
 # ---- DeepResearchBench -------------------------------------------------------------------------
+
 
 def _first_record_keys(path: Path) -> set[str]:
     try:
@@ -441,17 +537,29 @@ def _drb_rubrics(record: _Record) -> list[dict[str, Any]]:
                 raise record.error(f"{field}.criterion", "missing or not a string")
             weight = _number(record, f"{field}.weight", item.get("weight"))
             explanation = item.get("explanation") if isinstance(item.get("explanation"), str) else item["criterion"]
-            rubrics.append({
-                "title": f"[{dimension}] {_short_title(item['criterion'])}", "description": explanation,
-                "weight": dim_weight * weight, "polarity": "positive", "stage": "answer",
-                "check": {"type": "benchmark", "benchmark": "deep_research_bench", "dimension": dimension,
-                          "dimension_weight": dim_weight, "criterion_weight": weight, "criterion": item["criterion"]},
-            })
+            rubrics.append(
+                {
+                    "title": f"[{dimension}] {_short_title(item['criterion'])}",
+                    "description": explanation,
+                    "weight": dim_weight * weight,
+                    "polarity": "positive",
+                    "stage": "answer",
+                    "check": {
+                        "type": "benchmark",
+                        "benchmark": "deep_research_bench",
+                        "dimension": dimension,
+                        "dimension_weight": dim_weight,
+                        "criterion_weight": weight,
+                        "criterion": item["criterion"],
+                    },
+                }
+            )
     return rubrics
 
 
-def read_deep_research_bench(path: str | os.PathLike[str], criteria_path: str | os.PathLike[str] | None = None,
-                             split: str = "eval") -> list[Query]:
+def read_deep_research_bench(
+    path: str | os.PathLike[str], criteria_path: str | os.PathLike[str] | None = None, split: str = "eval"
+) -> list[Query]:
     """DeepResearchBench query JSONL (id, topic, language, prompt) joined by id with the criteria JSONL.
 
     Rubric weight = dimension_weight * criterion weight. `criteria_path` defaults to a sibling JSONL
@@ -472,9 +580,19 @@ def read_deep_research_bench(path: str | os.PathLike[str], criteria_path: str | 
         if criteria_file is not None and query_id not in rubrics_by_id:
             raise QueryFileError(criteria_file, None, f"no criteria for query id {query_id!r} of {path} ({where})")
         metadata = {"topic": data.get("topic"), "language": data.get("language")}
-        out.add(where, query_id=f"deep_research_bench-{query_id}", source="deep_research_bench", split=split,
-                kind="long_form", question=question, messages=[{"role": "user", "content": question}],
-                rubrics=rubrics_by_id.get(query_id, []), reference_answer=None, spec={}, metadata=metadata)
+        out.add(
+            where,
+            query_id=f"deep_research_bench-{query_id}",
+            source="deep_research_bench",
+            split=split,
+            kind="long_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=rubrics_by_id.get(query_id, []),
+            reference_answer=None,
+            spec={},
+            metadata=metadata,
+        )
     return out.result()
 
 
@@ -517,13 +635,18 @@ def attach_drb_references(queries: list[Query], path: str | os.PathLike[str]) ->
             continue
         article, prompt = found
         if prompt is not None and prompt.strip() != query.question.strip():
-            raise QueryFileError(path, None, f"the reference for {query.query_id!r} was written for another prompt "
-                                 f"({prompt[:60]!r} vs {query.question[:60]!r})")
+            raise QueryFileError(
+                path,
+                None,
+                f"the reference for {query.query_id!r} was written for another prompt "
+                f"({prompt[:60]!r} vs {query.question[:60]!r})",
+            )
         out.append(dataclasses.replace(query, metadata={**query.metadata, DRB_REFERENCE_KEY: article}))
     return out
 
 
 # ---- SimpleQA ----------------------------------------------------------------------------------
+
 
 def read_simpleqa(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
     """SimpleQA CSV: metadata (a Python dict literal), question|problem, true_answer|answer."""
@@ -553,10 +676,19 @@ def read_simpleqa(path: str | os.PathLike[str], split: str = "eval") -> list[Que
                         metadata = parsed if isinstance(parsed, dict) else {"raw": raw_meta}
                     except (ValueError, SyntaxError):
                         metadata = {"raw": raw_meta}
-                out.add(where, query_id=f"simpleqa-{index:05d}", source="simpleqa", split=split, kind="short_form",
-                        question=question, messages=[{"role": "user", "content": question}],
-                        rubrics=[_final_rubric(answer, [answer])], reference_answer=answer, spec={},
-                        metadata=metadata)
+                out.add(
+                    where,
+                    query_id=f"simpleqa-{index:05d}",
+                    source="simpleqa",
+                    split=split,
+                    kind="short_form",
+                    question=question,
+                    messages=[{"role": "user", "content": question}],
+                    rubrics=[_final_rubric(answer, [answer])],
+                    reference_answer=answer,
+                    spec={},
+                    metadata=metadata,
+                )
     except UnicodeDecodeError as exc:
         raise QueryFileError(path, None, f"not valid UTF-8 ({exc.reason})") from exc
     except csv.Error as exc:
@@ -565,6 +697,7 @@ def read_simpleqa(path: str | os.PathLike[str], split: str = "eval") -> list[Que
 
 
 # ---- 2WikiMultihopQA ---------------------------------------------------------------------------
+
 
 def read_2wiki(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
     """2Wiki JSON list: question, answer (a string or a list of aliases), _id|id|test_id."""
@@ -582,13 +715,24 @@ def read_2wiki(path: str | os.PathLike[str], split: str = "eval") -> list[Query]
         metadata: dict[str, Any] = {"answer_aliases": aliases}
         if isinstance(data.get("type"), str):
             metadata["type"] = data["type"]
-        out.add(where, query_id=query_id, source="2wiki", split=split, kind="short_form", question=question,
-                messages=[{"role": "user", "content": question}], rubrics=[_final_rubric(aliases[0], aliases)],
-                reference_answer=aliases[0], spec={}, metadata=metadata)
+        out.add(
+            where,
+            query_id=query_id,
+            source="2wiki",
+            split=split,
+            kind="short_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=[_final_rubric(aliases[0], aliases)],
+            reference_answer=aliases[0],
+            spec={},
+            metadata=metadata,
+        )
     return out.result()
 
 
 # ---- plain query files -------------------------------------------------------------------------
+
 
 def read_plain_queries(path: str | os.PathLike[str], split: str = "train", source: str | None = None) -> list[Query]:
     """Plain JSONL/JSON/Parquet queries: question|query|prompt (required), optional query_id|id,
@@ -636,14 +780,27 @@ def read_plain_queries(path: str | os.PathLike[str], split: str = "train", sourc
         for field in ("spec", "metadata"):
             if data.get(field) is not None and not isinstance(data[field], (dict, str)):
                 raise record.error(field, "expected an object")
-        spec, metadata = (json.loads(data[f]) if isinstance(data.get(f), str) else (data.get(f) or {})
-                          for f in ("spec", "metadata"))
-        out.add(where, query_id=query_id, source=source, split=row_split, kind=str(kind), question=question,
-                messages=messages, rubrics=rubrics, reference_answer=reference, spec=spec, metadata=metadata)
+        spec, metadata = (
+            json.loads(data[f]) if isinstance(data.get(f), str) else (data.get(f) or {}) for f in ("spec", "metadata")
+        )
+        out.add(
+            where,
+            query_id=query_id,
+            source=source,
+            split=row_split,
+            kind=str(kind),
+            question=question,
+            messages=messages,
+            rubrics=rubrics,
+            reference_answer=reference,
+            spec=spec,
+            metadata=metadata,
+        )
     return out.result()
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
+
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Guess a file's format from its content (first record's fields), falling back to its suffix."""

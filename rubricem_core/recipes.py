@@ -7,6 +7,7 @@ the DR Tulu objective (answer-only evolving rubrics, the answer reward broadcast
 training to each. The PPO clip and KL settings are the same for every recipe and live in ``RLConfig``
 (rl.clip_low, rl.clip_high, rl.kl_coef).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -8,11 +8,13 @@ making the id's name carry no information, so the only way to predict a cited id
 the context. It works on token ids when each document id is one token (`policy.atomic_doc_ids`), so
 lengths, the loss mask and stage ids are untouched.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from rubricem_core.trajectory import TokenTrajectory
 

@@ -14,14 +14,16 @@ field by field against it:
 A refused change is a sign of a mistake (another profile, a forgotten ``--set``) or of a new
 experiment, which belongs in a new run directory.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -30,11 +32,30 @@ from rubricem_core.layout import RunLayout
 from rubricem_core.store import RunStore, atomic_write_text
 
 # Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
-_OPERATIONAL_SUFFIXES = ("api_base", "api_key_env", "api_key_secret_block", "max_concurrency", "timeout_s",
-                         "max_retries", "batch_poll_interval_s", "max_batch_resubmits",
-                         "base_url", "timeout_s_http", "backoff_s")  # the last three: a web tool spec's
-_SAFE_PREFIXES = ("profile", "tracking.", "distributed.", "eval.", "rollout.devices", "rollout.server_python",
-                  "rollout.server_startup_timeout_s", "rollout.gpu_memory_utilization", "rollout.max_batch_rows")
+_OPERATIONAL_SUFFIXES = (
+    "api_base",
+    "api_key_env",
+    "api_key_secret_block",
+    "max_concurrency",
+    "timeout_s",
+    "max_retries",
+    "batch_poll_interval_s",
+    "max_batch_resubmits",
+    "base_url",
+    "timeout_s_http",
+    "backoff_s",
+)  # the last three: a web tool spec's
+_SAFE_PREFIXES = (
+    "profile",
+    "tracking.",
+    "distributed.",
+    "eval.",
+    "rollout.devices",
+    "rollout.server_python",
+    "rollout.server_startup_timeout_s",
+    "rollout.gpu_memory_utilization",
+    "rollout.max_batch_rows",
+)
 
 
 def _sft_started(run_dir: Path) -> bool:
@@ -113,8 +134,9 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
         raise ConfigError(f"{path} is not a valid run config ({exc}); move it away to start over") from None
 
 
-def base_config(run_dir: str | os.PathLike[str], profile: str | None,
-                overrides: dict[str, Any] | list[str]) -> RunConfig:
+def base_config(
+    run_dir: str | os.PathLike[str], profile: str | None, overrides: dict[str, Any] | list[str]
+) -> RunConfig:
     """``profile`` + ``overrides``; with no profile, the run directory's recorded config (so a later
     command needs no --profile and no repeated --set), or ``tiny`` for a new run directory."""
     if profile is None:
@@ -149,7 +171,8 @@ def record_config(run_dir: str | os.PathLike[str], cfg: RunConfig, command: str)
         raise ConfigError(
             f"{command}: the config differs from {RunLayout(root).config_file} in fields that finished work was made with:\n"
             f"{lines}\nrerun with the run's own settings (the profile {old.profile!r} and its --set values), or use a "
-            f"new --run-dir for a new experiment")
+            f"new --run-dir for a new experiment"
+        )
     if old is None or changes:
         atomic_write_text(RunLayout(root).config_file, config_to_yaml(cfg))
     if changes:
@@ -160,7 +183,10 @@ def record_config(run_dir: str | os.PathLike[str], cfg: RunConfig, command: str)
 def _append_revision(root: Path, command: str, changes: list[Change]) -> None:
     path = RunLayout(root).config_revisions_file
     path.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
-             "changes": {c.field: {"old": c.old, "new": c.new} for c in changes}}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command,
+        "changes": {c.field: {"old": c.old, "new": c.new} for c in changes},
+    }
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(entry, default=str) + "\n")

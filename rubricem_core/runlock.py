@@ -14,6 +14,7 @@ A second process is refused at once with :class:`RunDirLocked`, whose message na
 (pid, host, command, start time) as written into the lock file after acquiring. Readers such as
 ``rubricem sql`` and ``rubricem report`` never take the lock.
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,11 +25,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rubricem_core.config import ConfigError
 from rubricem_core.layout import LOCK_FILE, RunLayout
@@ -200,7 +202,7 @@ def _holder_info(command: str) -> dict[str, Any]:
         "host": socket.gethostname(),
         "command": command,
         "argv": list(sys.argv),
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -9,6 +9,7 @@ DuckDB-friendly; the `Query` dataclass holds them decoded.
 Floats: in memory a missing value is NaN (numpy/torch arithmetic), in a table it is NULL (SQL's
 ``avg`` and ``IS NULL`` see it); ``nan_to_none`` / ``none_to_nan`` are the one conversion between them.
 """
+
 from __future__ import annotations
 
 import json
@@ -132,48 +133,108 @@ TEACHER_REFLECTIONS_SCHEMA = pa.schema(
 )
 
 # ---- one RL step (tasks/rl.py), partitioned by step ------------------------------------------------
-ROLLOUTS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("phase", pa.string()),
-    ("retrieval", pa.string()), ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())),
-    ("stage_ids", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())), ("n_tool_calls", pa.int64()),
-    ("finish_reason", pa.string()), ("valid_scaffold", pa.bool_()), ("judge_failed", pa.bool_()),
-    ("judge_error", pa.string()), ("violations", pa.list_(pa.string())), ("n_tokens", pa.int64()), ("n_policy_tokens", pa.int64()),
-    ("prompt_len", pa.int64()), ("text", pa.string()), ("segments", pa.string()), ("guidance", pa.string()),
-])
-JUDGE_RUBRICS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rubric_id", pa.string()), ("stage", pa.string()),
-    ("polarity", pa.string()), ("origin", pa.string()), ("title", pa.string()), ("description", pa.string()),
-    ("weight", pa.float64()), ("status", pa.string()), ("created_step", pa.int64()), ("pruned_step", pa.int64()),
-    ("check", pa.string()),
-])
-JUDGE_SCORES_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("rubric_id", pa.string()),
-    ("stage", pa.string()), ("polarity", pa.string()), ("weight", pa.float64()), ("score", pa.int64()),
-    ("justification", pa.string()),
-])
-STAGE_REWARDS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("rollout_id", pa.string()), ("stage", pa.string()),
-    ("R", pa.float64()), ("G", pa.float64()), ("A", pa.float64()),
-])
+ROLLOUTS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("rollout_id", pa.string()),
+        ("phase", pa.string()),
+        ("retrieval", pa.string()),
+        ("token_ids", pa.list_(pa.int64())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("stage_ids", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("n_tool_calls", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("valid_scaffold", pa.bool_()),
+        ("judge_failed", pa.bool_()),
+        ("judge_error", pa.string()),
+        ("violations", pa.list_(pa.string())),
+        ("n_tokens", pa.int64()),
+        ("n_policy_tokens", pa.int64()),
+        ("prompt_len", pa.int64()),
+        ("text", pa.string()),
+        ("segments", pa.string()),
+        ("guidance", pa.string()),
+    ]
+)
+JUDGE_RUBRICS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("rubric_id", pa.string()),
+        ("stage", pa.string()),
+        ("polarity", pa.string()),
+        ("origin", pa.string()),
+        ("title", pa.string()),
+        ("description", pa.string()),
+        ("weight", pa.float64()),
+        ("status", pa.string()),
+        ("created_step", pa.int64()),
+        ("pruned_step", pa.int64()),
+        ("check", pa.string()),
+    ]
+)
+JUDGE_SCORES_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("rollout_id", pa.string()),
+        ("rubric_id", pa.string()),
+        ("stage", pa.string()),
+        ("polarity", pa.string()),
+        ("weight", pa.float64()),
+        ("score", pa.int64()),
+        ("justification", pa.string()),
+    ]
+)
+STAGE_REWARDS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("rollout_id", pa.string()),
+        ("stage", pa.string()),
+        ("R", pa.float64()),
+        ("G", pa.float64()),
+        ("A", pa.float64()),
+    ]
+)
 
 # ---- reflection meta-policy (tasks/reflection.py) and its bank -------------------------------------
-REFLECTIONS_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("query_id", pa.string()), ("source_rollout_id", pa.string()), ("candidate", pa.int64()),
-    ("text", pa.string()), ("valid", pa.bool_()), ("score", pa.float64()), ("accepted", pa.bool_()),
-    ("judge_failed", pa.bool_()), ("codes", pa.list_(pa.string())), ("justification", pa.string()),
-    ("token_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
-    ("n_tokens", pa.int64()), ("finish_reason", pa.string()),
-])
+REFLECTIONS_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("query_id", pa.string()),
+        ("source_rollout_id", pa.string()),
+        ("candidate", pa.int64()),
+        ("text", pa.string()),
+        ("valid", pa.bool_()),
+        ("score", pa.float64()),
+        ("accepted", pa.bool_()),
+        ("judge_failed", pa.bool_()),
+        ("codes", pa.list_(pa.string())),
+        ("justification", pa.string()),
+        ("token_ids", pa.list_(pa.int64())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("n_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+    ]
+)
 # The `bank` table (tables/bank): one row per query, a copy of the bank's entries for SQL.
-BANK_SCHEMA = pa.schema([
-    ("query_id", pa.string()), ("query_text", pa.string()), ("reflection", pa.string()), ("score", pa.float64()),
-    ("step", pa.int64()),
-])
+BANK_SCHEMA = pa.schema(
+    [
+        ("query_id", pa.string()),
+        ("query_text", pa.string()),
+        ("reflection", pa.string()),
+        ("score", pa.float64()),
+        ("step", pa.int64()),
+    ]
+)
 # The saved bank's entries file (state/bank/part.parquet, rubricem_core.reflection.bank): the same
 # columns, never null, plus each entry's id in the FAISS index saved beside it.
 BANK_ENTRIES_SCHEMA = pa.schema(
-    [pa.field(f.name, f.type, nullable=False) for f in BANK_SCHEMA]
-    + [pa.field("faiss_id", pa.int64(), nullable=False)]
+    [pa.field(f.name, f.type, nullable=False) for f in BANK_SCHEMA] + [pa.field("faiss_id", pa.int64(), nullable=False)]
 )
 
 # ---- tracking (rubricem_core.tracking mirrors MLflow's metrics here for SQL) ------------------------
@@ -189,23 +250,56 @@ METRICS_SCHEMA = pa.schema(
 )
 
 # ---- evaluation (rubricem_core.eval.run, tasks/evaluate.py, the ablation flow) ----------------------
-EVAL_RESULTS_SCHEMA = pa.schema([
-    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("query_id", pa.string()), ("retrieval", pa.string()),
-    ("score", pa.float64()), ("details", pa.string()), ("sample", pa.int64()), ("grade_failed", pa.bool_()),
-    ("error", pa.string()), ("grader", pa.string()), ("valid_scaffold", pa.bool_()), ("n_tool_calls", pa.int64()),
-    ("finish_reason", pa.string()), ("n_policy_tokens", pa.int64()), ("guidance", pa.string()),
-    ("answer", pa.string()), ("text", pa.string()), ("settings", pa.string()),
-])
-EVAL_REFLECTIONS_SCHEMA = pa.schema([
-    ("checkpoint", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("query_id", pa.string()),
-    ("sample", pa.int64()), ("text", pa.string()), ("valid", pa.bool_()), ("codes", pa.list_(pa.string())),
-])
-ABLATION_SCHEMA = pa.schema([
-    ("recipe", pa.string()), ("benchmark", pa.string()), ("retrieval", pa.string()), ("checkpoint", pa.string()),
-    ("score_mean", pa.float64()), ("n_samples", pa.int64()), ("grade_failed", pa.int64()),
-    ("valid_scaffold_rate", pa.float64()), ("rl_steps", pa.int64()), ("queries_per_step", pa.int64()),
-    ("group_size", pa.int64()), ("run_dir", pa.string()),
-])
+EVAL_RESULTS_SCHEMA = pa.schema(
+    [
+        ("checkpoint", pa.string()),
+        ("benchmark", pa.string()),
+        ("query_id", pa.string()),
+        ("retrieval", pa.string()),
+        ("score", pa.float64()),
+        ("details", pa.string()),
+        ("sample", pa.int64()),
+        ("grade_failed", pa.bool_()),
+        ("error", pa.string()),
+        ("grader", pa.string()),
+        ("valid_scaffold", pa.bool_()),
+        ("n_tool_calls", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("n_policy_tokens", pa.int64()),
+        ("guidance", pa.string()),
+        ("answer", pa.string()),
+        ("text", pa.string()),
+        ("settings", pa.string()),
+    ]
+)
+EVAL_REFLECTIONS_SCHEMA = pa.schema(
+    [
+        ("checkpoint", pa.string()),
+        ("benchmark", pa.string()),
+        ("retrieval", pa.string()),
+        ("query_id", pa.string()),
+        ("sample", pa.int64()),
+        ("text", pa.string()),
+        ("valid", pa.bool_()),
+        ("codes", pa.list_(pa.string())),
+    ]
+)
+ABLATION_SCHEMA = pa.schema(
+    [
+        ("recipe", pa.string()),
+        ("benchmark", pa.string()),
+        ("retrieval", pa.string()),
+        ("checkpoint", pa.string()),
+        ("score_mean", pa.float64()),
+        ("n_samples", pa.int64()),
+        ("grade_failed", pa.int64()),
+        ("valid_scaffold_rate", pa.float64()),
+        ("rl_steps", pa.int64()),
+        ("queries_per_step", pa.int64()),
+        ("group_size", pa.int64()),
+        ("run_dir", pa.string()),
+    ]
+)
 
 # table name → the schema it is written with (teacher_state has none: its rows are TrajectoryState's)
 TABLE_SCHEMAS: dict[str, pa.Schema] = {
@@ -316,7 +410,7 @@ class Query:
         }
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "Query":
+    def from_row(cls, row: dict[str, Any]) -> Query:
         query_id = row.get("query_id") or "?"
         try:
             rubrics = [

@@ -9,6 +9,7 @@ streams that are indexed by the same small numbers (steps, rounds) from drawing 
     derive_seed(cfg.seed, EVAL_SAMPLING, benchmark)            # = cfg.seed * 100_003 + crc32(benchmark)
     derive_seed(seed, TEACHER_TRAJECTORY, query_index, sample) # = (seed * 1_000_003 + qi * 101 + s) % (2**31 - 1)
 """
+
 from __future__ import annotations
 
 import zlib
@@ -41,48 +42,79 @@ def derive_seed(seed: int, stream: SeedStream, *parts: int | str) -> int:
 
 # ---- SFT data collection ----------------------------------------------------------------------------
 TEACHER_TRAJECTORY = SeedStream(
-    "teacher_trajectory", 1_000_003, weights=(101, 1), modulus=2**31 - 1,
+    "teacher_trajectory",
+    1_000_003,
+    weights=(101, 1),
+    modulus=2**31 - 1,
     why="one seed per (query index, sample) trajectory of the teacher; kept below 2**31 - 1 because "
-        "providers take a 32-bit request seed")
+    "providers take a 32-bit request seed",
+)
 TEACHER_REQUEST = SeedStream(
-    "teacher_request", 1,
+    "teacher_request",
+    1,
     why="a teacher request's seed is its trajectory's seed + the round: the built-in teacher subtracts the "
-        "round again to keep a trajectory's mistakes the same across its turns")
+    "round again to keep a trajectory's mistakes the same across its turns",
+)
 TEACHER_TURN = SeedStream(
-    "teacher_turn", 7919,
-    why="the built-in teacher's per-turn draws (part: the number of assistant turns so far)")
+    "teacher_turn", 7919, why="the built-in teacher's per-turn draws (part: the number of assistant turns so far)"
+)
 TEACHER_REFLECTION_CUTS = SeedStream(
-    "teacher_reflection_cuts", 1_000_033,
-    why="where a trajectory (part: its index) is cut into the prefixes the teacher reflects on")
+    "teacher_reflection_cuts",
+    1_000_033,
+    why="where a trajectory (part: its index) is cut into the prefixes the teacher reflects on",
+)
 TEACHER_REFLECTION_REQUEST = SeedStream(
-    "teacher_reflection_request", 1_000_033, weights=(16, 1),
-    why="the request seed of the teacher's reflection on (trajectory index, prefix variant < 16)")
+    "teacher_reflection_request",
+    1_000_033,
+    weights=(16, 1),
+    why="the request seed of the teacher's reflection on (trajectory index, prefix variant < 16)",
+)
 
 # ---- SFT -------------------------------------------------------------------------------------------
-SFT_EPOCH = SeedStream(
-    "sft_epoch", 1, why="the bucket shuffle of each SFT epoch (part: the epoch)")
+SFT_EPOCH = SeedStream("sft_epoch", 1, why="the bucket shuffle of each SFT epoch (part: the epoch)")
 SFT_REFLECTION_MIX = SeedStream(
-    "sft_reflection_mix", 7_919,
-    why="the order of each pass over the reflection examples mixed into SFT (part: the pass)")
+    "sft_reflection_mix",
+    7_919,
+    why="the order of each pass over the reflection examples mixed into SFT (part: the pass)",
+)
 
 # ---- RL --------------------------------------------------------------------------------------------
-ROLLOUT = SeedStream(
-    "rollout", 100_003, why="the rollout sampling of an RL step (part: the step)")
+ROLLOUT = SeedStream("rollout", 100_003, why="the rollout sampling of an RL step (part: the step)")
 REFLECTION_SOURCE = SeedStream(
-    "reflection_source", 1_000_003,
-    why="which rollout of each group the meta-policy reflects on at an RL step (part: the step)")
+    "reflection_source",
+    1_000_003,
+    why="which rollout of each group the meta-policy reflects on at an RL step (part: the step)",
+)
 REFLECTION_SAMPLING = SeedStream(
-    "reflection_sampling", 100_019, why="the reflection candidates' sampling at an RL step (part: the step)")
+    "reflection_sampling", 100_019, why="the reflection candidates' sampling at an RL step (part: the step)"
+)
 
 # ---- evaluation ------------------------------------------------------------------------------------
 EVAL_SAMPLING = SeedStream(
-    "eval_sampling", 100_003,
-    why="evaluation sampling of one benchmark (part: its name), the same for every checkpoint compared")
+    "eval_sampling",
+    100_003,
+    why="evaluation sampling of one benchmark (part: its name), the same for every checkpoint compared",
+)
 EVAL_REFLECTION = SeedStream(
-    "eval_reflection", 100_019,
-    why="the unforced reflections of an eval part's trajectories (part: the eval part's name)")
+    "eval_reflection",
+    100_019,
+    why="the unforced reflections of an eval part's trajectories (part: the eval part's name)",
+)
 
-STREAMS: dict[str, SeedStream] = {s.name: s for s in (
-    TEACHER_TRAJECTORY, TEACHER_REQUEST, TEACHER_TURN, TEACHER_REFLECTION_CUTS, TEACHER_REFLECTION_REQUEST,
-    SFT_EPOCH, SFT_REFLECTION_MIX, ROLLOUT, REFLECTION_SOURCE, REFLECTION_SAMPLING, EVAL_SAMPLING, EVAL_REFLECTION,
-)}
+STREAMS: dict[str, SeedStream] = {
+    s.name: s
+    for s in (
+        TEACHER_TRAJECTORY,
+        TEACHER_REQUEST,
+        TEACHER_TURN,
+        TEACHER_REFLECTION_CUTS,
+        TEACHER_REFLECTION_REQUEST,
+        SFT_EPOCH,
+        SFT_REFLECTION_MIX,
+        ROLLOUT,
+        REFLECTION_SOURCE,
+        REFLECTION_SAMPLING,
+        EVAL_SAMPLING,
+        EVAL_REFLECTION,
+    )
+}

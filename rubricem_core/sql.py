@@ -12,6 +12,7 @@ files, so queries of that table fail with a RunSqlError while every other table,
 TABLES``, still work. ``open_run_db`` raises on such a table by default (``strict``), so callers
 that would read a missing view as "no data" (the report) fail loudly instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -294,7 +295,12 @@ def _display_table(data: pa.Table, max_col_width: int) -> pa.Table:
 
 
 def _render_table(
-    con: duckdb.DuckDBPyConnection, data: pa.Table, truncated: bool, max_rows: int, max_width: int | None, max_col_width: int
+    con: duckdb.DuckDBPyConnection,
+    data: pa.Table,
+    truncated: bool,
+    max_rows: int,
+    max_width: int | None,
+    max_col_width: int,
 ) -> str:
     if data.num_columns == 2 and data.column_names == ["explain_key", "explain_value"]:
         return "\n".join(str(v) for v in data.column("explain_value").to_pylist())  # plans are pre-drawn
@@ -357,7 +363,9 @@ def run_sql(
                     continue
                 data = _fetch(relation, max_rows + 1, query, broken)
                 truncated = data.num_rows > max_rows
-                outputs.append(_render_table(con, data.slice(0, max_rows), truncated, max_rows, max_width, max_col_width))
+                outputs.append(
+                    _render_table(con, data.slice(0, max_rows), truncated, max_rows, max_width, max_col_width)
+                )
             return "\n\n".join(outputs)
         relation = _execute(con, queries[0], broken)
         data = _fetch(relation, None, queries[0], broken) if relation is not None else pa.table({})

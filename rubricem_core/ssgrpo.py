@@ -23,6 +23,7 @@ Missing scores (NaN) — the one rule every function here follows:
   from here. ``policy_loss`` still ignores whatever sits at masked positions (old logprobs are NaN
   for tokens that were never sampled).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,6 +45,7 @@ class LambdaSpecError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------- Λ ----
+
 
 def lambda_matrix(name: str, K: int = len(STAGES), gamma: float | None = None) -> torch.Tensor:
     """A K×K preset credit matrix; row k says which stage scores make up stage k's return.
@@ -138,6 +140,7 @@ def _validate_explicit(spec: Any, K: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------- returns and advantages ----
 
+
 def stage_returns(R: torch.Tensor, lam: Any) -> torch.Tensor:
     """G = R Λᵀ for one group (n×K); NaN scores count as 0, and G is NaN where it has no score to
     stand on (see the module docstring). ``lam`` is a K×K tensor or anything ``as_lambda`` takes."""
@@ -212,6 +215,7 @@ def token_advantages(A: torch.Tensor, stage_ids: torch.Tensor, mask: torch.Tenso
 
 
 # ----------------------------------------------------------------------------------- the loss ----
+
 
 def policy_loss(
     logp: torch.Tensor,

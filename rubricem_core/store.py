@@ -11,13 +11,15 @@ Every file is written atomically: to a hidden temp file in the same directory, f
 that readers ignore. Partition values are also stored as ordinary columns inside each file, so
 readers do not need hive partitioning to see them.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -23,6 +23,7 @@ run directory is self-contained and can be inspected with ``mlflow ui``. Rules:
 * **Metrics** are mirrored into the ``metrics`` Parquet table for SQL, one file per (flow, step,
   metric names): a step logged again by a retry replaces its rows, ``run_id`` names the attempt.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rubricem_core.layout import TRACKING_STATE_FILE, RunLayout
 from rubricem_core.offline import apply_offline_defaults
@@ -78,7 +80,9 @@ _LOCATION_COLUMNS = (
 # A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
 # "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
 # the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
-SECRET_LAST_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"})
+SECRET_LAST_WORDS = frozenset(
+    {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"}
+)
 _KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
 _WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
@@ -184,7 +188,7 @@ def _is_live(run_id: str) -> bool:
         return _LIVE_RUNS[run_id] > 0
 
 
-def _attempt_of(run: "Run") -> int:
+def _attempt_of(run: Run) -> int:
     try:
         return max(1, int(run.data.tags.get(ATTEMPT_TAG, "1")))
     except ValueError:
@@ -202,7 +206,11 @@ def _tables(conn: sqlite3.Connection) -> set[str]:
 def _stored_roots(conn: sqlite3.Connection) -> set[str]:
     """Artifact roots (``file://…/mlflow/artifacts``) of the run-dir paths the experiments were made in."""
     rows = conn.execute("SELECT artifact_location FROM experiments").fetchall()
-    return {loc for (loc,) in rows if isinstance(loc, str) and loc.startswith("file://") and loc.endswith("/mlflow/artifacts")}
+    return {
+        loc
+        for (loc,) in rows
+        if isinstance(loc, str) and loc.startswith("file://") and loc.endswith("/mlflow/artifacts")
+    }
 
 
 def _rewrite_prefix(conn: sqlite3.Connection, tables: set[str], old: str, new: str) -> int:
@@ -238,7 +246,9 @@ def relocate_store(db: Path, run_dir: Path, recorded_run_dir: str | None = None)
             old.discard(own)
             moved = [root for root in sorted(old) if _rewrite_prefix(conn, tables, root, own)]
             if moved and "tags" in tables:
-                conn.execute("UPDATE tags SET value = ? WHERE key = ? AND value != ?", (str(run_dir), RUN_DIR_TAG, str(run_dir)))
+                conn.execute(
+                    "UPDATE tags SET value = ? WHERE key = ? AND value != ?", (str(run_dir), RUN_DIR_TAG, str(run_dir))
+                )
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -266,20 +276,25 @@ def _forget_foreign_artifact_repos(own_root: str) -> None:
         return
     for resource_id, repo in entries:
         uri = getattr(repo, "artifact_uri", None)
-        if isinstance(uri, str) and uri.startswith("file://") and "/mlflow/artifacts/" in uri and not uri.startswith(own_root + "/"):
+        if (
+            isinstance(uri, str)
+            and uri.startswith("file://")
+            and "/mlflow/artifacts/" in uri
+            and not uri.startswith(own_root + "/")
+        ):
             cache.pop(resource_id, None)
 
 
 class ChildRun:
     """One flow's MLflow run. Safe to share between threads: every call names its run id."""
 
-    def __init__(self, tracker: "Tracker", run_id: str, flow_name: str):
+    def __init__(self, tracker: Tracker, run_id: str, flow_name: str):
         self.tracker = tracker
         self.run_id = run_id
         self.flow_name = flow_name
 
     @property
-    def client(self) -> "MlflowClient":
+    def client(self) -> MlflowClient:
         return self.tracker.client
 
     @property
@@ -301,7 +316,9 @@ class ChildRun:
         existing = _retry(self.client.get_run, self.run_id).data.params
         conflicts = sorted(k for k, v in values.items() if k in existing and existing[k] != v)
         if conflicts:
-            log.warning("run %s already has different values for params %s; keeping the first values", self.run_id, conflicts)
+            log.warning(
+                "run %s already has different values for params %s; keeping the first values", self.run_id, conflicts
+            )
             self.set_tags({"rubricem.param_conflicts": ",".join(conflicts)})
         new = [Param(k, v) for k, v in values.items() if k not in existing]
         for start in range(0, len(new), MAX_PARAMS_PER_BATCH):
@@ -322,7 +339,7 @@ class ChildRun:
             except (TypeError, ValueError):
                 raise ValueError(f"metric {name!r} has a non-numeric value {value!r}") from None
             names[_clean_key(name, "metric")] = number
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         timestamp_ms = int(now.timestamp() * 1000)
         entities = [Metric(k, v, timestamp_ms, step) for k, v in names.items()]
         for start in range(0, len(entities), MAX_METRICS_PER_BATCH):
@@ -386,7 +403,7 @@ class Tracker:
 
     # ---- plumbing ------------------------------------------------------------------------------
     @property
-    def client(self) -> "MlflowClient":
+    def client(self) -> MlflowClient:
         with self._lock:
             if self._client is None:
                 apply_offline_defaults()  # telemetry off before mlflow is imported
@@ -449,7 +466,12 @@ class Tracker:
                 return
             moved = relocate_store(self.db_path, self.run_dir, recorded if isinstance(recorded, str) else None)
             if moved:
-                log.info("run dir %s was moved or copied: artifact locations %s now point at %s", self.run_dir, moved, self.artifact_uri)
+                log.info(
+                    "run dir %s was moved or copied: artifact locations %s now point at %s",
+                    self.run_dir,
+                    moved,
+                    self.artifact_uri,
+                )
             if state is not None:
                 self._write_state(state)
 
@@ -490,7 +512,7 @@ class Tracker:
         """
         return f"{base.rstrip('/')}/#/experiments/{self.experiment_id()}/runs?workflowType=machine_learning"
 
-    def _get_run(self, run_id: str | None) -> "Run | None":
+    def _get_run(self, run_id: str | None) -> Run | None:
         """The run ``run_id`` of this store, None if it is not there."""
         from mlflow.exceptions import MlflowException
 
@@ -503,7 +525,7 @@ class Tracker:
                 return None
             raise
 
-    def _reopen(self, run: "Run") -> str:
+    def _reopen(self, run: Run) -> str:
         """A run about to be logged to again, restored if it was soft-deleted; returns its id."""
         if run.info.lifecycle_stage == "deleted":
             _retry(self.client.restore_run, run.info.run_id)
@@ -555,13 +577,13 @@ class Tracker:
             return run_id
 
     @staticmethod
-    def _reusable(run: "Run") -> bool:
+    def _reusable(run: Run) -> bool:
         """FINISHED: a rerun with nothing new must not clutter the experiment. RUNNING is reusable
         only while this process runs it; otherwise the process that ran it crashed."""
         status = run.info.status
         return status == "FINISHED" or (status == "RUNNING" and _is_live(run.info.run_id))
 
-    def _new_attempt(self, parent: str, flow_name: str, previous: "Run | None") -> str:
+    def _new_attempt(self, parent: str, flow_name: str, previous: Run | None) -> str:
         """A new child run for ``flow_name``: attempt 1, or the one after ``previous`` (closed FAILED
         if a crash left it RUNNING)."""
         tags = {"mlflow.parentRunId": parent, FLOW_TAG: flow_name}

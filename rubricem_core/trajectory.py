@@ -4,6 +4,7 @@ Token in, token out: a trajectory is built from token ids as they were sampled (
 each segment was tokenized once (SFT). Training never re-tokenizes the text. Every token carries
 a stage id, a loss-mask bit and — for sampled tokens — the sampling logprob.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,9 @@ class TokenTrajectory:
     def n_policy_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def append(self, kind: str, stage: str | None, ids: list[int], text: str,
-               logprobs: list[float] | None = None) -> None:
+    def append(
+        self, kind: str, stage: str | None, ids: list[int], text: str, logprobs: list[float] | None = None
+    ) -> None:
         """Append one segment; policy tokens train (mask 1), prompt and tool output never do."""
         if kind not in SEGMENT_KINDS:
             raise ValueError(f"unknown segment kind {kind!r}")
@@ -75,7 +77,7 @@ class TokenTrajectory:
         self.segments.append(TokenSegment(kind, stage, start, len(self.token_ids), text))
 
     @classmethod
-    def empty(cls) -> "TokenTrajectory":
+    def empty(cls) -> TokenTrajectory:
         return cls(token_ids=[], loss_mask=[], stage_ids=[], logprobs=[])
 
     def to_row(self) -> dict[str, Any]:
@@ -84,7 +86,7 @@ class TokenTrajectory:
         return row
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "TokenTrajectory":
+    def from_row(cls, row: dict[str, Any]) -> TokenTrajectory:
         data = dict(row)
         data["segments"] = [TokenSegment(**s) for s in data.get("segments") or []]
         data["logprobs"] = [none_to_nan(v) for v in data["logprobs"]]

@@ -19,6 +19,7 @@ Rubric `check` objects written here (the built-in judge evaluates them):
   {"type": "wrong_value", "entity", "attribute", "value", "confusable": {"entity", "value"} | null}
       negative: the answer states a value for entity.attribute other than `value`
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,10 @@ class WorldConfig(BaseModel):
     """Parameters of a synthetic research world; the same config always yields the same bytes."""
 
     seed: int = Field(0, description="Random seed; the whole world is a pure function of the config.")
-    n_documents: int = Field(
-        2000, ge=50, le=100_000, description="Number of passages in the rendered corpus (exact)."
+    n_documents: int = Field(2000, ge=50, le=100_000, description="Number of passages in the rendered corpus (exact).")
+    n_queries: int = Field(
+        200, ge=1, description="Number of queries to generate (fewer only if the world is too small)."
     )
-    n_queries: int = Field(200, ge=1, description="Number of queries to generate (fewer only if the world is too small).")
     eval_fraction: float = Field(0.2, ge=0.0, le=1.0, description="Fraction of queries put in the 'eval' split.")
     distractor_rate: float = Field(
         0.2, ge=0.0, le=0.5, description="Fraction of organizations that are confusable distractors of a real one."
@@ -53,7 +54,8 @@ class WorldConfig(BaseModel):
         0.1, ge=0.0, le=1.0, description="Fraction of organization/person passages that get a re-phrased duplicate."
     )
     query_kinds: list[QueryKind] = Field(
-        default_factory=lambda: list(ALL_QUERY_KINDS), description="Query kinds to generate, round-robin."  # type: ignore[arg-type]
+        default_factory=lambda: list(ALL_QUERY_KINDS),  # type: ignore[arg-type]
+        description="Query kinds to generate, round-robin.",
     )
 
     @field_validator("query_kinds")
@@ -208,15 +210,62 @@ def read_facts(text: str) -> list[Fact]:
 
 # ---- entities ----------------------------------------------------------------------------------
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st", "sh", "th"]
+_ONSETS = [
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "kr",
+    "tr",
+    "st",
+    "sh",
+    "th",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ea", "io"]
 _CODAS = ["", "", "", "", "n", "r", "l", "s", "m", "x"]
-ORG_SUFFIXES = ["Labs", "Systems", "Group", "Industries", "Holdings", "Dynamics", "Works", "Partners",
-                "Technologies", "Foundry", "Networks", "Analytics"]
-SECTORS = ["biotechnology", "freight logistics", "semiconductor design", "renewable energy",
-           "agricultural machinery", "financial software", "medical devices", "textile manufacturing",
-           "aerospace components", "water treatment", "consumer electronics", "specialty chemicals",
-           "maritime shipping", "precision optics", "food processing"]
+ORG_SUFFIXES = [
+    "Labs",
+    "Systems",
+    "Group",
+    "Industries",
+    "Holdings",
+    "Dynamics",
+    "Works",
+    "Partners",
+    "Technologies",
+    "Foundry",
+    "Networks",
+    "Analytics",
+]
+SECTORS = [
+    "biotechnology",
+    "freight logistics",
+    "semiconductor design",
+    "renewable energy",
+    "agricultural machinery",
+    "financial software",
+    "medical devices",
+    "textile manufacturing",
+    "aerospace components",
+    "water treatment",
+    "consumer electronics",
+    "specialty chemicals",
+    "maritime shipping",
+    "precision optics",
+    "food processing",
+]
 LATEST_YEAR = 2024
 
 
@@ -253,8 +302,13 @@ class Organization:
     is_distractor: bool = False
 
     def facts(self) -> dict[str, str]:
-        out = {"founded": str(self.founded), "founder": self.founder, "headquarters": self.headquarters,
-               "employees": str(self.employees), "sector": self.sector}
+        out = {
+            "founded": str(self.founded),
+            "founder": self.founder,
+            "headquarters": self.headquarters,
+            "employees": str(self.employees),
+            "sector": self.sector,
+        }
         if self.acquired_by is not None:
             out["acquired_by"] = self.acquired_by
             out["acquired_in"] = str(self.acquired_in)
@@ -345,13 +399,18 @@ def _make_entities(cfg: WorldConfig, rng: random.Random) -> tuple[list[Organizat
 
     def new_org(name: str, founder: str) -> Organization:
         return Organization(
-            name=name, founded=rng.randint(1850, 2015), founder=founder, headquarters=rng.choice(city_names),
-            employees=_log_uniform_int(rng, 20, 250_000), sector=rng.choice(SECTORS),
+            name=name,
+            founded=rng.randint(1850, 2015),
+            founder=founder,
+            headquarters=rng.choice(city_names),
+            employees=_log_uniform_int(rng, 20, 250_000),
+            sector=rng.choice(SECTORS),
         )
 
     def new_person(name: str, org: Organization) -> Person:
-        return Person(name=name, born=org.founded - rng.randint(22, 60), birthplace=rng.choice(city_names),
-                      founder_of=org.name)
+        return Person(
+            name=name, born=org.founded - rng.randint(22, 60), birthplace=rng.choice(city_names), founder_of=org.name
+        )
 
     for _ in range(n_real):
         founder = f"{names.word(2, 2)} {names.word(2, 3)}"
@@ -388,8 +447,14 @@ def _make_entities(cfg: WorldConfig, rng: random.Random) -> tuple[list[Organizat
     return orgs, persons, cities
 
 
-def _render(subject: str, values: dict[str, str], groups: dict[str, list[list[str]]], filler: list[str],
-            rng: random.Random, avoid: dict[str, int] | None = None) -> tuple[str, dict[str, int]]:
+def _render(
+    subject: str,
+    values: dict[str, str],
+    groups: dict[str, list[list[str]]],
+    filler: list[str],
+    rng: random.Random,
+    avoid: dict[str, int] | None = None,
+) -> tuple[str, dict[str, int]]:
     """Render one passage; `avoid` (group -> option used before) forces a re-phrasing for near-duplicates."""
     display = {k: (f"{int(v):,}" if k in _NUMERIC else v) for k, v in values.items()}
     display["subj"] = subject
@@ -428,8 +493,13 @@ def _display(attribute: str, value: str) -> str:
 
 
 class _QueryBuilder:
-    def __init__(self, world_orgs: list[Organization], persons: list[Person],
-                 fact_doc_ids: dict[Fact, list[str]], rng: random.Random):
+    def __init__(
+        self,
+        world_orgs: list[Organization],
+        persons: list[Person],
+        fact_doc_ids: dict[Fact, list[str]],
+        rng: random.Random,
+    ):
         self.rng = rng
         self.fact_doc_ids = fact_doc_ids
         self.real_orgs = [o for o in world_orgs if not o.is_distractor]
@@ -440,21 +510,41 @@ class _QueryBuilder:
         self.acquired = [o for o in self.real_orgs if o.acquired_by is not None]
 
     def _required(self, entity: str, attribute: str, value: str) -> dict[str, Any]:
-        return {"entity": entity, "attribute": attribute, "value": value,
-                "doc_ids": self.fact_doc_ids[Fact(entity, attribute, value)]}
+        return {
+            "entity": entity,
+            "attribute": attribute,
+            "value": value,
+            "doc_ids": self.fact_doc_ids[Fact(entity, attribute, value)],
+        }
 
-    def _rubrics(self, required: list[dict[str, Any]], final_text: str, final_check: dict[str, Any]) -> list[dict[str, Any]]:
+    def _rubrics(
+        self, required: list[dict[str, Any]], final_text: str, final_check: dict[str, Any]
+    ) -> list[dict[str, Any]]:
         rubrics = []
         for fact in required:
             title = _ATTRIBUTE_PHRASES[fact["attribute"]][0].format(
-                e=fact["entity"], v=_display(fact["attribute"], fact["value"]))
-            rubrics.append({
-                "title": title, "weight": 2.0, "polarity": "positive", "stage": "answer",
-                "description": f"{title}, a fact the answer needs and the corpus supports.",
-                "check": {"type": "fact", **fact},
-            })
-        rubrics.append({"title": final_text, "description": f"The final answer is: {final_check['value']}.",
-                        "weight": 3.0, "polarity": "positive", "stage": "answer", "check": final_check})
+                e=fact["entity"], v=_display(fact["attribute"], fact["value"])
+            )
+            rubrics.append(
+                {
+                    "title": title,
+                    "weight": 2.0,
+                    "polarity": "positive",
+                    "stage": "answer",
+                    "description": f"{title}, a fact the answer needs and the corpus supports.",
+                    "check": {"type": "fact", **fact},
+                }
+            )
+        rubrics.append(
+            {
+                "title": final_text,
+                "description": f"The final answer is: {final_check['value']}.",
+                "weight": 3.0,
+                "polarity": "positive",
+                "stage": "answer",
+                "check": final_check,
+            }
+        )
         rubrics.append(self._negative(required))
         return rubrics
 
@@ -475,14 +565,27 @@ class _QueryBuilder:
             confusable = {"entity": self.distractor_of[entity].name, "value": twin_value(fact)}
         if confusable is not None:
             title = f"Confuses {entity} with {confusable['entity']}"
-            description = (f"States {label} for {entity} other than {_display(attribute, value)}, e.g. "
-                           f"{_display(attribute, confusable['value'])}, which belongs to {confusable['entity']}.")
+            description = (
+                f"States {label} for {entity} other than {_display(attribute, value)}, e.g. "
+                f"{_display(attribute, confusable['value'])}, which belongs to {confusable['entity']}."
+            )
         else:
             title = f"States {label} for {entity} other than {_display(attribute, value)}"
             description = f"{title}; the corpus gives {_display(attribute, value)}."
-        return {"title": title, "description": description, "weight": 2.0, "polarity": "negative",
-                "stage": "answer", "check": {"type": "wrong_value", "entity": entity, "attribute": attribute,
-                                             "value": value, "confusable": confusable}}
+        return {
+            "title": title,
+            "description": description,
+            "weight": 2.0,
+            "polarity": "negative",
+            "stage": "answer",
+            "check": {
+                "type": "wrong_value",
+                "entity": entity,
+                "attribute": attribute,
+                "value": value,
+                "confusable": confusable,
+            },
+        }
 
     def _distinct(self, k: int, attribute: str) -> list[Organization] | None:
         if len(self.real_orgs) < k:
@@ -513,7 +616,13 @@ class _QueryBuilder:
             final_text = f"Concludes that {winner.name} has more employees"
         required = [self._required(o.name, attribute, str(getattr(o, attribute))) for o in (a, b)]
         spec = {"kind": "comparison", "attribute": attribute, "subjects": [a.name, b.name], "op": op}
-        return question, winner.name, spec, required, self._rubrics(required, final_text, {"type": "final", "value": winner.name})
+        return (
+            question,
+            winner.name,
+            spec,
+            required,
+            self._rubrics(required, final_text, {"type": "final", "value": winner.name}),
+        )
 
     def _multi_hop(self):
         attribute = self.rng.choice(["headquarters", "founded", "sector"])
@@ -526,12 +635,19 @@ class _QueryBuilder:
             start = self.person_by_name[target.founder]
             relation, phrase = "founder_of", f"the organization founded by {start.name}"
         value = str(getattr(target, attribute))
-        question = {"headquarters": f"In which city is the headquarters of {phrase}?",
-                    "founded": f"What is the founding year of {phrase}?",
-                    "sector": f"In which sector does {phrase} operate?"}[attribute]
+        question = {
+            "headquarters": f"In which city is the headquarters of {phrase}?",
+            "founded": f"What is the founding year of {phrase}?",
+            "sector": f"In which sector does {phrase} operate?",
+        }[attribute]
         required = [self._required(start.name, relation, target.name), self._required(target.name, attribute, value)]
-        spec = {"kind": "multi_hop", "attribute": attribute, "subjects": [start.name], "op": "lookup",
-                "hops": [{"entity": start.name, "relation": relation}, {"relation": attribute}]}
+        spec = {
+            "kind": "multi_hop",
+            "attribute": attribute,
+            "subjects": [start.name],
+            "op": "lookup",
+            "hops": [{"entity": start.name, "relation": relation}, {"relation": attribute}],
+        }
         final_text = f"Answers {value} ({target.name})"
         return question, value, spec, required, self._rubrics(required, final_text, {"type": "final", "value": value})
 
@@ -567,6 +683,7 @@ class _QueryBuilder:
 
 # ---- assembly ----------------------------------------------------------------------------------
 
+
 def generate_world(cfg: WorldConfig) -> World:
     """Generate entities, corpus and queries. O(n_documents + n_queries); deterministic per config."""
     entity_rng = random.Random(f"rubricem-world-{cfg.seed}-entities")
@@ -579,8 +696,11 @@ def generate_world(cfg: WorldConfig) -> World:
     # kinds are interleaved in the corpus rather than grouped.
     drafts: list[tuple[str, str, list[Fact]]] = []
     duplicable: list[tuple[str, dict[str, str], dict[str, list[list[str]]], list[str], dict[str, int]]] = []
-    for entities, groups, filler in ((orgs, ORG_GROUPS, FILLER["org"]), (persons, PERSON_GROUPS, FILLER["person"]),
-                                     (cities, CITY_GROUPS, FILLER["city"])):
+    for entities, groups, filler in (
+        (orgs, ORG_GROUPS, FILLER["org"]),
+        (persons, PERSON_GROUPS, FILLER["person"]),
+        (cities, CITY_GROUPS, FILLER["city"]),
+    ):
         for entity in entities:
             values = entity.facts()
             text, chosen = _render(entity.name, values, groups, filler, render_rng)
@@ -609,8 +729,13 @@ def generate_world(cfg: WorldConfig) -> World:
     return World(cfg, documents, queries, orgs, persons, cities, all_facts, fact_doc_ids, doc_facts)
 
 
-def _make_queries(cfg: WorldConfig, orgs: list[Organization], persons: list[Person],
-                  fact_doc_ids: dict[Fact, list[str]], rng: random.Random) -> list[Query]:
+def _make_queries(
+    cfg: WorldConfig,
+    orgs: list[Organization],
+    persons: list[Person],
+    fact_doc_ids: dict[Fact, list[str]],
+    rng: random.Random,
+) -> list[Query]:
     builder = _QueryBuilder(orgs, persons, fact_doc_ids, rng)
     built: list[tuple[str, str, str, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]] = []
     seen_questions: set[str] = set()
@@ -632,12 +757,20 @@ def _make_queries(cfg: WorldConfig, orgs: list[Organization], persons: list[Pers
     queries = []
     for index, (kind, question, answer, spec, required, rubrics) in enumerate(built):  # type: ignore[assignment]
         gold = sorted({doc_id for fact in required for doc_id in fact["doc_ids"]})
-        queries.append(Query(
-            query_id=f"syn-{index:05d}", source="synthetic", split="eval" if index in eval_indices else "train",
-            kind=kind, question=question, messages=[{"role": "user", "content": question}], rubrics=rubrics,
-            reference_answer=answer, spec=spec,
-            metadata={"required_facts": required, "gold_doc_ids": gold, "world_seed": cfg.seed},
-        ))
+        queries.append(
+            Query(
+                query_id=f"syn-{index:05d}",
+                source="synthetic",
+                split="eval" if index in eval_indices else "train",
+                kind=kind,
+                question=question,
+                messages=[{"role": "user", "content": question}],
+                rubrics=rubrics,
+                reference_answer=answer,
+                spec=spec,
+                metadata={"required_facts": required, "gold_doc_ids": gold, "world_seed": cfg.seed},
+            )
+        )
     return queries
 
 
@@ -647,9 +780,13 @@ def world_summary(world: World) -> dict[str, Any]:
     for q in world.queries:
         kinds[q.kind] = kinds.get(q.kind, 0) + 1
     return {
-        "documents": len(world.documents), "organizations": len(world.organizations),
+        "documents": len(world.documents),
+        "organizations": len(world.organizations),
         "distractor_organizations": sum(o.is_distractor for o in world.organizations),
-        "persons": len(world.persons), "cities": len(world.cities), "facts": len(world.facts),
-        "queries": len(world.queries), "eval_queries": sum(q.split == "eval" for q in world.queries),
+        "persons": len(world.persons),
+        "cities": len(world.cities),
+        "facts": len(world.facts),
+        "queries": len(world.queries),
+        "eval_queries": sum(q.split == "eval" for q in world.queries),
         "query_kinds": json.dumps(kinds, sort_keys=True),
     }

@@ -3,6 +3,7 @@
 Caching is by Parquet: a task whose output partition exists returns without recomputing, so a
 retried flow run (CLI or the Prefect UI's retry) resumes from the last completed round.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,17 +19,25 @@ from rubricem_core.config import RunConfig
 from rubricem_core.environment import policy_system_prompt
 from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
-from rubricem_core.progress import Progress
+from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.llm.types import ChatResult
+from rubricem_core.progress import Progress
 from rubricem_core.schemas import (
-    SFT_TRAJECTORIES_SCHEMA, TEACHER_REFLECTIONS_SCHEMA, TEACHER_REQUESTS_SCHEMA, TEACHER_RESPONSES_SCHEMA,
+    SFT_TRAJECTORIES_SCHEMA,
+    TEACHER_REFLECTIONS_SCHEMA,
+    TEACHER_REQUESTS_SCHEMA,
+    TEACHER_RESPONSES_SCHEMA,
 )
 from rubricem_core.store import RunStore, atomic_write_text
-from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (
-    TEACHER_ERROR, TrajectoryState, apply_result, build_requests, initial_states, tool_outputs,
+    TEACHER_ERROR,
+    TrajectoryState,
+    apply_result,
+    build_requests,
+    initial_states,
+    tool_outputs,
 )
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
@@ -74,15 +83,29 @@ def _answered(store: RunStore, round_index: int) -> dict[str, ChatResult]:
         return {}
     return {
         r["request_id"]: ChatResult(
-            custom_id=r["request_id"], status="ok", text=r["response"], finish_reason=r["finish_reason"],
-            prompt_tokens=r["prompt_tokens"] or 0, completion_tokens=r["completion_tokens"] or 0,
-            cost_usd=r["cost_usd"] or 0.0, attempts=r["attempts"] or 0, latency_s=r["latency_s"] or 0.0,
-            batch_id=r["batch_id"])
-        for r in store.read_rows("teacher_responses", _round_key(round_index)) if r["status"] == "ok"
+            custom_id=r["request_id"],
+            status="ok",
+            text=r["response"],
+            finish_reason=r["finish_reason"],
+            prompt_tokens=r["prompt_tokens"] or 0,
+            completion_tokens=r["completion_tokens"] or 0,
+            cost_usd=r["cost_usd"] or 0.0,
+            attempts=r["attempts"] or 0,
+            latency_s=r["latency_s"] or 0.0,
+            batch_id=r["batch_id"],
+        )
+        for r in store.read_rows("teacher_responses", _round_key(round_index))
+        if r["status"] == "ok"
     }
 
 
-@task(name="teacher-round", task_run_name="teacher-round-{round_index}", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
+@task(
+    name="teacher-round",
+    task_run_name="teacher-round-{round_index}",
+    cache_policy=NO_CACHE,
+    retries=1,
+    retry_delay_seconds=2,
+)
 def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any]:
     """One teacher round over all unfinished trajectories.
 
@@ -96,9 +119,16 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         unfinished = sum(not s.finished for s in states)
         log.info("round %d already complete (cached Parquet); %d unfinished", round_index, unfinished)
         # the round's figures come from its Parquet, so a resumed run reports the same totals
-        resp = store.read_rows("teacher_responses", _round_key(round_index)) if store.has("teacher_responses", _round_key(round_index)) else []
+        resp = (
+            store.read_rows("teacher_responses", _round_key(round_index))
+            if store.has("teacher_responses", _round_key(round_index))
+            else []
+        )
         return {
-            "round": round_index, "cached": True, "unfinished": unfinished, "requests": len(resp),
+            "round": round_index,
+            "cached": True,
+            "unfinished": unfinished,
+            "requests": len(resp),
             "failed": sum(r["status"] != "ok" for r in resp),
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in resp),
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
@@ -113,17 +143,24 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     if not requests:
         return {"round": round_index, "cached": False, "unfinished": 0, "requests": 0}
 
-    marker, resume_batch_id, on_submitted = batch_marker(store, f"teacher_round_{round_index:04d}", f"round {round_index}",
-                                                         len(requests))
+    marker, resume_batch_id, on_submitted = batch_marker(
+        store, f"teacher_round_{round_index:04d}", f"round {round_index}", len(requests)
+    )
 
     submitted_at = pa.scalar(time.time_ns() // 1000, type=pa.timestamp("us", tz="UTC")).as_py()
     # A rerun of a round that failed: its answered requests are in `teacher_responses` (paid for once)
     answered = _answered(store, round_index)
     to_send = [r for r in requests if r.custom_id not in answered]
     on_result = Progress(f"round {round_index}: teacher responses", len(to_send), log.info).tick
-    log.info("round %d: %d requests (%s mode, model %s)%s", round_index, len(to_send), tcfg.mode, tcfg.model,
-             f", {len(answered)} answered before" if answered else "")
-    results = (run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else [])
+    log.info(
+        "round %d: %d requests (%s mode, model %s)%s",
+        round_index,
+        len(to_send),
+        tcfg.mode,
+        tcfg.model,
+        f", {len(answered)} answered before" if answered else "",
+    )
+    results = run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else []
     results += [answered[r.custom_id] for r in requests if r.custom_id in answered]
     by_id = {r.custom_id: r for r in results}
     missing = [r.custom_id for r in requests if r.custom_id not in by_id]
@@ -138,8 +175,12 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     for req in requests:
         state = by_traj[req.metadata["trajectory_id"]]
         apply_result(
-            state, by_id[req.custom_id], lambda call: env.execute(call).text,
-            round_index, tcfg.max_rounds, cfg.tools.max_tool_calls,
+            state,
+            by_id[req.custom_id],
+            lambda call: env.execute(call).text,
+            round_index,
+            tcfg.max_rounds,
+            cfg.tools.max_tool_calls,
         )
 
     req_rows, resp_rows = [], []
@@ -148,19 +189,36 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         tid = req.metadata["trajectory_id"]
         req_rows.append(
             dict(
-                request_id=req.custom_id, trajectory_id=tid, query_id=by_traj[tid].query_id,
-                round=round_index, model=req.model, mode=tcfg.mode, batch_id=res.batch_id,
-                status=res.status, n_messages=len(req.messages), last_message=req.messages[-1]["content"],
+                request_id=req.custom_id,
+                trajectory_id=tid,
+                query_id=by_traj[tid].query_id,
+                round=round_index,
+                model=req.model,
+                mode=tcfg.mode,
+                batch_id=res.batch_id,
+                status=res.status,
+                n_messages=len(req.messages),
+                last_message=req.messages[-1]["content"],
                 submitted_at=submitted_at,
             )
         )
         resp_rows.append(
             dict(
-                request_id=req.custom_id, trajectory_id=tid, query_id=by_traj[tid].query_id,
-                round=round_index, model=req.model, status=res.status, response=res.text, error=res.error,
-                finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
-                completion_tokens=res.completion_tokens, cost_usd=res.cost_usd, attempts=res.attempts,
-                latency_s=res.latency_s, batch_id=res.batch_id,
+                request_id=req.custom_id,
+                trajectory_id=tid,
+                query_id=by_traj[tid].query_id,
+                round=round_index,
+                model=req.model,
+                status=res.status,
+                response=res.text,
+                error=res.error,
+                finish_reason=res.finish_reason,
+                prompt_tokens=res.prompt_tokens,
+                completion_tokens=res.completion_tokens,
+                cost_usd=res.cost_usd,
+                attempts=res.attempts,
+                latency_s=res.latency_s,
+                batch_id=res.batch_id,
             )
         )
     store.write_table("teacher_requests", req_rows, _round_key(round_index), schema=TEACHER_REQUESTS_SCHEMA)
@@ -173,7 +231,8 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         raise TeacherRoundError(
             f"round {round_index}: {len(failed_rows)} of {len(resp_rows)} teacher requests failed "
             f"(teacher.min_ok_fraction={tcfg.min_ok_fraction}); fix the endpoint ({tcfg.model}) and rerun: only the "
-            f"failed requests are sent again. First errors: {first}")
+            f"failed requests are sent again. First errors: {first}"
+        )
     state_rows = [dict(s.to_row(), round=round_index) for s in active]
     store.write_table("teacher_state", state_rows, _round_key(round_index))
     fault_point("collect.round_written")
@@ -183,10 +242,16 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     unfinished = sum(not s.finished for s in load_states(store, cfg, round_index))
     log.info(
         "round %d done: %d requests, %d failed, %d trajectories still unfinished",
-        round_index, len(requests), failed, unfinished,
+        round_index,
+        len(requests),
+        failed,
+        unfinished,
     )
     return {
-        "round": round_index, "cached": False, "requests": len(requests), "failed": failed,
+        "round": round_index,
+        "cached": False,
+        "requests": len(requests),
+        "failed": failed,
         "unfinished": unfinished,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
         "completion_tokens": sum(r.completion_tokens or 0 for r in results),
@@ -205,7 +270,9 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
         if not s.finished:  # rounds ran out in the flow: the trace never reached an answer
             s.finish_reason = "max_rounds"
         decision = filter_trace(
-            s.text, s.n_tool_calls, s.finish_reason,
+            s.text,
+            s.n_tool_calls,
+            s.finish_reason,
             min_tool_calls=cfg.filter.min_tool_calls,
             require_grounding=cfg.filter.require_grounding,
             allowed_violations=cfg.filter.allowed_violations,
@@ -213,11 +280,20 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
         )
         rows.append(
             dict(
-                trajectory_id=s.trajectory_id, query_id=s.query_id, accepted=decision.accepted,
-                reject_reasons=decision.reject_reasons, reject_details=decision.details,
-                n_tool_calls=s.n_tool_calls, n_rounds=s.n_rounds, finish_reason=s.finish_reason,
-                text=s.text, messages=json.dumps(s.messages, ensure_ascii=False), model=cfg.teacher.model,
-                prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cost_usd=s.cost_usd,
+                trajectory_id=s.trajectory_id,
+                query_id=s.query_id,
+                accepted=decision.accepted,
+                reject_reasons=decision.reject_reasons,
+                reject_details=decision.details,
+                n_tool_calls=s.n_tool_calls,
+                n_rounds=s.n_rounds,
+                finish_reason=s.finish_reason,
+                text=s.text,
+                messages=json.dumps(s.messages, ensure_ascii=False),
+                model=cfg.teacher.model,
+                prompt_tokens=s.prompt_tokens,
+                completion_tokens=s.completion_tokens,
+                cost_usd=s.cost_usd,
             )
         )
     store.write_table("sft_trajectories", rows, schema=SFT_TRAJECTORIES_SCHEMA)
@@ -226,12 +302,15 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
     for r in rows:
         for code in r["reject_reasons"]:
             reasons[code] = reasons.get(code, 0) + 1
-    log.info("filtered %d trajectories: %d accepted, %d rejected %s", len(rows), accepted, len(rows) - accepted, reasons)
+    log.info(
+        "filtered %d trajectories: %d accepted, %d rejected %s", len(rows), accepted, len(rows) - accepted, reasons
+    )
     errors = [s for s in states if s.finish_reason == TEACHER_ERROR]
     if not accepted and errors:
         raise TeacherRoundError(
             f"no trajectory was accepted: {len(errors)} of {len(rows)} ended in a teacher error (first: "
-            f"{errors[0].trajectory_id}: {errors[0].error}); see teacher_responses.error")
+            f"{errors[0].trajectory_id}: {errors[0].error}); see teacher_responses.error"
+        )
     return {
         "trajectories": len(rows),
         "accepted": accepted,
@@ -251,16 +330,30 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     store = RunStore(run_dir)
     if not cfg.teacher.write_reflections:
         return {}
-    old = {r["request_id"]: r for r in store.read_rows("teacher_reflections")} if store.files("teacher_reflections") else {}
+    old = (
+        {r["request_id"]: r for r in store.read_rows("teacher_reflections")}
+        if store.files("teacher_reflections")
+        else {}
+    )
     accepted = [r for r in store.read_rows("sft_trajectories") if r["accepted"]]
     questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
     tcfg = cfg.teacher
-    every = reflection_requests(reflection_sources(accepted, tcfg.reflection_prefixes, cfg.seed), questions, tcfg.model,
-                                tcfg.max_tokens, tcfg.temperature, cfg.reflection.max_trajectory_chars)
+    every = reflection_requests(
+        reflection_sources(accepted, tcfg.reflection_prefixes, cfg.seed),
+        questions,
+        tcfg.model,
+        tcfg.max_tokens,
+        tcfg.temperature,
+        cfg.reflection.max_trajectory_chars,
+    )
     requests = [req for req in every if req.custom_id not in old or old[req.custom_id]["status"] != "ok"]
     if not requests:
         stats = reflection_stats([old[r.custom_id] for r in every])
-        log.info("teacher reflections already written (cached Parquet): %d valid of %d", stats["reflections_valid"], stats["reflections"])
+        log.info(
+            "teacher reflections already written (cached Parquet): %d valid of %d",
+            stats["reflections_valid"],
+            stats["reflections"],
+        )
         return {**stats, "cached": True}
     settings = endpoint_for(tcfg, api_key=resolve_api_key(tcfg), max_tool_calls=cfg.tools.max_tool_calls)
     marker, resume_batch_id, on_submitted = batch_marker(store, "teacher_reflections", "reflections", len(requests))
@@ -277,6 +370,11 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     store.write_table("teacher_reflections", rows, schema=TEACHER_REFLECTIONS_SCHEMA)
     marker.unlink(missing_ok=True)
     stats = reflection_stats(rows)
-    log.info("reflections: %d valid of %d, %d failed calls, rejected %s", stats["reflections_valid"], stats["reflections"],
-             stats["reflections_failed"], stats["reflection_reject_codes"])
+    log.info(
+        "reflections: %d valid of %d, %d failed calls, rejected %s",
+        stats["reflections_valid"],
+        stats["reflections"],
+        stats["reflections_failed"],
+        stats["reflection_reject_codes"],
+    )
     return {**stats, "cached": False}

@@ -2,6 +2,7 @@
 of `eval_results` (``tables/eval_results/<tag>--<benchmark>--<retrieval>.parquet``); a rerun returns
 the summary of the part that exists instead of sampling again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,24 +14,25 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rubricem_core.config import RunConfig
+from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
     SEQUENTIAL,
     SEQUENTIAL_TRIALS,
-    SequentialOptions,
-    settings_digest,
     EvalOptions,
+    SequentialOptions,
     checkpoint_tag,
     load_benchmark_queries,
     run_eval,
     select_queries,
+    settings_digest,
     summarize,
     ungraded_code,
     ungraded_reason,
 )
-from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.layout import RunLayout
+from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
@@ -38,7 +40,6 @@ from rubricem_core.rollout import SamplingParams
 from rubricem_core.schemas import EVAL_REFLECTIONS_SCHEMA, queries_from_table
 from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.llm.endpoints import endpoint_for
 from tasks.inputs import search_env
 from tasks.rl import completed_step
 from tasks.secrets import resolve_api_key
@@ -54,7 +55,9 @@ def default_checkpoint(run_dir: str) -> Path:
     step, layout = completed_step(run_dir), RunLayout(run_dir)
     path = layout.rl_step_checkpoint(step) if step >= 0 else layout.sft_final
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint")
+        raise FileNotFoundError(
+            f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint"
+        )
     return path
 
 
@@ -74,10 +77,15 @@ def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
             if cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 
-                engine = VLLMRolloutEngine(checkpoint, tokenizer, llm_kwargs={
-                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                }, max_model_len=cfg.rollout.max_total_tokens)
+                engine = VLLMRolloutEngine(
+                    checkpoint,
+                    tokenizer,
+                    llm_kwargs={
+                        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                    },
+                    max_model_len=cfg.rollout.max_total_tokens,
+                )
             else:
                 from rubricem_core.rollout import HFRolloutEngine
 
@@ -96,16 +104,25 @@ def _grader(cfg: RunConfig):
 
     grader_cfg = cfg.eval.grader
     settings = endpoint_for(grader_cfg, api_key=resolve_api_key(grader_cfg))
-    return BenchmarkGrader(settings, GraderOptions.from_config(
-        grader_cfg, seed=cfg.seed, healthbench_grading=cfg.eval.healthbench_grading, drb_grading=cfg.eval.drb_grading))
+    return BenchmarkGrader(
+        settings,
+        GraderOptions.from_config(
+            grader_cfg,
+            seed=cfg.seed,
+            healthbench_grading=cfg.eval.healthbench_grading,
+            drb_grading=cfg.eval.drb_grading,
+        ),
+    )
 
 
 def _bank_location(run_dir: str, cfg: RunConfig, retrieval: str) -> Path:
     """Where RL saved the run's bank (eval.bank_dir overrides it)."""
     directory = Path(cfg.eval.bank_dir) if cfg.eval.bank_dir else bank_dir(run_dir)
     if not (directory / ENTRIES_FILE).exists():
-        raise FileNotFoundError(f"retrieval={retrieval!r} needs a reflection bank, but none is saved at {directory} "
-                                "(run RL with a reflection recipe, or set eval.bank_dir)")
+        raise FileNotFoundError(
+            f"retrieval={retrieval!r} needs a reflection bank, but none is saved at {directory} "
+            "(run RL with a reflection recipe, or set eval.bank_dir)"
+        )
     return directory
 
 
@@ -128,8 +145,11 @@ def _bank_settings(run_dir: str, cfg: RunConfig, retrieval: str) -> list[str | N
 
 def sequential_options(cfg: RunConfig) -> SequentialOptions:
     """The reflection between the trials of retrieval=sequential: the meta-policy's own settings."""
-    return SequentialOptions(temperature=cfg.reflection.temperature, max_new_tokens=cfg.reflection.max_new_tokens,
-                             max_trajectory_chars=cfg.reflection.max_trajectory_chars)
+    return SequentialOptions(
+        temperature=cfg.reflection.temperature,
+        max_new_tokens=cfg.reflection.max_new_tokens,
+        max_trajectory_chars=cfg.reflection.max_trajectory_chars,
+    )
 
 
 def sample_seed(cfg: RunConfig) -> int:
@@ -152,10 +172,13 @@ def eval_queries(run_dir: str, cfg: RunConfig, benchmark: str) -> list:
     if race_grading(cfg, benchmark):
         reference = cfg.eval.paths.get(f"{benchmark}_reference")
         if not reference:
-            raise EvalError(f"eval.drb_grading is 'race', which scores {benchmark} against reference reports: set "
-                            f"eval.paths.{benchmark}_reference (or eval.drb_grading: absolute)")
-    return load_benchmark_queries(benchmark, cfg.eval.paths.get(benchmark), cfg.eval.max_queries, cfg.eval.sample,
-                                  sample_seed(cfg), reference)
+            raise EvalError(
+                f"eval.drb_grading is 'race', which scores {benchmark} against reference reports: set "
+                f"eval.paths.{benchmark}_reference (or eval.drb_grading: absolute)"
+            )
+    return load_benchmark_queries(
+        benchmark, cfg.eval.paths.get(benchmark), cfg.eval.max_queries, cfg.eval.sample, sample_seed(cfg), reference
+    )
 
 
 def grading_settings(cfg: RunConfig, benchmark: str, queries: list) -> dict[str, Any]:
@@ -183,15 +206,23 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     part = part_name(tag, benchmark, retrieval)
     queries = eval_queries(run_dir, cfg, benchmark)
     options = EvalOptions(
-        samples_per_query=cfg.eval.samples_per_query, temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens,
-        max_tool_calls=cfg.tools.max_tool_calls, seed=derive_seed(cfg.seed, EVAL_SAMPLING, benchmark),
-        prompt_style=cfg.policy.prompt_style, retrieval=retrieval, retrieval_k=cfg.eval.retrieval_k,
+        samples_per_query=cfg.eval.samples_per_query,
+        temperature=cfg.eval.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        max_tool_calls=cfg.tools.max_tool_calls,
+        seed=derive_seed(cfg.seed, EVAL_SAMPLING, benchmark),
+        prompt_style=cfg.policy.prompt_style,
+        retrieval=retrieval,
+        retrieval_k=cfg.eval.retrieval_k,
     )
     produced_by: dict[str, Any] = {
-        "options": dataclasses.asdict(options), "queries": [q.query_id for q in queries],
+        "options": dataclasses.asdict(options),
+        "queries": [q.query_id for q in queries],
         "grader": cfg.eval.grader.model_dump(include={"model", "temperature", "max_tokens", "structured_output"}),
-        "bank": _bank_settings(run_dir, cfg, retrieval), "engine": cfg.rollout.engine,
+        "bank": _bank_settings(run_dir, cfg, retrieval),
+        "engine": cfg.rollout.engine,
         **grading_settings(cfg, benchmark, queries),
     }
     # A query that gains rubrics (or loses them) is evaluated again, not read back as ungraded. Only
@@ -206,28 +237,55 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     if store.has(TABLE, {}, part):
         rows = store.read_table(TABLE, {}, part).to_pylist()
         if all(r.get("settings") == settings for r in rows):
-            return {"cached": True, **summarize(rows), **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries)}
+            return {
+                "cached": True,
+                **summarize(rows),
+                **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries),
+            }
         log.info("%s: the settings changed since %s was evaluated; evaluating again", part, tag)
         store.partition_path(REFLECTIONS_TABLE, {}, part).unlink(missing_ok=True)  # of the old results
     engine, tokenizer = _engine(checkpoint, cfg)
     grader = None if family_of(benchmark) == "synthetic" else _grader(cfg)
-    outcome = run_eval(engine, tokenizer, benchmark, queries, search_env(run_dir, cfg), options, tag, grader,
-                       _bank(run_dir, cfg, retrieval), sequential)
+    outcome = run_eval(
+        engine,
+        tokenizer,
+        benchmark,
+        queries,
+        search_env(run_dir, cfg),
+        options,
+        tag,
+        grader,
+        _bank(run_dir, cfg, retrieval),
+        sequential,
+    )
     rows = [{**r, "settings": settings} for r in outcome.rows]
     store.write_table(TABLE, rows, {}, part, schema=EVAL_RESULTS_SCHEMA)
     s = {**outcome.summary, **_reflection_validity(run_dir, cfg, checkpoint, part, outcome.rows, queries)}
-    log.info("%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds"
-             "; %d queries not graded (%d without rubrics, %d without a gold answer, %d without a reference)",
-             tag, benchmark, retrieval, s["score_mean"], s["n_samples"], s["n_queries"], s["grade_failed"],
-             s["valid_scaffold_rate"], s["n_ungraded"], s["n_no_rubrics"], s["n_no_gold_answer"], s["n_no_reference"])
+    log.info(
+        "%s on %s (retrieval %s): score %.3f over %d samples of %d queries, %d grades failed, %.2f valid scaffolds"
+        "; %d queries not graded (%d without rubrics, %d without a gold answer, %d without a reference)",
+        tag,
+        benchmark,
+        retrieval,
+        s["score_mean"],
+        s["n_samples"],
+        s["n_queries"],
+        s["grade_failed"],
+        s["valid_scaffold_rate"],
+        s["n_ungraded"],
+        s["n_no_rubrics"],
+        s["n_no_gold_answer"],
+        s["n_no_reference"],
+    )
     return {"cached": False, **s}
 
 
 REFLECTIONS_TABLE = "eval_reflections"
 
 
-def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: str, rows: list[dict[str, Any]],
-                         queries: list) -> dict[str, float]:
+def _reflection_validity(
+    run_dir: str, cfg: RunConfig, checkpoint: str, part: str, rows: list[dict[str, Any]], queries: list
+) -> dict[str, float]:
     """The checkpoint's valid-reflection rate: one unforced reflection per evaluated trajectory, checked
     by the meta-policy's validator → an `eval_reflections` part (same name as its `eval_results` part)."""
     if not cfg.eval.reflection_validity:
@@ -235,18 +293,41 @@ def _reflection_validity(run_dir: str, cfg: RunConfig, checkpoint: str, part: st
     store = RunStore(run_dir)
     if not store.has(REFLECTIONS_TABLE, {}, part):
         engine, tokenizer = _engine(checkpoint, cfg)
-        sampling = SamplingParams(temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.reflection.max_new_tokens,
-                                  max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, EVAL_REFLECTION, part))
+        sampling = SamplingParams(
+            temperature=cfg.reflection.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.reflection.max_new_tokens,
+            max_total_tokens=cfg.rollout.max_total_tokens,
+            seed=derive_seed(cfg.seed, EVAL_REFLECTION, part),
+        )
         # ungraded queries were never sampled: no trajectory to reflect on
         # the two trials of retrieval=sequential share (query, sample): their ids name the trial too
-        by_source = {f"{r['query_id']}-e{r['sample']}" + (f"-{r['retrieval']}" if r["retrieval"] in SEQUENTIAL_TRIALS
-                                                          else ""): r for r in rows if ungraded_code(r) is None}
+        by_source = {
+            f"{r['query_id']}-e{r['sample']}" + (f"-{r['retrieval']}" if r["retrieval"] in SEQUENTIAL_TRIALS else ""): r
+            for r in rows
+            if ungraded_code(r) is None
+        }
         sources = [{"source": sid, "query_id": r["query_id"], "text": r["text"]} for sid, r in by_source.items()]
-        sampled = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
-                                     cfg.reflection.max_trajectory_chars, search_env(run_dir, cfg))
-        out = [{**{k: by_source[x["source"]][k] for k in ("checkpoint", "benchmark", "retrieval", "query_id", "sample")},
-                "text": x["text"], "valid": x["valid"], "codes": x["codes"]} for x in sampled]
+        sampled = sample_reflections(
+            engine,
+            tokenizer,
+            sources,
+            {q.query_id: q.question for q in queries},
+            sampling,
+            cfg.reflection.max_trajectory_chars,
+            search_env(run_dir, cfg),
+        )
+        out = [
+            {
+                **{
+                    k: by_source[x["source"]][k] for k in ("checkpoint", "benchmark", "retrieval", "query_id", "sample")
+                },
+                "text": x["text"],
+                "valid": x["valid"],
+                "codes": x["codes"],
+            }
+            for x in sampled
+        ]
         store.write_table(REFLECTIONS_TABLE, out, {}, part, schema=EVAL_REFLECTIONS_SCHEMA)
     written = store.read_table(REFLECTIONS_TABLE, {}, part).to_pylist()
     return {"reflection_valid_rate": sum(r["valid"] for r in written) / len(written) if written else float("nan")}

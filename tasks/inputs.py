@@ -1,4 +1,5 @@
 """Inputs of a run: the `queries` and `corpus` tables, and the local tool environment over the corpus."""
+
 from __future__ import annotations
 
 import threading
@@ -60,7 +61,13 @@ def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     queries = store.read_table("queries")
     n_docs = store.read_table("corpus").num_rows
     n_train = pc.sum(pc.equal(queries["split"], "train")).as_py() or 0
-    log.info("inputs: %d documents, %d queries (%d train, %d eval)", n_docs, queries.num_rows, n_train, queries.num_rows - n_train)
+    log.info(
+        "inputs: %d documents, %d queries (%d train, %d eval)",
+        n_docs,
+        queries.num_rows,
+        n_train,
+        queries.num_rows - n_train,
+    )
     return {"documents": n_docs, "queries": queries.num_rows, "train_queries": n_train}
 
 
@@ -72,7 +79,11 @@ def search_env(run_dir: str, cfg: RunConfig) -> ToolEnv:
     """A ToolEnv over the run's corpus. Index building is cached per process and corpus file,
     since every round of every task reuses the same index."""
     store = RunStore(run_dir)
-    key = (str(store.run_dir), tuple((str(f), f.stat().st_mtime_ns) for f in store.files("corpus")), cfg.tools.model_dump_json())
+    key = (
+        str(store.run_dir),
+        tuple((str(f), f.stat().st_mtime_ns) for f in store.files("corpus")),
+        cfg.tools.model_dump_json(),
+    )
     with _ENV_LOCK:
         env = _ENV_CACHE.get(key)
         if env is None:

@@ -7,6 +7,7 @@ partition step=N, best valid candidate per query into the bank (`bank` table + t
 The flow overlaps them with the task work (see flows/rl.py); both skip what their Parquet or the
 newest checkpoint already holds, so a retried run redoes only what is missing.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,12 +20,22 @@ from prefect.cache_policies import NO_CACHE
 from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.types import JudgeQuery
+from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.reflection.judge import (
-    ReflectionJudge, ReflectionJudgeInput, ReflectionJudgeOptions, reflection_rows,
+    ReflectionJudge,
+    ReflectionJudgeInput,
+    ReflectionJudgeOptions,
+    reflection_rows,
 )
 from rubricem_core.reflection.meta import (
-    candidate_advantages, candidate_requests, candidate_text, engine_stop_texts, judge_view, pick_source_rollouts, reflection_metrics,
+    candidate_advantages,
+    candidate_requests,
+    candidate_text,
+    engine_stop_texts,
+    judge_view,
+    pick_source_rollouts,
+    reflection_metrics,
     reflection_token_advantages,
 )
 from rubricem_core.rl.curriculum import StepPlan
@@ -32,12 +43,18 @@ from rubricem_core.rollout import SamplingParams
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA, nan_to_none, none_to_nan
 from rubricem_core.seeds import REFLECTION_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
-    cached_task_metrics, completed_step, current_session, ensure_engine_weights, get_session, load_bank_steps,
-    reset_bank, save_task_metrics, update_settings,
+    cached_task_metrics,
+    completed_step,
+    current_session,
+    ensure_engine_weights,
+    get_session,
+    load_bank_steps,
+    reset_bank,
+    save_task_metrics,
+    update_settings,
 )
 from tasks.secrets import resolve_api_key
 
@@ -69,11 +86,20 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     rollouts = store.read_rows("rollouts", _key(plan.step))
     sources = pick_source_rollouts(rollouts, plan.query_ids, cfg.seed, plan.step)
     sampling = SamplingParams(
-        temperature=cfg.reflection.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.reflection.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, REFLECTION_SAMPLING, plan.step),
+        temperature=cfg.reflection.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.reflection.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=derive_seed(cfg.seed, REFLECTION_SAMPLING, plan.step),
     )
-    requests = candidate_requests(session.tokenizer, sources, questions, cfg.reflection.n_candidates, sampling,
-                                  cfg.reflection.max_trajectory_chars)
+    requests = candidate_requests(
+        session.tokenizer,
+        sources,
+        questions,
+        cfg.reflection.n_candidates,
+        sampling,
+        cfg.reflection.max_trajectory_chars,
+    )
     t0 = time.perf_counter()
     with session.lock:  # the engine is not re-entrant; the weights are those the step's rollouts used
         ensure_engine_weights(session, plan.step - 1, cfg)
@@ -88,12 +114,20 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     for (qid, src), group in zip(sources.items(), groups):
         rubrics, judgment = judge_view(qid, src["rollout_id"], rubric_rows, score_rows)
         q = queries[qid]
-        inputs.append(ReflectionJudgeInput(
-            query=JudgeQuery(qid, q["question"],  # the answer key only where the task judge may see it
-                             reference_answer=q.get("reference_answer") if cfg.judge.show_reference else None),
-            source_rollout_id=src["rollout_id"], trajectory_text=src["text"],
-            candidates=[candidate_text(t, stop_texts) for t in group], rubrics=rubrics, judgment=judgment,
-        ))
+        inputs.append(
+            ReflectionJudgeInput(
+                query=JudgeQuery(
+                    qid,
+                    q["question"],  # the answer key only where the task judge may see it
+                    reference_answer=q.get("reference_answer") if cfg.judge.show_reference else None,
+                ),
+                source_rollout_id=src["rollout_id"],
+                trajectory_text=src["text"],
+                candidates=[candidate_text(t, stop_texts) for t in group],
+                rubrics=rubrics,
+                judgment=judgment,
+            )
+        )
         for i, traj in enumerate(group):
             trajs[(src["rollout_id"], i)] = traj
     judge = _judge(cfg)
@@ -104,8 +138,13 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     rows = reflection_rows(plan.step, scores, cfg.reflection.min_score)
     for row in rows:
         traj: TokenTrajectory = trajs[(row["source_rollout_id"], row["candidate"])]
-        row.update(token_ids=traj.token_ids, loss_mask=traj.loss_mask, n_tokens=len(traj),
-                   logprobs=[nan_to_none(x) for x in traj.logprobs], finish_reason=traj.finish_reason)
+        row.update(
+            token_ids=traj.token_ids,
+            loss_mask=traj.loss_mask,
+            n_tokens=len(traj),
+            logprobs=[nan_to_none(x) for x in traj.logprobs],
+            finish_reason=traj.finish_reason,
+        )
     metrics = reflection_metrics(rows)
     metrics.update(judge.usage.metrics())
     metrics["reflection/generate_seconds"] = gen_seconds
@@ -121,9 +160,15 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     save_task_metrics(store, "reflect", plan.step, metrics)
     store.write_table("reflections", rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
     fault_point("rl.reflections_written")
-    log.info("step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
-             plan.step, len(rows), len(inputs), sum(r["valid"] for r in rows), sum(r["accepted"] for r in rows),
-             len(session.bank) if session.bank is not None else 0)
+    log.info(
+        "step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
+        plan.step,
+        len(rows),
+        len(inputs),
+        sum(r["valid"] for r in rows),
+        sum(r["accepted"] for r in rows),
+        len(session.bank) if session.bank is not None else 0,
+    )
     return {"cached": False, "metrics": metrics}
 
 
@@ -158,9 +203,14 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
         for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
             if row["judge_failed"] or not row["token_ids"]:
                 continue  # no reward: left out of the update, never treated as a zero
-            trajs.append(TokenTrajectory(token_ids=row["token_ids"], loss_mask=row["loss_mask"],
-                                         stage_ids=[-1] * len(row["token_ids"]),
-                                         logprobs=[none_to_nan(x) for x in row["logprobs"]]))
+            trajs.append(
+                TokenTrajectory(
+                    token_ids=row["token_ids"],
+                    loss_mask=row["loss_mask"],
+                    stage_ids=[-1] * len(row["token_ids"]),
+                    logprobs=[none_to_nan(x) for x in row["logprobs"]],
+                )
+            )
             advs.append(reflection_token_advantages(row["loss_mask"], adv))
             nonzero += adv != 0.0
     t0 = time.perf_counter()
@@ -175,6 +225,11 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
     # the weights keep this update only in memory until the step's checkpoint; a rerun redoes both
     save_task_metrics(store, "reflection-update", at_step, out)
     fault_point("rl.reflection_update_done")
-    log.info("step %d: reflection update on %d candidates of step %d (%d with signal)", at_step, len(trajs),
-             source.step, nonzero)
+    log.info(
+        "step %d: reflection update on %d candidates of step %d (%d with signal)",
+        at_step,
+        len(trajs),
+        source.step,
+        nonzero,
+    )
     return {"cached": False, "metrics": out}

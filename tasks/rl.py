@@ -4,6 +4,7 @@ exists. Models live in the per-process `RLSession` of rubricem_core.rl.session (
 reference in this process or in long-lived trainer ranks, the rollout engine, rubric buffers), rebuilt
 from the previous step's checkpoint after a restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,21 +23,37 @@ from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
 from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
 from rubricem_core.progress import Progress
+from rubricem_core.reflection.meta import retrieve_guidance
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
-    RLSession, buffers_at, completed_step, current_session, drop_sessions, ensure_engine_weights, get_session, load_bank_steps,
-    recipe_settings, reflection_on, replay_source_step, reset_bank, rl_dir, start_policy, step_checkpoint, update_settings,
-)
 from rubricem_core.rl.records import rollout_row
-from rubricem_core.rl.update import group_advantages, reward_rows as reward_rows_of, training_batch
+from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
+    RLSession,
+    buffers_at,
+    completed_step,
+    current_session,
+    drop_sessions,
+    ensure_engine_weights,
+    get_session,
+    load_bank_steps,
+    recipe_settings,
+    reflection_on,
+    replay_source_step,
+    reset_bank,
+    rl_dir,
+    start_policy,
+    step_checkpoint,
+    update_settings,
+)
+from rubricem_core.rl.update import group_advantages, training_batch
+from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES
-from rubricem_core.reflection.meta import retrieve_guidance
 from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA  # noqa: F401
 from rubricem_core.seeds import ROLLOUT, derive_seed
 from rubricem_core.store import RunStore, atomic_write_text
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
+
 
 class JudgeStepError(RuntimeError):
     """Too few of a step's rollouts could be judged to train on them."""
@@ -91,22 +108,37 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     if session.bank is not None and plan.retrieval != "none":
         questions = {qid: q["question"] for qid, q in queries.items()}
         guidance, metrics = retrieve_guidance(
-            session.bank, [(qid, questions[qid]) for qid in plan.query_ids], plan.retrieval,
-            cfg.reflection.retrieval_k, cfg.reflection.min_similarity, questions,
-            source_step=replay_source_step(plan.step, cfg.rl.window))
+            session.bank,
+            [(qid, questions[qid]) for qid in plan.query_ids],
+            plan.retrieval,
+            cfg.reflection.retrieval_k,
+            cfg.reflection.min_similarity,
+            questions,
+            source_step=replay_source_step(plan.step, cfg.rl.window),
+        )
         metrics["bank/size"] = float(len(session.bank))
     sampling = SamplingParams(
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens, seed=derive_seed(cfg.seed, ROLLOUT, plan.step),
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=derive_seed(cfg.seed, ROLLOUT, plan.step),
     )
     requests = [
-        RolloutRequest(request_id=qid, prompt_ids=encode_prompt(session.tokenizer, prompt_messages(
-                           queries[qid], guidance=text, style=cfg.policy.prompt_style)),
-                       n=cfg.rollout.group_size, sampling=sampling, max_tool_calls=cfg.tools.max_tool_calls)
+        RolloutRequest(
+            request_id=qid,
+            prompt_ids=encode_prompt(
+                session.tokenizer, prompt_messages(queries[qid], guidance=text, style=cfg.policy.prompt_style)
+            ),
+            n=cfg.rollout.group_size,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
         for qid, text in zip(plan.query_ids, guidance)
     ]
-    progress = Progress(f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log.info,
-                        every_s=30.0)
+    progress = Progress(
+        f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log.info, every_s=30.0
+    )
     session.engine.on_progress = lambda done, _total: progress.update(done)
     t0 = time.perf_counter()
     try:
@@ -124,8 +156,15 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     save_task_metrics(store, "rollout", plan.step, metrics)  # before the table: the table marks the task done
     store.write_table("rollouts", rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)
     fault_point("rl.rollouts_written")
-    log.info("step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
-             plan.step, len(rows), generated, seconds, generated / max(seconds, 1e-9), sum(r["valid_scaffold"] for r in rows))
+    log.info(
+        "step %d: %d rollouts, %d generated tokens in %.1fs (%.0f tok/s), %d valid scaffolds",
+        plan.step,
+        len(rows),
+        generated,
+        seconds,
+        generated / max(seconds, 1e-9),
+        sum(r["valid_scaffold"] for r in rows),
+    )
     return {"cached": False, "metrics": metrics}
 
 
@@ -136,7 +175,10 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
     # against the snippets the research retrieved (without them every citation reads as invented).
     answer_only = cfg.rl.recipe == "baseline" and not builtin
     return JudgeOptions.from_config(
-        cfg.judge, seed=cfg.seed, rubric_stages=judged_stages, view="answer" if answer_only else "trajectory",
+        cfg.judge,
+        seed=cfg.seed,
+        rubric_stages=judged_stages,
+        view="answer" if answer_only else "trajectory",
         # an LLM judge is held to the paper's fewest rubrics per stage; the built-in one proposes only
         # rubrics that separate the group, and a group may have none
         require_min_rubrics=not builtin,
@@ -160,15 +202,21 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     session.buffers_step = None  # changed in place from here on: unknown until this step's tables are written
     for qid in plan.query_ids:
         if qid not in buffers:
-            buffers[qid] = RubricBuffer.from_query(qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step)
+            buffers[qid] = RubricBuffer.from_query(
+                qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step
+            )
     builtin = builtin_provider(cfg.judge.model) == "rubricem-judge"
     settings = endpoint_for(cfg.judge, api_key=resolve_api_key(cfg.judge))
     judge = LLMJudge(settings, judge_options(cfg, rs.judged_stages, builtin))
     groups = []
     for qid in plan.query_ids:
         q = queries[qid]
-        jq = JudgeQuery(qid, q["question"], spec=json.loads(q["spec"]) if q.get("spec") else None,
-                        reference_answer=q.get("reference_answer"))
+        jq = JudgeQuery(
+            qid,
+            q["question"],
+            spec=json.loads(q["spec"]) if q.get("spec") else None,
+            reference_answer=q.get("reference_answer"),
+        )
         groups.append((jq, [JudgeRollout(r["rollout_id"], r["text"]) for r in rollouts if r["query_id"] == qid]))
     t0 = time.perf_counter()
     results = judge_step(judge, groups, buffers, plan.step)
@@ -187,8 +235,10 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     # The judge's verdict on each rollout, kept even when the step cannot train. Rewritten only when it
     # differs from what the rollout task (or a failed attempt's judge) wrote: with every judgment in,
     # the rollouts partition stays as sampled.
-    if any(r["judge_failed"] != (r["rollout_id"] in errors) or r["judge_error"] != errors.get(r["rollout_id"])
-           for r in rollouts):
+    if any(
+        r["judge_failed"] != (r["rollout_id"] in errors) or r["judge_error"] != errors.get(r["rollout_id"])
+        for r in rollouts
+    ):
         for r in rollouts:
             r["judge_failed"] = r["rollout_id"] in errors
             r["judge_error"] = errors.get(r["rollout_id"])
@@ -202,7 +252,8 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         raise JudgeStepError(
             f"step {plan.step}: {len(errors)} of {len(rollouts)} judgments failed (judge.min_judged_fraction="
             f"{cfg.judge.min_judged_fraction}); nothing was trained or checkpointed; fix the judge endpoint "
-            f"({cfg.judge.model}) and rerun to re-judge this step. First errors: {first}")
+            f"({cfg.judge.model}) and rerun to re-judge this step. First errors: {first}"
+        )
     store.write_table("judge_rubrics", rubric_rows, _key(plan.step), schema=JUDGE_RUBRICS_SCHEMA)
     fault_point("rl.judge_rubrics_written")
     store.write_table("judge_scores", score_rows, _key(plan.step), schema=JUDGE_SCORES_SCHEMA)
@@ -216,7 +267,14 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     store.write_table("stage_rewards", reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
     session.buffers_step = plan.step
     fault_point("rl.judge_done")
-    log.info("step %d: judged %d rollouts of %d queries in %.1fs, %d failed", plan.step, len(rollouts), len(groups), seconds, len(errors))
+    log.info(
+        "step %d: judged %d rollouts of %d queries in %.1fs, %d failed",
+        plan.step,
+        len(rollouts),
+        len(groups),
+        seconds,
+        len(errors),
+    )
     return {"cached": False, "metrics": metrics}
 
 
@@ -230,11 +288,14 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     if completed_step(run_dir) >= plan.step:
         return {"cached": True, "metrics": cached_task_metrics(store, "update", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
-    batch = training_batch(store.read_rows("rollouts", _key(plan.step)), store.read_rows("stage_rewards", _key(plan.step)))
+    batch = training_batch(
+        store.read_rows("rollouts", _key(plan.step)), store.read_rows("stage_rewards", _key(plan.step))
+    )
     t0 = time.perf_counter()
     session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
-    metrics = session.policy.update(batch.trajectories, batch.token_advantages,
-                                    update_settings(cfg, cfg.rollout.temperature))
+    metrics = session.policy.update(
+        batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature)
+    )
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
     # this step's reflections may still be sampling with the old ones.
@@ -248,9 +309,15 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     atomic_write_text(store.layout.rl_progress_file, json.dumps({"completed_step": plan.step}))
     fault_point("rl.step_done")
     _prune_checkpoints(run_dir, keep=2)
-    log.info("step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f", plan.step, len(batch.trajectories),
-             metrics.get("loss", float("nan")), metrics.get("kl", float("nan")),
-             metrics.get("clip_fraction", float("nan")), metrics.get("logprob_gap_mean", float("nan")))
+    log.info(
+        "step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f",
+        plan.step,
+        len(batch.trajectories),
+        metrics.get("loss", float("nan")),
+        metrics.get("kl", float("nan")),
+        metrics.get("clip_fraction", float("nan")),
+        metrics.get("logprob_gap_mean", float("nan")),
+    )
     return {"cached": False, "metrics": out}
 
 

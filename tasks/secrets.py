@@ -1,4 +1,5 @@
 """Secrets for tasks: the environment first, then a Prefect Secret block. Never logged."""
+
 from __future__ import annotations
 
 import os

@@ -1,8 +1,10 @@
 """Prefect tasks of SFT: build/resolve the base policy, then train on accepted trajectories."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -61,14 +63,26 @@ def train_sft_task(
 
     if cfg.distributed.world_size > 1:
         # the ranks are this task's children: their output is this task's log, their failure its failure
-        log.info("starting %d SFT ranks (%d per node) with torchrun", cfg.distributed.world_size,
-                 cfg.distributed.nproc_per_node)
+        log.info(
+            "starting %d SFT ranks (%d per node) with torchrun",
+            cfg.distributed.world_size,
+            cfg.distributed.nproc_per_node,
+        )
         result = launch_sft(run_dir, cfg, policy_dir, root, on_line=log.info, on_metrics=log_and_print)
     else:
         rows, reflections = sft_inputs(run_dir)
         doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
-        result = run_sft(Path(policy_dir), rows, root, cfg.policy, cfg.sft, cfg.seed, log_metrics=log_and_print,
-                         doc_ids=doc_ids, reflection_rows=reflections)
+        result = run_sft(
+            Path(policy_dir),
+            rows,
+            root,
+            cfg.policy,
+            cfg.sft,
+            cfg.seed,
+            log_metrics=log_and_print,
+            doc_ids=doc_ids,
+            reflection_rows=reflections,
+        )
     log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
     return {**result, "cached": False}
 

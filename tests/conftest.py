@@ -3,6 +3,7 @@
 Third-party data lives in ``../shared/data`` beside the checkout (never copied into the repo);
 tests that need it take the ``shared_data`` fixture and skip cleanly when it is absent.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,6 +6,7 @@ Rank 0 writes what the test compares (weights, metrics, which micro-batches each
 OUT_FILE with torch.save; the single-rank reference is computed by the test in its own process with
 the same functions, so "2 ranks ≡ 1 rank" compares two runs of one code path.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tiny_models import VOCAB, tiny_model
-
 from rubricem_core.distributed import shutdown
 from rubricem_core.training import TrainerConfig, make_trainer
+from tiny_models import VOCAB, tiny_model
 
 
 def lm_batch(i: int, n_seqs: int, seq_len: int = 16) -> dict[str, torch.Tensor]:

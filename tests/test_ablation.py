@@ -3,6 +3,7 @@
 Tested on `baseline` and `ss_grpo` (the reflection recipes are refused by the rl flow until the
 reflection loop is wired in). The "SFT" policy is a random-init tiny model, as in test_evaluate_flow.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,16 @@ def run_dir(tmp_path_factory, prefect_harness):
 def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir, monkeypatch):
     from flows.ablation import ablation
 
-    result = ablation(run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"],
-                      benchmarks=["synthetic"])
+    result = ablation(
+        run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
+    )
     assert result["budget"] == {"rl_steps": 2, "queries_per_step": 1, "group_size": 2}
     rows = RunStore(run_dir).read_rows("ablation")
-    assert [(r["recipe"], r["benchmark"]) for r in rows] == [("sft", "synthetic"), ("baseline", "synthetic"),
-                                                              ("ss_grpo", "synthetic")]
+    assert [(r["recipe"], r["benchmark"]) for r in rows] == [
+        ("sft", "synthetic"),
+        ("baseline", "synthetic"),
+        ("ss_grpo", "synthetic"),
+    ]
     assert [r["rl_steps"] for r in rows] == [0, 2, 2]
     assert [r["checkpoint"] for r in rows] == ["sft", "rl-step-000001", "rl-step-000001"]
     assert all(0.0 <= r["score_mean"] <= 1.0 and r["n_samples"] == 2 for r in rows)
@@ -71,16 +76,21 @@ def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir,
         assert store.has("eval_results", {}, "rl-step-000001--synthetic--none")
     assert schedules["baseline"] == schedules["ss_grpo"]  # matched budgets: the same queries at every step
     # the recipes differ where they should: the baseline judges the answer stage only
-    stages = {recipe: {r["stage"] for r in store.read_rows("judge_rubrics") if r["origin"] == "adaptive"}
-              for recipe, store in subs.items()}
+    stages = {
+        recipe: {r["stage"] for r in store.read_rows("judge_rubrics") if r["origin"] == "adaptive"}
+        for recipe, store in subs.items()
+    }
     assert stages["baseline"] <= {"answer"}
     assert RunStore(run_dir).has("eval_results", {}, "sft--synthetic--none")
 
     plot = Path(result["plot"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = json.loads(run_sql(run_dir, "SELECT name FROM metrics WHERE flow = 'ablation'", fmt="json"))
-    assert {m["name"] for m in logged} == {"ablation/sft/synthetic/score_mean", "ablation/baseline/synthetic/score_mean",
-                                          "ablation/ss_grpo/synthetic/score_mean"}
+    assert {m["name"] for m in logged} == {
+        "ablation/sft/synthetic/score_mean",
+        "ablation/baseline/synthetic/score_mean",
+        "ablation/ss_grpo/synthetic/score_mean",
+    }
 
     # a rerun trains and samples nothing: RL resumes after its last step, evaluations are read back
     import flows.rl
@@ -91,8 +101,9 @@ def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir,
 
     monkeypatch.setattr(flows.rl, "rl_step", refuse)
     monkeypatch.setattr(tasks.evaluate, "run_eval", refuse)
-    again = ablation(run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"],
-                     benchmarks=["synthetic"])
+    again = ablation(
+        run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
+    )
     assert [r["score_mean"] for r in again["rows"]] == [r["score_mean"] for r in rows]
 
 

@@ -1,4 +1,5 @@
 """Length-bucketed batching and right-padded collation."""
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ def mixed_lengths(n: int, seed: int) -> list[TokenTrajectory]:
     rng = random.Random(seed)
     # Research traces: a long tail (a few very long ones, many short).
     return [
-        make_traj(rng.randint(5, 20), rng.choice([rng.randint(10, 60), rng.randint(200, 900)]),
-                  rng.randint(0, 100), seed=i)
+        make_traj(
+            rng.randint(5, 20), rng.choice([rng.randint(10, 60), rng.randint(200, 900)]), rng.randint(0, 100), seed=i
+        )
         for i in range(n)
     ]
 
@@ -59,7 +61,7 @@ def test_bucketing_pads_much_less_than_random_batching():
     random.Random(0).shuffle(order)
     random_batches, at = [], 0
     for b in buckets:
-        random_batches.append(order[at:at + len(b)])
+        random_batches.append(order[at : at + len(b)])
         at += len(b)
     randomized = padding_fraction([collate([trajs[i] for i in b], pad_id=0) for b in random_batches])
     assert randomized > 0.3
@@ -110,15 +112,19 @@ def test_collate_right_pads_and_keeps_values():
 def test_collate_extras_nan_only_off_the_mask():
     trajs = [make_traj(3, 4, tool_len=2, seed=1), make_traj(2, 2, seed=2)]
     # Sampling logprobs: NaN on prompt and tool tokens, real values on policy tokens.
-    batch = collate(trajs, pad_id=0, extras={
-        "old_logprobs": [t.logprobs for t in trajs],
-        "advantages": [[0.5 * m for m in t.loss_mask] for t in trajs],
-    })
+    batch = collate(
+        trajs,
+        pad_id=0,
+        extras={
+            "old_logprobs": [t.logprobs for t in trajs],
+            "advantages": [[0.5 * m for m in t.loss_mask] for t in trajs],
+        },
+    )
     assert batch.old_logprobs.dtype == torch.float32
     assert not torch.isnan(batch.old_logprobs).any()
     for row, traj in enumerate(trajs):
         expected = [0.0 if math.isnan(v) else v for v in traj.logprobs]
-        assert batch.old_logprobs[row, :len(traj)].tolist() == expected
+        assert batch.old_logprobs[row, : len(traj)].tolist() == expected
     assert batch.advantages.sum().item() == pytest.approx(0.5 * sum(t.n_policy_tokens for t in trajs))
 
     bad = [list(t.logprobs) for t in trajs]

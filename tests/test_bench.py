@@ -1,5 +1,6 @@
 """Smoke tests of the benchmark scripts: the runner's last-line format and the DuckDB latency bench
 on a small table (its SQL answers are checked against the same numbers computed in Python)."""
+
 from __future__ import annotations
 
 import json
@@ -17,45 +18,75 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.duckdb_latency import JUDGE_SCORES_SCHEMA, QUERIES, write_scores  # noqa: E402
 from bench.run_all import (  # noqa: E402
-    Figure, FigureParseError, Result, Script, exit_code, figure_line, parse_figure_line, render_table, run_script,
+    Figure,
+    FigureParseError,
+    Result,
+    Script,
+    exit_code,
+    figure_line,
+    parse_figure_line,
+    render_table,
+    run_script,
 )
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("figure: duckdb_max_latency=0.2412 s  goal: < 0.5 s over 1003520 judge_scores rows  met: yes",
-     Figure("duckdb_max_latency", 0.2412, "s", "< 0.5 s over 1003520 judge_scores rows", True)),
-    ("figure: prefect_overhead=17.84 %  goal: < 10% per RL step  met: no",
-     Figure("prefect_overhead", 17.84, "%", "< 10% per RL step", False)),
-    ("figure: judge_calls=72 calls  goal: < 1536 calls of per-rubric scoring  met: yes",
-     Figure("judge_calls", 72.0, "calls", "< 1536 calls of per-rubric scoring", True)),
-    ("figure: rollout_tokens_per_s=97 tok/s  goal: report (training 347 tok/s, padding 0.010)  met: n/a",
-     Figure("rollout_tokens_per_s", 97.0, "tok/s", "report (training 347 tok/s, padding 0.010)", None)),
-    ("figure: scaffold_valid=0.812 of trajectories  goal: >= 0.8 pass  met: yes",
-     Figure("scaffold_valid", 0.812, "of trajectories", ">= 0.8 pass", True)),
-    ("figure: ratio=1.5e+03  goal: > 1  met: yes", Figure("ratio", 1500.0, "", "> 1", True)),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (
+            "figure: duckdb_max_latency=0.2412 s  goal: < 0.5 s over 1003520 judge_scores rows  met: yes",
+            Figure("duckdb_max_latency", 0.2412, "s", "< 0.5 s over 1003520 judge_scores rows", True),
+        ),
+        (
+            "figure: prefect_overhead=17.84 %  goal: < 10% per RL step  met: no",
+            Figure("prefect_overhead", 17.84, "%", "< 10% per RL step", False),
+        ),
+        (
+            "figure: judge_calls=72 calls  goal: < 1536 calls of per-rubric scoring  met: yes",
+            Figure("judge_calls", 72.0, "calls", "< 1536 calls of per-rubric scoring", True),
+        ),
+        (
+            "figure: rollout_tokens_per_s=97 tok/s  goal: report (training 347 tok/s, padding 0.010)  met: n/a",
+            Figure("rollout_tokens_per_s", 97.0, "tok/s", "report (training 347 tok/s, padding 0.010)", None),
+        ),
+        (
+            "figure: scaffold_valid=0.812 of trajectories  goal: >= 0.8 pass  met: yes",
+            Figure("scaffold_valid", 0.812, "of trajectories", ">= 0.8 pass", True),
+        ),
+        ("figure: ratio=1.5e+03  goal: > 1  met: yes", Figure("ratio", 1500.0, "", "> 1", True)),
+    ],
+)
 def test_parse_figure_line(line, expected):
     assert parse_figure_line(line) == expected
 
 
-@pytest.mark.parametrize("line", [
-    "figure: 3 calls vs 5 calls  goal: ours < per-rubric",           # the old free-form line
-    "figure: x=abc s  goal: < 1  met: yes",                          # value not a number
-    "figure: x=1 s goal: < 1 met: yes",                              # single spaces between fields
-    "figure: x=1 s  goal: < 1  met: maybe",                          # met must be yes|no|n/a
-    "result: x=1 s  goal: < 1  met: yes",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "figure: 3 calls vs 5 calls  goal: ours < per-rubric",  # the old free-form line
+        "figure: x=abc s  goal: < 1  met: yes",  # value not a number
+        "figure: x=1 s goal: < 1 met: yes",  # single spaces between fields
+        "figure: x=1 s  goal: < 1  met: maybe",  # met must be yes|no|n/a
+        "result: x=1 s  goal: < 1  met: yes",
+    ],
+)
 def test_parse_rejects_malformed_lines(line):
     with pytest.raises(FigureParseError):
         parse_figure_line(line)
 
 
-@pytest.mark.parametrize("value, unit, met, shown", [
-    (0.123456, "s", True, "0.1235"), (17.5, "%", False, "17.5"), (1003520, "rows", None, "1003520"),
-    (12345.678, "tok/s", None, "12346"), (3.0, "", True, "3"),
-])
+@pytest.mark.parametrize(
+    "value, unit, met, shown",
+    [
+        (0.123456, "s", True, "0.1235"),
+        (17.5, "%", False, "17.5"),
+        (1003520, "rows", None, "1003520"),
+        (12345.678, "tok/s", None, "12346"),
+        (3.0, "", True, "3"),
+    ],
+)
 def test_figure_line_round_trips(value, unit, met, shown):
     line = figure_line("some.figure", value, unit, "< 1 s over 5 rows", met)
     assert line.startswith(f"figure: some.figure={shown}")
@@ -127,15 +158,34 @@ def test_duckdb_bench_sql_matches_python(tmp_path):
     assert len(top) == 10 and math.isclose(top[0]["R"], best)
     assert all(a["R"] >= b["R"] for a, b in zip(top, top[1:]))
 
-    group = json.loads(run_sql(tmp_path, QUERIES["one_group"].format(last_step=last_step, query_id=query_id), fmt="json"))
+    group = json.loads(
+        run_sql(tmp_path, QUERIES["one_group"].format(last_step=last_step, query_id=query_id), fmt="json")
+    )
     assert len(group) == 4 * 8  # every rollout of the group on every rubric of the query
 
 
 def test_duckdb_bench_prints_a_figure(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "duckdb_latency.py"), "--rows", "2000", "--queries", "4",
-         "--rollouts", "4", "--rubrics", "8", "--repeats", "1", "--run-dir", str(tmp_path / "run")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO_ROOT / "bench" / "duckdb_latency.py"),
+            "--rows",
+            "2000",
+            "--queries",
+            "4",
+            "--rollouts",
+            "4",
+            "--rubrics",
+            "8",
+            "--repeats",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     figure = parse_figure_line(proc.stdout.strip().splitlines()[-1])
@@ -161,15 +211,31 @@ def test_rl_improvement_pairs_queries_and_reads_the_score_parts(tmp_path):
     assert math.isnan(paired_gain({"q1": 1.0}, {"q2": 0.0})[0])
 
     def row(qid, sample, score, answered, fact, final, checkpoint="rl-step-000003", failed=False):
-        rubrics = [{"check": "fact", "score": fact}, {"check": "final", "score": final},
-                   {"check": "wrong_value", "score": 0}]
-        return {"checkpoint": checkpoint, "benchmark": "synthetic", "query_id": qid, "retrieval": "none",
-                "score": score, "sample": sample, "grade_failed": failed, "valid_scaffold": answered and fact == 2,
-                "details": json.dumps({"answered": answered, "rubrics": rubrics})}
+        rubrics = [
+            {"check": "fact", "score": fact},
+            {"check": "final", "score": final},
+            {"check": "wrong_value", "score": 0},
+        ]
+        return {
+            "checkpoint": checkpoint,
+            "benchmark": "synthetic",
+            "query_id": qid,
+            "retrieval": "none",
+            "score": score,
+            "sample": sample,
+            "grade_failed": failed,
+            "valid_scaffold": answered and fact == 2,
+            "details": json.dumps({"answered": answered, "rubrics": rubrics}),
+        }
 
-    rows = [row("q1", 0, 0.2, True, 0, 0), row("q1", 1, 0.6, True, 2, 0), row("q2", 0, 0.0, False, 0, 0),
-            row("q2", 1, 1.0, True, 2, 2), row("q3", 0, 0.9, True, 2, 2, checkpoint="sft"),
-            row("q3", 0, 0.0, False, 0, 0, failed=True)]
+    rows = [
+        row("q1", 0, 0.2, True, 0, 0),
+        row("q1", 1, 0.6, True, 2, 0),
+        row("q2", 0, 0.0, False, 0, 0),
+        row("q2", 1, 1.0, True, 2, 2),
+        row("q3", 0, 0.9, True, 2, 2, checkpoint="sft"),
+        row("q3", 0, 0.0, False, 0, 0, failed=True),
+    ]
     RunStore(tmp_path).write_table("eval_results", rows, schema=EVAL_RESULTS_SCHEMA)
     parts = breakdown(str(tmp_path), "rl-step-000003")
     assert parts["n"] == 4 and parts["per_query"] == pytest.approx({"q1": 0.4, "q2": 0.5})

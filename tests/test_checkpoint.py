@@ -1,4 +1,5 @@
 """Checkpoints: exact stop-and-resume, atomic saves, latest_checkpoint, clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,6 @@ from rubricem_core.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-
 from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
 
 
@@ -250,8 +250,12 @@ def _mount_tmpfs(path, size: str) -> bool:
     import subprocess
 
     path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_full_disk_is_named_and_leaves_no_partial_checkpoint(tmp_path):
@@ -276,7 +280,9 @@ def test_other_write_failures_name_the_directory(tmp_path, monkeypatch):
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(ckpt_mod.torch, "save", broken_save)
-    with pytest.raises(CheckpointError, match=r"cannot write checkpoint files into .*step-000002.tmp: RuntimeError: basic_ios"):
+    with pytest.raises(
+        CheckpointError, match=r"cannot write checkpoint files into .*step-000002.tmp: RuntimeError: basic_ios"
+    ):
         save_checkpoint(tmp_path / "step-000002", tiny_model(), trainer_state={"global_step": 2})
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20))
     with pytest.raises(CheckpointError, match="the disk is full"):

@@ -1,5 +1,6 @@
 """The collect_sft_data flow end to end: built-in teacher (litellm provider), the Batch API path
 against a fake OpenAI server on 127.0.0.1, and resume after a failure injected in round 2."""
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,15 @@ def test_tiny_flow_writes_tables_sql_and_mlflow(tmp_path):
     assert sum(counts.values()) == result["trajectories"] == 8 * 2
     assert counts.get(True, 0) >= 8, counts
     # requests and responses line up, one per round per unfinished trajectory, all with usage
-    joined = json.loads(run_sql(run_dir, """
+    joined = json.loads(
+        run_sql(
+            run_dir,
+            """
         SELECT count(*) AS n, count(r.request_id) AS matched, sum(r.prompt_tokens) AS pt
-        FROM teacher_requests q LEFT JOIN teacher_responses r USING (request_id)""", fmt="json"))[0]
+        FROM teacher_requests q LEFT JOIN teacher_responses r USING (request_id)""",
+            fmt="json",
+        )
+    )[0]
     assert joined["n"] == joined["matched"] > 16 and joined["pt"] > 0
     # partitioned by round, every file whole
     assert store.partitions("teacher_requests", "round")[0] == 0
@@ -49,10 +56,20 @@ def test_tiny_flow_writes_tables_sql_and_mlflow(tmp_path):
 
 def test_rejected_rows_say_why(tmp_path):
     run_dir = str(tmp_path / "run")
-    collect_sft_data(run_dir=run_dir, profile="tiny", overrides={**SMALL, "teacher.uncited_rate": 0.5, "teacher.ungrounded_rate": 0.3})
-    reasons = json.loads(run_sql(run_dir, """
+    collect_sft_data(
+        run_dir=run_dir,
+        profile="tiny",
+        overrides={**SMALL, "teacher.uncited_rate": 0.5, "teacher.ungrounded_rate": 0.3},
+    )
+    reasons = json.loads(
+        run_sql(
+            run_dir,
+            """
         SELECT reason, count(*) AS n FROM (SELECT unnest(reject_reasons) AS reason FROM sft_trajectories)
-        GROUP BY ALL""", fmt="json"))
+        GROUP BY ALL""",
+            fmt="json",
+        )
+    )
     codes = {r["reason"] for r in reasons}
     assert {"uncited_answer", "ungrounded_citation"} <= codes
 
@@ -89,7 +106,9 @@ def test_batch_api_path_with_partial_failure(tmp_path, fake_provider):
     per_batch = fake_provider.batch_custom_ids()
     assert len(per_batch) >= 3  # one batch per round, plus the resubmission
     assert ["syn-00000-t0:r01"] in per_batch
-    statuses = json.loads(run_sql(run_dir, "SELECT status, count(*) AS n FROM teacher_responses GROUP BY ALL", fmt="json"))
+    statuses = json.loads(
+        run_sql(run_dir, "SELECT status, count(*) AS n FROM teacher_responses GROUP BY ALL", fmt="json")
+    )
     assert {r["status"] for r in statuses} == {"ok"}
     # the key never lands in a table
     for path in RunStore(run_dir).tables_dir.rglob("*.parquet"):
@@ -117,11 +136,13 @@ def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provi
 
     monkeypatch.setattr(collect_tasks, "apply_result", real_apply)
     result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
-    uploaded_after = [line["custom_id"] for line in fake_provider.uploaded_lines][len(uploaded_before):]
+    uploaded_after = [line["custom_id"] for line in fake_provider.uploaded_lines][len(uploaded_before) :]
     assert not any(cid.endswith((":r00", ":r01", ":r02")) for cid in uploaded_after), "completed rounds re-requested"
     assert result["trajectories"] == 16
     # every request id appears once in the responses table
-    dupes = json.loads(run_sql(run_dir, "SELECT request_id FROM teacher_responses GROUP BY 1 HAVING count(*) > 1", fmt="json"))
+    dupes = json.loads(
+        run_sql(run_dir, "SELECT request_id FROM teacher_responses GROUP BY 1 HAVING count(*) > 1", fmt="json")
+    )
     assert dupes == []
 
 
@@ -140,7 +161,9 @@ def test_teacher_reflections_through_the_batch_api_and_a_rerun_retries_only_the_
     rows = store.read_rows("teacher_reflections")
     accepted = [r for r in store.read_rows("sft_trajectories") if r["accepted"]]
     # each accepted trajectory whole and one prefix of it (teacher.reflection_prefixes: 1)
-    assert sorted(r["request_id"] for r in rows) == sorted(f"{r['trajectory_id']}-reflection{s}" for r in accepted for s in ("", "-p1"))
+    assert sorted(r["request_id"] for r in rows) == sorted(
+        f"{r['trajectory_id']}-reflection{s}" for r in accepted for s in ("", "-p1")
+    )
     failed = sorted(r["request_id"] for r in rows if r["status"] != "ok")
     assert failed and all(r.endswith("-t0-reflection") for r in failed)
     assert all(r["reject_codes"] == ["request_failed"] and not r["valid"] for r in rows if r["status"] != "ok")
@@ -180,8 +203,12 @@ def test_a_teacher_outage_fails_the_round_and_the_rerun_sends_only_the_failed_re
     fake_provider.fail_custom_ids = set()  # the endpoint is back
     uploaded = len(fake_provider.uploaded_lines)
     collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
-    resent = sorted(line["custom_id"] for line in fake_provider.uploaded_lines[uploaded:] if line["custom_id"].endswith(":r00"))
+    resent = sorted(
+        line["custom_id"] for line in fake_provider.uploaded_lines[uploaded:] if line["custom_id"].endswith(":r00")
+    )
     assert resent == failed, "round 0's answered requests were sent (and paid for) twice"
+
     def texts(d):
         return sorted((r["trajectory_id"], r["accepted"], r["text"]) for r in RunStore(d).read_rows("sft_trajectories"))
+
     assert texts(run_dir) == texts(ref_dir)

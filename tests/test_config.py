@@ -1,4 +1,5 @@
 """Run config: profiles, overrides, clear errors, secrets from the environment only."""
+
 from __future__ import annotations
 
 import pytest
@@ -98,7 +99,9 @@ def test_research_profile_is_the_papers_settings_on_real_tools():
     assert 2 * cfg.rl.window * cfg.rl.n_windows == 600
     assert cfg.reflection.judge.mode == "per_candidate" and "Qwen3-Embedding" in cfg.reflection.embedder
     # the user's files come in with --set
-    given = load_config("research", ["data.queries=[{path: q.jsonl, format: dr_tulu}]", "eval.paths.healthbench=h.jsonl"])
+    given = load_config(
+        "research", ["data.queries=[{path: q.jsonl, format: dr_tulu}]", "eval.paths.healthbench=h.jsonl"]
+    )
     assert given.data.queries[0].format == "dr_tulu" and given.eval.paths == {"healthbench": "h.jsonl"}
 
 
@@ -108,16 +111,24 @@ def test_tool_specs_build_robust_tools(tmp_path):
     from rubricem_core.environment import local_tool_env
     from rubricem_core.scaffold import ToolCall
 
-    cfg = load_config("tiny", {
-        "tools.specs": [
-            {"name": "search", "kind": "local_search", "timeout_s": 5, "cache": True},
-            {"name": "browse", "kind": "local_browse"},
-        ],
-        "tools.cache_dir": str(tmp_path / "cache"),
-    })
-    corpus = pa.table({"doc_id": ["D1", "D2"], "title": ["Alpha", "Beta"],
-                       "text": ["Alpha Labs was founded in 1990.", "Beta Works employs 40 people."],
-                       "source": ["t", "t"]})
+    cfg = load_config(
+        "tiny",
+        {
+            "tools.specs": [
+                {"name": "search", "kind": "local_search", "timeout_s": 5, "cache": True},
+                {"name": "browse", "kind": "local_browse"},
+            ],
+            "tools.cache_dir": str(tmp_path / "cache"),
+        },
+    )
+    corpus = pa.table(
+        {
+            "doc_id": ["D1", "D2"],
+            "title": ["Alpha", "Beta"],
+            "text": ["Alpha Labs was founded in 1990.", "Beta Works employs 40 people."],
+            "source": ["t", "t"],
+        }
+    )
     env = local_tool_env(corpus, cfg.tools)
     out = env.execute(ToolCall("search", "Alpha Labs founded"))
     assert 'id="D1"' in out.text
@@ -147,10 +158,16 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
     changes = {c.field for c in record_config(run, moved, "evaluate")}
     assert changes == {f"tools.specs.search.{k}" for k in ("base_url", "api_key_env", "timeout_s", "max_concurrency")}
     revision = json.loads((run / "state" / "config_revisions.jsonl").read_text().splitlines()[-1])
-    assert revision["changes"]["tools.specs.search.base_url"] == {"old": "http://127.0.0.1:1", "new": "http://127.0.0.1:2"}
+    assert revision["changes"]["tools.specs.search.base_url"] == {
+        "old": "http://127.0.0.1:1",
+        "new": "http://127.0.0.1:2",
+    }
     with pytest.raises(ConfigError, match=r"tools\.specs\.search\.top_k: 8 → 3 .*collect-sft-data"):
-        record_config(run, research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60,
-                                    max_concurrency=2, top_k=3), "evaluate")
+        record_config(
+            run,
+            research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60, max_concurrency=2, top_k=3),
+            "evaluate",
+        )
     fewer = load_config("research", {"tools.specs": moved.tools.specs[:1]})
     with pytest.raises(ConfigError, match=r"tools\.specs: \['search', 'paper_search', 'browse'\] → \['search'\]"):
         record_config(run, fewer, "evaluate")

@@ -1,5 +1,6 @@
 """Copy probe: the batch is built right, the score equals a loop reference, and it separates a model
 that copies by content from one that copies a fixed distance back."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -48,7 +49,11 @@ def test_batch_repeats_one_span_per_row_at_varying_distances():
         assert scored == list(range(scored[0], scored[-1] + 1)) and len(scored) >= 3
         second = scored[0] - 1
         length = len(scored) + 1
-        matches = [f for f in range(second - length + 1) if torch.equal(input_ids[row, f:f + length], input_ids[row, second:second + length])]
+        matches = [
+            f
+            for f in range(second - length + 1)
+            if torch.equal(input_ids[row, f : f + length], input_ids[row, second : second + length])
+        ]
         assert matches, f"row {row}: the labelled span has no earlier copy"
         distances.add(second - matches[-1])
         assert torch.equal(labels[row, scored], input_ids[row, scored])

@@ -34,12 +34,15 @@ def test_flashrag_sample(shared_data):
 
 
 def test_jsonl_field_variants(tmp_path):
-    path = _write_jsonl(tmp_path / "c.jsonl", [
-        {"id": 1, "contents": '"Alpha"\nAlpha is first.'},
-        {"_id": "b", "title": "Beta", "text": "Beta text.", "source": "wiki"},
-        {"doc_id": "c", "content": "No title here."},
-        {"id": "d", "title": "Kept", "contents": '"Ignored"\nBody.'},
-    ])
+    path = _write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"id": 1, "contents": '"Alpha"\nAlpha is first.'},
+            {"_id": "b", "title": "Beta", "text": "Beta text.", "source": "wiki"},
+            {"doc_id": "c", "content": "No title here."},
+            {"id": "d", "title": "Kept", "contents": '"Ignored"\nBody.'},
+        ],
+    )
     rows = load_corpus(path, source="mine").to_pylist()
     assert rows == [
         {"doc_id": "1", "title": "Alpha", "text": "Alpha is first.", "source": "mine"},
@@ -67,8 +70,10 @@ def test_parquet_corpus(tmp_path):
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "contents": ['"A"\nfirst', "second"], "extra": [1, 2]}), path)
     rows = load_corpus(path).to_pylist()
-    assert rows == [{"doc_id": "a", "title": "A", "text": "first", "source": "c"},
-                    {"doc_id": "b", "title": "", "text": "second", "source": "c"}]
+    assert rows == [
+        {"doc_id": "a", "title": "A", "text": "first", "source": "c"},
+        {"doc_id": "b", "title": "", "text": "second", "source": "c"},
+    ]
 
 
 def test_parquet_duplicate_ids_name_rows(tmp_path):
@@ -95,8 +100,10 @@ def test_folder_corpus(tmp_path):
         (['{"id": "a", "text": "ok"}', '{"id": "b", "text": '], r"bad\.jsonl: line 2: malformed JSON"),
         (['{"id": "a", "text": "ok"}', '{"text": "no id"}'], r"line 2: missing document id"),
         (['{"id": "a"}'], r"line 1: missing document text"),
-        (['{"id": "a", "text": "ok"}', "", '{"id": "a", "text": "again"}'],
-         r"duplicate doc_id 'a' at line 3 \(first at line 1\)"),
+        (
+            ['{"id": "a", "text": "ok"}', "", '{"id": "a", "text": "again"}'],
+            r"duplicate doc_id 'a' at line 3 \(first at line 1\)",
+        ),
         (['{"id": "a", "text": "   "}'], r"line 1: document 'a' has empty text"),
         (['{"id": "a", "contents": "\\"Only title\\"\\n"}'], r"line 1: document 'a' has empty text"),
         (['["not", "an", "object"]'], r"line 1: expected a JSON object"),

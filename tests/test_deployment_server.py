@@ -11,6 +11,7 @@ The other tests check, without a server, what the UI form and the GPU example re
 deployment's flow signature yields a parameter schema of profile and overrides, its default
 parameters validate, and the Kubernetes base job template renders a GPU pod manifest.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,7 +121,9 @@ def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
         if d["work_pool"]["name"] == "rubricem-gpu-multinode":
             continue  # test_multinode_job_template_starts_one_pod_per_node
         assert d["work_pool"]["name"] == "rubricem-gpu" and d["parameters"]["profile"] == "gpu", name
-        job_variables = apply_values(d["work_pool"]["job_variables"], {})  # as `prefect deploy`: {{ $VAR }} from os.environ
+        job_variables = apply_values(
+            d["work_pool"]["job_variables"], {}
+        )  # as `prefect deploy`: {{ $VAR }} from os.environ
         validate(job_variables, variables, raise_on_error=True, ignore_required=True)
         rendered = apply_values(template["job_configuration"], {**defaults, **job_variables})
         pods[name] = rendered["job_manifest"]["spec"]["template"]["spec"]
@@ -178,8 +181,11 @@ def test_multinode_job_template_starts_one_pod_per_node(monkeypatch, tmp_path):
         (bin_dir / exe).write_text(f'#!/bin/sh\necho "{exe} $*" >> "{tmp_path}/calls"\n')
         (bin_dir / exe).chmod(0o755)
     for index in ("0", "1"):
-        subprocess.run([*container["command"], *container["args"]], check=True,
-                       env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index})
+        subprocess.run(
+            [*container["command"], *container["args"]],
+            check=True,
+            env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index},
+        )
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls == [
         "prefect flow-run execute",
@@ -203,8 +209,9 @@ class _Background:
     def __init__(self, args: list[str], env: dict[str, str], log: Path):
         self.log = log
         self._out = log.open("wb")
-        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, cwd=REPO_ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -267,16 +274,21 @@ def prefect_server(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its SQLite database and profiles
-        "PREFECT_API_URL": url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",  # the API is what is tested; the UI build only slows start-up
-        "PREFECT_WORKER_QUERY_SECONDS": "1",  # the worker polls every second instead of every 10
-    })
-    server = _Background([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                          "--port", str(port)], env, tmp_path / "server.log")
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its SQLite database and profiles
+            "PREFECT_API_URL": url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_UI_ENABLED": "false",  # the API is what is tested; the UI build only slows start-up
+            "PREFECT_WORKER_QUERY_SECONDS": "1",  # the worker polls every second instead of every 10
+        }
+    )
+    server = _Background(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        tmp_path / "server.log",
+    )
     try:
         t0 = time.monotonic()
         deadline = t0 + 150
@@ -304,11 +316,21 @@ def _check_gpu_pool_on_the_server(api: _Api) -> None:
     flow_id = api.post("/flows/", json={"name": "rl"}).json()["id"]
     for name, d in _deployments("deployments/gpu/prefect-gpu.yaml").items():
         job_variables = {**d["work_pool"]["job_variables"], "image": "registry.example.com/rubricem:gpu"}
-        created = api.post("/deployments/", json={"name": name, "flow_id": flow_id, "work_pool_name": "rubricem-gpu",
-                                                  "job_variables": job_variables, "parameters": d["parameters"]})
+        created = api.post(
+            "/deployments/",
+            json={
+                "name": name,
+                "flow_id": flow_id,
+                "work_pool_name": "rubricem-gpu",
+                "job_variables": job_variables,
+                "parameters": d["parameters"],
+            },
+        )
         assert created.status_code in (200, 201), f"{name}: {created.text}"
-    refused = api.post("/deployments/", json={"name": "bad", "flow_id": flow_id, "work_pool_name": "rubricem-gpu",
-                                              "job_variables": {"gpus": "eight"}})
+    refused = api.post(
+        "/deployments/",
+        json={"name": "bad", "flow_id": flow_id, "work_pool_name": "rubricem-gpu", "job_variables": {"gpus": "eight"}},
+    )
     assert refused.status_code == 422 and "gpus" in refused.text
 
 
@@ -334,8 +356,10 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         assert (tmp_path / "prefect-home" / "prefect.db").is_file()  # the server's own database
 
         run_dir = tmp_path / "run"
-        created = api.post(f"/deployments/{deployment['id']}/create_flow_run",
-                           json={"parameters": {"run_dir": str(run_dir), "overrides": TINY}})
+        created = api.post(
+            f"/deployments/{deployment['id']}/create_flow_run",
+            json={"parameters": {"run_dir": str(run_dir), "overrides": TINY}},
+        )
         assert created.status_code == 201, created.text
         flow_run = created.json()
         # the deployment's defaults fill what the run does not set

@@ -5,6 +5,7 @@ trainer's device (a GPU when there is one). These tests pin that boundary: rollo
 and reference logprobs, one SS-GRPO step, and where the RL session and evaluation put their models.
 CI has no GPU, so the CUDA cases skip there; on a GPU node run ``pytest tests/test_devices.py``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,7 +50,9 @@ def _requests(tok, world, temperature: float, n: int = 2) -> list[RolloutRequest
     sampling = SamplingParams(temperature=temperature, max_new_tokens=48, max_total_tokens=1200, seed=11)
     out = []
     for q in world.queries[:2]:
-        text = tok.apply_chat_template([{"role": "user", "content": q.question}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q.question}], add_generation_prompt=True, tokenize=False
+        )
         out.append(RolloutRequest(q.query_id, tok.encode(text, add_special_tokens=False), n=n, sampling=sampling))
     return out
 
@@ -60,8 +63,14 @@ def _advantages(trajs) -> list[list[float]]:
 
 
 def _update(trainer: TorchTrainer, ref_model, trajs, tok) -> dict[str, float]:
-    return ss_grpo_update(trainer, ref_model, trajs, _advantages(trajs), tok.pad_token_id,
-                          UpdateConfig(kl_coef=0.01, max_tokens_per_batch=1024))
+    return ss_grpo_update(
+        trainer,
+        ref_model,
+        trajs,
+        _advantages(trajs),
+        tok.pad_token_id,
+        UpdateConfig(kl_coef=0.01, max_tokens_per_batch=1024),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,10 +109,14 @@ def test_greedy_rollouts_agree_between_cpu_and_cuda(tok, world, env):
 @needs_cuda
 def test_ss_grpo_step_gives_the_same_numbers_on_cpu_and_cuda(tok, world, env):
     start = _model(tok)
-    trajs = [t for group in HFRolloutEngine(start, tok).generate(_requests(tok, world, temperature=1.0), env) for t in group]
+    trajs = [
+        t for group in HFRolloutEngine(start, tok).generate(_requests(tok, world, temperature=1.0), env) for t in group
+    ]
     results = {}
     for device in ("cpu", "cuda"):
-        trainer = TorchTrainer(copy.deepcopy(start), TrainerConfig(lr=1e-3, weight_decay=0.0, total_steps=2, device=device))
+        trainer = TorchTrainer(
+            copy.deepcopy(start), TrainerConfig(lr=1e-3, weight_decay=0.0, total_steps=2, device=device)
+        )
         ref_model = copy.deepcopy(start).to(device).requires_grad_(False)
         results[device] = _update(trainer, ref_model, trajs, tok)
     for key in ("loss", "grad_norm", "kl", "clip_fraction"):
@@ -116,11 +129,21 @@ def test_rl_session_keeps_every_model_on_the_trainer_device(tmp_path):
     from tasks.rl import get_session
     from tests.untrained_run import write_untrained_run
 
-    cfg = load_config("tiny", {
-        "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
-        "policy.n_layers": 1, "policy.n_heads": 2, "policy.n_kv_heads": 1, "policy.intermediate_size": 64,
-        "rl.recipe": "full", "tracking.enabled": False,
-    })
+    cfg = load_config(
+        "tiny",
+        {
+            "data.world.n_documents": 60,
+            "data.world.n_queries": 8,
+            "policy.vocab_size": 600,
+            "policy.hidden_size": 32,
+            "policy.n_layers": 1,
+            "policy.n_heads": 2,
+            "policy.n_kv_heads": 1,
+            "policy.intermediate_size": 64,
+            "rl.recipe": "full",
+            "tracking.enabled": False,
+        },
+    )
     write_untrained_run(cfg, tmp_path / "run")
     session = get_session(str(tmp_path / "run"), cfg, -1)
     device = auto_device()
@@ -135,10 +158,19 @@ def test_evaluation_engine_sits_on_the_auto_device(tmp_path):
     from tasks.evaluate import _engine, drop_engines
     from tests.untrained_run import write_untrained_run
 
-    cfg = load_config("tiny", {
-        "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
-        "policy.n_layers": 1, "policy.n_heads": 2, "policy.n_kv_heads": 1, "policy.intermediate_size": 64,
-    })
+    cfg = load_config(
+        "tiny",
+        {
+            "data.world.n_documents": 60,
+            "data.world.n_queries": 8,
+            "policy.vocab_size": 600,
+            "policy.hidden_size": 32,
+            "policy.n_layers": 1,
+            "policy.n_heads": 2,
+            "policy.n_kv_heads": 1,
+            "policy.intermediate_size": 64,
+        },
+    )
     write_untrained_run(cfg, tmp_path / "run")
     try:
         engine, _ = _engine(str(tmp_path / "run" / "checkpoints" / "sft" / "final"), cfg)

@@ -1,18 +1,17 @@
 """Data parallel across gloo ranks: N ranks ≡ 1 rank on the same global batches, disjoint shards,
 the torchrun launcher (commands, streamed metrics, a failing rank's traceback)."""
+
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import dist_cases
 from rubricem_core.distributed.launch import LaunchSpec, RankFailure, run_ranks, torchrun_command
 from rubricem_core.distributed.shard import shard_micro_batches
-
-import dist_cases
 from tiny_models import one_thread  # noqa: F401  (autouse)
 
 CASES = str(Path(__file__).with_name("dist_cases.py"))
@@ -47,7 +46,9 @@ def test_torchrun_commands_for_one_node_and_several():
     assert one[-4:] == ["-m", "rubricem_core.distributed.sft_worker", "--spec", "s.json"]
     static = torchrun_command(LaunchSpec(8, nnodes=2, node_rank=1, master_addr="10.0.0.5", master_port=29500), "m", [])
     assert "--node_rank=1" in static and "--master_addr=10.0.0.5" in static and "--master_port=29500" in static
-    c10d = torchrun_command(LaunchSpec(8, nnodes=2, master_addr="head", master_port=29400, rdzv_backend="c10d"), "m", [])
+    c10d = torchrun_command(
+        LaunchSpec(8, nnodes=2, master_addr="head", master_port=29400, rdzv_backend="c10d"), "m", []
+    )
     assert "--rdzv_backend=c10d" in c10d and "--rdzv_endpoint=head:29400" in c10d
     with pytest.raises(ValueError, match="master_port"):
         torchrun_command(LaunchSpec(8, nnodes=2), "m", [])
@@ -58,8 +59,16 @@ def test_the_launch_follows_the_distributed_section():
     from rubricem_core.distributed.launch import rank_environment
     from rubricem_core.distributed.spec import launch_spec
 
-    cfg = load_config("tiny", {"distributed.nproc_per_node": 4, "distributed.nnodes": 2, "distributed.master_port": 29500,
-                               "distributed.train_devices": [4, 5, 6, 7], "distributed.timeout_s": 120})
+    cfg = load_config(
+        "tiny",
+        {
+            "distributed.nproc_per_node": 4,
+            "distributed.nnodes": 2,
+            "distributed.master_port": 29500,
+            "distributed.train_devices": [4, 5, 6, 7],
+            "distributed.timeout_s": 120,
+        },
+    )
     spec = launch_spec(cfg, node_rank=1)
     assert (spec.world_size, spec.node_rank, spec.master_port, spec.devices) == (8, 1, 29500, (4, 5, 6, 7))
     assert spec.master_addr  # node 0's own name when not given
@@ -84,8 +93,13 @@ def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path):
     )
     lines, metrics = [], []
     with pytest.raises(RankFailure, match="exit code") as err:
-        run_ranks(LaunchSpec(nproc_per_node=2), str(script), [], on_line=lines.append,
-                  on_metrics=lambda m, s: metrics.append((m, s)))
+        run_ranks(
+            LaunchSpec(nproc_per_node=2),
+            str(script),
+            [],
+            on_line=lines.append,
+            on_metrics=lambda m, s: metrics.append((m, s)),
+        )
     assert "rank one broke: bad shard 17" in str(err.value)  # the traceback reaches the task's error
     assert metrics == [({"x": 1.5}, 3)]  # rank 0's metric line was parsed, not logged as text
     assert not any("@@rubricem-metrics" in line for line in lines)
@@ -151,10 +165,13 @@ def test_memory_plan_partitions_like_zero_by_hand():
     assert (z1.weights, z1.gradients, z1.optimizer, z1.reference) == (4 * p, 4 * p, 12 * p // 4, 4 * p)
     z0 = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=0, precision="fp32", micro_batch_tokens=4, seq_len=4))
     assert z0.optimizer == 8 * p  # plain AdamW: two moments, no master copy
-    off = memory_plan(shape, TrainSetup(n_gpus=4, offload=True, offload_params=True, reference="cpu",
-                                        micro_batch_tokens=4, seq_len=4))
+    off = memory_plan(
+        shape, TrainSetup(n_gpus=4, offload=True, offload_params=True, reference="cpu", micro_batch_tokens=4, seq_len=4)
+    )
     assert off.weights == off.optimizer == off.reference == 0 and off.gradients == 2 * p // 4
     deep = ModelShape(hidden=8, intermediate=16, layers=4, heads=2, kv_heads=1, head_dim=4, vocab=10)
-    full, gc = (memory_plan(deep, TrainSetup(n_gpus=4, gradient_checkpointing=g, micro_batch_tokens=4, seq_len=4))
-                for g in (False, True))
+    full, gc = (
+        memory_plan(deep, TrainSetup(n_gpus=4, gradient_checkpointing=g, micro_batch_tokens=4, seq_len=4))
+        for g in (False, True)
+    )
     assert full.activations > gc.activations  # checkpointing keeps the layer inputs (and recomputes one layer)

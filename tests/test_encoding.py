@@ -1,4 +1,5 @@
 """Token-level encoding of prompts, tool outputs and SFT trajectories."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -144,15 +145,15 @@ def test_masks_and_stages_at_every_token(tokenizer):
     kinds = []
     for seg in traj.segments[1:]:
         kinds.append(seg.kind)
-        mask = traj.loss_mask[seg.start:seg.end]
-        stage_ids = traj.stage_ids[seg.start:seg.end]
+        mask = traj.loss_mask[seg.start : seg.end]
+        stage_ids = traj.stage_ids[seg.start : seg.end]
         if seg.kind == "tool_output":
             assert mask == [0] * len(mask)
             assert stage_ids == [STAGE_IDS["research"]] * len(mask)
-            assert traj.token_ids[seg.start:seg.end] == encode_tool_output(tokenizer, seg.text)
+            assert traj.token_ids[seg.start : seg.end] == encode_tool_output(tokenizer, seg.text)
             assert seg.text in (OUTPUT_1, OUTPUT_2)
         elif seg is traj.segments[-1]:
-            assert traj.token_ids[seg.start:seg.end] == [tokenizer.eos_token_id]
+            assert traj.token_ids[seg.start : seg.end] == [tokenizer.eos_token_id]
             assert (mask, stage_ids) == ([1], [STAGE_IDS["answer"]])
             continue
         else:
@@ -161,7 +162,7 @@ def test_masks_and_stages_at_every_token(tokenizer):
             # "<", a stage begins exactly where its tag does, so every char of the segment agrees.
             assert {stages[c] for c in range(offset, offset + len(seg.text))} == {seg.stage}
             assert stage_ids == [STAGE_IDS[seg.stage]] * len(mask)
-        assert TRACE[offset:offset + len(seg.text)] == seg.text
+        assert TRACE[offset : offset + len(seg.text)] == seg.text
         offset += len(seg.text)
     assert offset == len(TRACE)
     assert kinds.count("tool_output") == 2 and traj.n_tool_calls == 2
@@ -169,7 +170,12 @@ def test_masks_and_stages_at_every_token(tokenizer):
     view = [(s.kind == "tool_output", s.stage, s.text) for s in traj.segments[1:-1]]
     assert view == [(s.is_tool_output, s.stage, s.text) for s in parse_segments(TRACE)]
     assert [s.stage for s in traj.segments[1:-1] if s.kind == "policy"] == [
-        "plan", "research", "research", "research", "review", "answer",
+        "plan",
+        "research",
+        "research",
+        "research",
+        "review",
+        "answer",
     ]
 
 
@@ -234,10 +240,13 @@ def test_truncated_trace_ending_inside_tool_output(tokenizer):
     text = PLAN + CALL_1 + OUTPUT_1[:60]
     traj = encode_trajectory(tokenizer, MESSAGES, text, finished=False)
     assert [(s.kind, s.stage) for s in traj.segments] == [
-        ("prompt", None), ("policy", "plan"), ("policy", "research"), ("tool_output", "research"),
+        ("prompt", None),
+        ("policy", "plan"),
+        ("policy", "research"),
+        ("tool_output", "research"),
     ]
     last = traj.segments[-1]
-    assert traj.loss_mask[last.start:] == [0] * (last.end - last.start)
+    assert traj.loss_mask[last.start :] == [0] * (last.end - last.start)
     assert decode_segments(tokenizer, traj)[-1] == OUTPUT_1[:60]
 
 

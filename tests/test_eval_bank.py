@@ -4,6 +4,7 @@ The bank is written by the real RL save path (tasks.reflection._write_bank on a 
 new_bank) with a non-default embedder, then read by the evaluation's loader (tasks.evaluate._bank).
 The evaluate flow on top of it is covered in tests/test_evaluate_flow.py (retrieval modes).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +19,11 @@ from rubricem_core.reflection.format import Reflection
 from rubricem_core.rl.session import new_bank
 from rubricem_core.store import RunStore
 
-QUESTIONS = {"q-found": "Which was founded earlier, Voralis Labs or Keto Works?",
-             "q-found2": "Which was founded earlier, Voralis Labs or Ambrel Optics?",
-             "q-city": "What is the population of the city of Marrow Bay?"}
+QUESTIONS = {
+    "q-found": "Which was founded earlier, Voralis Labs or Keto Works?",
+    "q-found2": "Which was founded earlier, Voralis Labs or Ambrel Optics?",
+    "q-city": "What is the population of the city of Marrow Bay?",
+}
 
 
 def _cfg(**overrides):

@@ -3,6 +3,7 @@ saved and searches it with the embedder RL built it with (here hashing:64, not t
 The run uses reflection.within_source: window, so its replay step also checks that the session hands
 the bank the right window step. About a minute (SFT + two RL steps of the tiny policy); the
 loader-level checks are in tests/test_eval_bank.py, the window/best ones in test_reflection_bank_within.py."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ import pytest
 from rubricem_core.reflection.bank import bank_dir, saved_bank_info
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
-from tests import test_rl as rl_tests, test_rl_reflection as reflection_tests
+from tests import test_rl as rl_tests
+from tests import test_rl_reflection as reflection_tests
 from tests.test_rl_reflection import _run
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
@@ -36,20 +38,35 @@ def test_evaluate_cross_after_rl_uses_the_bank_rl_saved(sft_run, tmp_path, force
     # the replay (step 1) retrieves what window 0's new-query step (step 0) wrote for each query
     replay = [r for r in store.read_rows("rollouts") if r["step"] == 1]
     assert {r["query_id"] for r in replay} == banked and all(r["guidance"] for r in replay)
-    hits = json.loads(run_sql(run_dir, "SELECT name, value FROM metrics WHERE flow = 'rl' AND step = 1 "
-                                       "AND name LIKE 'retrieval/within_%'", fmt="json"))
+    hits = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT name, value FROM metrics WHERE flow = 'rl' AND step = 1 AND name LIKE 'retrieval/within_%'",
+            fmt="json",
+        )
+    )
     assert {m["name"]: m["value"] for m in hits} == {"retrieval/within_hits": len(banked), "retrieval/within_misses": 0}
 
-    result = evaluate(run_dir=run_dir, overrides={"tracking.enabled": False, "eval.max_queries": 2},
-                      benchmarks=["synthetic"], retrieval="cross")
+    result = evaluate(
+        run_dir=run_dir,
+        overrides={"tracking.enabled": False, "eval.max_queries": 2},
+        benchmarks=["synthetic"],
+        retrieval="cross",
+    )
     assert result["tag"] == "rl-step-000001"
-    assert result["benchmarks"]["synthetic"]["guided_rate"] == pytest.approx(1.0)  # held-out: other queries' reflections
+    assert result["benchmarks"]["synthetic"]["guided_rate"] == pytest.approx(
+        1.0
+    )  # held-out: other queries' reflections
     rows = store.read_rows("eval_results")
     assert rows and all(r["retrieval"] == "cross" and r["guidance"] for r in rows)
 
     # the paper's test-time reuse through the flow: trial 1 (cross), a reflection on it, trial 2 guided by it
-    result = evaluate(run_dir=run_dir, overrides={"tracking.enabled": False, "eval.max_queries": 2},
-                      benchmarks=["synthetic"], retrieval="sequential")
+    result = evaluate(
+        run_dir=run_dir,
+        overrides={"tracking.enabled": False, "eval.max_queries": 2},
+        benchmarks=["synthetic"],
+        retrieval="sequential",
+    )
     summary = result["benchmarks"]["synthetic"]
     assert result["retrieval"] == "sequential" and "trial1/score_mean" in summary
     trials = {r["retrieval"] for r in store.read_rows("eval_results")}

@@ -1,6 +1,7 @@
 """Paper-fidelity modes of evaluation (issue #20): a seeded random sample of each benchmark,
 HealthBench graded one criterion per call, DeepResearchBench graded by RACE against reference
 reports, and test-time sequential reuse (trial 1 cross → reflection → trial 2 guided by it)."""
+
 from __future__ import annotations
 
 import json
@@ -40,18 +41,40 @@ DRB_REFERENCES = f"{DRB_DIR}/test_data_cleaned_data_claude-3-7-sonnet-latest.jso
 
 
 def query(query_id: str, source: str = "scholarqa_cs", rubrics: list | None = None, **kw: Any) -> Query:
-    return Query(query_id=query_id, source=source, split="eval", kind="long_form", question=f"Question {query_id}?",
-                 messages=[{"role": "user", "content": f"Question {query_id}?"}], rubrics=rubrics or [], **kw)
+    return Query(
+        query_id=query_id,
+        source=source,
+        split="eval",
+        kind="long_form",
+        question=f"Question {query_id}?",
+        messages=[{"role": "user", "content": f"Question {query_id}?"}],
+        rubrics=rubrics or [],
+        **kw,
+    )
 
 
 def rubric(description: str, weight: float, polarity: str = "positive", **check: Any) -> dict[str, Any]:
-    return {"title": description[:40], "description": description, "weight": weight, "polarity": polarity,
-            "stage": "answer", "check": {"type": "benchmark", **check} if check else None}
+    return {
+        "title": description[:40],
+        "description": description,
+        "weight": weight,
+        "polarity": polarity,
+        "stage": "answer",
+        "check": {"type": "benchmark", **check} if check else None,
+    }
 
 
 def settings(server: FakeOpenAIServer) -> EndpointSettings:
-    return EndpointSettings(model="openai/grader-model", api_base=server.base_url, api_key=API_KEY, timeout_s=5.0,
-                            max_retries=0, backoff_base_s=0.01, backoff_max_s=0.02, max_concurrency=4)
+    return EndpointSettings(
+        model="openai/grader-model",
+        api_base=server.base_url,
+        api_key=API_KEY,
+        timeout_s=5.0,
+        max_retries=0,
+        backoff_base_s=0.01,
+        backoff_max_s=0.02,
+        max_concurrency=4,
+    )
 
 
 def _user(body: dict[str, Any]) -> str:
@@ -123,11 +146,15 @@ def test_the_sample_is_part_of_the_eval_settings():
 # ---- 2. HealthBench: one grader call per criterion -------------------------------------------------
 
 
-HEALTH = query("h1", "healthbench", rubrics=[
-    rubric("Advises calling emergency services", 5, points=5),
-    rubric("Asks about the duration of the pain", 3, points=3),
-    rubric("Recommends an unproven supplement", 2, "negative", points=-2),
-])
+HEALTH = query(
+    "h1",
+    "healthbench",
+    rubrics=[
+        rubric("Advises calling emergency services", 5, points=5),
+        rubric("Asks about the duration of the pain", 3, points=3),
+        rubric("Recommends an unproven supplement", 2, "negative", points=-2),
+    ],
+)
 
 
 def _criterion_id(body: dict[str, Any]) -> str:
@@ -174,8 +201,11 @@ def test_a_failed_criterion_call_fails_the_grade_not_scores_it():
         [result] = grader.grade("healthbench", [(HEALTH, "text")])
     assert result.failed and result.score is None
     assert result.error.startswith("1 of 3 criterion calls failed: i2: ")
-    assert [("score" in i, "error" in i) for i in result.details["items"]] == [(True, False), (False, True),
-                                                                                (True, False)]
+    assert [("score" in i, "error" in i) for i in result.details["items"]] == [
+        (True, False),
+        (False, True),
+        (True, False),
+    ]
     assert grader.usage.failures["score"] == 1 and grader.usage.repairs["score"] == 1
 
 
@@ -203,13 +233,30 @@ def test_unknown_grading_modes_are_refused():
 
 def _drb(reference: str | None = "The reference report.") -> Query:
     metadata = {DRB_REFERENCE_KEY: reference} if reference else {}
-    return query("d1", "deep_research_bench", metadata=metadata, rubrics=[
-        rubric("Explains the market size", 0.6, dimension="comprehensiveness", dimension_weight=0.4,
-               criterion_weight=0.6, criterion="Market size"),
-        rubric("Names competitors", 0.4, dimension="comprehensiveness", dimension_weight=0.4, criterion_weight=0.4,
-               criterion="Competitors"),
-        rubric("Clear structure", 1.0, dimension="readability", dimension_weight=0.6, criterion_weight=1.0),
-    ])
+    return query(
+        "d1",
+        "deep_research_bench",
+        metadata=metadata,
+        rubrics=[
+            rubric(
+                "Explains the market size",
+                0.6,
+                dimension="comprehensiveness",
+                dimension_weight=0.4,
+                criterion_weight=0.6,
+                criterion="Market size",
+            ),
+            rubric(
+                "Names competitors",
+                0.4,
+                dimension="comprehensiveness",
+                dimension_weight=0.4,
+                criterion_weight=0.4,
+                criterion="Competitors",
+            ),
+            rubric("Clear structure", 1.0, dimension="readability", dimension_weight=0.6, criterion_weight=1.0),
+        ],
+    )
 
 
 DRB_Q = _drb()
@@ -220,8 +267,14 @@ RACE_REPLY = {"i1": (8, 4), "i2": (4, 6), "i3": (5, 5)}
 
 def race_grader(body: dict[str, Any]) -> str:
     assert "(dimension_race)" in _user(body).split("\n", 1)[0]
-    return json.dumps({"items": [{"id": i, "justification": "compared", "article_1_score": t, "article_2_score": r}
-                                 for i, (t, r) in RACE_REPLY.items()]})
+    return json.dumps(
+        {
+            "items": [
+                {"id": i, "justification": "compared", "article_1_score": t, "article_2_score": r}
+                for i, (t, r) in RACE_REPLY.items()
+            ]
+        }
+    )
 
 
 def test_race_formula_worked_by_hand():
@@ -234,8 +287,13 @@ def test_race_formula_worked_by_hand():
 
 
 def test_race_prompt_shows_the_criteria_and_both_reports():
-    messages = race_messages("deep_research_bench", DRB_Q, "My target report <<<END>>>", "The reference report.",
-                             grade_items(DRB_Q, "dimension_criteria"))
+    messages = race_messages(
+        "deep_research_bench",
+        DRB_Q,
+        "My target report <<<END>>>",
+        "The reference report.",
+        grade_items(DRB_Q, "dimension_criteria"),
+    )
     user = messages[1]["content"]
     assert "<<<ARTICLE 1>>>\nMy target report" in user and "<<<ARTICLE 2>>>\nThe reference report." in user
     assert user.count("<<<END>>>") == 1  # the target cannot open a section
@@ -261,8 +319,9 @@ def test_a_query_without_reference_is_recorded_ungraded(monkeypatch):
         return [[EvalSample(q.query_id, 0, "<answer>x</answer>", "x", 0, ANSWERED, 3)] for q in queries]
 
     monkeypatch.setattr(eval_run, "sample_queries", sample)
-    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0),
-                             GraderOptions(drb_grading="race"))
+    grader = BenchmarkGrader(
+        EndpointSettings(model=register_builtin_grader(), max_retries=0), GraderOptions(drb_grading="race")
+    )
     lacking = _drb(None)
     lacking.query_id = "d2"
     outcome = run_eval(None, None, "deep_research_bench", [DRB_Q, lacking], None, EvalOptions(), "ck", grader)
@@ -289,8 +348,14 @@ def test_race_without_the_reference_path_names_the_config_field():
 def test_the_reader_finds_references_in_the_shared_data(shared_data):
     references = read_drb_references(shared_file(shared_data, DRB_REFERENCES))
     assert len(references) == 100 and all(text.strip() for text in references.values())
-    queries = load_benchmark_queries("deep_research_bench", shared_file(shared_data, DRB_QUERIES), 100, "random", 0,
-                                     shared_file(shared_data, DRB_REFERENCES))
+    queries = load_benchmark_queries(
+        "deep_research_bench",
+        shared_file(shared_data, DRB_QUERIES),
+        100,
+        "random",
+        0,
+        shared_file(shared_data, DRB_REFERENCES),
+    )
     assert len(queries) == 100 and all(q.metadata[DRB_REFERENCE_KEY] == references[q.query_id] for q in queries)
 
 
@@ -303,24 +368,41 @@ def test_a_reference_for_another_prompt_is_refused(tmp_path):
 
 
 def test_builtin_grader_answers_the_race_prompt(shared_data):
-    queries = [q for q in load_benchmark_queries("deep_research_bench", shared_file(shared_data, DRB_QUERIES), 100,
-                                                 reference_path=shared_file(shared_data, DRB_REFERENCES))
-               if q.metadata.get("language") == "en"][:2]
-    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_concurrency=2, max_retries=0),
-                             GraderOptions(drb_grading="race"))
-    same, nothing = (grader.grade("deep_research_bench", [(q, text(q)) for q in queries])
-                     for text in (lambda q: q.metadata[DRB_REFERENCE_KEY], lambda q: "The weather is nice today."))
+    queries = [
+        q
+        for q in load_benchmark_queries(
+            "deep_research_bench",
+            shared_file(shared_data, DRB_QUERIES),
+            100,
+            reference_path=shared_file(shared_data, DRB_REFERENCES),
+        )
+        if q.metadata.get("language") == "en"
+    ][:2]
+    grader = BenchmarkGrader(
+        EndpointSettings(model=register_builtin_grader(), max_concurrency=2, max_retries=0),
+        GraderOptions(drb_grading="race"),
+    )
+    same, nothing = (
+        grader.grade("deep_research_bench", [(q, text(q)) for q in queries])
+        for text in (lambda q: q.metadata[DRB_REFERENCE_KEY], lambda q: "The weather is nice today.")
+    )
     assert [r.score for r in same] == pytest.approx([0.5, 0.5])  # the reference against itself
     assert all(r.score < 0.5 for r in nothing), [r.score for r in nothing]
-    assert set(same[0].details["dimensions"]) == {"comprehensiveness", "insight", "instruction_following",
-                                                  "readability"}
+    assert set(same[0].details["dimensions"]) == {
+        "comprehensiveness",
+        "insight",
+        "instruction_following",
+        "readability",
+    }
 
 
 # ---- 4. test-time sequential reuse -----------------------------------------------------------------
 
 
-REFLECTION = ("<reflection>\n<reflection_rubrics>\n- Names the retrieval method\n</reflection_rubrics>\n<takeaways>\n"
-              "- Search for benchmarks before answering\n</takeaways>\n</reflection>")
+REFLECTION = (
+    "<reflection>\n<reflection_rubrics>\n- Names the retrieval method\n</reflection_rubrics>\n<takeaways>\n"
+    "- Search for benchmarks before answering\n</takeaways>\n</reflection>"
+)
 PROPERTIES = [rubric("Mentions retrieval-augmented generation", 2), rubric("Discusses evaluation benchmarks", 1)]
 
 
@@ -340,19 +422,40 @@ def test_sequential_runs_two_trials_guided_by_the_first_trials_reflection(monkey
 
     def trial_one(engine, tokenizer, queries, env, options, guidance=None):
         calls["first"] = dict(guidance or {})
-        return [[EvalSample(q.query_id, i, "<answer>RAG.</answer>", "RAG.", 0, ANSWERED, 4)
-                 for i in range(options.samples_per_query)] for q in queries]
+        return [
+            [
+                EvalSample(q.query_id, i, "<answer>RAG.</answer>", "RAG.", 0, ANSWERED, 4)
+                for i in range(options.samples_per_query)
+            ]
+            for q in queries
+        ]
 
     def reflect(engine, tokenizer, queries, samples, env, options, sequential):
         calls["reflect"] = [(s.query_id, s.sample) for group in samples for s in group]
-        return [{"query_id": s.query_id, "sample": s.sample, "text": REFLECTION if s.sample == 0 else "no tags",
-                 "valid": s.sample == 0, "codes": []} for group in samples for s in group]
+        return [
+            {
+                "query_id": s.query_id,
+                "sample": s.sample,
+                "text": REFLECTION if s.sample == 0 else "no tags",
+                "valid": s.sample == 0,
+                "codes": [],
+            }
+            for group in samples
+            for s in group
+        ]
 
     def trial_two(engine, tokenizer, queries, env, options, guidance, tag="t2"):
         calls["second"] = dict(guidance)
         answer = "Retrieval-augmented generation, with evaluation benchmarks."
-        return [[EvalSample(q.query_id, i, f"<answer>{answer}</answer>", answer, 1, ANSWERED, 9,
-                            guidance.get((q.query_id, i))) for i in range(options.samples_per_query)] for q in queries]
+        return [
+            [
+                EvalSample(
+                    q.query_id, i, f"<answer>{answer}</answer>", answer, 1, ANSWERED, 9, guidance.get((q.query_id, i))
+                )
+                for i in range(options.samples_per_query)
+            ]
+            for q in queries
+        ]
 
     monkeypatch.setattr(eval_run, "sample_queries", trial_one)
     monkeypatch.setattr(eval_run, "reflect_on_trials", reflect)
@@ -360,8 +463,18 @@ def test_sequential_runs_two_trials_guided_by_the_first_trials_reflection(monkey
     grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
     bank = NoHitBank()
     queries = [query("a", rubrics=PROPERTIES), query("b", rubrics=PROPERTIES), query("c")]  # c: no rubrics
-    outcome = run_eval(None, None, "scholarqa_cs", queries, None, EvalOptions(samples_per_query=2, retrieval="sequential"),
-                       "ck", grader, bank, SequentialOptions())
+    outcome = run_eval(
+        None,
+        None,
+        "scholarqa_cs",
+        queries,
+        None,
+        EvalOptions(samples_per_query=2, retrieval="sequential"),
+        "ck",
+        grader,
+        bank,
+        SequentialOptions(),
+    )
     assert bank.modes == ["cross"] and calls["first"] == {"a": None, "b": None}
     assert calls["reflect"] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     within = guidance_text(parse_reflection(REFLECTION))  # as within retrieval shows a query's own reflection
@@ -384,14 +497,24 @@ def test_sequential_needs_a_bank_for_its_first_trial(monkeypatch):
     monkeypatch.setattr(eval_run, "sample_queries", lambda *a, **k: pytest.fail("sampled without a bank"))
     grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
     with pytest.raises(EvalError, match="needs a reflection bank"):
-        run_eval(None, None, "scholarqa_cs", [query("a", rubrics=PROPERTIES)], None,
-                 EvalOptions(retrieval="sequential"), "ck", grader)
+        run_eval(
+            None,
+            None,
+            "scholarqa_cs",
+            [query("a", rubrics=PROPERTIES)],
+            None,
+            EvalOptions(retrieval="sequential"),
+            "ck",
+            grader,
+        )
 
 
 def test_reflection_guidance_keeps_valid_reflections_with_items():
-    rows = [{"query_id": "a", "sample": 0, "text": REFLECTION, "valid": True},
-            {"query_id": "a", "sample": 1, "text": REFLECTION, "valid": False},
-            {"query_id": "b", "sample": 0, "text": "<reflection></reflection>", "valid": True}]
+    rows = [
+        {"query_id": "a", "sample": 0, "text": REFLECTION, "valid": True},
+        {"query_id": "a", "sample": 1, "text": REFLECTION, "valid": False},
+        {"query_id": "b", "sample": 0, "text": "<reflection></reflection>", "valid": True},
+    ]
     assert set(reflection_guidance(rows)) == {("a", 0)}
     assert set(reflection_guidance(rows, valid_only=False)) == {("a", 0), ("a", 1)}
 
@@ -428,16 +551,31 @@ class ScriptedEngine:
                 text = "<answer>Retrieval-augmented generation, with evaluation benchmarks.</answer>"
             else:
                 text = "<answer>Not sure.</answer>"
-            out.append([TokenTrajectory([1], [1], [0], [0.0], [TokenSegment("policy", "answer", 0, 1, text)],
-                                        finish_reason=ANSWERED) for _ in range(request.n)])
+            out.append(
+                [
+                    TokenTrajectory(
+                        [1], [1], [0], [0.0], [TokenSegment("policy", "answer", 0, 1, text)], finish_reason=ANSWERED
+                    )
+                    for _ in range(request.n)
+                ]
+            )
         return out
 
 
 def test_sequential_end_to_end_with_a_scripted_policy():
     engine = ScriptedEngine()
     grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
-    outcome = run_eval(engine, CharTokenizer(), "scholarqa_cs", [query("a", rubrics=PROPERTIES)], None,
-                       EvalOptions(retrieval="sequential"), "ck", grader, NoHitBank())
+    outcome = run_eval(
+        engine,
+        CharTokenizer(),
+        "scholarqa_cs",
+        [query("a", rubrics=PROPERTIES)],
+        None,
+        EvalOptions(retrieval="sequential"),
+        "ck",
+        grader,
+        NoHitBank(),
+    )
     assert [r.request_id for r in engine.requests] == ["a", "a#0", "a#t2-0"]  # trial 1, reflection, trial 2
     assert engine.requests[1].max_tool_calls == 0
     first, second = outcome.rows

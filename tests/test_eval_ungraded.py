@@ -1,6 +1,7 @@
 """Held-out queries the benchmark cannot grade (no rubric items, no gold answer; issue #21): they are
 found before sampling, recorded in eval_results with score NULL and the reason, and left out of the
 summary's means (counted in n_ungraded); a benchmark with nothing gradable fails with a clear error."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import pyarrow as pa
 import pytest
 
 from rubricem_core.eval import run as eval_run
-from rubricem_core.eval.llm_grader import BenchmarkGrader
 from rubricem_core.eval.builtin import register_builtin_grader
+from rubricem_core.eval.llm_grader import BenchmarkGrader
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
     EvalOptions,
@@ -35,9 +36,14 @@ PROPERTIES = [
 
 def scholarqa_file(tmp_path: Path, with_properties: list[bool]) -> Path:
     """A user's ScholarQA-CS-style file; cases marked False have no rubric properties."""
-    cases = [{"case_id": f"c{i}", "initial_prompt": f"Question {i} about RAG?",
-              "metric_config": {"name": "rubric", "config": {"other_properties": PROPERTIES if has else []}}}
-             for i, has in enumerate(with_properties)]
+    cases = [
+        {
+            "case_id": f"c{i}",
+            "initial_prompt": f"Question {i} about RAG?",
+            "metric_config": {"name": "rubric", "config": {"other_properties": PROPERTIES if has else []}},
+        }
+        for i, has in enumerate(with_properties)
+    ]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(cases), encoding="utf-8")
     return path
@@ -53,8 +59,13 @@ def sampled(monkeypatch) -> list[list[str]]:
 
     def sample(engine, tokenizer, queries, env, options, guidance=None):
         calls.append([q.query_id for q in queries])
-        return [[EvalSample(q.query_id, i, f"<answer>{ANSWER}</answer>", ANSWER, 1, ANSWERED, 12)
-                 for i in range(options.samples_per_query)] for q in queries]
+        return [
+            [
+                EvalSample(q.query_id, i, f"<answer>{ANSWER}</answer>", ANSWER, 1, ANSWERED, 12)
+                for i in range(options.samples_per_query)
+            ]
+            for q in queries
+        ]
 
     monkeypatch.setattr(eval_run, "sample_queries", sample)
     return calls
@@ -103,8 +114,16 @@ def test_a_benchmark_with_nothing_to_grade_fails_before_sampling(tmp_path, sampl
 
 
 def query(query_id: str, source: str, kind: str = "long_form", rubrics: list | None = None, **kw: Any) -> Query:
-    return Query(query_id=query_id, source=source, split="eval", kind=kind, question="Q?",
-                 messages=[{"role": "user", "content": "Q?"}], rubrics=rubrics or [], **kw)
+    return Query(
+        query_id=query_id,
+        source=source,
+        split="eval",
+        kind=kind,
+        question="Q?",
+        messages=[{"role": "user", "content": "Q?"}],
+        rubrics=rubrics or [],
+        **kw,
+    )
 
 
 def test_short_form_without_a_gold_answer_is_recorded(sampled, grader):
@@ -127,18 +146,46 @@ def test_malformed_rubrics_still_fail_but_before_sampling(sampled, grader):
     good = query("g", "scholarqa_cs", rubrics=[{**bad, "description": "Mentions RAG"}])
     with pytest.raises(EvalError, match=r"'scholarqa_cs' query 'm'.*no criterion text"):
         evaluate("scholarqa_cs", [good, query("m", "scholarqa_cs", rubrics=[bad])], grader)
-    negative_only = query("n", "healthbench", rubrics=[{**bad, "description": "Harmful advice", "polarity": "negative",
-                                                        "check": {"type": "benchmark", "points": -3}}])
+    negative_only = query(
+        "n",
+        "healthbench",
+        rubrics=[
+            {
+                **bad,
+                "description": "Harmful advice",
+                "polarity": "negative",
+                "check": {"type": "benchmark", "points": -3},
+            }
+        ],
+    )
     with pytest.raises(EvalError, match=r"query 'n'.*positive points"):
         ungraded_reason("healthbench", negative_only)
     assert sampled == []
 
 
 def test_summary_of_a_part_with_only_old_style_rows_is_unchanged():
-    rows = [{"query_id": "q", "score": 0.5, "grade_failed": False, "details": "{}", "valid_scaffold": True,
-             "finish_reason": ANSWERED, "n_tool_calls": 1, "guidance": None},
-            {"query_id": "q", "score": None, "grade_failed": True, "details": '{"grader": "m"}', "valid_scaffold": False,
-             "finish_reason": ANSWERED, "n_tool_calls": 0, "guidance": None}]
+    rows = [
+        {
+            "query_id": "q",
+            "score": 0.5,
+            "grade_failed": False,
+            "details": "{}",
+            "valid_scaffold": True,
+            "finish_reason": ANSWERED,
+            "n_tool_calls": 1,
+            "guidance": None,
+        },
+        {
+            "query_id": "q",
+            "score": None,
+            "grade_failed": True,
+            "details": '{"grader": "m"}',
+            "valid_scaffold": False,
+            "finish_reason": ANSWERED,
+            "n_tool_calls": 0,
+            "guidance": None,
+        },
+    ]
     s = summarize(rows)
     assert (s["score_mean"], s["n_samples"], s["grade_failed"], s["n_ungraded"]) == (0.5, 2, 1, 0)
     assert math.isclose(s["valid_scaffold_rate"], 0.5)

@@ -5,6 +5,7 @@ The run directory is built without teacher collection or SFT (queries + corpus +
 policy as the "SFT" checkpoint): grading quality is tested in test_eval_graders.py; here the point is
 the plumbing around a real policy sampling with the real tools.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,8 @@ def _overrides(**extra):
 
 
 def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared_data, monkeypatch):
-    from flows.evaluate import evaluate
     import tasks.evaluate as eval_tasks
+    from flows.evaluate import evaluate
 
     simpleqa = shared_data / "simpleqa" / "simple_qa_test_set.csv"
     if not simpleqa.exists():
@@ -69,8 +70,19 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     store = RunStore(run_dir)
     rows = store.read_rows("eval_results")
     assert len(rows) == 2 * 2 * 1  # benchmarks × queries × samples
-    for column in ("checkpoint", "benchmark", "query_id", "retrieval", "score", "details", "sample", "grade_failed",
-                   "valid_scaffold", "finish_reason", "text"):
+    for column in (
+        "checkpoint",
+        "benchmark",
+        "query_id",
+        "retrieval",
+        "score",
+        "details",
+        "sample",
+        "grade_failed",
+        "valid_scaffold",
+        "finish_reason",
+        "text",
+    ):
         assert column in rows[0]
     held_out = {q["query_id"] for q in store.read_rows("queries") if q["split"] == "eval"}
     assert {r["query_id"] for r in rows if r["benchmark"] == "synthetic"} <= held_out
@@ -78,20 +90,34 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     for row in rows:
         assert 0.0 <= row["score"] <= 1.0 and not row["grade_failed"]
         details = json.loads(row["details"])
-        assert ("rubrics" in details) if row["benchmark"] == "synthetic" else (details["grade"] in
-                                                                             ("correct", "incorrect", "not_attempted"))
-    assert sorted(p.name for p in store.files("eval_results")) == ["sft--simpleqa--none.parquet",
-                                                                   "sft--synthetic--none.parquet"]
+        assert (
+            ("rubrics" in details)
+            if row["benchmark"] == "synthetic"
+            else (details["grade"] in ("correct", "incorrect", "not_attempted"))
+        )
+    assert sorted(p.name for p in store.files("eval_results")) == [
+        "sft--simpleqa--none.parquet",
+        "sft--synthetic--none.parquet",
+    ]
 
-    means = json.loads(run_sql(run_dir, "SELECT benchmark, avg(score) AS s, count(*) AS n FROM eval_results "
-                                        "GROUP BY ALL ORDER BY benchmark", fmt="json"))
+    means = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT benchmark, avg(score) AS s, count(*) AS n FROM eval_results GROUP BY ALL ORDER BY benchmark",
+            fmt="json",
+        )
+    )
     for mean in means:
         assert mean["n"] == 2
         assert mean["s"] == pytest.approx(result["benchmarks"][mean["benchmark"]]["score_mean"])
     logged = json.loads(run_sql(run_dir, "SELECT step, name, value FROM metrics WHERE flow = 'evaluate'", fmt="json"))
     names = {m["name"]: m for m in logged}
-    assert {"eval/synthetic/none/score_mean", "eval/simpleqa/none/score_mean", "eval/simpleqa/none/grader/score_calls",
-            "eval/synthetic/none/valid_scaffold_rate"} <= set(names)
+    assert {
+        "eval/synthetic/none/score_mean",
+        "eval/simpleqa/none/score_mean",
+        "eval/simpleqa/none/grader/score_calls",
+        "eval/synthetic/none/valid_scaffold_rate",
+    } <= set(names)
     assert names["eval/simpleqa/none/grader/score_calls"]["value"] == 2.0
     assert {m["step"] for m in logged} == {0}  # the SFT policy: no RL updates
 
@@ -102,7 +128,9 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     monkeypatch.setattr(eval_tasks, "run_eval", no_sampling)
     again = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["synthetic", "simpleqa"])
     assert all(s["cached"] for s in again["benchmarks"].values())
-    assert again["benchmarks"]["synthetic"]["score_mean"] == pytest.approx(result["benchmarks"]["synthetic"]["score_mean"])
+    assert again["benchmarks"]["synthetic"]["score_mean"] == pytest.approx(
+        result["benchmarks"]["synthetic"]["score_mean"]
+    )
 
 
 def _save_bank(run_dir: str, query_ids: list[str]) -> None:
@@ -129,8 +157,9 @@ def test_retrieval_modes_inject_bank_guidance(run_dir, mode, expected_guided):
     held_out = [q["query_id"] for q in store.read_rows("queries") if q["split"] == "eval"][:2]
     train = [q["query_id"] for q in store.read_rows("queries") if q["split"] == "train"][:3]
     _save_bank(run_dir, [held_out[0], *train])  # the first held-out query has its own reflection
-    result = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"],
-                      retrieval=mode)
+    result = evaluate(
+        run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED), benchmarks=["synthetic"], retrieval=mode
+    )
     assert result["benchmarks"]["synthetic"]["guided_rate"] == pytest.approx(expected_guided)
     rows = store.read_table("eval_results", {}, f"sft--synthetic--{mode}").to_pylist()
     assert {r["retrieval"] for r in rows} == {mode}
@@ -148,8 +177,14 @@ def test_cross_retrieval_without_a_bank_names_the_directory(tmp_path, run_dir):
 
     missing = tmp_path / "no-bank"
     with pytest.raises(FileNotFoundError, match="no-bank"):
-        evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED, **{"eval.bank_dir": str(missing)}),
-                 checkpoint=str(Path(run_dir).parent / "other-policy"), benchmarks=["synthetic"], retrieval="cross")
+        evaluate(
+            run_dir=run_dir,
+            profile="tiny",
+            overrides=_overrides(**UNTRACKED, **{"eval.bank_dir": str(missing)}),
+            checkpoint=str(Path(run_dir).parent / "other-policy"),
+            benchmarks=["synthetic"],
+            retrieval="cross",
+        )
 
 
 def test_cli_evaluates_an_explicit_checkpoint(run_dir, capsys):
@@ -182,12 +217,20 @@ def test_a_rerun_with_other_settings_evaluates_again(run_dir):
     assert same["benchmarks"]["synthetic"]["cached"]
     store = RunStore(run_dir)
     before = {r["settings"] for r in store.read_table("eval_results", {}, "sft--synthetic--none").to_pylist()}
-    other = evaluate(run_dir=run_dir, profile="tiny", overrides=_overrides(**UNTRACKED, **{"eval.temperature": 0.3}),
-                     benchmarks=["synthetic"])
+    other = evaluate(
+        run_dir=run_dir,
+        profile="tiny",
+        overrides=_overrides(**UNTRACKED, **{"eval.temperature": 0.3}),
+        benchmarks=["synthetic"],
+    )
     assert not other["benchmarks"]["synthetic"]["cached"]
     rows = store.read_table("eval_results", {}, "sft--synthetic--none").to_pylist()
     after = {r["settings"] for r in rows}
-    assert len(before) == len(after) == 1 and before != after and len(rows) == first["benchmarks"]["synthetic"]["n_samples"]
+    assert (
+        len(before) == len(after) == 1
+        and before != after
+        and len(rows) == first["benchmarks"]["synthetic"]["n_samples"]
+    )
     assert {r["sample"] for r in store.read_table("eval_reflections", {}, "sft--synthetic--none").to_pylist()} == {0}
 
 
@@ -199,9 +242,14 @@ def test_queries_without_rubrics_are_recorded_and_the_rest_graded(run_dir, tmp_p
     from rubricem_core.eval.types import EvalError
 
     props = [{"name": "rag", "criterion": "Mentions retrieval", "weight": 1, "evidence": []}]
-    cases = [{"case_id": f"c{i}", "initial_prompt": f"Question {i}?",
-              "metric_config": {"name": "rubric", "config": {"other_properties": props if i != 1 else []}}}
-             for i in range(3)]
+    cases = [
+        {
+            "case_id": f"c{i}",
+            "initial_prompt": f"Question {i}?",
+            "metric_config": {"name": "rubric", "config": {"other_properties": props if i != 1 else []}},
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(cases), encoding="utf-8")
     overrides = _overrides(**UNTRACKED, **{"eval.paths": {"scholarqa_cs": str(path)}, "eval.max_queries": 3})
@@ -213,14 +261,18 @@ def test_queries_without_rubrics_are_recorded_and_the_rest_graded(run_dir, tmp_p
     assert len(rows) == 3 and by_id["scholarqa_cs-c1"]["score"] is None
     assert by_id["scholarqa_cs-c1"]["error"].startswith("no_rubrics") and by_id["scholarqa_cs-c1"]["text"] is None
     assert all(by_id[q]["score"] is not None for q in ("scholarqa_cs-c0", "scholarqa_cs-c2"))
-    assert summary["score_mean"] == pytest.approx((by_id["scholarqa_cs-c0"]["score"] + by_id["scholarqa_cs-c2"]["score"]) / 2)
+    assert summary["score_mean"] == pytest.approx(
+        (by_id["scholarqa_cs-c0"]["score"] + by_id["scholarqa_cs-c2"]["score"]) / 2
+    )
     reflected = RunStore(run_dir).read_table("eval_reflections", {}, "sft--scholarqa_cs--none").to_pylist()
     assert {r["query_id"] for r in reflected} == {"scholarqa_cs-c0", "scholarqa_cs-c2"}  # nothing sampled for c1
     cached = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])
     assert cached["benchmarks"]["scholarqa_cs"]["cached"]
     assert cached["benchmarks"]["scholarqa_cs"]["n_ungraded"] == 1
 
-    path.write_text(json.dumps([{**c, "metric_config": {"name": "rubric", "config": {"other_properties": []}}}
-                                for c in cases]), encoding="utf-8")
+    path.write_text(
+        json.dumps([{**c, "metric_config": {"name": "rubric", "config": {"other_properties": []}}} for c in cases]),
+        encoding="utf-8",
+    )
     with pytest.raises(EvalError, match="'scholarqa_cs': none of its 3 queries can be graded"):
         evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])

@@ -7,6 +7,7 @@ corrupt checkpoints: test_checkpoint; tag injection in format_tool_output: test_
 and giant tool results: test_tools_robust; judge replies: test_judge_llm). This file adds the
 remaining ones, end to end where the fault would enter a run.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -144,12 +145,18 @@ def test_rl_without_sft_checkpoint_or_with_a_lost_one(tmp_path):
     progress = run / "state" / "rl_progress.json"
     progress.parent.mkdir(parents=True)
     progress.write_text(json.dumps({"completed_step": 3}))
-    with pytest.raises(FileNotFoundError, match=r"rl_progress\.json says step 3 is complete but its checkpoint is missing"):
+    with pytest.raises(
+        FileNotFoundError, match=r"rl_progress\.json says step 3 is complete but its checkpoint is missing"
+    ):
         rl_tasks.completed_step(str(run))
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize(
@@ -188,7 +195,10 @@ def test_duplicate_query_ids_across_files_name_both_files(tmp_path):
 
     for name in ("a.jsonl", "b.jsonl"):
         (tmp_path / name).write_text(json.dumps({"id": "q1", "question": f"From {name}?"}) + "\n")
-    cfg = load_config("tiny", ["data.source=files", f"data.queries=[{{path: {tmp_path / 'a.jsonl'}}}, {{path: {tmp_path / 'b.jsonl'}}}]"])
+    cfg = load_config(
+        "tiny",
+        ["data.source=files", f"data.queries=[{{path: {tmp_path / 'a.jsonl'}}}, {{path: {tmp_path / 'b.jsonl'}}}]"],
+    )
     with pytest.raises(InputError, match=r"duplicate query_id 'jsonl-q1' in .*b\.jsonl \(also in .*a\.jsonl\)"):
         build_inputs(cfg)
 
@@ -212,8 +222,14 @@ def hostile_env():
     from rubricem_core.environment import local_tool_env
 
     huge = "Zorblax founded the guild. " + "filler words of an enormous page " * 40_000  # ≈ 1.3 MB
-    corpus = pa.table({"doc_id": ["D1", "D2", "D3"], "title": ["Huge", "Hostile", "Other"],
-                       "text": [huge, INJECTION, "Nothing relevant here at all."], "source": ["t"] * 3})
+    corpus = pa.table(
+        {
+            "doc_id": ["D1", "D2", "D3"],
+            "title": ["Huge", "Hostile", "Other"],
+            "text": [huge, INJECTION, "Nothing relevant here at all."],
+            "source": ["t"] * 3,
+        }
+    )
     return local_tool_env(corpus, ToolsConfig(snippet_chars=120, browse_chars=500))
 
 
@@ -231,16 +247,23 @@ def test_huge_document_is_cut_to_snippet_and_browse_limits(hostile_env):
 
 def test_injected_tags_and_instructions_in_a_document_cannot_leave_the_tool_output(hostile_env):
     from rubricem_core.scaffold import (
-        STAGES, ToolCall, extract_citations, extract_tool_calls, parse_segments, validate,
+        STAGES,
+        ToolCall,
+        extract_citations,
+        extract_tool_calls,
+        parse_segments,
+        validate,
     )
 
     output = hostile_env.execute(ToolCall("search", "Zorblax annual report")).text
     assert "D2" in output and "IGNORE PREVIOUS INSTRUCTIONS" in output  # kept as data, not dropped ...
     assert output.count("</tool_output>") == 1 and output.endswith("</tool_output>")  # ... but inert
     assert "<answer>" not in output and "<call_tool" not in output and "<cite" not in output
-    plan = ("<structured_plan><deep_analysis>a</deep_analysis><rubric><knowledge_checklist>- k</knowledge_checklist>"
-            "<analytical_criteria>- c</analytical_criteria><negative_constraints>- n</negative_constraints></rubric>"
-            "<research_plan>1. s</research_plan></structured_plan>")
+    plan = (
+        "<structured_plan><deep_analysis>a</deep_analysis><rubric><knowledge_checklist>- k</knowledge_checklist>"
+        "<analytical_criteria>- c</analytical_criteria><negative_constraints>- n</negative_constraints></rubric>"
+        "<research_plan>1. s</research_plan></structured_plan>"
+    )
     trace = plan + '<call_tool name="search">Zorblax annual report</call_tool>' + output
     segments = parse_segments(trace)
     tool = [s for s in segments if s.is_tool_output]
@@ -279,8 +302,13 @@ def test_a_missing_prerequisite_names_the_command_to_run(tmp_path, command, miss
     import sys
 
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "flows.cli", command, "--run-dir", str(run)], capture_output=True,
-                         text=True, timeout=180, cwd=Path(__file__).resolve().parents[1],
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", command, "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"has no {missing} yet: run `rubricem collect-sft-data --run-dir {run}` first" in out.stderr

@@ -7,6 +7,7 @@ with the OOM killer or a preempted node. The subprocesses talk to the session's 
 (no temporary server per call). One uninterrupted reference run per module, in process, with the same
 config and seed; its snapshots after collection and after SFT are the starting points of the kills.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,15 +83,20 @@ def _api_env() -> dict[str, str]:
     return env
 
 
-def kill_at(command: str, run_dir: Path, point: str, timeout: float = 240.0, extra: list[str] = (),
-            tag: str = "") -> str:
+def kill_at(
+    command: str, run_dir: Path, point: str, timeout: float = 240.0, extra: list[str] = (), tag: str = ""
+) -> str:
     """Run ``rubricem <command>`` until it SIGKILLs itself at ``point``; returns its output."""
     env = {**_api_env(), "RUBRICEM_FAULT_POINT": point}
     log_path = run_dir.parent / f"{run_dir.name}-{command}-{tag}{point.replace(':', '_')}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*CLI, command, "--run-dir", str(run_dir), *SETS, *extra], cwd=REPO, env=env,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [*CLI, command, "--run-dir", str(run_dir), *SETS, *extra],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=timeout)
@@ -108,7 +114,9 @@ def _rows(run_dir: Path, table: str) -> list[dict]:
 
 
 def _canonical(rows: list[dict], key: tuple[str, ...]) -> list[dict]:
-    return sorted(({k: v for k, v in r.items() if k not in VOLATILE} for r in rows), key=lambda r: tuple(r[k] for k in key))
+    return sorted(
+        ({k: v for k, v in r.items() if k not in VOLATILE} for r in rows), key=lambda r: tuple(r[k] for k in key)
+    )
 
 
 def assert_same_table(run_dir: Path, ref_dir: Path, table: str, key: tuple[str, ...]) -> None:
@@ -118,7 +126,9 @@ def assert_same_table(run_dir: Path, ref_dir: Path, table: str, key: tuple[str, 
     assert len(keys) == len(set(keys)), f"{table}: duplicate {key}"
     # the same count through SQL: a leftover temp file is never part of a view
     n_sql = int(run_sql(str(run_dir), f"SELECT count(*) AS n FROM {table}", fmt="csv").splitlines()[1])
-    assert n_sql == len(rows) == len(ref), f"{table}: {n_sql} rows via SQL, {len(rows)} via the store, {len(ref)} in the reference"
+    assert n_sql == len(rows) == len(ref), (
+        f"{table}: {n_sql} rows via SQL, {len(rows)} via the store, {len(ref)} in the reference"
+    )
     got, want = _canonical(rows, key), _canonical(ref, key)
     for a, b in zip(got, want):
         assert a == b, f"{table}: row {tuple(a[k] for k in key)} differs from the uninterrupted run"
@@ -132,6 +142,7 @@ UNCOMPARABLE_METRIC = re.compile(r"(seconds|_per_s|step_time_s|padding_fraction)
 def assert_same_metrics(run_dir: Path, ref_dir: Path, flow: str, names: str = "") -> None:
     """The `metrics` mirror: one row per (step, name) of the flow (names matching the ``names``
     regex), the same as the uninterrupted run's."""
+
     def table(d: Path) -> dict[tuple[int, str], float]:
         rows = [r for r in _rows(d, "metrics") if r["flow"] == flow and re.match(names, r["name"])]
         keys = [(r["step"], r["name"]) for r in rows]
@@ -140,7 +151,9 @@ def assert_same_metrics(run_dir: Path, ref_dir: Path, flow: str, names: str = ""
         return {(r["step"], r["name"]): r["value"] for r in rows}
 
     got, want = table(run_dir), table(ref_dir)
-    assert sorted(got) == sorted(want), f"{flow} metrics: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    assert sorted(got) == sorted(want), (
+        f"{flow} metrics: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    )
     for key, value in want.items():
         if not UNCOMPARABLE_METRIC.search(key[1]):
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
@@ -177,7 +190,9 @@ def test_collection_killed_mid_write_and_after_a_round_resumes(reference, tmp_pa
     #    inputs, 3 round 0's requests, 4 its responses, so the kill lands mid-round
     kill_at("collect-sft-data", run, "store.before_rename:4")
     leftovers = temp_files(run)
-    assert [p.parent.name for p in leftovers] == ["round=0000"] and leftovers[0].parent.parent.name == "teacher_responses"
+    assert [p.parent.name for p in leftovers] == ["round=0000"] and leftovers[
+        0
+    ].parent.parent.name == "teacher_responses"
     store = RunStore(run)
     for table in store.tables():  # what exists is whole; the temp file is not data
         store.read_table(table)
@@ -235,16 +250,16 @@ RL_TABLES = {
 # order of their boundaries is not fixed; both schedules give the same numbers). Each kill happens in a
 # fresh process resumed from the previous kill, so one chain visits them all.
 RL_BOUNDARIES = [
-    "rl.rollouts_written:1",        # step 0: rollouts
+    "rl.rollouts_written:1",  # step 0: rollouts
     "rl.judge_failures_written:1",  # judge: failed judgments marked in rollouts (none here: nothing written)
-    "rl.judge_rubrics_written:1",   # judge: buffers as judge_rubrics
-    "rl.judge_done:1",              # judge: scores, stage_rewards (R, G, A): the judge task is done
+    "rl.judge_rubrics_written:1",  # judge: buffers as judge_rubrics
+    "rl.judge_done:1",  # judge: scores, stage_rewards (R, G, A): the judge task is done
     "checkpoint.weights_written:1",  # update: inside the checkpoint save
-    "rl.checkpoint_saved:1",        # update: checkpoint in place, the step not yet marked done
-    "rl.step_done:1",               # update: step marked done, its metrics not logged, no reflections
-    "rl.bank_table_written:1",      # reflect: candidates judged, bank table written, FAISS index not yet
-    "rl.reflections_written:1",     # reflect: bank saved and `reflections` written: the task is done
-    "rl.rollouts_written:1",        # step 1: rollouts (replay with within-episode guidance)
+    "rl.checkpoint_saved:1",  # update: checkpoint in place, the step not yet marked done
+    "rl.step_done:1",  # update: step marked done, its metrics not logged, no reflections
+    "rl.bank_table_written:1",  # reflect: candidates judged, bank table written, FAISS index not yet
+    "rl.reflections_written:1",  # reflect: bank saved and `reflections` written: the task is done
+    "rl.rollouts_written:1",  # step 1: rollouts (replay with within-episode guidance)
     "rl.reflection_update_done:1",  # the deferred reflection update applied in memory only
     "rl.judge_done:1",
     "checkpoint.weights_written:1",
@@ -277,7 +292,11 @@ def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(refe
     for name in names:
         got, want = load_checkpoint(run / "checkpoints" / "rl" / name), load_checkpoint(ref_ckpts / name)
         # the buffers saved with each checkpoint are the judge's, whichever task a resume skipped
-        assert json.loads(got.trainer_state["extra"]["buffers"]) == json.loads(want.trainer_state["extra"]["buffers"]) != {}
+        assert (
+            json.loads(got.trainer_state["extra"]["buffers"])
+            == json.loads(want.trainer_state["extra"]["buffers"])
+            != {}
+        )
         assert_same_weights(run / "checkpoints" / "rl" / name, ref_ckpts / name)
     from rubricem_core.embedders import HashingEmbedder
     from rubricem_core.reflection.bank import ReflectionBank
@@ -327,7 +346,9 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
         assert_same_table(run, reference["final"], table, key)
     assert not any(r["judge_failed"] or r["judge_error"] for r in store.read_rows("rollouts"))
     assert_same_metrics(run, reference["final"], "rl")
-    assert_same_weights(run / "checkpoints" / "rl" / "step-000001", reference["final"] / "checkpoints" / "rl" / "step-000001")
+    assert_same_weights(
+        run / "checkpoints" / "rl" / "step-000001", reference["final"] / "checkpoints" / "rl" / "step-000001"
+    )
     revisions = (run / "state" / "config_revisions.jsonl").read_text().splitlines()
     assert json.loads(revisions[0])["changes"] == {"judge.max_retries": {"old": 4, "new": 1}}
 
@@ -342,8 +363,14 @@ def test_a_second_writer_is_refused_at_once_and_the_first_run_is_intact(referenc
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
     log = open(tmp_path / "first.log", "wb")
-    first = subprocess.Popen([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=_api_env(),
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    first = subprocess.Popen(
+        [*CLI, "rl", "--run-dir", str(run), *SETS],
+        cwd=REPO,
+        env=_api_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (lock_holder(run) or {}).get("pid"):
@@ -351,8 +378,14 @@ def test_a_second_writer_is_refused_at_once_and_the_first_run_is_intact(referenc
             time.sleep(0.1)
         assert lock_holder(run)["pid"] == first.pid
         t0 = time.monotonic()
-        second = subprocess.run([*CLI, "rl", "--run-dir", str(run), *SETS], cwd=REPO, env=_api_env(),
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [*CLI, "rl", "--run-dir", str(run), *SETS],
+            cwd=REPO,
+            env=_api_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2, second.stderr
         assert f"pid {first.pid}" in second.stderr and "rubricem rl" in second.stderr, second.stderr
         assert time.monotonic() - t0 < 30  # refused before any flow, model or server starts
@@ -384,11 +417,18 @@ def test_a_changed_config_is_refused_once_its_stage_has_written(reference, tmp_p
     before = (run / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"seed: 0 → 1.*collect-sft-data"):
         collect_sft_data(run_dir=str(run), profile="tiny", overrides={**SMALL, "seed": 1})
-    out = subprocess.run([*CLI, "rl", "--run-dir", str(run), *SETS, "--set", "rl.recipe=baseline",
-                          "--set", "data.world.n_documents=61"], cwd=REPO, env=_api_env(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*CLI, "rl", "--run-dir", str(run), *SETS, "--set", "rl.recipe=baseline", "--set", "data.world.n_documents=61"],
+        cwd=REPO,
+        env=_api_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert "rl.recipe: 'full' → 'baseline'" in out.stderr and "data.world.n_documents: 60 → 61" in out.stderr, out.stderr
+    assert "rl.recipe: 'full' → 'baseline'" in out.stderr and "data.world.n_documents: 60 → 61" in out.stderr, (
+        out.stderr
+    )
     assert (run / "config.yaml").read_text() == before and not (run / "state" / "config_revisions.jsonl").exists()
 
 
@@ -397,12 +437,19 @@ def test_a_later_command_reads_the_run_directorys_own_config(reference, tmp_path
     naming another profile is refused with the fields it would change."""
     run = tmp_path / "run"
     shutil.copytree(reference["final"], run)
-    same = subprocess.run([*CLI, "rl", "--run-dir", str(run)], cwd=REPO, env=_api_env(), capture_output=True,
-                          text=True, timeout=180)
+    same = subprocess.run(
+        [*CLI, "rl", "--run-dir", str(run)], cwd=REPO, env=_api_env(), capture_output=True, text=True, timeout=180
+    )
     assert same.returncode == 0 and "finished 2 steps" in same.stdout, same.stdout[-2000:] + same.stderr[-2000:]
     assert not (run / "state" / "config_revisions.jsonl").exists()
-    other = subprocess.run([*CLI, "rl", "--run-dir", str(run), "--profile", "tiny"], cwd=REPO, env=_api_env(),
-                           capture_output=True, text=True, timeout=180)
+    other = subprocess.run(
+        [*CLI, "rl", "--run-dir", str(run), "--profile", "tiny"],
+        cwd=REPO,
+        env=_api_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert other.returncode == 2 and "data.world.n_documents: 60 → 400" in other.stderr, other.stderr
 
 

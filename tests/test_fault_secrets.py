@@ -8,6 +8,7 @@ stdout/stderr and the Prefect server's database (flow/task parameters and shippe
 searched for the keys. (tests/test_collect_flow.py checks the Parquet tables of the collection
 flow alone; this covers every sink of a full run.)
 """
+
 from __future__ import annotations
 
 import os
@@ -58,28 +59,44 @@ def _prefect_db_files() -> list[Path]:
 
 
 def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
-    from fakes.openai_server import FakeOpenAIServer
     from prefect.settings import PREFECT_API_URL
+
+    from fakes.openai_server import FakeOpenAIServer
 
     # random per test run, so nothing else in the session can contain them by chance
     teacher_key = f"sk-teacher-{secrets.token_hex(16)}"
     judge_key = f"sk-judge-{secrets.token_hex(16)}"
     teacher = ScriptedTeacher(TeacherRates(max_tool_calls=2))
-    with FakeOpenAIServer(lambda body: teacher.respond(body["messages"], body), api_key=teacher_key,
-                          polls_in_progress=1, fail_times={"syn-00000-t0:r01": 1}) as tserver, \
-         FakeOpenAIServer(lambda body: builtin_judge_reply(body["messages"], body), api_key=judge_key,
-                          http_errors=[429, 500]) as jserver:
+    with (
+        FakeOpenAIServer(
+            lambda body: teacher.respond(body["messages"], body),
+            api_key=teacher_key,
+            polls_in_progress=1,
+            fail_times={"syn-00000-t0:r01": 1},
+        ) as tserver,
+        FakeOpenAIServer(
+            lambda body: builtin_judge_reply(body["messages"], body), api_key=judge_key, http_errors=[429, 500]
+        ) as jserver,
+    ):
         overrides = {
             **SMALL,
-            "teacher.model": "openai/frontier-teacher", "teacher.mode": "batch",
-            "teacher.api_base": tserver.base_url, "teacher.api_key_env": "RUBRICEM_FT_TEACHER_KEY",
-            "teacher.batch_poll_interval_s": 0.05, "teacher.batch_poll_max_interval_s": 0.1,
-            "judge.model": "openai/judge-model", "judge.api_base": jserver.base_url,
-            "judge.api_key_env": "RUBRICEM_FT_JUDGE_KEY", "judge.max_retries": 3,
+            "teacher.model": "openai/frontier-teacher",
+            "teacher.mode": "batch",
+            "teacher.api_base": tserver.base_url,
+            "teacher.api_key_env": "RUBRICEM_FT_TEACHER_KEY",
+            "teacher.batch_poll_interval_s": 0.05,
+            "teacher.batch_poll_max_interval_s": 0.1,
+            "judge.model": "openai/judge-model",
+            "judge.api_base": jserver.base_url,
+            "judge.api_key_env": "RUBRICEM_FT_JUDGE_KEY",
+            "judge.max_retries": 3,
         }
         env = {
-            **os.environ, "RUBRICEM_FT_TEACHER_KEY": teacher_key, "RUBRICEM_FT_JUDGE_KEY": judge_key,
-            "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PYTHONPATH": str(REPO),
+            **os.environ,
+            "RUBRICEM_FT_TEACHER_KEY": teacher_key,
+            "RUBRICEM_FT_JUDGE_KEY": judge_key,
+            "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+            "PYTHONPATH": str(REPO),
         }
         env.pop("RUBRICEM_FAULT_POINT", None)
         run = tmp_path / "run"

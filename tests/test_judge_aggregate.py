@@ -1,4 +1,5 @@
 """Stage rewards R = Σ w·s′ / (2 Σ w): hand-worked numbers, loop ≡ vectorized, failure handling."""
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,10 @@ def rubric(name: str, stage: str, polarity: str, weight: float) -> Rubric:
 
 
 def judged(rollout_id: str, rubrics: list[Rubric], scores: list[int]) -> TrajectoryJudgment:
-    return TrajectoryJudgment(rollout_id, [
-        RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, s, "because") for r, s in zip(rubrics, scores)
-    ])
+    return TrajectoryJudgment(
+        rollout_id,
+        [RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, s, "because") for r, s in zip(rubrics, scores)],
+    )
 
 
 # plan: P1 (+, w1), P2 (−, w2); research: S1 (+, w3); review: none; answer: A1 (+, w2), A2 (−, w1)
@@ -43,12 +45,14 @@ SCORES = {
 #   c: failed → NaN row
 #   d: plan (1·1 + 2·(2−1)) / 6 = 0.5;          research 0;             answer (0 + 1·(2−2)) / 6 = 0
 #   review has no rubrics → NaN column
-EXPECTED = np.array([
-    [1.0, 0.5, np.nan, 1.0],
-    [0.0, 1.0, np.nan, 0.5],
-    [np.nan, np.nan, np.nan, np.nan],
-    [0.5, 0.0, np.nan, 0.0],
-])
+EXPECTED = np.array(
+    [
+        [1.0, 0.5, np.nan, 1.0],
+        [0.0, 1.0, np.nan, 0.5],
+        [np.nan, np.nan, np.nan, np.nan],
+        [0.5, 0.0, np.nan, 0.0],
+    ]
+)
 
 
 def hand_judgments() -> list[TrajectoryJudgment]:
@@ -92,8 +96,10 @@ def test_raising_a_score_moves_its_stage_the_right_way(implementation, index, de
 @pytest.mark.parametrize("seed", range(6))
 def test_loop_and_vectorized_agree_on_random_groups(seed):
     rng = random.Random(seed)
-    rubrics = [rubric(f"R{i}", rng.choice(STAGES), rng.choice(["positive", "negative"]), rng.choice([1, 2, 3, 0.5]))
-               for i in range(rng.randint(1, 12))]
+    rubrics = [
+        rubric(f"R{i}", rng.choice(STAGES), rng.choice(["positive", "negative"]), rng.choice([1, 2, 3, 0.5]))
+        for i in range(rng.randint(1, 12))
+    ]
     judgments = []
     for i in range(rng.randint(1, 10)):
         if rng.random() < 0.2:
@@ -149,8 +155,17 @@ def test_judgment_rows_follow_the_judge_scores_contract():
     judgment = hand_judgments()[0]
     rows = judgment.rows(step=2, query_id="q1")
     assert len(rows) == len(RUBRICS)
-    assert set(rows[0]) == {"step", "query_id", "rollout_id", "rubric_id", "stage", "polarity", "weight", "score",
-                            "justification"}
+    assert set(rows[0]) == {
+        "step",
+        "query_id",
+        "rollout_id",
+        "rubric_id",
+        "stage",
+        "polarity",
+        "weight",
+        "score",
+        "justification",
+    }
     assert [r["score"] for r in rows] == SCORES["a"]
     assert TrajectoryJudgment("c", failed=True).rows(2, "q1") == []
 
@@ -193,8 +208,11 @@ def test_silence_earns_no_credit_from_inverted_negative_rubrics():
 
     # both rollouts violate nothing (negative A2 scored 0) and meet no positive rubric; only one answered
     scores = [0, 0, 0, 0, 0]
-    judgments = [judged("answered", RUBRICS, scores), judged("silent", RUBRICS, scores),
-                 TrajectoryJudgment("failed", failed=True, error="503")]
+    judgments = [
+        judged("answered", RUBRICS, scores),
+        judged("silent", RUBRICS, scores),
+        TrajectoryJudgment("failed", failed=True, error="503"),
+    ]
     R = stage_scores(judgments, RUBRICS)
     answer = STAGES.index("answer")
     assert R[0, answer] == R[1, answer] == pytest.approx(1 / 3)  # the hole: silence paid like an answer
@@ -219,6 +237,7 @@ def test_judge_step_zeroes_the_unanswered_rollouts_answer_reward(monkeypatch):
 
         def generate(self, inputs):
             from rubricem_core.judge.llm_judge import GenerationOutcome
+
             return [GenerationOutcome(i.query.query_id) for i in inputs]
 
         def score(self, inputs):

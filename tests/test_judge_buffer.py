@@ -1,4 +1,5 @@
 """RubricBuffer: persistent rubrics, dedupe, pruning of non-discriminative rubrics, caps, checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,19 @@ from rubricem_core.judge.prompts import GeneratedRubric
 from rubricem_core.judge.types import JudgeError, Rubric, RubricScore, TrajectoryJudgment, make_rubric_id
 from rubricem_core.world import WorldConfig, generate_world
 
-JUDGE_RUBRICS_COLUMNS = {"step", "query_id", "rubric_id", "stage", "polarity", "origin", "title", "description",
-                         "weight", "status", "created_step"}
+JUDGE_RUBRICS_COLUMNS = {
+    "step",
+    "query_id",
+    "rubric_id",
+    "stage",
+    "polarity",
+    "origin",
+    "title",
+    "description",
+    "weight",
+    "status",
+    "created_step",
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +36,9 @@ def gen(stage: str, title: str, polarity: str = "positive", weight: int = 2) -> 
     return GeneratedRubric(stage, polarity, title, f"{title}.", weight)
 
 
-def judgments_for(buffer: RubricBuffer, table: dict[str, list[int]], failed: tuple[int, ...] = ()) -> list[TrajectoryJudgment]:
+def judgments_for(
+    buffer: RubricBuffer, table: dict[str, list[int]], failed: tuple[int, ...] = ()
+) -> list[TrajectoryJudgment]:
     """One judgment per column of ``table`` (rubric title → scores per rollout); unlisted rubrics get 1."""
     rubrics = buffer.active()
     n = len(next(iter(table.values())))
@@ -33,8 +47,10 @@ def judgments_for(buffer: RubricBuffer, table: dict[str, list[int]], failed: tup
         if i in failed:
             out.append(TrajectoryJudgment(f"t{i}", failed=True, error="x"))
             continue
-        scores = [RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, table.get(r.title, [1] * n)[i], "j")
-                  for r in rubrics]
+        scores = [
+            RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, table.get(r.title, [1] * n)[i], "j")
+            for r in rubrics
+        ]
         out.append(TrajectoryJudgment(f"t{i}", scores))
     return out
 
@@ -55,11 +71,17 @@ def test_from_query_makes_persistent_answer_rubrics(query_row):
 
 def test_from_query_names_the_bad_field():
     with pytest.raises(JudgeError, match="rubric 1: missing fields \\['stage'\\]"):
-        RubricBuffer.from_query("q", [{"title": "a", "weight": 1, "polarity": "positive", "stage": "answer"},
-                                      {"title": "b", "weight": 1, "polarity": "positive"}])
+        RubricBuffer.from_query(
+            "q",
+            [
+                {"title": "a", "weight": 1, "polarity": "positive", "stage": "answer"},
+                {"title": "b", "weight": 1, "polarity": "positive"},
+            ],
+        )
     with pytest.raises(JudgeError, match="check is not JSON"):
-        RubricBuffer.from_query("q", [{"title": "a", "weight": 1, "polarity": "positive", "stage": "answer",
-                                       "check": "{oops"}])
+        RubricBuffer.from_query(
+            "q", [{"title": "a", "weight": 1, "polarity": "positive", "stage": "answer", "check": "{oops"}]
+        )
     with pytest.raises(JudgeError, match="stage 'conclusion'"):
         RubricBuffer.from_query("q", [{"title": "a", "weight": 1, "polarity": "positive", "stage": "conclusion"}])
 
@@ -67,12 +89,15 @@ def test_from_query_names_the_bad_field():
 def test_add_dedupes_by_normalized_title(query_row):
     buffer = RubricBuffer.from_query(query_row["query_id"], query_row["rubrics"])
     persistent_title = query_row["rubrics"][0]["title"]
-    added = buffer.add([
-        gen("research", "Searches for Voralis Labs' founding year"),
-        gen("research", "searches for voralis labs founding year!"),  # same after normalization
-        gen("answer", persistent_title.upper()),  # duplicates a persistent rubric
-        gen("plan", "Plans both lookups"),
-    ], step=1)
+    added = buffer.add(
+        [
+            gen("research", "Searches for Voralis Labs' founding year"),
+            gen("research", "searches for voralis labs founding year!"),  # same after normalization
+            gen("answer", persistent_title.upper()),  # duplicates a persistent rubric
+            gen("plan", "Plans both lookups"),
+        ],
+        step=1,
+    )
     assert [r.title for r in added] == ["Searches for Voralis Labs' founding year", "Plans both lookups"]
     assert all(r.origin == "adaptive" and r.created_step == 1 and r.status == "active" for r in added)
     assert buffer.add([gen("plan", "PLANS BOTH LOOKUPS.")], step=2) == []
@@ -88,11 +113,13 @@ def test_rubric_id_is_stable_across_casing():
 
 def test_non_discriminative_adaptive_rubrics_are_pruned_persistent_never(query_row):
     buffer = RubricBuffer.from_query(query_row["query_id"], query_row["rubrics"], cap_per_stage=5)
-    buffer.add([gen("research", "Varies"), gen("research", "Constant"), gen("review", "Also constant", "negative")],
-               step=1)
+    buffer.add(
+        [gen("research", "Varies"), gen("research", "Constant"), gen("review", "Also constant", "negative")], step=1
+    )
     persistent_title = buffer.active("answer")[0].title
-    judgments = judgments_for(buffer, {"Varies": [0, 2, 1], "Constant": [2, 2, 2], "Also constant": [0, 0, 0],
-                                       persistent_title: [1, 1, 1]})
+    judgments = judgments_for(
+        buffer, {"Varies": [0, 2, 1], "Constant": [2, 2, 2], "Also constant": [0, 0, 0], persistent_title: [1, 1, 1]}
+    )
     pruned = buffer.after_scoring(judgments, step=1)
     assert sorted(r.title for r in pruned) == ["Also constant", "Constant"]
     assert all(r.status == "pruned" and r.pruned_step == 1 for r in pruned)
@@ -121,8 +148,9 @@ def test_fewer_than_two_valid_scores_keep_the_rubric():
 def test_over_cap_stages_keep_the_most_discriminative(cap):
     buffer = RubricBuffer("q", cap_per_stage=cap)
     # score std across the group: wide 1.0 > mid 0.71 > low 0.43; the plan stage is under its cap
-    buffer.add([gen("research", "low"), gen("research", "wide"), gen("research", "mid"),
-                gen("plan", "plan one")], step=4)
+    buffer.add(
+        [gen("research", "low"), gen("research", "wide"), gen("research", "mid"), gen("plan", "plan one")], step=4
+    )
     table = {"low": [1, 1, 1, 2], "wide": [0, 2, 0, 2], "mid": [0, 1, 2, 1], "plan one": [0, 1, 0, 1]}
     pruned = buffer.after_scoring(judgments_for(buffer, table), step=4)
     kept = [r.title for r in buffer.active("research")]
@@ -169,8 +197,9 @@ def test_a_pruned_rubric_proposed_again_comes_back():
 
 def test_checkpoint_round_trip(query_row):
     buffer = RubricBuffer.from_query(query_row["query_id"], query_row["rubrics"], cap_per_stage=2)
-    buffer.add([gen("research", "Varies"), gen("research", "Constant"), gen("review", "Maps ids", "negative", 3)],
-               step=1)
+    buffer.add(
+        [gen("research", "Varies"), gen("research", "Constant"), gen("review", "Maps ids", "negative", 3)], step=1
+    )
     buffer.after_scoring(judgments_for(buffer, {"Varies": [0, 2], "Constant": [1, 1], "Maps ids": [2, 0]}), step=1)
     restored = RubricBuffer.from_dict(json.loads(json.dumps(buffer.to_dict())))
     assert restored.to_dict() == buffer.to_dict()
@@ -199,12 +228,18 @@ def test_from_rows_of_every_step_rebuilds_the_live_buffer(query_row, cap):
     qid = query_row["query_id"]
     live = RubricBuffer.from_query(qid, query_row["rubrics"], cap_per_stage=cap)
     steps = [
-        ([gen("plan", "Names sources"), gen("research", "Cites doc"), gen("research", "Two searches")],
-         {"Names sources": [1, 0, 1], "Cites doc": [1, 1, 1]}),
-        ([gen("research", "Reads abstracts"), gen("plan", "Names sources"), gen("review", "Checks gaps")],
-         {"Reads abstracts": [0, 1, 1], "Checks gaps": [2, 2, 2]}),
-        ([gen("research", "Cites doc"), gen("review", "Flags conflicts", weight=3)],  # Cites doc comes back
-         {"Cites doc": [0, 1, 0], "Flags conflicts": [1, 0, 1]}),
+        (
+            [gen("plan", "Names sources"), gen("research", "Cites doc"), gen("research", "Two searches")],
+            {"Names sources": [1, 0, 1], "Cites doc": [1, 1, 1]},
+        ),
+        (
+            [gen("research", "Reads abstracts"), gen("plan", "Names sources"), gen("review", "Checks gaps")],
+            {"Reads abstracts": [0, 1, 1], "Checks gaps": [2, 2, 2]},
+        ),
+        (
+            [gen("research", "Cites doc"), gen("review", "Flags conflicts", weight=3)],  # Cites doc comes back
+            {"Cites doc": [0, 1, 0], "Flags conflicts": [1, 0, 1]},
+        ),
     ]
     rows = []
     for step, (new, table) in enumerate(steps):

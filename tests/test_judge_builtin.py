@@ -1,4 +1,5 @@
 """The built-in judge on teacher-written traces of the synthetic world, through the litellm path."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def queries(world):
 
 def write_traces(queries, tools, max_tool_calls=10, **rates) -> dict[str, str]:
     """One teacher trace per query (seeded: the same query gets the same searches across variants)."""
-    cfg = TeacherConfig(**{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0,
-                           **rates})
+    cfg = TeacherConfig(
+        **{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0, **rates}
+    )
     register_builtin_teacher(cfg, max_tool_calls=max_tool_calls)
     settings = EndpointSettings(model=TEACHER, max_concurrency=4, max_retries=0, timeout_s=30)
     states = initial_states(queries, trajectories_per_query=1, seed=0)
@@ -64,8 +66,14 @@ def write_traces(queries, tools, max_tool_calls=10, **rates) -> dict[str, str]:
         results = {x.custom_id: x for x in run_concurrent(requests, settings)}
         by_id = {s.trajectory_id: s for s in states}
         for request in requests:
-            apply_result(by_id[request.metadata["trajectory_id"]], results[request.custom_id],
-                         lambda call: env.execute(call).text, r, 12, max_tool_calls)
+            apply_result(
+                by_id[request.metadata["trajectory_id"]],
+                results[request.custom_id],
+                lambda call: env.execute(call).text,
+                r,
+                12,
+                max_tool_calls,
+            )
     return {s.query_id: s.text for s in states}
 
 
@@ -97,8 +105,9 @@ def persistent(row) -> list[Rubric]:
 def answer_rewards(judge, queries, traces: dict[str, str]) -> np.ndarray:
     from rubricem_core.judge.aggregate import stage_scores
 
-    inputs = [ScoringInput(judge_query(q), JudgeRollout(q["query_id"], traces[q["query_id"]]), persistent(q))
-              for q in queries]
+    inputs = [
+        ScoringInput(judge_query(q), JudgeRollout(q["query_id"], traces[q["query_id"]]), persistent(q)) for q in queries
+    ]
     judgments = judge.score(inputs)
     assert not any(j.failed for j in judgments), [j.error for j in judgments]
     return np.array([stage_scores([j], i.rubrics)[0, ANSWER] for j, i in zip(judgments, inputs)])
@@ -122,8 +131,10 @@ def test_correct_cited_answers_beat_uncited_and_wrong_ones(judge, queries, varia
 
 def test_each_criterion_explains_itself(judge, queries, variants):
     row = queries[0]
-    inputs = [ScoringInput(judge_query(row), JudgeRollout(v, variants[v][row["query_id"]]), persistent(row))
-              for v in ("clean", "uncited")]
+    inputs = [
+        ScoringInput(judge_query(row), JudgeRollout(v, variants[v][row["query_id"]]), persistent(row))
+        for v in ("clean", "uncited")
+    ]
     clean, uncited = judge.score(inputs)
     fact_ids = [r.rubric_id for r in inputs[0].rubrics if r.check["type"] == "fact"]
     for rubric_id in fact_ids:
@@ -142,8 +153,9 @@ def test_wrong_value_negative_rubric_fires_on_a_confused_answer(queries, variant
         twin = negative.check.get("confusable")
         text = variants["clean"][row["query_id"]]
         view = TraceView(text)
-        twin_docs = [d for d, facts in view.snippet_facts.items() if any(f.entity == (twin or {}).get("entity")
-                                                                         for f in facts)]
+        twin_docs = [
+            d for d, facts in view.snippet_facts.items() if any(f.entity == (twin or {}).get("entity") for f in facts)
+        ]
         if twin is None or not twin_docs or negative.check["attribute"] not in ("founded", "employees"):
             continue
         entity, value = negative.check["entity"], negative.check["value"]
@@ -177,16 +189,20 @@ def group_of(row, variants, names) -> list[JudgeRollout]:
 def test_generation_proposes_only_discriminative_rubrics(judge, queries, variants):
     names = ["clean", "uncited", "wrong", "one_search", "no_review"]
     rows = queries[:4]
-    outcomes = judge.generate([GenerationInput(judge_query(q), group_of(q, variants, names), persistent(q))
-                               for q in rows])
+    outcomes = judge.generate(
+        [GenerationInput(judge_query(q), group_of(q, variants, names), persistent(q)) for q in rows]
+    )
     stages_seen = set()
     for row, outcome in zip(rows, outcomes):
         assert not outcome.failed, outcome.error
         assert outcome.rubrics, row["question"]
-        rubrics = [Rubric.create(row["query_id"], r.stage, r.polarity, r.title, r.description, r.weight,
-                                 check=r.check) for r in outcome.rubrics]
-        judgments = judge.score([ScoringInput(judge_query(row), rollout, rubrics)
-                                 for rollout in group_of(row, variants, names)])
+        rubrics = [
+            Rubric.create(row["query_id"], r.stage, r.polarity, r.title, r.description, r.weight, check=r.check)
+            for r in outcome.rubrics
+        ]
+        judgments = judge.score(
+            [ScoringInput(judge_query(row), rollout, rubrics) for rollout in group_of(row, variants, names)]
+        )
         for rubric in rubrics:
             scores = [j.score_of(rubric.rubric_id) for j in judgments]
             assert len(set(scores)) > 1, (rubric.title, scores)  # it separates the group
@@ -200,18 +216,24 @@ def test_generation_proposes_only_discriminative_rubrics(judge, queries, variant
 def test_a_fact_some_found_and_others_missed_becomes_a_research_rubric(judge, queries, variants):
     """With one search the teacher finds one fact; the full trace finds all: 'Searches for X's ...'."""
     row = next(q for q in queries if json.loads(q["spec"])["kind"] in ("comparison", "aggregation", "timeline"))
-    missed = [f for f in (r.check for r in persistent(row) if r.check["type"] == "fact")
-              if not TraceView(variants["one_search"][row["query_id"]]).found(f["entity"], f["attribute"])]
+    missed = [
+        f
+        for f in (r.check for r in persistent(row) if r.check["type"] == "fact")
+        if not TraceView(variants["one_search"][row["query_id"]]).found(f["entity"], f["attribute"])
+    ]
     assert missed
-    [outcome] = judge.generate([GenerationInput(judge_query(row), group_of(row, variants, ["clean", "one_search"]),
-                                                persistent(row))])
+    [outcome] = judge.generate(
+        [GenerationInput(judge_query(row), group_of(row, variants, ["clean", "one_search"]), persistent(row))]
+    )
     research = [r for r in outcome.rubrics if r.stage == "research" and r.check["type"] == "search_hit"]
     assert research, outcome.rubrics
     # only facts that separate the two rollouts: the ones the one-search trace missed
     assert {r.check["entity"] for r in research} <= {f["entity"] for f in missed}
     words = {"founded": "founding year", "employees": "employee count"}
-    assert all(r.title.startswith(f"Searches for {r.check['entity']}'") and
-               r.title.endswith(words[r.check["attribute"]]) for r in research)
+    assert all(
+        r.title.startswith(f"Searches for {r.check['entity']}'") and r.title.endswith(words[r.check["attribute"]])
+        for r in research
+    )
 
 
 def test_identical_rollouts_get_no_new_rubrics(judge, queries, variants):
@@ -223,8 +245,12 @@ def test_identical_rollouts_get_no_new_rubrics(judge, queries, variants):
 
 def test_generation_respects_the_stage_limit(queries, variants):
     row = queries[2]
-    messages = generation_messages(judge_query(row), group_of(row, variants, ["clean", "one_search", "no_review"]),
-                                   persistent(row), max_new_per_stage=1)
+    messages = generation_messages(
+        judge_query(row),
+        group_of(row, variants, ["clean", "one_search", "no_review"]),
+        persistent(row),
+        max_new_per_stage=1,
+    )
     reply = json.loads(respond(messages, {}))
     assert all(len(reply[stage]) <= 1 for stage in ("plan", "research", "review", "answer"))
 
@@ -237,8 +263,10 @@ def test_judge_step_with_the_builtin_judge_evolves_the_buffer(judge, queries, va
     first = judge_step(judge, groups, buffers, step=0)
     for group in first:
         assert group.added and group.n_failed == 0
-        assert all(len([r for r in buffers[group.query_id].active(s) if r.origin == "adaptive"]) <= 2
-                   for s in ("plan", "research", "review", "answer"))
+        assert all(
+            len([r for r in buffers[group.query_id].active(s) if r.origin == "adaptive"]) <= 2
+            for s in ("plan", "research", "review", "answer")
+        )
         assert not np.isnan(group.R[:, ANSWER]).any()
     # the clean trace leads the answer stage of its group
     for group in first:
@@ -257,20 +285,24 @@ def test_judge_step_with_the_builtin_judge_evolves_the_buffer(judge, queries, va
 
 def test_non_synthetic_queries_get_lexical_criteria():
     question = "How did the Varn bridge change grain trade?"
-    text = ('<structured_plan><deep_analysis>bridge and grain</deep_analysis><rubric><knowledge_checklist>- opening'
-            '</knowledge_checklist><analytical_criteria>- effect</analytical_criteria><negative_constraints>- none'
-            '</negative_constraints></rubric><research_plan>1. search</research_plan></structured_plan>'
-            '<call_tool name="search">Varn bridge grain trade</call_tool><tool_output><snippet id="D8">Grain shipments'
-            ' through the port doubled after the Varn bridge opened.</snippet></tool_output>'
-            '<state_evaluation>Verdict: ready</state_evaluation><review><rubric_review>- effect → D8</rubric_review>'
-            '<writing_plan><thesis>t</thesis><outline>o</outline></writing_plan></review>'
-            '<answer><cite id="D8">Grain shipments through the port doubled after the bridge opened</cite>.</answer>')
+    text = (
+        "<structured_plan><deep_analysis>bridge and grain</deep_analysis><rubric><knowledge_checklist>- opening"
+        "</knowledge_checklist><analytical_criteria>- effect</analytical_criteria><negative_constraints>- none"
+        "</negative_constraints></rubric><research_plan>1. search</research_plan></structured_plan>"
+        '<call_tool name="search">Varn bridge grain trade</call_tool><tool_output><snippet id="D8">Grain shipments'
+        " through the port doubled after the Varn bridge opened.</snippet></tool_output>"
+        "<state_evaluation>Verdict: ready</state_evaluation><review><rubric_review>- effect → D8</rubric_review>"
+        "<writing_plan><thesis>t</thesis><outline>o</outline></writing_plan></review>"
+        '<answer><cite id="D8">Grain shipments through the port doubled after the bridge opened</cite>.</answer>'
+    )
     lazy = text.replace("Varn bridge grain trade", "history").split("<answer>")[0] + "<answer>No idea.</answer>"
     query = JudgeQuery("g1", question)
     on_topic = Rubric.create("g1", "answer", "positive", "Grain shipments doubled", "port grain shipments", 2)
     off_topic = Rubric.create("g1", "answer", "positive", "Discusses railway tariffs", "railway tariffs", 2)
     user = scoring_messages(query, JudgeRollout("a", text), [on_topic, off_topic])[1]["content"]
-    scores = {s["rubric_id"]: s["score"] for s in json.loads(respond([{"role": "user", "content": user}], {}))["scores"]}
+    scores = {
+        s["rubric_id"]: s["score"] for s in json.loads(respond([{"role": "user", "content": user}], {}))["scores"]
+    }
     assert scores == {on_topic.rubric_id: 2, off_topic.rubric_id: 0}
     messages = generation_messages(query, [JudgeRollout("a", text), JudgeRollout("b", lazy)], [], 3)
     reply = json.loads(respond(messages, {}))

@@ -1,5 +1,6 @@
 """Paper fidelity of the stagewise judge: no answer key, the paper's generation spec and counts, and the
 answer-only view of Baseline-RL (DR Tulu's evolving-answer objective)."""
+
 from __future__ import annotations
 
 import json
@@ -28,19 +29,40 @@ from tests.test_judge_llm import API_KEY, RUBRICS, good_reply, is_repair, settin
 
 REFERENCE = "REFERENCE-MARK: Keto Works was founded in 1921"
 SPEC_MARK = "SPEC-MARK-42"
-QUERY = JudgeQuery("q1", "Which was founded earlier, Voralis Labs or Keto Works?",
-                   {"kind": "comparison", "subjects": ["Voralis Labs", "Keto Works"], "note": SPEC_MARK}, REFERENCE)
-ROLLOUTS = [JudgeRollout(f"t{i}", trace(f'<cite id="D1">Voralis Labs was founded in 1950</cite>. Answer {i}.'))
-            for i in range(3)]
+QUERY = JudgeQuery(
+    "q1",
+    "Which was founded earlier, Voralis Labs or Keto Works?",
+    {"kind": "comparison", "subjects": ["Voralis Labs", "Keto Works"], "note": SPEC_MARK},
+    REFERENCE,
+)
+ROLLOUTS = [
+    JudgeRollout(f"t{i}", trace(f'<cite id="D1">Voralis Labs was founded in 1950</cite>. Answer {i}.'))
+    for i in range(3)
+]
 # text only the plan, research and review stages hold (the answer cites D1's claim, not its snippet)
-NOT_IN_ANSWER = ["Two founding years are needed", "<structured_plan>", "<call_tool", "<tool_output>", "<snippet",
-                 "Verdict: ready", "<rubric_review>", "founding year → D1", "PLANNING RUBRIC"]
+NOT_IN_ANSWER = [
+    "Two founding years are needed",
+    "<structured_plan>",
+    "<call_tool",
+    "<tool_output>",
+    "<snippet",
+    "Verdict: ready",
+    "<rubric_review>",
+    "founding year → D1",
+    "PLANNING RUBRIC",
+]
 
 
 def rubrics_reply(**per_stage: int) -> str:
-    return json.dumps({stage: [{"polarity": "positive", "title": f"{stage.title()} criterion {i}", "description": "d",
-                                "weight": 2} for i in range(per_stage.get(stage, 0))]
-                       for stage in ("plan", "research", "review", "answer")})
+    return json.dumps(
+        {
+            stage: [
+                {"polarity": "positive", "title": f"{stage.title()} criterion {i}", "description": "d", "weight": 2}
+                for i in range(per_stage.get(stage, 0))
+            ]
+            for stage in ("plan", "research", "review", "answer")
+        }
+    )
 
 
 def full_reply(body: dict[str, Any]) -> str:
@@ -86,8 +108,9 @@ def test_with_reference_every_call_carries_it():
 def test_config_default_keeps_the_reference_for_the_builtin_judge_and_gpu_drops_it():
     assert load_config("tiny").judge.show_reference and load_config("small").judge.show_reference
     assert not load_config("gpu").judge.show_reference
-    assert not load_config("tiny", {"judge.model": "openai/gpt-4.1-mini", "judge.show_reference": False}
-                           ).judge.show_reference
+    assert not load_config(
+        "tiny", {"judge.model": "openai/gpt-4.1-mini", "judge.show_reference": False}
+    ).judge.show_reference
     # the built-in judge reads the spec: refusing is clearer than scoring on half the facts
     with pytest.raises(ConfigError, match="show_reference=false needs an LLM judge"):
         load_config("tiny", {"judge.show_reference": False})
@@ -109,8 +132,10 @@ def test_generation_prompt_states_the_papers_spec():
     assert "Never penalise research or an answer that goes beyond the plan because the evidence warranted it" in system
     assert "Discriminative" in system and "most important first" in system
     # the scoring prompt holds the same line on going beyond the plan
-    assert "went beyond the plan when the evidence warranted it" in scoring_messages(QUERY, ROLLOUTS[0], RUBRICS)[0][
-        "content"]
+    assert (
+        "went beyond the plan when the evidence warranted it"
+        in scoring_messages(QUERY, ROLLOUTS[0], RUBRICS)[0]["content"]
+    )
 
 
 def test_counts_are_the_papers_capped_by_max_new_rubrics_per_stage():
@@ -131,16 +156,19 @@ def test_parsing_keeps_the_first_rubrics_of_a_stage_over_its_most():
     by_stage = {s: [r.title for r in rubrics if r.stage == s] for s in ("plan", "research", "review", "answer")}
     assert by_stage["plan"] == [f"Plan criterion {i}" for i in range(4)]
     assert len(by_stage["review"]) == 4 and by_stage["answer"] == [f"Answer criterion {i}" for i in range(5)]
-    assert dropped == ["plan: 'Plan criterion 4' (beyond the stage's 4 new rubrics)",
-                       "plan: 'Plan criterion 5' (beyond the stage's 4 new rubrics)",
-                       "answer: 'Answer criterion 5' (beyond the stage's 5 new rubrics)",
-                       "answer: 'Answer criterion 6' (beyond the stage's 5 new rubrics)"]
+    assert dropped == [
+        "plan: 'Plan criterion 4' (beyond the stage's 4 new rubrics)",
+        "plan: 'Plan criterion 5' (beyond the stage's 4 new rubrics)",
+        "answer: 'Answer criterion 5' (beyond the stage's 5 new rubrics)",
+        "answer: 'Answer criterion 6' (beyond the stage's 5 new rubrics)",
+    ]
 
 
 def test_parsing_rejects_too_few_only_when_asked():
     reply = rubrics_reply(plan=1, research=0, review=1, answer=1)
-    with pytest.raises(ReplyError, match="too few new rubrics: research has 0, at least 1 asked; answer has 1, "
-                                         "at least 2 asked"):
+    with pytest.raises(
+        ReplyError, match="too few new rubrics: research has 0, at least 1 asked; answer has 1, at least 2 asked"
+    ):
         parse_generation(reply, 5, require_min=True)
     assert len(parse_generation(reply, 5)[0]) == 3  # the built-in judge's path: no minimum
     # stages that get no rubrics ask for none

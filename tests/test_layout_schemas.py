@@ -4,6 +4,7 @@
 The contract columns below are DESIGN.md's "Columns that every reader may rely on"; the seed values are
 worked by hand from the formulas the code used before the streams existed, so a run's figures stay the
 same for the same seed."""
+
 from __future__ import annotations
 
 import math
@@ -24,15 +25,58 @@ from rubricem_core.store import RunStore
 CONTRACT: dict[str, tuple[str, ...]] = {
     "queries": ("query_id",),
     "teacher_requests": ("request_id", "trajectory_id", "round", "model", "status"),
-    "teacher_responses": ("request_id", "trajectory_id", "round", "model", "status", "response", "error",
-                          "prompt_tokens", "completion_tokens", "cost_usd"),
+    "teacher_responses": (
+        "request_id",
+        "trajectory_id",
+        "round",
+        "model",
+        "status",
+        "response",
+        "error",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+    ),
     "sft_trajectories": ("trajectory_id", "query_id", "accepted", "reject_reasons", "n_tool_calls", "text"),
-    "rollouts": ("step", "query_id", "rollout_id", "phase", "retrieval", "token_ids", "loss_mask", "stage_ids",
-                 "logprobs", "n_tool_calls", "finish_reason", "valid_scaffold", "judge_failed"),
-    "judge_rubrics": ("step", "query_id", "rubric_id", "stage", "polarity", "origin", "title", "description",
-                      "weight", "status", "created_step"),
-    "judge_scores": ("step", "query_id", "rollout_id", "rubric_id", "stage", "polarity", "weight", "score",
-                     "justification"),
+    "rollouts": (
+        "step",
+        "query_id",
+        "rollout_id",
+        "phase",
+        "retrieval",
+        "token_ids",
+        "loss_mask",
+        "stage_ids",
+        "logprobs",
+        "n_tool_calls",
+        "finish_reason",
+        "valid_scaffold",
+        "judge_failed",
+    ),
+    "judge_rubrics": (
+        "step",
+        "query_id",
+        "rubric_id",
+        "stage",
+        "polarity",
+        "origin",
+        "title",
+        "description",
+        "weight",
+        "status",
+        "created_step",
+    ),
+    "judge_scores": (
+        "step",
+        "query_id",
+        "rollout_id",
+        "rubric_id",
+        "stage",
+        "polarity",
+        "weight",
+        "score",
+        "justification",
+    ),
     "stage_rewards": ("step", "query_id", "rollout_id", "stage", "R", "G", "A"),
     "reflections": ("step", "query_id", "source_rollout_id", "candidate", "text", "valid", "score", "accepted"),
     "bank": ("query_id", "query_text", "reflection", "score", "step"),
@@ -59,19 +103,35 @@ def test_list_columns_of_a_rollout_are_lists() -> None:
 def test_the_bank_table_and_the_saved_bank_share_one_schema() -> None:
     """tables/bank has the five contract columns (nullable); the saved bank's entries file has the same
     columns, never null, plus faiss_id: what both wrote before the schemas were merged."""
-    assert schemas.BANK_SCHEMA.equals(pa.schema([
-        ("query_id", pa.string()), ("query_text", pa.string()), ("reflection", pa.string()),
-        ("score", pa.float64()), ("step", pa.int64())]))
-    assert schemas.BANK_ENTRIES_SCHEMA.equals(pa.schema([
-        pa.field("query_id", pa.string(), nullable=False), pa.field("query_text", pa.string(), nullable=False),
-        pa.field("reflection", pa.string(), nullable=False), pa.field("score", pa.float64(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False), pa.field("faiss_id", pa.int64(), nullable=False)]))
+    assert schemas.BANK_SCHEMA.equals(
+        pa.schema(
+            [
+                ("query_id", pa.string()),
+                ("query_text", pa.string()),
+                ("reflection", pa.string()),
+                ("score", pa.float64()),
+                ("step", pa.int64()),
+            ]
+        )
+    )
+    assert schemas.BANK_ENTRIES_SCHEMA.equals(
+        pa.schema(
+            [
+                pa.field("query_id", pa.string(), nullable=False),
+                pa.field("query_text", pa.string(), nullable=False),
+                pa.field("reflection", pa.string(), nullable=False),
+                pa.field("score", pa.float64(), nullable=False),
+                pa.field("step", pa.int64(), nullable=False),
+                pa.field("faiss_id", pa.int64(), nullable=False),
+            ]
+        )
+    )
 
 
 def test_the_old_import_places_give_the_one_schema() -> None:
-    from rubricem_core.eval import run as eval_run
-    from rubricem_core.eval import ablation
     from rubricem_core import tracking
+    from rubricem_core.eval import ablation
+    from rubricem_core.eval import run as eval_run
 
     assert eval_run.EVAL_RESULTS_SCHEMA is schemas.EVAL_RESULTS_SCHEMA
     assert ablation.ABLATION_SCHEMA is schemas.ABLATION_SCHEMA
@@ -103,7 +163,9 @@ def test_nan_to_none_and_back() -> None:
 def test_nan_is_null_in_a_table_and_nan_again_in_memory(tmp_path: Path) -> None:
     logprobs = [-0.5, math.nan, -2.0]
     store = RunStore(tmp_path)
-    store.write_table("t", [{"lp": [nan_to_none(x) for x in logprobs]}], schema=pa.schema([("lp", pa.list_(pa.float32()))]))
+    store.write_table(
+        "t", [{"lp": [nan_to_none(x) for x in logprobs]}], schema=pa.schema([("lp", pa.list_(pa.float32()))])
+    )
     stored = store.read_rows("t")[0]["lp"]
     assert stored == [-0.5, None, -2.0]
     back = [none_to_nan(x) for x in stored]
@@ -112,17 +174,17 @@ def test_nan_is_null_in_a_table_and_nan_again_in_memory(tmp_path: Path) -> None:
 
 # ---- seeds -----------------------------------------------------------------------------------------
 def test_seed_streams_reproduce_the_old_formulas_worked_by_hand() -> None:
-    assert derive_seed(7, seeds.ROLLOUT, 3) == 700_024                     # 7 * 100_003 + 3
-    assert derive_seed(7, seeds.REFLECTION_SAMPLING, 4) == 700_137         # 7 * 100_019 + 4
-    assert derive_seed(7, seeds.REFLECTION_SOURCE, 4) == 7_000_025         # 7 * 1_000_003 + 4
-    assert derive_seed(7, seeds.TEACHER_TRAJECTORY, 2, 1) == 7_000_224     # 7 * 1_000_003 + 2 * 101 + 1
+    assert derive_seed(7, seeds.ROLLOUT, 3) == 700_024  # 7 * 100_003 + 3
+    assert derive_seed(7, seeds.REFLECTION_SAMPLING, 4) == 700_137  # 7 * 100_019 + 4
+    assert derive_seed(7, seeds.REFLECTION_SOURCE, 4) == 7_000_025  # 7 * 1_000_003 + 4
+    assert derive_seed(7, seeds.TEACHER_TRAJECTORY, 2, 1) == 7_000_224  # 7 * 1_000_003 + 2 * 101 + 1
     # 5000 * 1_000_003 = 5_000_015_000 ≥ 2**31 - 1: minus 2 × 2_147_483_647
     assert derive_seed(5000, seeds.TEACHER_TRAJECTORY, 0, 0) == 705_047_706
-    assert derive_seed(7_000_224, seeds.TEACHER_REQUEST, 3) == 7_000_227   # trajectory seed + round
-    assert derive_seed(7, seeds.TEACHER_TURN, 2) == 55_435                 # 7 * 7919 + 2
-    assert derive_seed(7, seeds.SFT_REFLECTION_MIX, 2) == 55_435           # 7 * 7_919 + 2
-    assert derive_seed(7, seeds.SFT_EPOCH, 2) == 9                         # 7 + 2
-    assert derive_seed(7, seeds.TEACHER_REFLECTION_CUTS, 3) == 7_000_234   # 7 * 1_000_033 + 3
+    assert derive_seed(7_000_224, seeds.TEACHER_REQUEST, 3) == 7_000_227  # trajectory seed + round
+    assert derive_seed(7, seeds.TEACHER_TURN, 2) == 55_435  # 7 * 7919 + 2
+    assert derive_seed(7, seeds.SFT_REFLECTION_MIX, 2) == 55_435  # 7 * 7_919 + 2
+    assert derive_seed(7, seeds.SFT_EPOCH, 2) == 9  # 7 + 2
+    assert derive_seed(7, seeds.TEACHER_REFLECTION_CUTS, 3) == 7_000_234  # 7 * 1_000_033 + 3
     assert derive_seed(7, seeds.TEACHER_REFLECTION_REQUEST, 3, 2) == 7_000_281  # 7 * 1_000_033 + 3 * 16 + 2
     # a name counts as its CRC-32: crc32(b"synthetic") = 1_103_364_695
     assert zlib.crc32(b"synthetic") == 1_103_364_695
@@ -141,7 +203,9 @@ def test_seed_streams_equal_the_old_formulas_on_a_grid(seed: int) -> None:
         assert derive_seed(seed, seeds.SFT_EPOCH, step) == seed + step
         assert derive_seed(seed, seeds.TEACHER_REQUEST, step) == seed + step
         for s in (0, 3):
-            assert derive_seed(seed, seeds.TEACHER_TRAJECTORY, step, s) == (seed * 1_000_003 + step * 101 + s) % (2**31 - 1)
+            assert derive_seed(seed, seeds.TEACHER_TRAJECTORY, step, s) == (seed * 1_000_003 + step * 101 + s) % (
+                2**31 - 1
+            )
             assert derive_seed(seed, seeds.TEACHER_REFLECTION_REQUEST, step, s) == seed * 1_000_033 + step * 16 + s
     for name in ("synthetic", "healthbench", "rl-step-000003--synthetic--cross"):
         assert derive_seed(seed, seeds.EVAL_SAMPLING, name) == seed * 100_003 + zlib.crc32(name.encode())
@@ -159,7 +223,9 @@ def test_teacher_rounds_use_the_streams() -> None:
 
     queries = [{"query_id": f"q{i}", "question": f"question {i}?"} for i in range(3)]
     states = initial_states(queries, 2, seed=5000)
-    assert [s.seed for s in states] == [(5000 * 1_000_003 + qi * 101 + s) % (2**31 - 1) for qi in range(3) for s in range(2)]
+    assert [s.seed for s in states] == [
+        (5000 * 1_000_003 + qi * 101 + s) % (2**31 - 1) for qi in range(3) for s in range(2)
+    ]
     requests = build_requests(states, 2, "m", 16, 0.0)
     assert [r.seed for r in requests] == [s.seed + 2 for s in states]
 
@@ -183,7 +249,9 @@ def test_layout_paths_spelled_out() -> None:
     assert final_checkpoint_dir(run.rl_checkpoints_dir) == r / "checkpoints" / "rl" / "final"
     assert run.rl_step_checkpoint(3) == r / "checkpoints" / "rl" / "step-000003"
     assert run.report_html == r / "report" / "report.html"
-    assert run.ablation_run_dir("full") == r / "ablation" / "full" and run.ablation_plot == r / "ablation" / "ablation.png"
+    assert (
+        run.ablation_run_dir("full") == r / "ablation" / "full" and run.ablation_plot == r / "ablation" / "ablation.png"
+    )
 
 
 def test_layout_matches_what_the_store_writes(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
 """Batch API client end to end against the fake OpenAI server, plus call costs."""
+
 from __future__ import annotations
 
 import json
@@ -21,18 +22,39 @@ def answer(body: dict[str, Any]) -> str:
 
 def make_settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
     values: dict[str, Any] = dict(
-        model="openai/fake-model", api_base=server.base_url, api_key=API_KEY, timeout_s=5.0, max_retries=2,
-        backoff_base_s=0.01, backoff_max_s=0.05, batch_poll_interval_s=0.01, batch_poll_max_interval_s=0.03,
-        batch_timeout_s=10.0, max_batch_resubmits=2, input_cost_per_token=1e-6, output_cost_per_token=4e-6,
+        model="openai/fake-model",
+        api_base=server.base_url,
+        api_key=API_KEY,
+        timeout_s=5.0,
+        max_retries=2,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        batch_poll_interval_s=0.01,
+        batch_poll_max_interval_s=0.03,
+        batch_timeout_s=10.0,
+        max_batch_resubmits=2,
+        input_cost_per_token=1e-6,
+        output_cost_per_token=4e-6,
     )
     values.update(overrides)
     return EndpointSettings(**values)
 
 
 def make_requests(ids: list[str], **fields: Any) -> list[ChatRequest]:
-    return [ChatRequest(custom_id=custom_id, model="openai/fake-model", stop=["END"], max_tokens=100,
-                        temperature=0.5, seed=1, messages=[{"role": "user", "content": f"q-{custom_id}"}],
-                        metadata={"trajectory_id": custom_id}, **fields) for custom_id in ids]
+    return [
+        ChatRequest(
+            custom_id=custom_id,
+            model="openai/fake-model",
+            stop=["END"],
+            max_tokens=100,
+            temperature=0.5,
+            seed=1,
+            messages=[{"role": "user", "content": f"q-{custom_id}"}],
+            metadata={"trajectory_id": custom_id},
+            **fields,
+        )
+        for custom_id in ids
+    ]
 
 
 def test_happy_path_uploads_one_jsonl_and_returns_results_in_order() -> None:
@@ -59,8 +81,7 @@ def test_happy_path_uploads_one_jsonl_and_returns_results_in_order() -> None:
 def test_transient_failure_is_resubmitted_alone(failure_style: str) -> None:
     with FakeOpenAIServer(answer, api_key=API_KEY, fail_times={"b": 1}, failure_style=failure_style) as server:
         submitted: list[str] = []
-        results = BatchClient(make_settings(server)).run(make_requests(["a", "b", "c"]),
-                                                         on_submitted=submitted.append)
+        results = BatchClient(make_settings(server)).run(make_requests(["a", "b", "c"]), on_submitted=submitted.append)
         assert server.batch_custom_ids() == [["a", "b", "c"], ["b"]]
         assert [line["custom_id"] for line in server.uploaded_lines] == ["a", "b", "c", "b"]
     assert all(result.ok for result in results)
@@ -110,8 +131,9 @@ def test_cancelled_batch_fails_the_rest_without_resubmitting() -> None:
         settings = make_settings(server)
 
         def cancel(batch_id: str) -> None:
-            litellm.cancel_batch(batch_id=batch_id, custom_llm_provider="openai", api_base=settings.api_base,
-                                 api_key=settings.api_key)
+            litellm.cancel_batch(
+                batch_id=batch_id, custom_llm_provider="openai", api_base=settings.api_base, api_key=settings.api_key
+            )
 
         results = BatchClient(settings).run(make_requests(["a", "b"]), on_submitted=cancel)
         assert len(server.batches) == 1 and server.batches[0]["status"] == "cancelled"
@@ -120,6 +142,7 @@ def test_cancelled_batch_fails_the_rest_without_resubmitting() -> None:
 
 def test_truncated_output_line_is_resubmitted() -> None:
     with FakeOpenAIServer(answer, api_key=API_KEY, malformed_ids={"b"}) as server:
+
         def heal_after_first(batch_id: str) -> None:
             if len(server.batches) == 2:
                 server.malformed_ids.clear()
@@ -135,7 +158,8 @@ def test_unparseable_json_content_fails_json_requests() -> None:
 
     with FakeOpenAIServer(answer_json, api_key=API_KEY, malformed_ids={"b"}, malformed_style="bad_content") as server:
         results = BatchClient(make_settings(server, max_batch_resubmits=1)).run(
-            make_requests(["a", "b"], response_format={"type": "json_object"}))
+            make_requests(["a", "b"], response_format={"type": "json_object"})
+        )
         assert server.uploaded_lines[0]["body"]["response_format"] == {"type": "json_object"}
         assert server.batch_custom_ids() == [["a", "b"], ["b"]]
     by_id = {result.custom_id: result for result in results}
@@ -159,8 +183,9 @@ def test_resume_reattaches_without_uploading_again() -> None:
         settings = make_settings(server)
         with pytest.raises(Crash):
             BatchClient(settings).run(make_requests(["a", "b"]), on_submitted=persist_then_crash)
-        results = BatchClient(settings).run(make_requests(["a", "b"]), resume_batch_id=saved[0],
-                                            on_submitted=persist_then_crash)
+        results = BatchClient(settings).run(
+            make_requests(["a", "b"]), resume_batch_id=saved[0], on_submitted=persist_then_crash
+        )
         assert len(server.uploads) == 1 and len(server.batches) == 1
     assert all(result.ok and result.batch_id == saved[0] for result in results)
 
@@ -213,10 +238,14 @@ def test_cost_uses_litellm_price_map_for_known_models() -> None:
 
 
 def test_cost_discounts_map_prices_when_no_batch_price_is_listed() -> None:
-    name, entry = next((name, entry) for name, entry in litellm.model_cost.items()
-                       if isinstance(entry, dict) and (entry.get("input_cost_per_token") or 0) > 0
-                       and (entry.get("output_cost_per_token") or 0) > 0
-                       and "input_cost_per_token_batches" not in entry)
+    name, entry = next(
+        (name, entry)
+        for name, entry in litellm.model_cost.items()
+        if isinstance(entry, dict)
+        and (entry.get("input_cost_per_token") or 0) > 0
+        and (entry.get("output_cost_per_token") or 0) > 0
+        and "input_cost_per_token_batches" not in entry
+    )
     settings = EndpointSettings(model=name, batch_discount=0.25)
     full = 10 * entry["input_cost_per_token"] + 10 * entry["output_cost_per_token"]
     assert call_cost(name, 10, 10, settings, batch=True) == pytest.approx(full * 0.25)
@@ -226,7 +255,8 @@ def test_cost_falls_back_to_settings_prices_then_zero() -> None:
     priced = EndpointSettings(model="mycorp/unlisted-model", input_cost_per_token=2e-6, output_cost_per_token=8e-6)
     assert call_cost("mycorp/unlisted-model", 100, 50, priced) == pytest.approx(100 * 2e-6 + 50 * 8e-6)
     assert call_cost("mycorp/unlisted-model", 100, 50, priced, batch=True) == pytest.approx(
-        (100 * 2e-6 + 50 * 8e-6) * 0.5)
+        (100 * 2e-6 + 50 * 8e-6) * 0.5
+    )
     assert call_cost("mycorp/unlisted-model", 100, 50, EndpointSettings(model="mycorp/unlisted-model")) == 0.0
 
 

@@ -1,4 +1,5 @@
 """Concurrent runner against the fake OpenAI server and an in-process provider."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,24 +24,36 @@ def echo(body: dict[str, Any]) -> str:
 
 def make_settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
     values: dict[str, Any] = dict(
-        model="openai/fake-model", api_base=server.base_url, api_key=API_KEY, timeout_s=5.0, max_retries=3,
-        backoff_base_s=0.01, backoff_max_s=0.05, max_concurrency=4,
-        input_cost_per_token=1e-6, output_cost_per_token=2e-6,
+        model="openai/fake-model",
+        api_base=server.base_url,
+        api_key=API_KEY,
+        timeout_s=5.0,
+        max_retries=3,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        max_concurrency=4,
+        input_cost_per_token=1e-6,
+        output_cost_per_token=2e-6,
     )
     values.update(overrides)
     return EndpointSettings(**values)
 
 
 def make_requests(n: int, **fields: Any) -> list[ChatRequest]:
-    return [ChatRequest(custom_id=f"r{i}", model="", messages=[{"role": "user", "content": f"question {i}"}],
-                        **fields) for i in range(n)]
+    return [
+        ChatRequest(custom_id=f"r{i}", model="", messages=[{"role": "user", "content": f"question {i}"}], **fields)
+        for i in range(n)
+    ]
 
 
 def test_results_come_back_in_request_order_with_usage_and_cost() -> None:
     finished: list[str] = []
     with FakeOpenAIServer(echo, api_key=API_KEY) as server:
-        results = run_concurrent(make_requests(6, stop=["never"]), make_settings(server),
-                                 on_result=lambda result: finished.append(result.custom_id))
+        results = run_concurrent(
+            make_requests(6, stop=["never"]),
+            make_settings(server),
+            on_result=lambda result: finished.append(result.custom_id),
+        )
         assert len(server.chat_calls) == 6
         assert all(call["stop"] == ["never"] for call in server.chat_calls)
     assert [result.custom_id for result in results] == [f"r{i}" for i in range(6)]

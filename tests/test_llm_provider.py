@@ -1,4 +1,5 @@
 """In-process litellm providers: registration, OpenAI-style stop/length handling, usage."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,10 @@ def test_completion_through_litellm_applies_stop_and_counts_words() -> None:
     response = litellm.completion(
         model="rubricem_test_stop/teacher-v1",
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is x"}],
-        stop=["</answer>"], max_tokens=50, temperature=0.3, seed=7,
+        stop=["</answer>"],
+        max_tokens=50,
+        temperature=0.3,
+        seed=7,
     )
     assert response.choices[0].message.content == "<answer>short"
     assert response.choices[0].finish_reason == "stop"
@@ -57,9 +61,13 @@ def test_completion_through_litellm_applies_stop_and_counts_words() -> None:
 
 def test_acompletion_reports_length_finish_reason() -> None:
     register_completion_provider("rubricem_test_len", lambda messages, params: "w1 w2 w3 w4 w5")
-    response = asyncio.run(litellm.acompletion(
-        model="rubricem_test_len/x", messages=[{"role": "user", "content": [{"type": "text", "text": "a b"}]}],
-        max_tokens=3))
+    response = asyncio.run(
+        litellm.acompletion(
+            model="rubricem_test_len/x",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "a b"}]}],
+            max_tokens=3,
+        )
+    )
     assert response.choices[0].message.content == "w1 w2 w3"
     assert response.choices[0].finish_reason == "length"
     assert response.usage.prompt_tokens == 2

@@ -1,4 +1,5 @@
 """Chunked token logprobs and the SFT loss, checked against naive full-softmax computations."""
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,14 @@ VOCAB = 320
 def model() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
     )
     config._attn_implementation = "eager"
     return Qwen3ForCausalLM(config).eval()
@@ -37,12 +44,35 @@ def make_traj(seed: int, prompt_len: int, parts: list[tuple[str, str | None, int
 
 
 TRAJS = [
-    make_traj(1, 6, [("policy", "plan", 5), ("policy", "research", 3), ("tool_output", "research", 7),
-                     ("policy", "research", 4), ("policy", "review", 3), ("policy", "answer", 6)]),
-    make_traj(2, 4, [("policy", "plan", 3), ("policy", "research", 2), ("tool_output", "research", 2),
-                     ("policy", "answer", 2)]),
-    make_traj(3, 9, [("policy", "plan", 8), ("policy", "research", 2), ("tool_output", "research", 5),
-                     ("policy", "research", 3), ("policy", "review", 5), ("policy", "answer", 9)]),
+    make_traj(
+        1,
+        6,
+        [
+            ("policy", "plan", 5),
+            ("policy", "research", 3),
+            ("tool_output", "research", 7),
+            ("policy", "research", 4),
+            ("policy", "review", 3),
+            ("policy", "answer", 6),
+        ],
+    ),
+    make_traj(
+        2,
+        4,
+        [("policy", "plan", 3), ("policy", "research", 2), ("tool_output", "research", 2), ("policy", "answer", 2)],
+    ),
+    make_traj(
+        3,
+        9,
+        [
+            ("policy", "plan", 8),
+            ("policy", "research", 2),
+            ("tool_output", "research", 5),
+            ("policy", "research", 3),
+            ("policy", "review", 5),
+            ("policy", "answer", 9),
+        ],
+    ),
 ]
 
 
@@ -60,8 +90,9 @@ def test_chunked_equals_naive_with_padding(model, chunk_size, temperature):
     batch = collate(TRAJS, pad_id=0)
     assert batch.attention_mask.min() == 0  # the batch really has padding
     with torch.no_grad():
-        ours = token_logprobs(model, batch.input_ids, batch.attention_mask, chunk_size=chunk_size,
-                              temperature=temperature)
+        ours = token_logprobs(
+            model, batch.input_ids, batch.attention_mask, chunk_size=chunk_size, temperature=temperature
+        )
         ref = naive_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
     assert ours.shape == batch.input_ids.shape and ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
@@ -79,7 +110,7 @@ def test_padding_does_not_change_a_rows_logprobs(model):
         for row, traj in enumerate(TRAJS):
             alone = collate([traj], pad_id=0)
             single = token_logprobs(model, alone.input_ids, alone.attention_mask, chunk_size=5)
-            torch.testing.assert_close(together[row, :len(traj)], single[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(together[row, : len(traj)], single[0], rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_gradients_equal_naive(model):

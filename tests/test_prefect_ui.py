@@ -1,5 +1,6 @@
 """What the Prefect UI shows of a run: progress lines with totals and ETA, Markdown summaries, core
 library logs in the run's log, and dead runs of a run directory marked Crashed by the next run."""
+
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,9 @@ def test_progress_tick_counts_results_from_callbacks():
     progress = Progress("round 0: teacher responses", 3, lines.append, every_s=1e9)
     for _ in range(3):
         progress.tick(object())
-    assert lines[0].startswith("round 0: teacher responses 1/3") and lines[-1].startswith("round 0: teacher responses 3/3 (100%)")
+    assert lines[0].startswith("round 0: teacher responses 1/3") and lines[-1].startswith(
+        "round 0: teacher responses 3/3 (100%)"
+    )
 
 
 @pytest.mark.parametrize("seconds, text", [(4.2, "4s"), (190, "3m 10s"), (3725, "1h 2m"), (float("nan"), "?")])
@@ -63,15 +66,29 @@ def test_eta_before_the_first_item_is_unknown():
 def test_markdown_tables_and_summaries():
     assert cell(float("nan")) == "–" and cell(None) == "–" and cell(0.123456) == "0.1235" and cell("a|b") == "a\\|b"
     assert table(["a", "b"], [[1, 2.5]]) == "| a | b |\n|---|---|\n| 1 | 2.5 |"
-    stats = {"trajectories": 6, "accepted": 4, "acceptance_rate": 4 / 6, "mean_tool_calls": 2.0, "cost_usd": 0.0,
-             "reject_reasons": {"missing_plan": 1, "uncited_answer": 2}}
-    text = collection_markdown(stats, 3, {"requests": 12, "failed": 1}, "runs/x", "http://127.0.0.1:5000/#/experiments/1/runs/abc",
-                               "sqlite:///runs/x/mlflow/mlflow.db")
+    stats = {
+        "trajectories": 6,
+        "accepted": 4,
+        "acceptance_rate": 4 / 6,
+        "mean_tool_calls": 2.0,
+        "cost_usd": 0.0,
+        "reject_reasons": {"missing_plan": 1, "uncited_answer": 2},
+    }
+    text = collection_markdown(
+        stats,
+        3,
+        {"requests": 12, "failed": 1},
+        "runs/x",
+        "http://127.0.0.1:5000/#/experiments/1/runs/abc",
+        "sqlite:///runs/x/mlflow/mlflow.db",
+    )
     assert text.startswith("# SFT data collection: 4 of 6 trajectories accepted")
     assert text.index("uncited_answer") < text.index("missing_plan")  # most frequent code first
     assert "| failed requests | 1 |" in text and "(http://127.0.0.1:5000/#/experiments/1/runs/abc)" in text
-    steps = [{"step": 0, "phase": "new", "retrieval": "cross", "rl/loss": 0.25, "reward/R/answer_mean": 0.5},
-             {"step": 1, "phase": "repeat", "retrieval": "within", "rl/loss": 0.125}]
+    steps = [
+        {"step": 0, "phase": "new", "retrieval": "cross", "rl/loss": 0.25, "reward/R/answer_mean": 0.5},
+        {"step": 1, "phase": "repeat", "retrieval": "within", "rl/loss": 0.125},
+    ]
     text = rl_markdown(steps, "full", 4, "runs/x")
     assert text.startswith("# RL (full): 2 of 4 steps done")
     assert "| step | phase | retrieval | R answer | loss |" in text and "| 1 | repeat | within | – | 0.125 |" in text
@@ -164,10 +181,17 @@ def test_end_of_run_printout_explains_the_profile():
     result = {
         "collect_sft_data": {"accepted": 30, "trajectories": 36, "rounds": 5},
         "sft": {"final_dir": "runs/t/checkpoints/sft/final", "steps": 40, "final_loss": 0.5, "cached": False},
-        "rl": {"steps": 4, "recipe": "full", "final_checkpoint": "runs/t/checkpoints/rl/step-000003",
-               "last_metrics": {"rl/loss": 0.01}},
-        "evaluate": {"tag": "rl-step-000003", "retrieval": "none",
-                     "benchmarks": {"synthetic": {"score_mean": 0.0, "valid_scaffold_rate": 0.0, "n_samples": 8.0}}},
+        "rl": {
+            "steps": 4,
+            "recipe": "full",
+            "final_checkpoint": "runs/t/checkpoints/rl/step-000003",
+            "last_metrics": {"rl/loss": 0.01},
+        },
+        "evaluate": {
+            "tag": "rl-step-000003",
+            "retrieval": "none",
+            "benchmarks": {"synthetic": {"score_mean": 0.0, "valid_scaffold_rate": 0.0, "n_samples": 8.0}},
+        },
         "report": "runs/t/report/report.html",
     }
     text = pipeline_summary(result, "tiny", "runs/t")

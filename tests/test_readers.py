@@ -31,6 +31,7 @@ def _round_trip(queries: list[Query]) -> None:
 
 # ---- real files --------------------------------------------------------------------------------
 
+
 def test_healthbench(shared_data):
     path = shared_file(shared_data, "healthbench/healthbench_oss_eval_sample30.jsonl")
     queries = read_queries(path)
@@ -109,27 +110,37 @@ def test_scholarqa_cs(shared_data):
 # ---- DR Tulu RL rows ---------------------------------------------------------------------------
 
 DR_TULU_ROWS = [
-    {   # long-form: ground_truth is a JSON string, as in rl-research/dr-tulu-rl-data
-        "messages": [{"role": "system", "content": "You are a research agent."},
-                     {"role": "user", "content": "How do transformers handle long context?"}],
-        "ground_truth": json.dumps({
-            "query": "How do transformers handle long context?",
-            "rubrics": [
-                {"title": "Sparse attention", "description": "Explains sparse attention patterns.", "weight": 2},
-                {"description": "Discusses positional interpolation.", "weight": 1.0},
-                {"title": "Fabrication", "description": "Invents benchmark numbers.", "weight": -1.0},
-            ],
-        }),
+    {  # long-form: ground_truth is a JSON string, as in rl-research/dr-tulu-rl-data
+        "messages": [
+            {"role": "system", "content": "You are a research agent."},
+            {"role": "user", "content": "How do transformers handle long context?"},
+        ],
+        "ground_truth": json.dumps(
+            {
+                "query": "How do transformers handle long context?",
+                "rubrics": [
+                    {"title": "Sparse attention", "description": "Explains sparse attention patterns.", "weight": 2},
+                    {"description": "Discusses positional interpolation.", "weight": 1.0},
+                    {"title": "Fabrication", "description": "Invents benchmark numbers.", "weight": -1.0},
+                ],
+            }
+        ),
         "dataset": "rubric_search",
     },
-    {   # the open-instruct loader wraps ground_truth in a one-element list; "Question" key variant
+    {  # the open-instruct loader wraps ground_truth in a one-element list; "Question" key variant
         "messages": [{"role": "user", "content": "What limits battery energy density?"}],
-        "ground_truth": [json.dumps({"Question": "What limits battery energy density?",
-                                     "rubrics": [{"description": "Mentions cathode chemistry.", "weight": 1}]})],
+        "ground_truth": [
+            json.dumps(
+                {
+                    "Question": "What limits battery energy density?",
+                    "rubrics": [{"description": "Mentions cathode chemistry.", "weight": 1}],
+                }
+            )
+        ],
         "dataset": ["rubric_search"],
         "id": "row-b",
     },
-    {   # short-form row: ground_truth is the answer itself
+    {  # short-form row: ground_truth is the answer itself
         "messages": [{"role": "user", "content": "Who wrote Middlemarch?"}],
         "ground_truth": "George Eliot",
         "dataset": "rl_rag_exact_answer",
@@ -165,8 +176,15 @@ def test_dr_tulu_jsonl(tmp_path):
 
 
 def test_dr_tulu_parquet(tmp_path):
-    rows = [{**r, "ground_truth": r["ground_truth"] if isinstance(r["ground_truth"], str) else r["ground_truth"][0],
-             "dataset": "rubric_search" if "id" in r else r["dataset"], "id": r.get("id")} for r in DR_TULU_ROWS]
+    rows = [
+        {
+            **r,
+            "ground_truth": r["ground_truth"] if isinstance(r["ground_truth"], str) else r["ground_truth"][0],
+            "dataset": "rubric_search" if "id" in r else r["dataset"],
+            "id": r.get("id"),
+        }
+        for r in DR_TULU_ROWS
+    ]
     path = tmp_path / "train-00000.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert detect_format(path) == "dr_tulu"
@@ -178,12 +196,21 @@ def test_dr_tulu_parquet(tmp_path):
     [
         ({"ground_truth": "x"}, r"line 1: field 'messages\|prompt': missing"),
         ({"messages": [{"role": "user"}], "ground_truth": "x"}, r"field 'messages\[0\]'"),
-        ({"messages": [{"role": "assistant", "content": "hi"}], "ground_truth": "x"}, r"field 'messages': no non-empty user"),
-        ({"messages": [{"role": "user", "content": "q"}], "ground_truth": json.dumps({"query": "q"})},
-         r"field 'ground_truth': object has neither"),
-        ({"messages": [{"role": "user", "content": "q"}],
-          "ground_truth": json.dumps({"query": "q", "rubrics": [{"description": "d", "weight": "heavy"}]})},
-         r"field 'ground_truth\.rubrics\[0\]\.weight': expected a number"),
+        (
+            {"messages": [{"role": "assistant", "content": "hi"}], "ground_truth": "x"},
+            r"field 'messages': no non-empty user",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}], "ground_truth": json.dumps({"query": "q"})},
+            r"field 'ground_truth': object has neither",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}],
+                "ground_truth": json.dumps({"query": "q", "rubrics": [{"description": "d", "weight": "heavy"}]}),
+            },
+            r"field 'ground_truth\.rubrics\[0\]\.weight': expected a number",
+        ),
     ],
 )
 def test_dr_tulu_errors(tmp_path, row, pattern):
@@ -194,20 +221,34 @@ def test_dr_tulu_errors(tmp_path, row, pattern):
 
 # ---- plain files -------------------------------------------------------------------------------
 
+
 def test_plain_jsonl(tmp_path):
-    path = _write_jsonl(tmp_path / "mine.jsonl", [
-        {"id": 7, "question": "Why is the sky blue?",
-         "rubrics": [{"title": "Rayleigh", "description": "Mentions Rayleigh scattering", "weight": 3},
-                     {"criterion": "Claims the sky reflects the sea", "points": -2}]},
-        {"query": "Capital of France?", "answer": "Paris"},
-        {"query_id": "custom-1", "prompt": [{"role": "user", "content": "Hi there?"}], "split": "eval"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {
+                "id": 7,
+                "question": "Why is the sky blue?",
+                "rubrics": [
+                    {"title": "Rayleigh", "description": "Mentions Rayleigh scattering", "weight": 3},
+                    {"criterion": "Claims the sky reflects the sea", "points": -2},
+                ],
+            },
+            {"query": "Capital of France?", "answer": "Paris"},
+            {"query_id": "custom-1", "prompt": [{"role": "user", "content": "Hi there?"}], "split": "eval"},
+        ],
+    )
     queries = read_queries(path)
     assert [q.query_id for q in queries] == ["jsonl-7", "jsonl-00001", "custom-1"]
     assert [q.kind for q in queries] == ["long_form", "short_form", "long_form"]
-    assert queries[0].rubrics[1] == {"title": "Claims the sky reflects the sea",
-                                     "description": "Claims the sky reflects the sea", "weight": 2.0,
-                                     "polarity": "negative", "stage": "answer", "check": None}
+    assert queries[0].rubrics[1] == {
+        "title": "Claims the sky reflects the sea",
+        "description": "Claims the sky reflects the sea",
+        "weight": 2.0,
+        "polarity": "negative",
+        "stage": "answer",
+        "check": None,
+    }
     assert queries[1].reference_answer == "Paris"
     assert queries[2].split == "eval" and queries[2].question == "Hi there?"
     assert [q.split for q in read_queries(path, split="eval")] == ["eval", "eval", "eval"]
@@ -223,6 +264,7 @@ def test_queries_parquet_export_reads_back_unchanged(tmp_path, shared_data):
 
 # ---- errors ------------------------------------------------------------------------------------
 
+
 def test_error_cases_name_file_record_and_field(tmp_path):
     bad_json = tmp_path / "broken.jsonl"
     bad_json.write_text('{"question": "ok"}\n{"question": \n', encoding="utf-8")
@@ -237,10 +279,19 @@ def test_error_cases_name_file_record_and_field(tmp_path):
     with pytest.raises(QueryFileError, match=r"line 2: duplicate query id 'jsonl-1' \(first at line 1\)"):
         read_queries(dup)
 
-    health = _write_jsonl(tmp_path / "hb.jsonl", [{
-        "prompt": [{"role": "user", "content": "q"}], "prompt_id": "p1",
-        "rubrics": [{"criterion": "c", "points": 3, "tags": []}, {"criterion": "d", "points": "many", "tags": []}],
-    }])
+    health = _write_jsonl(
+        tmp_path / "hb.jsonl",
+        [
+            {
+                "prompt": [{"role": "user", "content": "q"}],
+                "prompt_id": "p1",
+                "rubrics": [
+                    {"criterion": "c", "points": 3, "tags": []},
+                    {"criterion": "d", "points": "many", "tags": []},
+                ],
+            }
+        ],
+    )
     with pytest.raises(QueryFileError, match=r"hb\.jsonl: line 1: field 'rubrics\[1\]\.points': expected a number"):
         read_queries(health, format="healthbench")
 
@@ -273,21 +324,44 @@ def test_benchmark_specific_errors(tmp_path):
         read_queries(csv_path)
 
     wiki = tmp_path / "wiki.json"
-    wiki.write_text(json.dumps([{"_id": "a", "question": "q", "answer": ["x"]}, {"_id": "b", "question": "q2", "answer": []}]))
+    wiki.write_text(
+        json.dumps([{"_id": "a", "question": "q", "answer": ["x"]}, {"_id": "b", "question": "q2", "answer": []}])
+    )
     assert detect_format(wiki) == "2wiki"
     with pytest.raises(QueryFileError, match=r"wiki\.json: record 1: field 'answer'"):
         read_queries(wiki)
 
-    queries = _write_jsonl(tmp_path / "q.jsonl", [{"id": 1, "topic": "t", "language": "en", "prompt": "p1"},
-                                                  {"id": 2, "topic": "t", "language": "en", "prompt": "p2"}])
-    criteria = _write_jsonl(tmp_path / "crit.jsonl", [{
-        "id": 1, "prompt": "p1", "dimension_weight": {"insight": 0.5},
-        "criterions": {"insight": [{"criterion": "c", "explanation": "e", "weight": 0.4}]},
-    }])
+    queries = _write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"id": 1, "topic": "t", "language": "en", "prompt": "p1"},
+            {"id": 2, "topic": "t", "language": "en", "prompt": "p2"},
+        ],
+    )
+    criteria = _write_jsonl(
+        tmp_path / "crit.jsonl",
+        [
+            {
+                "id": 1,
+                "prompt": "p1",
+                "dimension_weight": {"insight": 0.5},
+                "criterions": {"insight": [{"criterion": "c", "explanation": "e", "weight": 0.4}]},
+            }
+        ],
+    )
     with pytest.raises(QueryFileError, match=r"crit\.jsonl: no criteria for query id '2'"):
         read_queries(queries)
-    criteria.write_text(json.dumps({"id": 1, "prompt": "p1", "dimension_weight": {},
-                                    "criterions": {"insight": [{"criterion": "c", "weight": 0.4}]}}) + "\n")
+    criteria.write_text(
+        json.dumps(
+            {
+                "id": 1,
+                "prompt": "p1",
+                "dimension_weight": {},
+                "criterions": {"insight": [{"criterion": "c", "weight": 0.4}]},
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(QueryFileError, match=r"crit\.jsonl: line 1: field 'dimension_weight\.insight'"):
         read_deep_research_bench(queries, criteria_path=criteria)
 
@@ -301,8 +375,15 @@ def test_query_validation():
     with pytest.raises(QueryValidationError, match="split"):
         Query(query_id="a", source="s", split="dev", kind="k", question="q", messages=[])
     with pytest.raises(QueryValidationError, match="polarity"):
-        Query(query_id="a", source="s", split="eval", kind="k", question="q", messages=[],
-              rubrics=[{"title": "t", "description": "d", "weight": 1, "polarity": "neutral", "stage": "answer"}])
+        Query(
+            query_id="a",
+            source="s",
+            split="eval",
+            kind="k",
+            question="q",
+            messages=[],
+            rubrics=[{"title": "t", "description": "d", "weight": 1, "polarity": "neutral", "stage": "answer"}],
+        )
     q = Query(query_id="a", source="s", split="eval", kind="k", question="q", messages=[])
     with pytest.raises(QueryValidationError, match="duplicate query_id 'a'"):
         queries_to_table([q, q])

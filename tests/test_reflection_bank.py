@@ -1,4 +1,5 @@
 """ReflectionBank: replace policy, retrieval modes, persistence, thread safety, a real MiniLM embedder."""
+
 from __future__ import annotations
 
 import random
@@ -47,10 +48,16 @@ def test_rows_have_the_bank_table_columns(bank):
     assert rows[0]["reflection"].startswith("<reflection>")
 
 
-@pytest.mark.parametrize("policy, new_score, stored", [
-    ("if_better", 0.9, True), ("if_better", 0.5, False), ("if_better", 0.1, False),
-    ("always", 0.9, True), ("always", 0.1, True),
-])
+@pytest.mark.parametrize(
+    "policy, new_score, stored",
+    [
+        ("if_better", 0.9, True),
+        ("if_better", 0.5, False),
+        ("if_better", 0.1, False),
+        ("always", 0.9, True),
+        ("always", 0.1, True),
+    ],
+)
 def test_replace_policy(policy, new_score, stored):
     bank = ReflectionBank(HashingEmbedder(), replace=policy)
     bank.add(entry("q-found", score=0.5, step=1, tag="old"))
@@ -91,8 +98,10 @@ def test_cross_returns_the_most_similar_other_queries_never_the_query_itself(ban
     assert "q-found" not in [e.query_id for e, _ in scored] and len(scored) == len(QUERIES) - 1
     similarities = [s for _, s in scored]
     assert similarities == sorted(similarities, reverse=True)
-    expected = float(HashingEmbedder(dim=256).encode([QUERIES["q-found"]])[0] @
-                     HashingEmbedder(dim=256).encode([QUERIES["q-found2"]])[0])
+    expected = float(
+        HashingEmbedder(dim=256).encode([QUERIES["q-found"]])[0]
+        @ HashingEmbedder(dim=256).encode([QUERIES["q-found2"]])[0]
+    )
     assert similarities[0] == pytest.approx(expected, abs=1e-5)
 
 
@@ -140,8 +149,9 @@ def test_retrieve_many_matches_single_retrievals(bank):
     pairs = list(QUERIES.items())
     many = bank.retrieve_many(pairs, "cross", k=2)
     single = [bank.retrieve_scored(q, t, "cross", k=2) for q, t in pairs]
-    assert [[(e.query_id, round(s, 5)) for e, s in r] for r in many] == \
-        [[(e.query_id, round(s, 5)) for e, s in r] for r in single]
+    assert [[(e.query_id, round(s, 5)) for e, s in r] for r in many] == [
+        [(e.query_id, round(s, 5)) for e, s in r] for r in single
+    ]
 
 
 # ---- persistence -------------------------------------------------------------------------------------
@@ -198,10 +208,13 @@ class _OtherEmbedder:
         return l2_normalize(rng.normal(size=(len(texts), 256)))
 
 
-@pytest.mark.parametrize("embedder, message", [
-    (HashingEmbedder(dim=64), "built with 256-dim embeddings"),
-    (_OtherEmbedder(), "differs from this embedder's"),
-])
+@pytest.mark.parametrize(
+    "embedder, message",
+    [
+        (HashingEmbedder(dim=64), "built with 256-dim embeddings"),
+        (_OtherEmbedder(), "differs from this embedder's"),
+    ],
+)
 def test_loading_with_another_embedder_is_refused(bank, tmp_path, embedder, message):
     directory = bank.save(tmp_path / "bank")
     with pytest.raises(BankError, match=message):
@@ -288,8 +301,11 @@ def test_concurrent_adds_and_retrievals_stay_consistent():
     assert sorted(ids) == list(range(rounds))  # one id per query, none leaked by a lost race
     stats = bank.stats()
     assert stats["cross"]["requests"] == stats["within"]["requests"] > 0
-    assert stats["adds"] == {"inserted": rounds, "replaced": stats["adds"]["replaced"],
-                             "kept": n_writers * rounds - rounds - stats["adds"]["replaced"]}
+    assert stats["adds"] == {
+        "inserted": rounds,
+        "replaced": stats["adds"]["replaced"],
+        "kept": n_writers * rounds - rounds - stats["adds"]["replaced"],
+    }
     # the index answers like a bank rebuilt from the same entries (equal similarities; ids may
     # swap places where two neighbours tie), and each stored vector is its own query's
     fresh = ReflectionBank(HashingEmbedder(dim=128))
@@ -316,11 +332,13 @@ def minilm():
 
 def test_minilm_bank_retrieves_by_meaning_and_round_trips(minilm, tmp_path: Path):
     bank = ReflectionBank(minilm)
-    bank.add_many([
-        BankEntry("q-staff", "How many people work at Keto Works?", reflection("staff"), 0.7, 1),
-        BankEntry("q-age", "Which city is older, Marrow Bay or Tessel?", reflection("age"), 0.6, 1),
-        BankEntry("q-food", "What is the national dish of Ardania?", reflection("food"), 0.5, 1),
-    ])
+    bank.add_many(
+        [
+            BankEntry("q-staff", "How many people work at Keto Works?", reflection("staff"), 0.7, 1),
+            BankEntry("q-age", "Which city is older, Marrow Bay or Tessel?", reflection("age"), 0.6, 1),
+            BankEntry("q-food", "What is the national dish of Ardania?", reflection("food"), 0.5, 1),
+        ]
+    )
     # no shared content words with the stored question: only meaning connects them
     [hit] = bank.retrieve("q-new", "What is the workforce size of that firm?", "cross")
     assert hit.query_id == "q-staff"

@@ -1,5 +1,6 @@
 """Within-episode retrieval's source (reflection.within_source): the reflection written in the replay's
 own window (the paper, "window") or the query's best-ever one ("best")."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from rubricem_core.reflection.meta import rebuild_bank, retrieve_guidance
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.rl.session import new_bank, replay_source_step
 
-QUESTIONS = {"q1": "Which was founded earlier, Voralis Labs or Keto Works?",
-             "q2": "What is the population of the city of Marrow Bay?"}
+QUESTIONS = {
+    "q1": "Which was founded earlier, Voralis Labs or Keto Works?",
+    "q2": "What is the population of the city of Marrow Bay?",
+}
 # two windows of one new-query step and its replay: steps 0 new, 1 replay, 2 new, 3 replay
 TWO_WINDOWS = {"rl.window": 1, "rl.n_windows": 2}
 
@@ -28,15 +31,17 @@ def _bank(source: str) -> ReflectionBank:
     cfg = load_config("tiny", {**TWO_WINDOWS, "reflection.within_source": source})
     bank = new_bank(cfg)
     # window 0 wrote a strong reflection for both queries; window 1 a weaker one for q1 and none for q2
-    rebuild_bank(bank, [_row("q1", 0, 0.9, "w0-q1"), _row("q2", 0, 0.8, "w0-q2"), _row("q1", 2, 0.4, "w1-q1")],
-                 QUESTIONS)
+    rebuild_bank(
+        bank, [_row("q1", 0, 0.9, "w0-q1"), _row("q2", 0, 0.8, "w0-q2"), _row("q1", 2, 0.4, "w1-q1")], QUESTIONS
+    )
     return bank
 
 
 def _guidance(bank: ReflectionBank, step: int) -> dict[str, str | None]:
     """Within guidance for sampling ``step`` (window 1: replays are the odd steps), as rollout_task asks."""
-    texts, _ = retrieve_guidance(bank, list(QUESTIONS.items()), "within", 1, None, QUESTIONS,
-                                 source_step=replay_source_step(step, 1))
+    texts, _ = retrieve_guidance(
+        bank, list(QUESTIONS.items()), "within", 1, None, QUESTIONS, source_step=replay_source_step(step, 1)
+    )
     return dict(zip(QUESTIONS, texts))
 
 
@@ -76,8 +81,13 @@ def test_the_code_default_is_best_and_the_gpu_profile_follows_the_paper():
 def test_written_keeps_every_steps_entry_under_the_replace_policy():
     bank = ReflectionBank(HashingEmbedder(dim=64))
     text = Reflection(("c",), ("l",)).render()
-    bank.add_many([BankEntry("q1", "a question", text, 0.9, 0), BankEntry("q1", "a question", text, 0.2, 2),
-                   BankEntry("q1", "a question", text, 0.1, 2)])
+    bank.add_many(
+        [
+            BankEntry("q1", "a question", text, 0.9, 0),
+            BankEntry("q1", "a question", text, 0.2, 2),
+            BankEntry("q1", "a question", text, 0.1, 2),
+        ]
+    )
     assert bank.get("q1").score == 0.9
     assert bank.written("q1", 0).score == 0.9 and bank.written("q1", 2).score == 0.2  # if_better within step 2
     assert bank.written("q1", 1) is None

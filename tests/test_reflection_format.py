@@ -1,4 +1,5 @@
 """Reflection prompt, output format, parsing, validation codes and guidance text."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,7 +59,8 @@ def test_parse_reads_both_lists_and_strips_bullets():
     reflection = parse_reflection(GOOD)
     assert reflection == Reflection(
         ("States the founding year of Keto Works with a citation", "Keeps Voralis Labs apart from Voralis Group"),
-        ('Search "Keto Works founded" before writing the answer', "Compare both years explicitly"))
+        ('Search "Keto Works founded" before writing the answer', "Compare both years explicitly"),
+    )
     assert validate_reflection(GOOD, TRAJECTORY, QUESTION) == []
 
 
@@ -81,30 +83,42 @@ def test_render_round_trips():
 
 
 def _wrap(rubrics: str = "- r", takeaways: str = "- t") -> str:
-    return f"<reflection><reflection_rubrics>{rubrics}</reflection_rubrics><takeaways>{takeaways}</takeaways></reflection>"
+    return (
+        f"<reflection><reflection_rubrics>{rubrics}</reflection_rubrics><takeaways>{takeaways}</takeaways></reflection>"
+    )
 
 
-@pytest.mark.parametrize("text, code", [
-    ("just some notes, no tags", MISSING_REFLECTION),
-    ("<reflection><takeaways>- t</takeaways></reflection>", MISSING_RUBRICS),
-    ("<reflection><reflection_rubrics>- r</reflection_rubrics></reflection>", MISSING_TAKEAWAYS),
-    (_wrap(rubrics="  \n - \n"), EMPTY_RUBRICS),
-    (_wrap(takeaways=""), EMPTY_TAKEAWAYS),
-    (_wrap(takeaways="- " + "x" * 500), TOO_LONG),
-    (_wrap(rubrics="\n".join(f"- item {i}" for i in range(MAX_ITEMS + 1))), TOO_MANY_ITEMS),
-    ("Sure! " + _wrap(), TEXT_OUTSIDE_TAGS),
-    (_wrap() + " trailing", TEXT_OUTSIDE_TAGS),
-    ("<reflection>preamble<reflection_rubrics>- r</reflection_rubrics><takeaways>- t</takeaways></reflection>",
-     TEXT_OUTSIDE_TAGS),
-    (_wrap(rubrics="- a</reflection_rubrics><reflection_rubrics>- b"), REPEATED_TAG),
-    (_wrap(takeaways='- write <answer>Keto Works</answer>'), SCAFFOLD_TAGS),
-    (_wrap(takeaways='- wrap claims in <cite id="D1">'), SCAFFOLD_TAGS),
-    (_wrap(takeaways="- the answer scored 1/2 on the year"), MENTIONS_SCORES),
-    (_wrap(takeaways="- aim for a higher reward next time"), MENTIONS_SCORES),
-    (_wrap(rubrics="- the judge wants both years"), MENTIONS_SCORES),
-    (_wrap(takeaways="- the instrument maker Voralis Labs was founded in 1950 by a group of physicists in the "
-                     "northern harbour"), COPIES_TRAJECTORY),
-])
+@pytest.mark.parametrize(
+    "text, code",
+    [
+        ("just some notes, no tags", MISSING_REFLECTION),
+        ("<reflection><takeaways>- t</takeaways></reflection>", MISSING_RUBRICS),
+        ("<reflection><reflection_rubrics>- r</reflection_rubrics></reflection>", MISSING_TAKEAWAYS),
+        (_wrap(rubrics="  \n - \n"), EMPTY_RUBRICS),
+        (_wrap(takeaways=""), EMPTY_TAKEAWAYS),
+        (_wrap(takeaways="- " + "x" * 500), TOO_LONG),
+        (_wrap(rubrics="\n".join(f"- item {i}" for i in range(MAX_ITEMS + 1))), TOO_MANY_ITEMS),
+        ("Sure! " + _wrap(), TEXT_OUTSIDE_TAGS),
+        (_wrap() + " trailing", TEXT_OUTSIDE_TAGS),
+        (
+            "<reflection>preamble<reflection_rubrics>- r</reflection_rubrics><takeaways>- t</takeaways></reflection>",
+            TEXT_OUTSIDE_TAGS,
+        ),
+        (_wrap(rubrics="- a</reflection_rubrics><reflection_rubrics>- b"), REPEATED_TAG),
+        (_wrap(takeaways="- write <answer>Keto Works</answer>"), SCAFFOLD_TAGS),
+        (_wrap(takeaways='- wrap claims in <cite id="D1">'), SCAFFOLD_TAGS),
+        (_wrap(takeaways="- the answer scored 1/2 on the year"), MENTIONS_SCORES),
+        (_wrap(takeaways="- aim for a higher reward next time"), MENTIONS_SCORES),
+        (_wrap(rubrics="- the judge wants both years"), MENTIONS_SCORES),
+        (
+            _wrap(
+                takeaways="- the instrument maker Voralis Labs was founded in 1950 by a group of physicists in the "
+                "northern harbour"
+            ),
+            COPIES_TRAJECTORY,
+        ),
+    ],
+)
 def test_validation_codes(text, code):
     codes = validate_reflection(text, TRAJECTORY, QUESTION)
     assert code in codes
@@ -187,7 +201,7 @@ def test_guidance_lands_in_the_system_prompt_guidance_block():
 
 
 def test_cross_guidance_names_the_source_question_and_escapes_tags():
-    reflection = Reflection(("cite <cite id=\"D1\">claims</cite>",), ("close with </answer>",))
+    reflection = Reflection(('cite <cite id="D1">claims</cite>',), ("close with </answer>",))
     guidance = guidance_text(reflection, source_question="Which  city is\nolder?")
     assert 'similar question: "Which city is older?"' in guidance
     assert "<cite" not in guidance and "</answer>" not in guidance and "&lt;cite" in guidance

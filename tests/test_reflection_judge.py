@@ -1,4 +1,5 @@
 """Reflection judge over real HTTP (the fake OpenAI server) and the built-in judge through litellm."""
+
 from __future__ import annotations
 
 import json
@@ -37,25 +38,36 @@ TRAJECTORY = (
     '</writing_plan></review><answer><cite id="D1">Voralis was founded in 1931</cite>, so it is older.</answer>'
 )
 RUBRICS = [
-    Rubric.create("q1", "answer", "positive", "States Voralis Labs' founding year",
-                  "gives 1950 with a citation", 2, "persistent"),
-    Rubric.create("q1", "answer", "positive", "States Keto Works' founding year",
-                  "gives 1962 with a citation", 3, "persistent"),
-    Rubric.create("q1", "answer", "negative", "Confuses Voralis Labs with Voralis Group",
-                  "attributes the look-alike's 1931 founding to Voralis Labs", 2),
+    Rubric.create(
+        "q1", "answer", "positive", "States Voralis Labs' founding year", "gives 1950 with a citation", 2, "persistent"
+    ),
+    Rubric.create(
+        "q1", "answer", "positive", "States Keto Works' founding year", "gives 1962 with a citation", 3, "persistent"
+    ),
+    Rubric.create(
+        "q1",
+        "answer",
+        "negative",
+        "Confuses Voralis Labs with Voralis Group",
+        "attributes the look-alike's 1931 founding to Voralis Labs",
+        2,
+    ),
     Rubric.create("q1", "research", "positive", "Searches for Keto Works", "a targeted search for the company", 3),
 ]
 SCORES = {  # raw judge scores: the answer cites the look-alike and never looks up Keto Works
-    RUBRICS[0].rubric_id: (2, "the year appears"), RUBRICS[1].rubric_id: (0, "Keto Works is never dated"),
-    RUBRICS[2].rubric_id: (2, "1931 is Voralis Group's year"), RUBRICS[3].rubric_id: (0, "no such search"),
+    RUBRICS[0].rubric_id: (2, "the year appears"),
+    RUBRICS[1].rubric_id: (0, "Keto Works is never dated"),
+    RUBRICS[2].rubric_id: (2, "1931 is Voralis Group's year"),
+    RUBRICS[3].rubric_id: (0, "no such search"),
 }
 
 
 def judgment(rollout_id: str = "t0", failed: bool = False) -> TrajectoryJudgment:
     if failed:
         return TrajectoryJudgment(rollout_id, failed=True, error="judge down")
-    return TrajectoryJudgment(rollout_id, [RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, *SCORES[r.rubric_id])
-                                           for r in RUBRICS])
+    return TrajectoryJudgment(
+        rollout_id, [RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, *SCORES[r.rubric_id]) for r in RUBRICS]
+    )
 
 
 def render(rubrics: list[str], takeaways: list[str]) -> str:
@@ -63,20 +75,30 @@ def render(rubrics: list[str], takeaways: list[str]) -> str:
 
 
 SPECIFIC = render(
-    ["The report states the founding year of Keto Works, cited from a Keto Works snippet",
-     "It keeps Voralis Labs apart from the look-alike Voralis Group"],
-    ['Search for "Keto Works founded" as its own query before writing',
-     "Browse the Voralis Labs document and check the name is not Voralis Group before citing it"])
+    [
+        "The report states the founding year of Keto Works, cited from a Keto Works snippet",
+        "It keeps Voralis Labs apart from the look-alike Voralis Group",
+    ],
+    [
+        'Search for "Keto Works founded" as its own query before writing',
+        "Browse the Voralis Labs document and check the name is not Voralis Group before citing it",
+    ],
+)
 MET_ONLY = render(  # specific, but about what already went right
-    ["The report states when Voralis Labs was founded"],
-    ["Search for Voralis Labs founding year"])
+    ["The report states when Voralis Labs was founded"], ["Search for Voralis Labs founding year"]
+)
 GENERIC = render(
     ["The report is accurate and complete", "Claims are supported by evidence"],
-    ["Be more thorough in research", "Double-check facts before answering"])
+    ["Be more thorough in research", "Double-check facts before answering"],
+)
 REDUNDANT = render(
     ["The report states the founding year of Keto Works"],
-    ["Search for the founding year of Keto Works", "Search for the Keto Works founding year",
-     "Look up the founding year of Keto Works"])
+    [
+        "Search for the founding year of Keto Works",
+        "Search for the Keto Works founding year",
+        "Look up the founding year of Keto Works",
+    ],
+)
 INVALID = "I think the answer was fine."
 
 
@@ -97,14 +119,29 @@ def is_repair(body: dict[str, Any]) -> bool:
 
 
 def good_reply(body: dict[str, Any]) -> str:
-    return json.dumps({"scores": [{"candidate": i, "justification": f"ok {i}", "score": round(0.1 * (i + 1), 2)}
-                                  for i in candidates_in(body)]})
+    return json.dumps(
+        {
+            "scores": [
+                {"candidate": i, "justification": f"ok {i}", "score": round(0.1 * (i + 1), 2)}
+                for i in candidates_in(body)
+            ]
+        }
+    )
 
 
 def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(model="openai/reflection-judge", api_base=server.base_url, api_key=API_KEY,
-                                  timeout_s=5.0, max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02,
-                                  max_concurrency=4, input_cost_per_token=1e-6, output_cost_per_token=2e-6)
+    values: dict[str, Any] = dict(
+        model="openai/reflection-judge",
+        api_base=server.base_url,
+        api_key=API_KEY,
+        timeout_s=5.0,
+        max_retries=2,
+        backoff_base_s=0.01,
+        backoff_max_s=0.02,
+        max_concurrency=4,
+        input_cost_per_token=1e-6,
+        output_cost_per_token=2e-6,
+    )
     values.update(overrides)
     return EndpointSettings(**values)
 
@@ -118,8 +155,13 @@ def test_one_call_per_trajectory_scores_only_valid_candidates():
         judge = ReflectionJudge(settings(server))
         scores = judge.score(inputs)
     assert len(server.chat_calls) == 2  # one per source trajectory, not one per candidate
-    assert [(s.source_rollout_id, s.candidate) for s in scores] == [("t0", 0), ("t0", 1), ("t0", 2), ("t1", 0),
-                                                                    ("t1", 1)]
+    assert [(s.source_rollout_id, s.candidate) for s in scores] == [
+        ("t0", 0),
+        ("t0", 1),
+        ("t0", 2),
+        ("t1", 0),
+        ("t1", 1),
+    ]
     by = {(s.source_rollout_id, s.candidate): s for s in scores}
     assert by["t0", 1].valid is False and by["t0", 1].score == 0.0 and "missing_reflection" in by["t0", 1].codes
     assert by["t0", 0].score == pytest.approx(0.1) and by["t0", 2].score == pytest.approx(0.3)
@@ -127,10 +169,13 @@ def test_one_call_per_trajectory_scores_only_valid_candidates():
     t0_body = next(b for b in server.chat_calls if candidates_in(b) == [0, 2])
     assert INVALID not in user_of(t0_body)  # the invalid candidate is never sent
     enum = t0_body["response_format"]["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"][
-        "candidate"]["enum"]
+        "candidate"
+    ]["enum"]
     assert enum == [0, 2]
     assert judge.usage.calls == 2 and judge.usage.candidates == 5 and judge.usage.invalid_candidates == 1
-    assert judge.usage.cost_usd == pytest.approx(judge.usage.prompt_tokens * 1e-6 + judge.usage.completion_tokens * 2e-6)
+    assert judge.usage.cost_usd == pytest.approx(
+        judge.usage.prompt_tokens * 1e-6 + judge.usage.completion_tokens * 2e-6
+    )
 
 
 def test_per_candidate_mode_makes_one_call_per_valid_candidate():
@@ -174,9 +219,11 @@ def test_the_prompt_carries_the_privileged_inputs():
 def test_trajectory_can_be_left_out_or_clipped():
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
         ReflectionJudge(settings(server), ReflectionJudgeOptions(max_trajectory_chars=0)).score(
-            [make_input([SPECIFIC])])
+            [make_input([SPECIFIC])]
+        )
         ReflectionJudge(settings(server), ReflectionJudgeOptions(max_trajectory_chars=100)).score(
-            [make_input([SPECIFIC])])
+            [make_input([SPECIFIC])]
+        )
         hidden, clipped = (dict(split_sections(user_of(b))) for b in server.chat_calls)
     assert "ATTEMPT" not in hidden
     assert f"({len(TRAJECTORY) - 100} characters omitted from the middle)" in clipped["ATTEMPT"]
@@ -216,12 +263,15 @@ def test_scores_for_unknown_rubrics_are_rejected():
 # ---- repair, retries, failure ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("broken", [
-    '{"scores": [{"candidate": ',  # not JSON
-    '{"scores": [{"candidate": 0, "justification": "j", "score": 1.5}]}',  # out of range
-    '{"scores": [{"candidate": 7, "justification": "j", "score": 0.5}]}',  # unknown candidate
-    '{"scores": []}',  # missing candidate
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        '{"scores": [{"candidate": ',  # not JSON
+        '{"scores": [{"candidate": 0, "justification": "j", "score": 1.5}]}',  # out of range
+        '{"scores": [{"candidate": 7, "justification": "j", "score": 0.5}]}',  # unknown candidate
+        '{"scores": []}',  # missing candidate
+    ],
+)
 def test_an_unusable_reply_is_repaired_once(broken):
     def model(body: dict[str, Any]) -> str:
         return good_reply(body) if is_repair(body) else broken
@@ -275,8 +325,9 @@ def test_permanent_failure_marks_candidates_judge_failed(status):
 
 
 def _cs(candidate: int, score: float | None, valid: bool = True, failed: bool = False, rollout: str = "t0"):
-    return CandidateScore("q1", rollout, candidate, f"text {candidate}", valid, [] if valid else ["x"], score,
-                          "", failed)
+    return CandidateScore(
+        "q1", rollout, candidate, f"text {candidate}", valid, [] if valid else ["x"], score, "", failed
+    )
 
 
 def test_best_candidate_skips_invalid_failed_and_useless():
@@ -325,13 +376,26 @@ def test_builtin_is_deterministic_and_ignores_candidate_order(builtin):
 
 def test_builtin_coverage_follows_the_failed_rubrics():
     reflection = parse_reflection(MET_ONLY)
-    records = [{"title": r.title, "description": r.description, "weight": r.weight,
-                "credit": 2 if r.polarity == "positive" else 0} for r in RUBRICS]
+    records = [
+        {
+            "title": r.title,
+            "description": r.description,
+            "weight": r.weight,
+            "credit": 2 if r.polarity == "positive" else 0,
+        }
+        for r in RUBRICS
+    ]
     all_met = builtin_score(reflection, QUERY.question, [dict(r, credit=2) for r in records])[0]
-    voralis_failed = builtin_score(reflection, QUERY.question, [dict(records[0], credit=0)] +
-                                   [dict(r, credit=2) for r in records[1:]])[0]
-    keto_failed = builtin_score(reflection, QUERY.question, [dict(r, credit=2) for r in records[:1]] +
-                                [dict(records[1], credit=0)] + [dict(r, credit=2) for r in records[2:]])[0]
+    voralis_failed = builtin_score(
+        reflection, QUERY.question, [dict(records[0], credit=0)] + [dict(r, credit=2) for r in records[1:]]
+    )[0]
+    keto_failed = builtin_score(
+        reflection,
+        QUERY.question,
+        [dict(r, credit=2) for r in records[:1]]
+        + [dict(records[1], credit=0)]
+        + [dict(r, credit=2) for r in records[2:]],
+    )[0]
     # the same reflection is worth more when the rubric it addresses is the one that failed
     assert voralis_failed > all_met > keto_failed
     no_rubrics, _ = builtin_score(reflection, QUERY.question, [])

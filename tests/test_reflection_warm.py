@@ -1,6 +1,7 @@
 """The reflection loop left alone (no forced candidates): the teacher's reflections warm the bank before
 RL, so step 0's cross-episode retrieval finds guidance; the policy's own candidates go through the
 judge and the reflections table unforced."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def test_teacher_reflections_warm_the_bank_and_step_0_retrieves_them(sft_run, tm
     bank = store.read_rows("bank")
     warm_rows = [r for r in bank if r["step"] == -1]
     step0 = [r for r in store.read_rows("rollouts", {"step": 0})]
-    hits = json.loads(run_sql(run, "SELECT value FROM metrics WHERE name = 'retrieval/cross_hits' AND step = 0", fmt="json"))
+    hits = json.loads(
+        run_sql(run, "SELECT value FROM metrics WHERE name = 'retrieval/cross_hits' AND step = 0", fmt="json")
+    )
     if warm:
         # every train query with a valid teacher reflection, unless the policy's own replaced it
         assert {r["query_id"] for r in warm_rows} | {r["query_id"] for r in bank if r["step"] >= 0} >= valid

@@ -1,4 +1,5 @@
 """Document-id relabelling: one consistent bijection per trajectory, nothing else touched."""
+
 from __future__ import annotations
 
 import random
@@ -63,7 +64,7 @@ def test_relabel_is_one_consistent_bijection(tokenizers, seed):
     text = tokenizer.decode(renamed.token_ids)
     assert "D000003" not in text or rename[id_tokens[3]] == id_tokens[3]
     # The renamed trace is still a valid scaffold: citations point at the renamed snippets.
-    body = text[text.index("<structured_plan>"):].removesuffix("<|im_end|>").strip()
+    body = text[text.index("<structured_plan>") :].removesuffix("<|im_end|>").strip()
     assert scaffold.validate(body) == []
 
 

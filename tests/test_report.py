@@ -1,12 +1,13 @@
 """Run reports: plots and the one-page HTML summary, from a synthetic run with known numbers and from
 a copy of the finished tiny run."""
+
 from __future__ import annotations
 
 import base64
 import io
 import re
 import shutil
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -95,7 +96,9 @@ def assert_real_png(path: Path) -> np.ndarray:
 
 
 def metric_rows(flow: str, step: int, values: dict[str, float], when: datetime) -> list[dict]:
-    return [{"step": step, "name": k, "value": v, "flow": flow, "run_id": "r", "logged_at": when} for k, v in values.items()]
+    return [
+        {"step": step, "name": k, "value": v, "flow": flow, "run_id": "r", "logged_at": when} for k, v in values.items()
+    ]
 
 
 def write_config(run_dir: Path, **overrides: object) -> None:
@@ -111,53 +114,154 @@ def build_synthetic_run(run_dir: Path, answer_r: dict[int, list[float]] = ANSWER
     """A run dir with every table the report reads, filled with numbers whose summaries are known."""
     store = RunStore(run_dir)
     write_config(run_dir)
-    store.write_table("sft_trajectories", [
-        {"trajectory_id": f"t{i}", "query_id": f"q{i}", "accepted": ok, "reject_reasons": codes, "n_tool_calls": 2, "text": "x"}
-        for i, (ok, codes) in enumerate([(True, []), (True, []), (True, []), (False, ["uncited_answer"]),
-                                         (False, [EVIL, "uncited_answer"])])
-    ])
-    store.write_table("teacher_responses", [
-        {"request_id": f"r{i}", "prompt_tokens": 1000, "completion_tokens": 250, "cost_usd": 0.125} for i in range(4)
-    ])
+    store.write_table(
+        "sft_trajectories",
+        [
+            {
+                "trajectory_id": f"t{i}",
+                "query_id": f"q{i}",
+                "accepted": ok,
+                "reject_reasons": codes,
+                "n_tool_calls": 2,
+                "text": "x",
+            }
+            for i, (ok, codes) in enumerate(
+                [(True, []), (True, []), (True, []), (False, ["uncited_answer"]), (False, [EVIL, "uncited_answer"])]
+            )
+        ],
+    )
+    store.write_table(
+        "teacher_responses",
+        [{"request_id": f"r{i}", "prompt_tokens": 1000, "completion_tokens": 250, "cost_usd": 0.125} for i in range(4)],
+    )
     for step, values in answer_r.items():
         rewards, rollouts = [], []
         for i, r in enumerate(values):
             rid = f"s{step}-q{i // 2}-{i % 2}"
-            rollouts.append({"step": step, "query_id": f"q{i // 2}", "rollout_id": rid, "phase": "new" if step < 2 else "repeat",
-                             "retrieval": "cross" if step < 2 else "within", "valid_scaffold": i != 0})
+            rollouts.append(
+                {
+                    "step": step,
+                    "query_id": f"q{i // 2}",
+                    "rollout_id": rid,
+                    "phase": "new" if step < 2 else "repeat",
+                    "retrieval": "cross" if step < 2 else "within",
+                    "valid_scaffold": i != 0,
+                }
+            )
             for stage, value in (("plan", None), ("research", 0.2 * step), ("review", 0.4), ("answer", r)):
-                rewards.append({"step": step, "query_id": f"q{i // 2}", "rollout_id": rid, "stage": stage, "R": value, "G": value, "A": 0.0})
+                rewards.append(
+                    {
+                        "step": step,
+                        "query_id": f"q{i // 2}",
+                        "rollout_id": rid,
+                        "stage": stage,
+                        "R": value,
+                        "G": value,
+                        "A": 0.0,
+                    }
+                )
         store.write_table("stage_rewards", rewards, partition={"step": step})
         store.write_table("rollouts", rollouts, partition={"step": step})
-        rubrics = [{"step": step, "query_id": q, "rubric_id": f"{q}-{s}-{k}", "stage": s, "status": "active",
-                    "origin": "adaptive", "title": "t", "pruned_step": None}
-                   for q in ("q0", "q1") for s in ("research", "answer") for k in range(2 + step)]
-        rubrics.append({"step": step, "query_id": "q0", "rubric_id": f"p{step}", "stage": "answer", "status": "pruned",
-                        "origin": "adaptive", "title": "old", "pruned_step": step})
+        rubrics = [
+            {
+                "step": step,
+                "query_id": q,
+                "rubric_id": f"{q}-{s}-{k}",
+                "stage": s,
+                "status": "active",
+                "origin": "adaptive",
+                "title": "t",
+                "pruned_step": None,
+            }
+            for q in ("q0", "q1")
+            for s in ("research", "answer")
+            for k in range(2 + step)
+        ]
+        rubrics.append(
+            {
+                "step": step,
+                "query_id": "q0",
+                "rubric_id": f"p{step}",
+                "stage": "answer",
+                "status": "pruned",
+                "origin": "adaptive",
+                "title": "old",
+                "pruned_step": step,
+            }
+        )
         store.write_table("judge_rubrics", rubrics, partition={"step": step})
-        store.write_table("reflections", [
-            {"step": step, "query_id": "q0", "source_rollout_id": f"s{step}-q0-0", "candidate": c, "text": "r",
-             "valid": c != 3, "score": 0.2 * c, "accepted": c == 2}
-            for c in range(4)
-        ], partition={"step": step})
-    store.write_table("eval_results", [
-        {"checkpoint": "rl-final", "benchmark": bench, "query_id": f"e{i}", "retrieval": ret, "details": "{}",
-         "score": 0.0 if s is None else s, "grade_failed": s is None}  # a failed grade scores 0 but must not count
-        for bench, ret, scores in (("healthbench", "none", [0.5, 1.0, None]), ("healthbench", "cross", [0.75, 0.75]),
-                                   (f"bench{EVIL}", "none", [0.25, 0.25]), ("qa $n$", "none", [1.0, 0.5]))
-        for i, s in enumerate(scores)
-    ])
+        store.write_table(
+            "reflections",
+            [
+                {
+                    "step": step,
+                    "query_id": "q0",
+                    "source_rollout_id": f"s{step}-q0-0",
+                    "candidate": c,
+                    "text": "r",
+                    "valid": c != 3,
+                    "score": 0.2 * c,
+                    "accepted": c == 2,
+                }
+                for c in range(4)
+            ],
+            partition={"step": step},
+        )
+    store.write_table(
+        "eval_results",
+        [
+            {
+                "checkpoint": "rl-final",
+                "benchmark": bench,
+                "query_id": f"e{i}",
+                "retrieval": ret,
+                "details": "{}",
+                "score": 0.0 if s is None else s,
+                "grade_failed": s is None,
+            }  # a failed grade scores 0 but must not count
+            for bench, ret, scores in (
+                ("healthbench", "none", [0.5, 1.0, None]),
+                ("healthbench", "cross", [0.75, 0.75]),
+                (f"bench{EVIL}", "none", [0.25, 0.25]),
+                ("qa $n$", "none", [1.0, 0.5]),
+            )
+            for i, s in enumerate(scores)
+        ],
+    )
     if metrics:
-        t0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+        t0 = datetime(2025, 1, 1, tzinfo=UTC)
         rows = []
         for step in answer_r:
-            rows += metric_rows("rl", step, {"rl/loss": 0.1 * (step + 1), "rl/kl": 2e-4 * (step + 1), "rl/clip_fraction": 0.05,
-                                             "judge/generate_calls": 2, "judge/score_calls": 4, "judge/cost_usd": 0.5 * (step + 1),
-                                             "judge/prompt_tokens": 6000, "judge/completion_tokens": 400,
-                                             "judge/failed_trajectories": float(step == 1), "rl/step_time_s": 3.0}, t0)
+            rows += metric_rows(
+                "rl",
+                step,
+                {
+                    "rl/loss": 0.1 * (step + 1),
+                    "rl/kl": 2e-4 * (step + 1),
+                    "rl/clip_fraction": 0.05,
+                    "judge/generate_calls": 2,
+                    "judge/score_calls": 4,
+                    "judge/cost_usd": 0.5 * (step + 1),
+                    "judge/prompt_tokens": 6000,
+                    "judge/completion_tokens": 400,
+                    "judge/failed_trajectories": float(step == 1),
+                    "rl/step_time_s": 3.0,
+                },
+                t0,
+            )
         for step in (5, 10, 15):
-            rows += metric_rows("sft", step, {"sft/loss": 3.0 / step, "sft/nll/plan": 2.0 / step, "sft/nll/answer": 4.0 / step,
-                                              "sft/tokens_per_s": 1000.0 + step, "sft/padding_fraction": 0.3}, t0)
+            rows += metric_rows(
+                "sft",
+                step,
+                {
+                    "sft/loss": 3.0 / step,
+                    "sft/nll/plan": 2.0 / step,
+                    "sft/nll/answer": 4.0 / step,
+                    "sft/tokens_per_s": 1000.0 + step,
+                    "sft/padding_fraction": 0.3,
+                },
+                t0,
+            )
         # a resumed flow re-logged step 15: the later value is the one to report
         rows += metric_rows("sft", 15, {"sft/loss": 0.1234}, t0 + timedelta(minutes=5))
         store.write_table("metrics", rows, partition={"step": 0}, schema=METRICS_SCHEMA)
@@ -209,18 +313,31 @@ def test_sft_eval_reflection_numbers(synthetic: tuple[Path, Path, str]) -> None:
     assert facts["final loss"] == "0.1234"  # the value logged last for step 15
     assert facts["optimizer steps"] == "15" and facts["tokens/s"] == "1,015" and facts["padding fraction"] == "0.300"
     assert facts["recipe"] == "ss_grpo" and facts["Λ"] == "causal (recipe preset)"
-    codes = {r["reject code"]: r["rejected trajectories"] for r in table_with_header(page, "reject code", "reject code")}
+    codes = {
+        r["reject code"]: r["rejected trajectories"] for r in table_with_header(page, "reject code", "reject code")
+    }
     assert codes == {"uncited_answer": "2", EVIL: "1"}
     evals = table_with_header(page, "checkpoint", "benchmark")
-    assert {(r["benchmark"], r["retrieval"]): (r["queries"], r["failed grades"]) for r in evals}[("healthbench", "none")] == ("3", "1")
+    assert {(r["benchmark"], r["retrieval"]): (r["queries"], r["failed grades"]) for r in evals}[
+        ("healthbench", "none")
+    ] == ("3", "1")
     assert {(r["benchmark"], r["retrieval"]): r["mean score"] for r in evals} == {
-        ("healthbench", "cross"): "0.750", ("healthbench", "none"): "0.750", (f"bench{EVIL}", "none"): "0.250",
-        ("qa $n$", "none"): "0.750"}  # '$' pairs are literal text in the page and the plot
+        ("healthbench", "cross"): "0.750",
+        ("healthbench", "none"): "0.750",
+        (f"bench{EVIL}", "none"): "0.250",
+        ("qa $n$", "none"): "0.750",
+    }  # '$' pairs are literal text in the page and the plot
     refl = table_with_header(page, "step", "accepted")
-    assert [(r["candidates"], r["valid"], r["accepted"], r["mean score (valid)"], r["best score"]) for r in refl] == [("4", "3", "1", "0.200", "0.600")] * 3
+    assert [(r["candidates"], r["valid"], r["accepted"], r["mean score (valid)"], r["best score"]) for r in refl] == [
+        ("4", "3", "1", "0.200", "0.600")
+    ] * 3
     lam = table_with_header(page, "Λ (row: stage k, column: reward of stage j)", "answer")
     assert [[r[s] for s in ("plan", "research", "review", "answer")] for r in lam] == [
-        ["1", "1", "1", "1"], ["0", "1", "1", "1"], ["0", "0", "1", "1"], ["0", "0", "0", "1"]]
+        ["1", "1", "1", "1"],
+        ["0", "1", "1", "1"],
+        ["0", "0", "1", "1"],
+        ["0", "0", "0", "1"],
+    ]
 
 
 def test_text_from_the_run_is_escaped(synthetic: tuple[Path, Path, str]) -> None:
@@ -261,8 +378,19 @@ def test_reported_reward_follows_the_data(tmp_path: Path, answer_mean: float) ->
 def test_missing_tables_are_listed_as_no_data(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_config(run_dir)
-    RunStore(run_dir).write_table("sft_trajectories", [
-        {"trajectory_id": "t0", "query_id": "q0", "accepted": True, "reject_reasons": [], "n_tool_calls": 1, "text": "x"}])
+    RunStore(run_dir).write_table(
+        "sft_trajectories",
+        [
+            {
+                "trajectory_id": "t0",
+                "query_id": "q0",
+                "accepted": True,
+                "reject_reasons": [],
+                "n_tool_calls": 1,
+                "text": "x",
+            }
+        ],
+    )
     out = write_report(run_dir, tmp_path / "elsewhere" / "r.html", log_to_mlflow=False)
     page = out.read_text()
     assert out.parent == tmp_path / "elsewhere"
@@ -283,8 +411,16 @@ def test_empty_table_is_no_data(tmp_path: Path) -> None:
     build_synthetic_run(run_dir, {0: [0.5, 0.5]}, metrics=False)
     store = RunStore(run_dir)
     shutil.rmtree(store.table_dir("reflections"))
-    schema = pa.schema([("step", pa.int64()), ("query_id", pa.string()), ("source_rollout_id", pa.string()),
-                        ("valid", pa.bool_()), ("score", pa.float64()), ("accepted", pa.bool_())])
+    schema = pa.schema(
+        [
+            ("step", pa.int64()),
+            ("query_id", pa.string()),
+            ("source_rollout_id", pa.string()),
+            ("valid", pa.bool_()),
+            ("score", pa.float64()),
+            ("accepted", pa.bool_()),
+        ]
+    )
     store.write_table("reflections", pa.table({n: pa.array([], t) for n, t in zip(schema.names, schema.types)}))
     page = write_report(run_dir, log_to_mlflow=False).read_text()
     assert "Reflection acceptance: no data" in page

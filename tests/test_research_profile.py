@@ -17,6 +17,7 @@ through web snippets (W-hash ids) and browses the pages they link to.
 The tiny policy after two SFT steps writes no valid reflection, so even reflection candidates are forced
 through the engine's test hook (tests/fakes/forced_reflections.py) to give the reflection judge work.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves 
 # comparison and two-hop questions: two searches each, as research's filter.min_tool_calls asks
 WORLD = WorldConfig(seed=0, n_documents=80, n_queries=8, eval_fraction=0.25, query_kinds=["comparison", "multi_hop"])
 RETRIEVAL_MODES = ("none", "cross", "within", "sequential")
-KEYS = {name: f"sk-{name.lower()}-{secrets.token_hex(8)}"
-        for name in ("TEACHER", "JUDGE", "REFLECT", "GRADER", "SERPER", "S2")}
+KEYS = {
+    name: f"sk-{name.lower()}-{secrets.token_hex(8)}"
+    for name in ("TEACHER", "JUDGE", "REFLECT", "GRADER", "SERPER", "S2")
+}
 
 
 def _env(name: str) -> str:
@@ -63,11 +66,21 @@ def _serve(respond: Any, name: str) -> FakeOpenAIServer:
 def _dr_tulu_row(query: Any, marker: str) -> dict[str, Any]:
     """A DR Tulu RL row: the chat, and ground_truth with plain rubrics (no `check`: an LLM judge reads the
     words) and an answer that carries ``marker``, so a judge prompt that showed the answer key is found."""
-    rubrics = [{"title": r["title"], "description": r["description"],
-                "weight": -r["weight"] if r["polarity"] == "negative" else r["weight"]} for r in query.rubrics]
+    rubrics = [
+        {
+            "title": r["title"],
+            "description": r["description"],
+            "weight": -r["weight"] if r["polarity"] == "negative" else r["weight"],
+        }
+        for r in query.rubrics
+    ]
     truth = {"query": query.question, "rubrics": rubrics, "answer": f"{query.reference_answer} [{marker}]"}
-    return {"id": query.query_id.replace("syn-", "q"), "dataset": "synthetic_world",
-            "messages": [{"role": "user", "content": query.question}], "ground_truth": json.dumps(truth)}
+    return {
+        "id": query.query_id.replace("syn-", "q"),
+        "dataset": "synthetic_world",
+        "messages": [{"role": "user", "content": query.question}],
+        "ground_truth": json.dumps(truth),
+    }
 
 
 def _overview_rows(world: Any, marker: str, n: int = 2) -> list[dict[str, Any]]:
@@ -79,24 +92,44 @@ def _overview_rows(world: Any, marker: str, n: int = 2) -> list[dict[str, Any]]:
         name = org.name
         question = f"Give a short overview of {name}: who founded it, when, and where it is headquartered."
         rubrics = [
-            {"title": f"Names the founder of {name}", "description": f"States that {org.founder} founded {name}.",
-             "weight": 2},
-            {"title": "Gives the founding year", "description": f"States that {name} was founded in {org.founded}.",
-             "weight": 2},
-            {"title": "Gives the headquarters", "description": f"States that {name} is based in {org.headquarters}.",
-             "weight": 1},
+            {
+                "title": f"Names the founder of {name}",
+                "description": f"States that {org.founder} founded {name}.",
+                "weight": 2,
+            },
+            {
+                "title": "Gives the founding year",
+                "description": f"States that {name} was founded in {org.founded}.",
+                "weight": 2,
+            },
+            {
+                "title": "Gives the headquarters",
+                "description": f"States that {name} is based in {org.headquarters}.",
+                "weight": 1,
+            },
         ]
         answer = f"{name} was founded in {org.founded} by {org.founder}; it is based in {org.headquarters}. [{marker}]"
-        rows.append({"id": f"overview{len(rows)}", "dataset": "synthetic_world",
-                     "messages": [{"role": "user", "content": question}],
-                     "ground_truth": json.dumps({"query": question, "rubrics": rubrics, "answer": answer})})
+        rows.append(
+            {
+                "id": f"overview{len(rows)}",
+                "dataset": "synthetic_world",
+                "messages": [{"role": "user", "content": question}],
+                "ground_truth": json.dumps({"query": question, "rubrics": rubrics, "answer": answer}),
+            }
+        )
     return rows
 
 
 def _healthbench_row(query: Any) -> dict[str, Any]:
     """The same held-out question as a HealthBench-format benchmark row (graded through eval.grader)."""
-    rubrics = [{"criterion": r["description"], "points": -r["weight"] if r["polarity"] == "negative" else r["weight"],
-                "tags": []} for r in query.rubrics]
+    rubrics = [
+        {
+            "criterion": r["description"],
+            "points": -r["weight"] if r["polarity"] == "negative" else r["weight"],
+            "tags": [],
+        }
+        for r in query.rubrics
+    ]
     return {"prompt_id": query.query_id, "prompt": [{"role": "user", "content": query.question}], "rubrics": rubrics}
 
 
@@ -119,8 +152,10 @@ class WorldSearch:
         return [{"title": self.docs[d][0], "slug": d, "snippet": self.docs[d][1]} for d in hits]
 
     def pages(self) -> dict[str, tuple[str, str]]:
-        return {d: ("text/html; charset=utf-8", f"<html><head><title>{t}</title></head><body><p>{x}</p></body></html>")
-                for d, (t, x) in self.docs.items()}
+        return {
+            d: ("text/html; charset=utf-8", f"<html><head><title>{t}</title></head><body><p>{x}</p></body></html>")
+            for d, (t, x) in self.docs.items()
+        }
 
 
 def _web_specs(web: FakeWebSearchServer) -> list[dict[str, Any]]:
@@ -136,33 +171,60 @@ def _web_specs(web: FakeWebSearchServer) -> list[dict[str, Any]]:
     return out
 
 
-def cpu_overrides(tmp: Path, servers: dict[str, Any], web: FakeWebSearchServer, train: str, heldout: str,
-                  healthbench: str) -> dict[str, Any]:
+def cpu_overrides(
+    tmp: Path, servers: dict[str, Any], web: FakeWebSearchServer, train: str, heldout: str, healthbench: str
+) -> dict[str, Any]:
     """What a CPU cannot run swapped out; everything else stays as research.yaml sets it."""
     endpoints = {"teacher": "teacher", "judge": "judge", "reflection.judge": "reflect", "eval.grader": "grader"}
     out: dict[str, Any] = {}
     for section, name in endpoints.items():
-        out |= {f"{section}.model": f"openai/{name}-model", f"{section}.api_base": servers[name].base_url,
-                f"{section}.api_key_env": _env(name.upper())}
+        out |= {
+            f"{section}.model": f"openai/{name}-model",
+            f"{section}.api_base": servers[name].base_url,
+            f"{section}.api_key_env": _env(name.upper()),
+        }
     return {
         **out,
-        "data.queries": [{"path": train, "format": "dr_tulu", "split": "train"},
-                         {"path": heldout, "format": "dr_tulu", "split": "eval"}],
+        "data.queries": [
+            {"path": train, "format": "dr_tulu", "split": "train"},
+            {"path": heldout, "format": "dr_tulu", "split": "eval"},
+        ],
         "tools.specs": _web_specs(web),
         "tools.cache_dir": str(tmp / "cache" / "tools"),
-        "teacher.batch_poll_interval_s": 0.05, "teacher.batch_poll_max_interval_s": 0.1,
-        "policy.name_or_path": "tiny", "policy.dtype": "float32", "policy.max_seq_len": 8192,
-        "policy.vocab_size": 1024, "policy.hidden_size": 64, "policy.n_layers": 2, "policy.intermediate_size": 128,
+        "teacher.batch_poll_interval_s": 0.05,
+        "teacher.batch_poll_max_interval_s": 0.1,
+        "policy.name_or_path": "tiny",
+        "policy.dtype": "float32",
+        "policy.max_seq_len": 8192,
+        "policy.vocab_size": 1024,
+        "policy.hidden_size": 64,
+        "policy.n_layers": 2,
+        "policy.intermediate_size": 128,
         "distributed.nproc_per_node": 1,
-        "sft.backend": "torch", "sft.precision": "fp32", "sft.gradient_checkpointing": False,
-        "sft.max_steps": 2, "sft.warmup_steps": 1, "sft.grad_accum_steps": 1, "sft.max_tokens_per_batch": 8192,
-        "rollout.engine": "hf", "rollout.group_size": 2,
-        "rollout.max_new_tokens": 2048, "rollout.max_total_tokens": 2048,  # equal, as research keeps them
-        "rl.backend": "torch", "rl.precision": "fp32", "rl.gradient_checkpointing": False, "rl.reference": "replicated",
-        "rl.window": 1, "rl.n_windows": 1, "rl.queries_per_step": 2, "rl.max_tokens_per_batch": 8192,
-        "reflection.n_candidates": 3, "reflection.embedder": "hashing:64",
+        "sft.backend": "torch",
+        "sft.precision": "fp32",
+        "sft.gradient_checkpointing": False,
+        "sft.max_steps": 2,
+        "sft.warmup_steps": 1,
+        "sft.grad_accum_steps": 1,
+        "sft.max_tokens_per_batch": 8192,
+        "rollout.engine": "hf",
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 2048,
+        "rollout.max_total_tokens": 2048,  # equal, as research keeps them
+        "rl.backend": "torch",
+        "rl.precision": "fp32",
+        "rl.gradient_checkpointing": False,
+        "rl.reference": "replicated",
+        "rl.window": 1,
+        "rl.n_windows": 1,
+        "rl.queries_per_step": 2,
+        "rl.max_tokens_per_batch": 8192,
+        "reflection.n_candidates": 3,
+        "reflection.embedder": "hashing:64",
         # the run's held-out split (graded in-process) and a HealthBench file (graded through eval.grader)
-        "eval.benchmarks": ["synthetic", "healthbench"], "eval.paths": {"healthbench": healthbench},
+        "eval.benchmarks": ["synthetic", "healthbench"],
+        "eval.paths": {"healthbench": healthbench},
         "eval.max_queries": 2,
     }
 
@@ -170,15 +232,15 @@ def cpu_overrides(tmp: Path, servers: dict[str, Any], web: FakeWebSearchServer, 
 @pytest.fixture(scope="module")
 def research_run(tmp_path_factory, prefect_harness):
     """One run of the research profile through collection → SFT → two RL steps → evaluation × retrieval."""
-    from flows.collect_sft_data import collect_sft_data
-    from flows.evaluate import evaluate
-    from flows.rl import rl
-    from flows.sft import sft
     import rubricem_core.rl.session as rl_session
     import tasks.collect as collect_tasks
     import tasks.evaluate as eval_tasks
     import tasks.inputs as input_tasks
     import tasks.rl as rl_tasks
+    from flows.collect_sft_data import collect_sft_data
+    from flows.evaluate import evaluate
+    from flows.rl import rl
+    from flows.sft import sft
 
     tmp = tmp_path_factory.mktemp("research")
     world = generate_world(WORLD)
@@ -196,11 +258,16 @@ def research_run(tmp_path_factory, prefect_harness):
     # made generation ~100x slower (tests/tiny_models.py saw the same for training steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp, _serve(teacher.respond, "TEACHER") as tserver, \
-            _serve(builtin_judge_reply, "JUDGE") as jserver, _serve(builtin_reflection_judge_reply, "REFLECT") as rserver, \
-            _serve(builtin_grader_reply, "GRADER") as gserver, \
-            FakeWebSearchServer(api_key=KEYS["SERPER"], s2_api_key=KEYS["S2"], results_for=search,
-                                pages=search.pages()) as web:
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        _serve(teacher.respond, "TEACHER") as tserver,
+        _serve(builtin_judge_reply, "JUDGE") as jserver,
+        _serve(builtin_reflection_judge_reply, "REFLECT") as rserver,
+        _serve(builtin_grader_reply, "GRADER") as gserver,
+        FakeWebSearchServer(
+            api_key=KEYS["SERPER"], s2_api_key=KEYS["S2"], results_for=search, pages=search.pages()
+        ) as web,
+    ):
         for name, key in KEYS.items():
             mp.setenv(_env(name), key)
         servers = {"teacher": tserver, "judge": jserver, "reflect": rserver, "grader": gserver}
@@ -237,9 +304,20 @@ def research_run(tmp_path_factory, prefect_harness):
             eval_tasks.drop_engines()
             torch.set_num_threads(threads)
     print("stage times (s):", times)
-    yield {"run_dir": run_dir, "store": RunStore(run_dir), "collected": collected, "evaluated": evaluated,
-           "marker": marker, "teacher": tserver, "judge": jserver, "reflect": rserver, "grader": gserver, "web": web,
-           "cache_dir": Path(overrides["tools.cache_dir"]), "healthbench": healthbench}
+    yield {
+        "run_dir": run_dir,
+        "store": RunStore(run_dir),
+        "collected": collected,
+        "evaluated": evaluated,
+        "marker": marker,
+        "teacher": tserver,
+        "judge": jserver,
+        "reflect": rserver,
+        "grader": gserver,
+        "web": web,
+        "cache_dir": Path(overrides["tools.cache_dir"]),
+        "healthbench": healthbench,
+    }
 
 
 def test_collection_uses_the_batch_api_and_the_web_tools(research_run):
@@ -261,8 +339,9 @@ def test_collection_uses_the_batch_api_and_the_web_tools(research_run):
     assert searches and all(r[2].get("x-api-key") == KEYS["SERPER"] for r in searches)
     assert any('<cite id="W' in r["text"] for r in accepted)
     overview = [r for r in accepted if r["query_id"].startswith("dr_tulu-overview")]
-    assert overview and all('<call_tool name="browse">W' in r["text"] and "unknown page id" not in r["text"]
-                            for r in overview)
+    assert overview and all(
+        '<call_tool name="browse">W' in r["text"] and "unknown page id" not in r["text"] for r in overview
+    )
     assert any(r[1].startswith("/page/") for r in web.requests)
     assert len(ToolCache(research_run["cache_dir"])) > 0  # tools.cache_dir holds the search and browse results
 
@@ -291,8 +370,13 @@ def test_rl_runs_two_steps_with_the_reflection_loop(research_run):
     assert step0 == {r["query_id"] for r in bank if r["step"] == 0}
     assert all(r["guidance"] for r in store.read_rows("rollouts"))
     assert {r["retrieval"] for r in store.read_rows("rollouts", {"step": 1})} == {"within"}
-    hits = json.loads(run_sql(research_run["run_dir"], "SELECT name, value FROM metrics WHERE step = 1 AND name LIKE "
-                                                      "'retrieval/within_%'", fmt="json"))
+    hits = json.loads(
+        run_sql(
+            research_run["run_dir"],
+            "SELECT name, value FROM metrics WHERE step = 1 AND name LIKE 'retrieval/within_%'",
+            fmt="json",
+        )
+    )
     assert {m["name"]: m["value"] for m in hits} == {"retrieval/within_hits": 2, "retrieval/within_misses": 0}
 
 
@@ -305,8 +389,10 @@ def test_evaluation_with_every_retrieval_mode(research_run):
     assert not any(r["guidance"] for r in rows if r["retrieval"] == "within")  # held-out queries: nothing of their own
     assert all(r["checkpoint"] == "rl-step-000001" for r in rows)
     # HealthBench graded through eval.grader, one call per criterion (eval.healthbench_grading: per_criterion)
-    criteria = {f"healthbench-{r['prompt_id']}": len(r["rubrics"])
-                for r in map(json.loads, Path(research_run["healthbench"]).read_text().splitlines())}
+    criteria = {
+        f"healthbench-{r['prompt_id']}": len(r["rubrics"])
+        for r in map(json.loads, Path(research_run["healthbench"]).read_text().splitlines())
+    }
     graded = [r for r in rows if r["benchmark"] == "healthbench" and not r["grade_failed"]]
     assert len(graded) == 10 and len(research_run["grader"].chat_calls) == sum(criteria[r["query_id"]] for r in graded)
     assert research_run["evaluated"]["none"]["benchmarks"]["healthbench"]["n_samples"] == 2

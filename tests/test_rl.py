@@ -1,4 +1,5 @@
 """The windowed RL loop: curriculum, advantages per recipe, the rl flow end to end, and resume."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,12 @@ def test_causal_recipe_gives_stagewise_credit():
 
 
 def test_per_token_advantages_follow_stage_and_mask():
-    traj = TokenTrajectory(token_ids=[1, 2, 3, 4, 5], loss_mask=[0, 1, 0, 1, 1], stage_ids=[-1, 0, 1, 1, 3],
-                           logprobs=[float("nan"), -1.0, float("nan"), -0.5, -0.2])
+    traj = TokenTrajectory(
+        token_ids=[1, 2, 3, 4, 5],
+        loss_mask=[0, 1, 0, 1, 1],
+        stage_ids=[-1, 0, 1, 1, 3],
+        logprobs=[float("nan"), -1.0, float("nan"), -0.5, -0.2],
+    )
     assert per_token_advantages(traj, np.array([0.1, 0.2, 0.3, 0.4])) == [0.0, 0.1, 0.0, 0.2, 0.4]
 
 
@@ -66,13 +71,24 @@ def test_training_batch_trains_on_the_written_advantages():
     by = {(r["rollout_id"], r["stage"]): r for r in rows}
     assert all(by[("c", s)]["G"] is None and by[("c", s)]["A"] is None for s in STAGES)  # never 0
     assert by[("a", "review")]["R"] is None and by[("a", "review")]["G"] is None and by[("a", "review")]["A"] == 0.0
-    rollouts = [{"rollout_id": rid, "judge_failed": f, "token_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 1, 1, 0, 1, 1],
-                 "stage_ids": [-1, 0, 1, 1, 2, 3], "logprobs": [None, -1.0, -0.5, None, -0.2, -0.1]}
-                for rid, f in zip("abc", failed)]
+    rollouts = [
+        {
+            "rollout_id": rid,
+            "judge_failed": f,
+            "token_ids": [1, 2, 3, 4, 5, 6],
+            "loss_mask": [0, 1, 1, 0, 1, 1],
+            "stage_ids": [-1, 0, 1, 1, 2, 3],
+            "logprobs": [None, -1.0, -0.5, None, -0.2, -0.1],
+        }
+        for rid, f in zip("abc", failed)
+    ]
     batch = training_batch(rollouts, rows)
     assert len(batch.trajectories) == 2 and len(batch.token_advantages) == 2
     for i, advs in enumerate(batch.token_advantages):
-        loop = [float(ga.A[i, s]) if m and s >= 0 else 0.0 for m, s in zip(rollouts[i]["loss_mask"], rollouts[i]["stage_ids"])]
+        loop = [
+            float(ga.A[i, s]) if m and s >= 0 else 0.0
+            for m, s in zip(rollouts[i]["loss_mask"], rollouts[i]["stage_ids"])
+        ]
         assert advs == loop
     assert batch.trajectories[0].logprobs[0] != batch.trajectories[0].logprobs[0]  # NULL → NaN (never sampled)
     assert batch.stage_means["reward/R/plan_mean"] == 0.5 and "reward/R/review_mean" not in batch.stage_means
@@ -128,19 +144,25 @@ def _check_prefect_view(run_dir: str) -> None:
     from flows.common import artifact_key
 
     with get_client(sync_client=True) as client:
-        (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("rl", run_dir)])))
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("rl", run_dir)]))
+        )
         assert artifact.data.startswith("# RL (ss_grpo): 2 of 2 steps done")
         assert "| 0 | new | none |" in artifact.data and "| 1 | repeat | none |" in artifact.data
-        steps = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["step-0-new", "step-1-repeat"])))
+        steps = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["step-0-new", "step-1-repeat"]))
+        )
         assert {r.name for r in steps if r.parameters.get("run_dir") == run_dir} == {"step-0-new", "step-1-repeat"}
-        tasks = {t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in steps]}))}
+        tasks = {
+            t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [r.id for r in steps]}))
+        }
         assert {"rollout-step-0", "judge-step-0", "ss-grpo-update-step-1"} <= tasks, tasks
 
 
 @pytest.mark.slow
 def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
-    from flows.rl import rl
     import tasks.rl as rl_tasks
+    from flows.rl import rl
 
     straight = _copy_run(sft_run, tmp_path / "straight")
     result = rl(run_dir=straight, profile="tiny", overrides=SMALL)
@@ -149,17 +171,49 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     for table in ("rollouts", "judge_rubrics", "judge_scores", "stage_rewards", "metrics"):
         assert store.partitions(table, "step") == [0, 1] or table == "metrics", table
     cols = set(store.read_table("rollouts").column_names)
-    assert {"step", "query_id", "rollout_id", "phase", "retrieval", "token_ids", "loss_mask", "stage_ids",
-            "logprobs", "n_tool_calls", "finish_reason", "valid_scaffold", "judge_failed"} <= cols
+    assert {
+        "step",
+        "query_id",
+        "rollout_id",
+        "phase",
+        "retrieval",
+        "token_ids",
+        "loss_mask",
+        "stage_ids",
+        "logprobs",
+        "n_tool_calls",
+        "finish_reason",
+        "valid_scaffold",
+        "judge_failed",
+    } <= cols
     rows = store.read_rows("rollouts")
     for r in rows:
         assert len(r["token_ids"]) == len(r["loss_mask"]) == len(r["stage_ids"]) == len(r["logprobs"])
-    rewards = json.loads(run_sql(straight, "SELECT count(*) AS n, count(G) AS g, count(A) AS a FROM stage_rewards", fmt="json"))[0]
+    rewards = json.loads(
+        run_sql(straight, "SELECT count(*) AS n, count(G) AS g, count(A) AS a FROM stage_rewards", fmt="json")
+    )[0]
     assert rewards["n"] == 2 * 2 * 2 * 4 and rewards["a"] == rewards["n"]
-    names = {r["name"] for r in json.loads(run_sql(straight, "SELECT DISTINCT name FROM metrics WHERE flow = 'rl'", fmt="json"))}
-    assert {"rl/loss", "rl/kl", "rl/clip_fraction", "rl/logprob_gap_mean", "judge/score_calls",
-            "judge/generate_calls", "buffer/answer_active", "reward/R/answer_mean"} <= names
-    calls = json.loads(run_sql(straight, "SELECT step, name, value FROM metrics WHERE name IN ('judge/score_calls', 'judge/generate_calls') ORDER BY ALL", fmt="json"))
+    names = {
+        r["name"]
+        for r in json.loads(run_sql(straight, "SELECT DISTINCT name FROM metrics WHERE flow = 'rl'", fmt="json"))
+    }
+    assert {
+        "rl/loss",
+        "rl/kl",
+        "rl/clip_fraction",
+        "rl/logprob_gap_mean",
+        "judge/score_calls",
+        "judge/generate_calls",
+        "buffer/answer_active",
+        "reward/R/answer_mean",
+    } <= names
+    calls = json.loads(
+        run_sql(
+            straight,
+            "SELECT step, name, value FROM metrics WHERE name IN ('judge/score_calls', 'judge/generate_calls') ORDER BY ALL",
+            fmt="json",
+        )
+    )
     per_step = {(c["step"], c["name"]): c["value"] for c in calls}
     assert per_step[(0, "judge/generate_calls")] == 2 and per_step[(0, "judge/score_calls")] == 4
     _check_prefect_view(straight)

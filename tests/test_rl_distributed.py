@@ -1,6 +1,7 @@
 """RL with trainer ranks that live for the flow run (2 gloo ranks): one SS-GRPO update on 2 ranks equals
 one rank, under ZeRO-3 the engine samples with the trainer's gathered weights, and the rl flow runs with
 rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap."""
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,24 @@ from rubricem_core.rl import session as rl_session
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
-
-from tests.untrained_run import write_untrained_run
 from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
+from tests.untrained_run import write_untrained_run
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
 TINY = {
-    "data.world.n_documents": 60, "data.world.n_queries": 8, "policy.vocab_size": 600, "policy.hidden_size": 32,
-    "policy.n_layers": 1, "policy.n_heads": 2, "policy.n_kv_heads": 1, "policy.intermediate_size": 64,
-    "rl.recipe": "ss_grpo", "tracking.enabled": False, "rl.lr": 1e-2, "rl.max_tokens_per_batch": 256,
+    "data.world.n_documents": 60,
+    "data.world.n_queries": 8,
+    "policy.vocab_size": 600,
+    "policy.hidden_size": 32,
+    "policy.n_layers": 1,
+    "policy.n_heads": 2,
+    "policy.n_kv_heads": 1,
+    "policy.intermediate_size": 64,
+    "rl.recipe": "ss_grpo",
+    "tracking.enabled": False,
+    "rl.lr": 1e-2,
+    "rl.max_tokens_per_batch": 256,
 }
 
 
@@ -41,12 +50,17 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0) -> tuple[list[TokenTr
     """Trajectories of mixed lengths (several micro-batches at 256 padded tokens) with signed advantages."""
     rng = np.random.default_rng(seed)
     trajs, advs = [], []
-    for i in range(n):
+    for _ in range(n):
         length = int(rng.integers(40, 120))
         mask = [0] * 8 + [1] * (length - 8)
-        trajs.append(TokenTrajectory(token_ids=rng.integers(3, vocab, length).tolist(), loss_mask=mask,
-                                     stage_ids=[-1] * 8 + [3] * (length - 8),
-                                     logprobs=[float("nan")] * 8 + [-3.0] * (length - 8)))
+        trajs.append(
+            TokenTrajectory(
+                token_ids=rng.integers(3, vocab, length).tolist(),
+                loss_mask=mask,
+                stage_ids=[-1] * 8 + [3] * (length - 8),
+                logprobs=[float("nan")] * 8 + [-3.0] * (length - 8),
+            )
+        )
         advs.append([0.0] * 8 + [float(rng.normal())] * (length - 8))
     return trajs, advs
 
@@ -77,13 +91,17 @@ def one_process(untrained, tmp_path_factory):
     return update_and_sync(untrained, tmp_path_factory.mktemp("one"), {})
 
 
-@pytest.mark.parametrize("overrides", [
-    {"rl.backend": "deepspeed", "rl.zero_stage": 3},  # one process: the engine must not get 0-size placeholders
-    {"distributed.nproc_per_node": 2},
-    {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3},
-    {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3, "rl.reference": "sharded"},
-    {"rl.reference": "cpu"},
-], ids=["zero3-1rank", "torch-2ranks", "zero3-2ranks", "zero3-2ranks-sharded-ref", "cpu-ref"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"rl.backend": "deepspeed", "rl.zero_stage": 3},  # one process: the engine must not get 0-size placeholders
+        {"distributed.nproc_per_node": 2},
+        {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3},
+        {"distributed.nproc_per_node": 2, "rl.backend": "deepspeed", "rl.zero_stage": 3, "rl.reference": "sharded"},
+        {"rl.reference": "cpu"},
+    ],
+    ids=["zero3-1rank", "torch-2ranks", "zero3-2ranks", "zero3-2ranks-sharded-ref", "cpu-ref"],
+)
 def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untrained, one_process, tmp_path, overrides):
     ref_metrics, ref_engine = one_process
     metrics, engine = update_and_sync(untrained, tmp_path, overrides)
@@ -105,7 +123,9 @@ FLOW = SMALL  # the rl flow test's tiny run: ss_grpo, 2 steps of 2 queries x 2 r
 
 
 def _gaps(run_dir: str) -> dict[int, float]:
-    rows = json.loads(run_sql(run_dir, "SELECT step, value FROM metrics WHERE name = 'rl/logprob_gap_mean'", fmt="json"))
+    rows = json.loads(
+        run_sql(run_dir, "SELECT step, value FROM metrics WHERE name = 'rl/logprob_gap_mean'", fmt="json")
+    )
     return {r["step"]: r["value"] for r in rows}
 
 
@@ -168,9 +188,18 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     sft(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU build
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
-    rl(run_dir=run_dir, profile="tiny", overrides={
-        **SERVER_FLOW, "rl.backend": "deepspeed", "rl.zero_stage": 3, "distributed.nproc_per_node": 2,
-        "rollout.engine": "vllm_server", "rollout.server_python": str(VLLM_PYTHON)})
+    rl(
+        run_dir=run_dir,
+        profile="tiny",
+        overrides={
+            **SERVER_FLOW,
+            "rl.backend": "deepspeed",
+            "rl.zero_stage": 3,
+            "distributed.nproc_per_node": 2,
+            "rollout.engine": "vllm_server",
+            "rollout.server_python": str(VLLM_PYTHON),
+        },
+    )
     assert not rl_session._SESSIONS  # ranks and server ended with the flow run
     rows = RunStore(run_dir).read_rows("rollouts")
     assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
@@ -190,11 +219,23 @@ def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:
 
     from flows.rl import rl
 
-    node1 = subprocess.Popen([sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", run_dir, "--node-rank",
-                              "1", "--wait-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", run_dir, "--node-rank", "1", "--wait-s", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        rl(run_dir=run_dir, profile="tiny", overrides={
-            **FLOW, "distributed.nnodes": 2, "distributed.master_port": port, "distributed.master_addr": "127.0.0.1"})
+        rl(
+            run_dir=run_dir,
+            profile="tiny",
+            overrides={
+                **FLOW,
+                "distributed.nnodes": 2,
+                "distributed.master_port": port,
+                "distributed.master_addr": "127.0.0.1",
+            },
+        )
         out, _ = node1.communicate(timeout=120)
     finally:
         node1.kill()

@@ -6,6 +6,7 @@ the loop would have nothing to bank. The engine's ``forced_policy`` hook (a test
 engine, still recording the sampled logprobs) makes even-numbered candidates spell out a
 question-specific reflection; odd ones are sampled freely. That gives every group a reward spread.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,12 +42,15 @@ def test_pick_source_rollouts_is_uniform_and_skips_failed_judgments():
     assert pick_source_rollouts([{"query_id": "q", "rollout_id": "a", "judge_failed": True}], ["q"], 0, 0) == {}
 
 
-@pytest.mark.parametrize("scores,expected", [
-    ([0.0, 1.0], [-0.7071, 0.7071]),
-    ([0.5, 0.5, 0.5], [0.0, 0.0, 0.0]),
-    ([None, 0.2, 0.8], [0.0, -0.7071, 0.7071]),
-    ([0.0, 0.0, 0.9], [-0.5774, -0.5774, 1.1547]),
-])
+@pytest.mark.parametrize(
+    "scores,expected",
+    [
+        ([0.0, 1.0], [-0.7071, 0.7071]),
+        ([0.5, 0.5, 0.5], [0.0, 0.0, 0.0]),
+        ([None, 0.2, 0.8], [0.0, -0.7071, 0.7071]),
+        ([0.0, 0.0, 0.9], [-0.5774, -0.5774, 1.1547]),
+    ],
+)
 def test_candidate_advantages_match_hand_numbers(scores, expected):
     assert candidate_advantages(scores) == pytest.approx(expected, abs=1e-3)
 
@@ -77,8 +81,8 @@ def _copy(src, dst) -> str:
 
 
 def _run(sft_run, dst, state, **extra):
-    from flows.rl import rl
     import tasks.rl as rl_tasks
+    from flows.rl import rl
 
     run_dir = _copy(sft_run, dst)
     state["questions"].update({q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")})
@@ -121,7 +125,10 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
     assert all(r["guidance"] is None for r in by_step[0])
     assert all(r["guidance"] for r in by_step[1])
     assert all(r["guidance"] and "similar question" not in r["guidance"] for s in (2, 3) for r in by_step[s])
-    metrics = {(m["step"], m["name"]): m["value"] for m in json.loads(run_sql(deferred, "SELECT step, name, value FROM metrics WHERE flow = 'rl'", fmt="json"))}
+    metrics = {
+        (m["step"], m["name"]): m["value"]
+        for m in json.loads(run_sql(deferred, "SELECT step, name, value FROM metrics WHERE flow = 'rl'", fmt="json"))
+    }
     assert metrics[(0, "retrieval/cross_misses")] == 2 and metrics[(1, "retrieval/cross_hits")] == 2
     assert metrics[(2, "retrieval/within_hits")] == 2 and metrics[(3, "retrieval/within_hits")] == 2
     assert metrics[(0, "reflection/acceptance_rate")] == 1.0 and metrics[(1, "bank/size")] == 4
@@ -129,7 +136,9 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
     # deferral: step N trains on step N−1's candidates; no update in step 0, none for step 2's (repeat)
     assert metrics[(1, "reflection_update/source_step")] == 0 and metrics[(2, "reflection_update/source_step")] == 1
     assert (0, "reflection_update/source_step") not in metrics and (3, "reflection_update/source_step") not in metrics
-    assert metrics[(1, "reflection_update/nonzero_advantages")] > 0 and metrics[(1, "reflection_update/policy_tokens")] > 0
+    assert (
+        metrics[(1, "reflection_update/nonzero_advantages")] > 0 and metrics[(1, "reflection_update/policy_tokens")] > 0
+    )
 
     # the sync schedule does the same work in the same order of weight changes: same numbers
     sync = _run(sft_run, tmp_path / "sync", forced_reflections, **{"reflection.schedule": "sync"})
@@ -138,7 +147,9 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     assert [r["token_ids"] for r in RunStore(sync).read_rows("rollouts")] == [r["token_ids"] for r in rollouts]
-    assert [(r["text"], r["score"]) for r in RunStore(sync).read_rows("reflections")] == [(r["text"], r["score"]) for r in refl]
+    assert [(r["text"], r["score"]) for r in RunStore(sync).read_rows("reflections")] == [
+        (r["text"], r["score"]) for r in refl
+    ]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ A tiny random Qwen3 and a byte-level BPE trained on a small synthetic world. A r
 scaffold tags by chance (they are ~7% of this vocabulary), so free sampling already produces calls,
 answers and stray closing tags; ``Script`` forces exact texts where a test needs a known path.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,7 @@ class Script:
 
 
 def _gen_text(tok, traj: TokenTrajectory) -> str:
-    return tok.decode(traj.token_ids[traj.prompt_len:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return tok.decode(traj.token_ids[traj.prompt_len :], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def _tool_texts(traj: TokenTrajectory) -> list[str]:
@@ -123,15 +124,15 @@ def _check_views(tok, traj: TokenTrajectory) -> None:
     for seg in traj.segments:
         assert seg.start == covered
         covered = seg.end
-        assert decode(traj.token_ids[seg.start:seg.end]) == seg.text
+        assert decode(traj.token_ids[seg.start : seg.end]) == seg.text
         want_mask = 1 if seg.kind == "policy" else 0
-        assert traj.loss_mask[seg.start:seg.end] == [want_mask] * (seg.end - seg.start)
-        lps = traj.logprobs[seg.start:seg.end]
+        assert traj.loss_mask[seg.start : seg.end] == [want_mask] * (seg.end - seg.start)
+        lps = traj.logprobs[seg.start : seg.end]
         assert all(math.isnan(v) for v in lps) if seg.kind != "policy" else all(v <= 0 for v in lps)
         if seg.kind == "prompt":
-            assert set(traj.stage_ids[seg.start:seg.end]) <= {NO_STAGE}
+            assert set(traj.stage_ids[seg.start : seg.end]) <= {NO_STAGE}
         if seg.kind == "tool_output":
-            assert set(traj.stage_ids[seg.start:seg.end]) == {STAGE_IDS["research"]}
+            assert set(traj.stage_ids[seg.start : seg.end]) == {STAGE_IDS["research"]}
     assert covered == len(traj.token_ids)
     gen = _gen_text(tok, traj)
     assert gen == "".join(s.text for s in traj.segments[1:])
@@ -140,7 +141,7 @@ def _check_views(tok, traj: TokenTrajectory) -> None:
     starts = [s.start for s in segments]
     checked = 0
     for i in range(traj.prompt_len, len(traj.token_ids)):
-        prefix = decode(traj.token_ids[traj.prompt_len:i])
+        prefix = decode(traj.token_ids[traj.prompt_len : i])
         if prefix.endswith("\ufffd") or len(prefix) >= len(gen):
             continue  # mid-character, or a token that adds no character: no offset to check against
         k = max(j for j, s in enumerate(starts) if s <= len(prefix))
@@ -169,8 +170,15 @@ def test_engine_satisfies_protocol(model, tok):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                    ("max_new_tokens", 0), ("max_total_tokens", 0)],
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("max_new_tokens", 0),
+        ("max_total_tokens", 0),
+    ],
 )
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(RolloutError, match=field):
@@ -199,12 +207,16 @@ def test_sampling_logprobs_match_cache_free_recompute(tok, env, world, attn, chu
     model = _model(tok, attn)
     # Different prompt lengths (holes from the first chunk on) and first calls at different steps
     # ("b" calls at once, "a" after a long plan): tool outputs are ingested while other rows sample.
-    script = Script(tok, {
-        "a": [PLAN + '<call_tool name="search">founded</call_tool>'],
-        "b": ['<structured_plan>x</structured_plan><call_tool name="search">headquarters city</call_tool>'],
-    })
-    engine = HFRolloutEngine(model, tok, forced_policy=script, max_chunk_tokens=chunk, compact_min_slots=compact_min,
-                             max_batch_rows=max_rows)
+    script = Script(
+        tok,
+        {
+            "a": [PLAN + '<call_tool name="search">founded</call_tool>'],
+            "b": ['<structured_plan>x</structured_plan><call_tool name="search">headquarters city</call_tool>'],
+        },
+    )
+    engine = HFRolloutEngine(
+        model, tok, forced_policy=script, max_chunk_tokens=chunk, compact_min_slots=compact_min, max_batch_rows=max_rows
+    )
     requests = [
         RolloutRequest("a", _prompt(tok, world.queries[0].question), n=2, sampling=_sampling(max_new_tokens=260)),
         RolloutRequest("b", _prompt(tok, world.queries[1].question * 3), n=2, sampling=_sampling()),
@@ -236,7 +248,7 @@ def test_greedy_and_top_k_one_record_the_argmax(model, tok, env):
     greedy = engine.generate([RolloutRequest("g", prompt, sampling=greedy_params)], env)[0][0]
     topk1_params = _sampling(top_k=1, max_new_tokens=25, seed=99)
     topk1 = engine.generate([RolloutRequest("g", prompt, sampling=topk1_params)], env)[0][0]
-    assert greedy.token_ids[:greedy.prompt_len + 25] == topk1.token_ids[:topk1.prompt_len + 25]
+    assert greedy.token_ids[: greedy.prompt_len + 25] == topk1.token_ids[: topk1.prompt_len + 25]
     want = _recomputed_logprobs(model, greedy)
     with torch.no_grad():
         logits = model(torch.tensor([greedy.token_ids])).logits[0]
@@ -325,7 +337,7 @@ class _Malformed(Tool):
     spec = ToolSpec("search", "returns a broken block")
 
     def __call__(self, query: str) -> ToolResult:
-        return ToolResult("<tool_output><snippet id=\"D1\">cut off")
+        return ToolResult('<tool_output><snippet id="D1">cut off')
 
 
 @pytest.mark.parametrize(
@@ -362,15 +374,18 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
     eos = tok.eos_token_id
     never_closes = "<answer>" + "the bridge opened " * 40
     call = '<call_tool name="search">Varn bridge</call_tool>'
-    script = Script(tok, {
-        "answer": [PLAN + call, FINISH.format(id="D1")],
-        "open-tag": [never_closes],
-        "eos-early": [tok.encode(PLAN, add_special_tokens=False) + [eos]],
-        "eos-in-answer": [tok.encode("<answer>done", add_special_tokens=False) + [eos]],
-        "budget": [call, call, call, call],
-        "context": [PLAN + call],
-        "output-too-big": [f'<call_tool name="search">{world.documents[0].title}</call_tool>'],
-    })
+    script = Script(
+        tok,
+        {
+            "answer": [PLAN + call, FINISH.format(id="D1")],
+            "open-tag": [never_closes],
+            "eos-early": [tok.encode(PLAN, add_special_tokens=False) + [eos]],
+            "eos-in-answer": [tok.encode("<answer>done", add_special_tokens=False) + [eos]],
+            "budget": [call, call, call, call],
+            "context": [PLAN + call],
+            "output-too-big": [f'<call_tool name="search">{world.documents[0].title}</call_tool>'],
+        },
+    )
     engine = HFRolloutEngine(model, tok, forced_policy=script)
     prompt = _prompt(tok, "Varn bridge")
     requests = [
@@ -387,8 +402,15 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
     out = {r.request_id: g[0] for r, g in zip(requests, engine.generate(requests, env))}
     reasons = {rid: t.finish_reason for rid, t in out.items()}
     assert reasons == {
-        "answer": ANSWERED, "open-tag": TRUNCATED, "eos-early": ERROR, "too-long": ERROR, "empty": ERROR,
-        "eos-in-answer": ANSWERED, "budget": TOOL_BUDGET, "context": TRUNCATED, "output-too-big": TRUNCATED,
+        "answer": ANSWERED,
+        "open-tag": TRUNCATED,
+        "eos-early": ERROR,
+        "too-long": ERROR,
+        "empty": ERROR,
+        "eos-in-answer": ANSWERED,
+        "budget": TOOL_BUDGET,
+        "context": TRUNCATED,
+        "output-too-big": TRUNCATED,
     }
     assert "max_new_tokens 30" in out["open-tag"].meta["finish_detail"]
     assert len(out["open-tag"]) == len(prompt) + 30
@@ -412,9 +434,16 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
 def test_free_sampling_never_crashes_and_records_a_reason(model, tok, env):
     # Random weights write tags by chance: stray closes, calls with odd names, answers, eos.
     engine = HFRolloutEngine(model, tok)
-    requests = [RolloutRequest(f"q{i}", _prompt(tok, f"question {i}"), n=4,
-                               sampling=_sampling(seed=i, max_new_tokens=30, max_total_tokens=300), max_tool_calls=2)
-                for i in range(3)]
+    requests = [
+        RolloutRequest(
+            f"q{i}",
+            _prompt(tok, f"question {i}"),
+            n=4,
+            sampling=_sampling(seed=i, max_new_tokens=30, max_total_tokens=300),
+            max_tool_calls=2,
+        )
+        for i in range(3)
+    ]
     trajs = [t for g in engine.generate(requests, env) for t in g]
     assert {t.finish_reason for t in trajs} <= {ANSWERED, TRUNCATED, TOOL_BUDGET, ERROR}
     assert sum(t.n_tool_calls for t in trajs) > 0  # some rows closed a call by chance
@@ -462,8 +491,10 @@ def test_update_weights_and_sync_from(tok, env):
 def test_free_text_requests_end_at_their_stop_text_not_at_the_scaffold(model, tok, env, scaffold):
     """A reflection (scaffold=False, stop text </reflection>) runs past a literal </answer> and a
     </call_tool> and ends at </reflection>; a research request ends at the </answer>."""
-    body = ("<reflection>the search for X found nothing</answer> and <call_tool name=\"search\">x</call_tool> "
-            "were mentioned</reflection> and trailing text")
+    body = (
+        '<reflection>the search for X found nothing</answer> and <call_tool name="search">x</call_tool> '
+        "were mentioned</reflection> and trailing text"
+    )
     script = Script(tok, {"r": [body]})
     engine = HFRolloutEngine(model, tok, forced_policy=script)
     sampling = _sampling(max_new_tokens=200, stop_texts=("</reflection>",))

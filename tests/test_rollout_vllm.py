@@ -11,6 +11,7 @@ Its random weights write scaffold tags by chance (~7% of this vocabulary), so fr
 makes tool calls; every sampled logprob is checked against a cache-free transformers recompute of
 the distribution it was drawn from, and weight sync is checked with and without the prefix-cache reset.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -132,8 +133,9 @@ class HFSampler:
 
     def __init__(self, model, tok, script: dict[str, list[str | list[int]]] | None = None):
         self.model, self.tok = model, tok
-        self.script = {rid: [t if isinstance(t, list) else _ids(tok, t) for t in turns]
-                       for rid, turns in (script or {}).items()}
+        self.script = {
+            rid: [t if isinstance(t, list) else _ids(tok, t) for t in turns] for rid, turns in (script or {}).items()
+        }
         self.calls: list[TurnCall] = []
         # transformers 5.x renamed the forward's cache argument; the CPU-vLLM venv may pin another 5.x
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -144,7 +146,7 @@ class HFSampler:
 
     def _one(self, call: TurnCall) -> TurnSample:
         turns = self.script.get(call.request_id, [])
-        forced = turns[call.turn][len(call.turn_ids):] if call.turn < len(turns) else []
+        forced = turns[call.turn][len(call.turn_ids) :] if call.turn < len(turns) else []
         ids: list[int] = []
         logprobs: list[float] = []
         with torch.no_grad():
@@ -185,22 +187,22 @@ def _check_views(tok, traj: TokenTrajectory) -> None:
     for seg in traj.segments:
         assert seg.start == covered
         covered = seg.end
-        assert _decode(tok, traj.token_ids[seg.start:seg.end]) == seg.text
-        assert traj.loss_mask[seg.start:seg.end] == [1 if seg.kind == "policy" else 0] * (seg.end - seg.start)
-        lps = traj.logprobs[seg.start:seg.end]
+        assert _decode(tok, traj.token_ids[seg.start : seg.end]) == seg.text
+        assert traj.loss_mask[seg.start : seg.end] == [1 if seg.kind == "policy" else 0] * (seg.end - seg.start)
+        lps = traj.logprobs[seg.start : seg.end]
         assert all(v <= 0 for v in lps) if seg.kind == "policy" else all(math.isnan(v) for v in lps)
         if seg.kind == "prompt":
-            assert set(traj.stage_ids[seg.start:seg.end]) <= {NO_STAGE}
+            assert set(traj.stage_ids[seg.start : seg.end]) <= {NO_STAGE}
         if seg.kind == "tool_output":
-            assert set(traj.stage_ids[seg.start:seg.end]) == {STAGE_IDS["research"]}
+            assert set(traj.stage_ids[seg.start : seg.end]) == {STAGE_IDS["research"]}
     assert covered == len(traj.token_ids)
-    gen = _decode(tok, traj.token_ids[traj.prompt_len:])
+    gen = _decode(tok, traj.token_ids[traj.prompt_len :])
     assert gen == "".join(s.text for s in traj.segments[1:])
     segments = parse_segments(gen)
     starts = [s.start for s in segments]
     checked = 0
     for i in range(traj.prompt_len, len(traj.token_ids)):
-        prefix = _decode(tok, traj.token_ids[traj.prompt_len:i])
+        prefix = _decode(tok, traj.token_ids[traj.prompt_len : i])
         if prefix.endswith("\ufffd") or len(prefix) >= len(gen):
             continue  # mid-character, or a token that adds no character
         k = max(j for j, s in enumerate(starts) if s <= len(prefix))
@@ -212,8 +214,9 @@ def _check_views(tok, traj: TokenTrajectory) -> None:
 def _assert_same(a: TokenTrajectory, b: TokenTrajectory) -> None:
     assert a.token_ids == b.token_ids
     assert (a.loss_mask, a.stage_ids, a.prompt_len) == (b.loss_mask, b.stage_ids, b.prompt_len)
-    assert [(s.kind, s.stage, s.start, s.end, s.text) for s in a.segments] == \
-        [(s.kind, s.stage, s.start, s.end, s.text) for s in b.segments]
+    assert [(s.kind, s.stage, s.start, s.end, s.text) for s in a.segments] == [
+        (s.kind, s.stage, s.start, s.end, s.text) for s in b.segments
+    ]
     assert (a.finish_reason, a.n_tool_calls, a.meta) == (b.finish_reason, b.n_tool_calls, b.meta)
     for x, y in zip(a.logprobs, b.logprobs):
         assert (math.isnan(x) and math.isnan(y)) or abs(x - y) < 1e-4, (x, y)
@@ -283,14 +286,27 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
     for request, group in zip(requests, reference):
         _assert_same(ours[request.request_id], group[0])
     assert {rid: t.finish_reason for rid, t in ours.items()} == {
-        "answer": ANSWERED, "open-tag": TRUNCATED, "eos-early": ERROR, "too-long": ERROR, "empty": ERROR,
-        "eos-in-answer": ANSWERED, "budget": TOOL_BUDGET, "context": TRUNCATED, "output-too-big": TRUNCATED,
+        "answer": ANSWERED,
+        "open-tag": TRUNCATED,
+        "eos-early": ERROR,
+        "too-long": ERROR,
+        "empty": ERROR,
+        "eos-in-answer": ANSWERED,
+        "budget": TOOL_BUDGET,
+        "context": TRUNCATED,
+        "output-too-big": TRUNCATED,
         "stray-close": ANSWERED,
     }
     answer = ours["answer"]
     assert answer.n_tool_calls == 1 and _tool_texts(answer) == [reply.text]
-    assert validate(_decode(tok, answer.token_ids[answer.prompt_len:])) == []
-    assert [s.stage for s in answer.segments if s.kind == "policy"] == ["plan", "research", "research", "review", "answer"]
+    assert validate(_decode(tok, answer.token_ids[answer.prompt_len :])) == []
+    assert [s.stage for s in answer.segments if s.kind == "policy"] == [
+        "plan",
+        "research",
+        "research",
+        "review",
+        "answer",
+    ]
     for traj in ours.values():
         if traj.token_ids:
             _check_views(tok, traj)
@@ -301,24 +317,37 @@ def test_reflection_requests_stop_at_their_stop_text_like_the_hf_engine(model, t
     the trajectory matches the HF engine's."""
     body = "<reflection>nothing found</answer> but more</reflection> trailing"
     script = {"r": [body]}
-    request = RolloutRequest("r", _prompt(tok, "Reflect."), max_tool_calls=0, scaffold=False,
-                             sampling=_sampling(max_new_tokens=120, stop_texts=("</reflection>",)))
+    request = RolloutRequest(
+        "r",
+        _prompt(tok, "Reflect."),
+        max_tool_calls=0,
+        scaffold=False,
+        sampling=_sampling(max_new_tokens=120, stop_texts=("</reflection>",)),
+    )
     sampler = HFSampler(model, tok, script)
     ours = VLLMRolloutEngine(None, tok, sampler=sampler).generate([request], env)[0][0]
     reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate([request], env)[0][0]
     _assert_same(ours, reference)
     assert sampler.calls[0].stop == ("</reflection>",) and ours.finish_reason == ANSWERED
-    assert "</reflection>" in _decode(tok, ours.token_ids[ours.prompt_len:]) and "trailing" not in _decode(
-        tok, ours.token_ids[ours.prompt_len:])
+    assert "</reflection>" in _decode(tok, ours.token_ids[ours.prompt_len :]) and "trailing" not in _decode(
+        tok, ours.token_ids[ours.prompt_len :]
+    )
 
 
 def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world):
     # Each row's first turn is a scripted search; after the tool output both engines decode greedily.
     queries = [d.title for d in world.documents[:5]] + ["no such thing"]
     script = {f"q{i}": [f'<call_tool name="search">{q}</call_tool>'] for i, q in enumerate(queries)}
-    requests = [RolloutRequest(f"q{i}", _prompt(tok, f"question {i} " * (i + 1)), n=1,
-                               sampling=_sampling(max_new_tokens=40, max_total_tokens=900), max_tool_calls=2)
-                for i in range(len(queries))]
+    requests = [
+        RolloutRequest(
+            f"q{i}",
+            _prompt(tok, f"question {i} " * (i + 1)),
+            n=1,
+            sampling=_sampling(max_new_tokens=40, max_total_tokens=900),
+            max_tool_calls=2,
+        )
+        for i in range(len(queries))
+    ]
     engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
     ours = [g[0] for g in engine.generate(requests, env)]
     reference = [g[0] for g in HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)]
@@ -351,13 +380,15 @@ def test_calls_continue_from_the_same_ids(model, tok, env):
     calls = sampler.calls
     assert traj.finish_reason == ANSWERED and traj.n_tool_calls == 2
     # call 0 stopped on the stray "</answer>"; call 1 continued the same turn from the same ids
-    assert (calls[0].turn, calls[1].turn) == (0, 0) and calls[1].turn_ids == calls[1].prompt_ids[len(calls[0].prompt_ids):]
-    assert calls[1].turn_ids and calls[1].prompt_ids[:len(calls[0].prompt_ids)] == calls[0].prompt_ids
+    assert (calls[0].turn, calls[1].turn) == (0, 0) and calls[1].turn_ids == calls[1].prompt_ids[
+        len(calls[0].prompt_ids) :
+    ]
+    assert calls[1].turn_ids and calls[1].prompt_ids[: len(calls[0].prompt_ids)] == calls[0].prompt_ids
     assert calls[1].max_tokens == 200 - len(calls[1].turn_ids)
     # every later call extends the previous context; the trajectory is the last context + its sample
     for before, after in zip(calls, calls[1:]):
-        assert after.prompt_ids[:len(before.prompt_ids)] == before.prompt_ids
-    assert traj.token_ids[:len(calls[-1].prompt_ids)] == calls[-1].prompt_ids
+        assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
+    assert traj.token_ids[: len(calls[-1].prompt_ids)] == calls[-1].prompt_ids
     assert engine.stats["discarded_tokens"] == len(trailing)
     assert _decode(tok, traj.token_ids).count(" trailing words") == 0
     seeds = [c.seed for c in calls]
@@ -374,8 +405,9 @@ def test_calls_continue_from_the_same_ids(model, tok, env):
     ids=["no-tokens", "bad-id"],
 )
 def test_sampler_misbehaviour_ends_the_row(tok, env, reply, reason, detail):
-    engine = VLLMRolloutEngine(None, tok, sampler=lambda calls: [TurnSample(list(reply), [-1.0] * len(reply))
-                                                                 for _ in calls])
+    engine = VLLMRolloutEngine(
+        None, tok, sampler=lambda calls: [TurnSample(list(reply), [-1.0] * len(reply)) for _ in calls]
+    )
     traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling())], env)[0][0]
     assert traj.finish_reason == reason and detail in traj.meta["finish_detail"]
     bad = VLLMRolloutEngine(None, tok, sampler=lambda calls: [])
@@ -385,10 +417,13 @@ def test_sampler_misbehaviour_ends_the_row(tok, env, reply, reason, detail):
 
 def test_model_length_limit_truncates(model, tok, env):
     prompt = _prompt(tok, "limits")
-    engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, {"r": ["<answer>" + "word " * 80]}),
-                               max_model_len=len(prompt) + 12)
-    requests = [RolloutRequest("r", prompt, sampling=_sampling(max_new_tokens=200, max_total_tokens=4000)),
-                RolloutRequest("long", prompt * 3, sampling=_sampling(max_total_tokens=4000))]
+    engine = VLLMRolloutEngine(
+        None, tok, sampler=HFSampler(model, tok, {"r": ["<answer>" + "word " * 80]}), max_model_len=len(prompt) + 12
+    )
+    requests = [
+        RolloutRequest("r", prompt, sampling=_sampling(max_new_tokens=200, max_total_tokens=4000)),
+        RolloutRequest("long", prompt * 3, sampling=_sampling(max_total_tokens=4000)),
+    ]
     traj, long = [g[0] for g in engine.generate(requests, env)]
     assert traj.finish_reason == TRUNCATED and "max_model_len" in traj.meta["finish_detail"]
     assert len(traj) == len(prompt) + 12
@@ -402,8 +437,9 @@ def test_model_length_limit_truncates(model, tok, env):
 @pytest.fixture(scope="module")
 def vllm_engine(model_dir, tok):
     pytest.importorskip("vllm", reason="vLLM is not installed here (CPU build: bash scripts/vllm_cpu_env.sh)")
-    return VLLMRolloutEngine(model_dir, tok, max_model_len=1024, tool_timeout_s=30,
-                             llm_kwargs=dict(dtype="float32", enforce_eager=True))
+    return VLLMRolloutEngine(
+        model_dir, tok, max_model_len=1024, tool_timeout_s=30, llm_kwargs=dict(dtype="float32", enforce_eager=True)
+    )
 
 
 def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) -> torch.Tensor:
@@ -411,8 +447,9 @@ def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) ->
     with torch.no_grad():
         logits = model(torch.tensor([traj.token_ids])).logits[0, :-1].float()
     if params.temperature > 0:
-        logits = _filter_top_k_top_p(logits / params.temperature, [params.top_k] * len(logits),
-                                     [params.top_p] * len(logits))
+        logits = _filter_top_k_top_p(
+            logits / params.temperature, [params.top_k] * len(logits), [params.top_p] * len(logits)
+        )
     logp = torch.log_softmax(logits, dim=-1)
     out = torch.full((len(traj.token_ids),), float("nan"))
     out[1:] = logp.gather(1, torch.tensor(traj.token_ids[1:])[:, None]).squeeze(1)
@@ -421,14 +458,18 @@ def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) ->
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1),
-     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=40, max_total_tokens=500, seed=2),
-     SamplingParams(temperature=0.0, max_new_tokens=40, max_total_tokens=500, seed=3)],
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=40, max_total_tokens=500, seed=2),
+        SamplingParams(temperature=0.0, max_new_tokens=40, max_total_tokens=500, seed=3),
+    ],
     ids=["t1", "t0.7-topk20-topp0.9", "greedy"],
 )
 def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, model, tok, env, world, params):
-    requests = [RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
-                for i in range(3)]
+    requests = [
+        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+        for i in range(3)
+    ]
     trajs = [t for g in vllm_engine.generate(requests, env) for t in g]
     assert len(trajs) == 12 and {t.finish_reason for t in trajs} <= {ANSWERED, TRUNCATED, TOOL_BUDGET, ERROR}
     assert vllm_engine.stats["vllm_calls"] >= 1 and vllm_engine.stats["sampled_tokens"] > 100
@@ -455,7 +496,9 @@ def test_vllm_limits_and_bad_prompts(vllm_engine, tok, env):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=7, max_total_tokens=500, seed=4)
     requests = [
         RolloutRequest("turn", prompt, n=3, sampling=sampling),
-        RolloutRequest("context", prompt, sampling=SamplingParams(max_new_tokens=50, max_total_tokens=len(prompt) + 5, seed=4)),
+        RolloutRequest(
+            "context", prompt, sampling=SamplingParams(max_new_tokens=50, max_total_tokens=len(prompt) + 5, seed=4)
+        ),
         RolloutRequest("too-long", prompt * 3, sampling=SamplingParams(max_total_tokens=len(prompt) * 3)),
         RolloutRequest("model-len", (prompt * 200)[:1100], sampling=SamplingParams(max_total_tokens=4000)),
         RolloutRequest("empty", [], sampling=sampling),
@@ -479,6 +522,7 @@ def test_vllm_same_seed_same_rollouts_other_seed_differs(vllm_engine, tok, env):
 
     first, again, other = run(11), run(11), run(12)
     assert [t.token_ids for t in first] == [t.token_ids for t in again]
+
     def finite(trajs):
         return [[v for v in t.logprobs if not math.isnan(v)] for t in trajs]
 
@@ -497,8 +541,13 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
         return vllm_engine.generate(requests, env)[0]
 
     def worst_error(trajs: list[TokenTrajectory], reference) -> float:
-        errors = [abs(t.logprobs[i] - float(w[i])) for t in trajs for w in [_reference_logprobs(reference, t, params)]
-                  for i, bit in enumerate(t.loss_mask) if bit]
+        errors = [
+            abs(t.logprobs[i] - float(w[i]))
+            for t in trajs
+            for w in [_reference_logprobs(reference, t, params)]
+            for i, bit in enumerate(t.loss_mask)
+            if bit
+        ]
         return max(errors)
 
     before = run()
@@ -533,18 +582,30 @@ def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, worl
     pytest.importorskip("vllm")
     from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
 
-    server = VLLMServer(model_dir, dtype="float32", max_model_len=2048, log_path=tmp_path / "server.log",
-                        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"})
+    server = VLLMServer(
+        model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        log_path=tmp_path / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+    )
     engine = VLLMServerEngine(server, tok, max_model_len=2048)
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=700, seed=4)
-        requests = [RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params,
-                                   max_tool_calls=2) for i in range(2)]
+        requests = [
+            RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params, max_tool_calls=2)
+            for i in range(2)
+        ]
 
         def worst_error(reference) -> tuple[list[list[int]], float]:
             trajs = [t for g in engine.generate(requests, env) for t in g]
-            errors = [abs(t.logprobs[i] - float(w[i])) for t in trajs for w in [_reference_logprobs(reference, t, params)]
-                      for i, bit in enumerate(t.loss_mask) if bit]
+            errors = [
+                abs(t.logprobs[i] - float(w[i]))
+                for t in trajs
+                for w in [_reference_logprobs(reference, t, params)]
+                for i, bit in enumerate(t.loss_mask)
+                if bit
+            ]
             assert errors and sum(t.n_policy_tokens for t in trajs) > 20
             return [t.token_ids for t in trajs], max(errors)
 

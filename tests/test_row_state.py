@@ -3,6 +3,7 @@
 A character tokenizer (one token per character, id = code point) makes every expectation countable
 by hand: ``'<call_tool name="search">q</call_tool>'`` is 38 tokens, its last ``>`` closes the call.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,7 @@ TOK = CharTokenizer()
 
 def _row(prompt: str = "P:", *, max_tool_calls: int = 3, scaffold: bool = True, tools=None, **sampling) -> RowState:
     params = SamplingParams(**{"max_new_tokens": 200, "max_total_tokens": 1000, **sampling})
-    request = RolloutRequest("r", TOK.encode(prompt), sampling=params, max_tool_calls=max_tool_calls,
-                             scaffold=scaffold)
+    request = RolloutRequest("r", TOK.encode(prompt), sampling=params, max_tool_calls=max_tool_calls, scaffold=scaffold)
     env = ToolEnv(tools if tools is not None else {"search": Echo()}, max_tool_calls)
     return RowState.start(request, 0, env, TOK, frozenset({EOS}), vocab_size=len(TOK))
 
@@ -74,13 +74,16 @@ def test_a_usable_prompt_queues_and_opens_a_turn():
     assert row.queue == [ord("P"), ord(":")] and row.length == 2 and row.turn is not None and not row.finished
 
 
-@pytest.mark.parametrize("prompt_ids, kw, detail", [
-    ([], {}, "empty prompt"),
-    ([80] * 5, {}, "prompt has 5 tokens; the context limit is 5"),
-    ([80] * 5, {"max_model_len": 5, "limit": 9}, "prompt has 5 tokens; vLLM max_model_len is 5"),
-    ([80, 10**7], {"limit": 9}, f"prompt has token ids outside the vocabulary (size {len(TOK)})"),
-    ([-1, 80], {"limit": 9}, f"prompt has token ids outside the vocabulary (size {len(TOK)})"),
-])
+@pytest.mark.parametrize(
+    "prompt_ids, kw, detail",
+    [
+        ([], {}, "empty prompt"),
+        ([80] * 5, {}, "prompt has 5 tokens; the context limit is 5"),
+        ([80] * 5, {"max_model_len": 5, "limit": 9}, "prompt has 5 tokens; vLLM max_model_len is 5"),
+        ([80, 10**7], {"limit": 9}, f"prompt has token ids outside the vocabulary (size {len(TOK)})"),
+        ([-1, 80], {"limit": 9}, f"prompt has token ids outside the vocabulary (size {len(TOK)})"),
+    ],
+)
 def test_unusable_prompts_finish_with_an_error(prompt_ids, kw, detail):
     limit = kw.pop("limit", 5)
     request = RolloutRequest("r", prompt_ids, sampling=SamplingParams(max_total_tokens=limit))
@@ -118,13 +121,17 @@ def test_tool_output_is_appended_unmasked_and_the_next_turn_opens():
     n_call, n_out, n_answer = 2 + len(CALL), len(output), len("<answer>ok</answer>")
     assert traj.token_ids == TOK.encode("P:" + "hm" + CALL + output + "<answer>ok</answer>")
     assert traj.loss_mask == [0] * 2 + [1] * n_call + [0] * n_out + [1] * n_answer
-    assert traj.stage_ids == ([NO_STAGE] * 2 + [PLAN] * 2 + [RESEARCH] * len(CALL) + [RESEARCH] * n_out
-                              + [ANSWER] * n_answer)
+    assert traj.stage_ids == (
+        [NO_STAGE] * 2 + [PLAN] * 2 + [RESEARCH] * len(CALL) + [RESEARCH] * n_out + [ANSWER] * n_answer
+    )
     assert [(s.kind, s.stage, s.text) for s in traj.segments] == [
-        ("prompt", None, "P:"), ("policy", "plan", "hm"), ("policy", "research", CALL),
-        ("tool_output", "research", output), ("policy", "answer", "<answer>ok</answer>"),
+        ("prompt", None, "P:"),
+        ("policy", "plan", "hm"),
+        ("policy", "research", CALL),
+        ("tool_output", "research", output),
+        ("policy", "answer", "<answer>ok</answer>"),
     ]
-    assert traj.logprobs[2:4] == [-0.5, -0.5] and all(math.isnan(x) for x in traj.logprobs[2 + n_call:][:n_out])
+    assert traj.logprobs[2:4] == [-0.5, -0.5] and all(math.isnan(x) for x in traj.logprobs[2 + n_call :][:n_out])
     assert traj.logprobs[-1] == -0.25
     assert traj.n_tool_calls == 1 and traj.meta["tool_calls_written"] == 1 and traj.meta["tool_errors"] == 0
 

@@ -1,4 +1,5 @@
 """The run-dir lock: re-entrant in-process, exclusive across processes, never stale after a kill."""
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,12 @@ HOLD_LOCK = textwrap.dedent(
 
 def _python(script: str, *args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", script, *args], cwd=REPO_ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs,
+        [sys.executable, "-c", script, *args],
+        cwd=REPO_ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
     )
 
 

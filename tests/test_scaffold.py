@@ -1,4 +1,5 @@
 """Tests for the scaffold format, parsers and validator."""
+
 from __future__ import annotations
 
 import random
@@ -92,32 +93,69 @@ VIOLATION_CASES = [
     ("repeated_review", VALID.replace(REVIEW, REVIEW + REVIEW), {}, sc.REPEATED_STAGE, set()),
     ("repeated_answer", VALID + ANSWER, {}, sc.REPEATED_STAGE, set()),
     ("repeated_plan", PLAN + VALID, {}, sc.REPEATED_STAGE, set()),
-    ("call_after_review", VALID.replace(CALL_2 + OUTPUT_2, "").replace(REVIEW, REVIEW + CALL_2 + OUTPUT_2),
-     {}, sc.STAGE_ORDER, set()),
+    (
+        "call_after_review",
+        VALID.replace(CALL_2 + OUTPUT_2, "").replace(REVIEW, REVIEW + CALL_2 + OUTPUT_2),
+        {},
+        sc.STAGE_ORDER,
+        set(),
+    ),
     ("review_before_plan", REVIEW + VALID.replace(REVIEW, ""), {}, sc.STAGE_ORDER, {sc.MISSING_PLAN}),
     ("unclosed_tag", VALID.replace("</deep_analysis>", "", 1), {}, sc.MALFORMED_TAG, {sc.INCOMPLETE_PLAN}),
     ("stray_close", VALID.replace(EVAL_2, EVAL_2 + "</review>"), {}, sc.MALFORMED_TAG, set()),
-    ("cite_outside_answer", VALID.replace(REVIEW, REVIEW.replace("Gaps", '<cite id="D4">x</cite> Gaps')),
-     {}, sc.MALFORMED_TAG, set()),
+    (
+        "cite_outside_answer",
+        VALID.replace(REVIEW, REVIEW.replace("Gaps", '<cite id="D4">x</cite> Gaps')),
+        {},
+        sc.MALFORMED_TAG,
+        set(),
+    ),
     ("output_without_call", VALID.replace(EVAL_2, OUTPUT_2 + EVAL_2), {}, sc.MALFORMED_TAG, set()),
     ("cite_without_id", VALID.replace('<cite id="D9">', "<cite>"), {}, sc.MALFORMED_TAG, set()),
     ("tool_call_no_name", VALID.replace('<call_tool name="browse">', "<call_tool>"), {}, sc.MALFORMED_TOOL_CALL, set()),
     ("tool_call_empty_query", VALID.replace(">D9</call_tool>", ">  </call_tool>"), {}, sc.MALFORMED_TOOL_CALL, set()),
-    ("tool_call_nested_tag", VALID.replace(">D9</call_tool>", "><thesis>D9</thesis></call_tool>"),
-     {}, sc.MALFORMED_TOOL_CALL, set()),
+    (
+        "tool_call_nested_tag",
+        VALID.replace(">D9</call_tool>", "><thesis>D9</thesis></call_tool>"),
+        {},
+        sc.MALFORMED_TOOL_CALL,
+        set(),
+    ),
     ("unknown_tool", VALID.replace('name="browse"', 'name="wiki"'), {}, sc.UNKNOWN_TOOL, set()),
     ("call_without_output", VALID.replace(OUTPUT_2, ""), {}, sc.TOOL_CALL_WITHOUT_OUTPUT, set()),
     ("uncited_answer", VALID.replace(ANSWER, "<answer>Marr founded it.</answer>"), {}, sc.UNCITED_ANSWER, set()),
-    ("citation_not_retrieved", VALID.replace('<cite id="D9">', '<cite id="D99">'), {}, sc.CITATION_NOT_RETRIEVED, set()),
-    ("citation_from_error_output", VALID.replace('<cite id="D9">', '<cite id="D4, D9x">'),
-     {}, sc.CITATION_NOT_RETRIEVED, set()),
+    (
+        "citation_not_retrieved",
+        VALID.replace('<cite id="D9">', '<cite id="D99">'),
+        {},
+        sc.CITATION_NOT_RETRIEVED,
+        set(),
+    ),
+    (
+        "citation_from_error_output",
+        VALID.replace('<cite id="D9">', '<cite id="D4, D9x">'),
+        {},
+        sc.CITATION_NOT_RETRIEVED,
+        set(),
+    ),
     ("empty_answer", VALID.replace(ANSWER, "<answer> \n </answer>"), {}, sc.EMPTY_ANSWER, set()),
     ("text_outside_tags", "Sure, here is my research.\n" + VALID, {}, sc.TEXT_OUTSIDE_TAGS, set()),
     ("text_between_stages", VALID.replace(REVIEW, "Now I review.\n" + REVIEW), {}, sc.TEXT_OUTSIDE_TAGS, set()),
     ("incomplete_plan", VALID.replace("- No unsupported dates", "", 1), {}, sc.INCOMPLETE_PLAN, set()),
-    ("plan_without_research_plan", VALID.replace("1. Search the founder.\n2. Browse the most relevant document.", ""),
-     {}, sc.INCOMPLETE_PLAN, set()),
-    ("incomplete_review", VALID.replace("<outline>1. Founding 2. Comet</outline>", ""), {}, sc.INCOMPLETE_REVIEW, set()),
+    (
+        "plan_without_research_plan",
+        VALID.replace("1. Search the founder.\n2. Browse the most relevant document.", ""),
+        {},
+        sc.INCOMPLETE_PLAN,
+        set(),
+    ),
+    (
+        "incomplete_review",
+        VALID.replace("<outline>1. Founding 2. Comet</outline>", ""),
+        {},
+        sc.INCOMPLETE_REVIEW,
+        set(),
+    ),
     ("invalid_state_evaluation", VALID.replace(" Verdict: ready", ""), {}, sc.INVALID_STATE_EVALUATION, set()),
     ("too_many_tool_calls", VALID, {"max_tool_calls": 1}, sc.TOO_MANY_TOOL_CALLS, set()),
 ]
@@ -140,7 +178,7 @@ def test_every_violation_code_has_a_case_and_a_description() -> None:
 def test_violation_positions_point_at_the_problem() -> None:
     text = VALID.replace('<cite id="D9">', '<cite id="D99">')
     (violation,) = validate(text)
-    assert text[violation.position:].startswith('<cite id="D99">')
+    assert text[violation.position :].startswith('<cite id="D99">')
 
 
 def test_citation_must_precede_retrieval_order() -> None:
@@ -214,7 +252,7 @@ def test_segments_follow_stage_rules() -> None:
     assert "".join(s.text for s in segments) == "hello " + VALID
     assert segments[0].stage == "plan" and segments[0].text.startswith("hello <structured_plan>")
     for segment in segments:
-        assert segment.text == ("hello " + VALID)[segment.start:segment.end]
+        assert segment.text == ("hello " + VALID)[segment.start : segment.end]
     tool_texts = [s.text for s in segments if s.is_tool_output]
     assert tool_texts == [OUTPUT_1.rstrip("\n"), OUTPUT_2.rstrip("\n")]
     research = "".join(s.text for s in segments if s.stage == "research" and not s.is_tool_output)
@@ -232,7 +270,7 @@ def stream(text: str, sizes: list[int]) -> tuple[list[tuple[str, str, bool]], li
     calls: list[ToolCall] = []
     pos = 0
     for size in sizes:
-        pieces += parser.feed(text[pos:pos + size])
+        pieces += parser.feed(text[pos : pos + size])
         pos += size
         while parser.pending_tool_call is not None:
             calls.append(parser.take_tool_call())
@@ -244,10 +282,35 @@ def stream(text: str, sizes: list[int]) -> tuple[list[tuple[str, str, bool]], li
 
 
 FUZZ_ATOMS = [
-    "<", ">", "/", " ", "a", "\n", "<answer>", "</answer>", "<call_tool name=\"search\">", "</call_tool>",
-    "<tool_output>", "</tool_output>", "</tool_", "<rubric_", "<rubric_review>", "<structured_plan>",
-    "<state_evaluation>", "<review>", "<cite id=\"D1\">", "</cite>", "<snippet id=\"D1\">", "<think>",
-    "<answer x" + "y" * 205, "<call_tool", " name=\"browse\"", "<<", "</", "</review", "<Answer>",
+    "<",
+    ">",
+    "/",
+    " ",
+    "a",
+    "\n",
+    "<answer>",
+    "</answer>",
+    '<call_tool name="search">',
+    "</call_tool>",
+    "<tool_output>",
+    "</tool_output>",
+    "</tool_",
+    "<rubric_",
+    "<rubric_review>",
+    "<structured_plan>",
+    "<state_evaluation>",
+    "<review>",
+    '<cite id="D1">',
+    "</cite>",
+    '<snippet id="D1">',
+    "<think>",
+    "<answer x" + "y" * 205,
+    "<call_tool",
+    ' name="browse"',
+    "<<",
+    "</",
+    "</review",
+    "<Answer>",
 ]
 
 
@@ -261,9 +324,7 @@ def test_stream_agrees_with_parse_segments_on_random_chunkings() -> None:
     for text in texts:
         expected = parse_segments(text)
         expected_calls = extract_tool_calls(text)
-        chunkings = [[1] * len(text), [len(text)]] + [
-            [rng.randint(1, 9) for _ in range(len(text))] for _ in range(3)
-        ]
+        chunkings = [[1] * len(text), [len(text)]] + [[rng.randint(1, 9) for _ in range(len(text))] for _ in range(3)]
         for sizes in chunkings:
             pieces, calls, parser = stream(text, sizes)
             assert merge_pieces(pieces) == expected, (text, sizes[:20])
@@ -294,8 +355,8 @@ def test_partial_tags_at_chunk_boundaries() -> None:
 
 def test_flush_releases_an_unfinished_tag_as_text() -> None:
     parser = StreamParser()
-    assert parser.feed("<call_tool name=\"sea") == []
-    assert parser.flush() == [("<", "plan", False), ("call_tool name=\"sea", "plan", False)]
+    assert parser.feed('<call_tool name="sea') == []
+    assert parser.flush() == [("<", "plan", False), ('call_tool name="sea', "plan", False)]
     assert parser.pending_tool_call is None
 
 
@@ -321,7 +382,7 @@ def test_stream_is_linear_and_buffer_is_bounded() -> None:
     started = time.perf_counter()
     longest = 0
     for index in range(0, len(body), 3):
-        parser.feed(body[index:index + 3])
+        parser.feed(body[index : index + 3])
         longest = max(longest, len(parser.buffered))
     parser.flush()
     assert time.perf_counter() - started < 5.0

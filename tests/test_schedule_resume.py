@@ -1,6 +1,7 @@
 """Resuming with another total_steps re-plans the learning-rate curve (issue #21): from the checkpoint's
 step on, the lr is the one a fresh schedule planned for the new total gives; a resume with the same
 config is unchanged; other schedule changes keep the checkpoint's curve with a warning."""
+
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
-
 from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
 
 WARMUP, MIN_RATIO, LR = 2, 0.1, 1e-3

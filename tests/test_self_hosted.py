@@ -4,6 +4,7 @@ benchmark grader. Each endpoint section of the `research` profile is pointed at 
 127.0.0.1 with `api_base` and its own key variable, and its settings are built the way the tasks build
 them (teacher.endpoint.endpoint_settings + tasks.secrets.resolve_api_key): the call reaches that server,
 with the served model name and the key, through the same litellm client the tasks use."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,15 @@ def _section(cfg, dotted: str):
 
 
 def _config(section: str, base_url: str, **extra):
-    return load_config("research", {f"{section}.model": "openai/Qwen3-32B", f"{section}.api_base": base_url,
-                                    f"{section}.api_key_env": "RUBRICEM_SELF_HOSTED_KEY", **extra})
+    return load_config(
+        "research",
+        {
+            f"{section}.model": "openai/Qwen3-32B",
+            f"{section}.api_base": base_url,
+            f"{section}.api_key_env": "RUBRICEM_SELF_HOSTED_KEY",
+            **extra,
+        },
+    )
 
 
 @pytest.mark.parametrize("section", SECTIONS)
@@ -46,8 +54,11 @@ def test_the_teacher_batch_api_of_a_self_hosted_server(monkeypatch):
     """The teacher's default mode in research is the Batch API: upload, create, poll, download."""
     monkeypatch.setenv("RUBRICEM_SELF_HOSTED_KEY", KEY)
     with FakeOpenAIServer(lambda body: "trace", api_key=KEY) as server:
-        cfg = _config("teacher", server.base_url, **{"teacher.batch_poll_interval_s": 0.05,
-                                                      "teacher.batch_poll_max_interval_s": 0.1})
+        cfg = _config(
+            "teacher",
+            server.base_url,
+            **{"teacher.batch_poll_interval_s": 0.05, "teacher.batch_poll_max_interval_s": 0.1},
+        )
         assert cfg.teacher.mode == "batch"
         settings = endpoint_settings(cfg.teacher, api_key=resolve_api_key(cfg.teacher))
         requests = [ChatRequest(f"t{i}", "", [{"role": "user", "content": f"q{i}"}], max_tokens=8) for i in range(3)]

@@ -1,4 +1,5 @@
 """SFT: the flow end to end on tiny, exact resume, and clear errors for unusable data."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,12 @@ def test_sft_flow_trains_and_logs(collected_run):
     tok = AutoTokenizer.from_pretrained(result["final_dir"])
     assert tok.chat_template and model.num_parameters() > 0
     doc_id = RunStore(collected_run).read_table("corpus")["doc_id"][7].as_py()
-    assert len(tok.encode(doc_id, add_special_tokens=False)) == 1, "corpus ids are single tokens (policy.atomic_doc_ids)"
-    losses = json.loads(run_sql(collected_run, "SELECT step, value FROM metrics WHERE name = 'sft/loss' ORDER BY step", fmt="json"))
+    assert len(tok.encode(doc_id, add_special_tokens=False)) == 1, (
+        "corpus ids are single tokens (policy.atomic_doc_ids)"
+    )
+    losses = json.loads(
+        run_sql(collected_run, "SELECT step, value FROM metrics WHERE name = 'sft/loss' ORDER BY step", fmt="json")
+    )
     assert len(losses) >= 3
     assert losses[-1]["value"] < losses[0]["value"], "loss must fall during SFT"
     # a second call finds the final checkpoint and does not train again
@@ -61,11 +66,10 @@ def test_sft_flow_trains_and_logs(collected_run):
 def test_sft_mixes_reflection_examples_with_their_own_loss(collected_run):
     """The teacher's reflections are SFT examples of the meta-policy's task: its exact prompt untrained,
     the reflection and end-of-turn token trained under their own stage; the task losses are logged apart."""
+    from flows.sft import sft
     from rubricem_core.encoding import encode_prompt
     from rubricem_core.sft import encode_reflection_rows, sft_inputs
     from rubricem_core.trajectory import NO_STAGE, REFLECTION_STAGE
-
-    from flows.sft import sft
 
     sft(run_dir=collected_run, profile="tiny", overrides=SMALL)  # trains once per module (cached after)
     rows, reflections = sft_inputs(collected_run)
@@ -77,17 +81,27 @@ def test_sft_mixes_reflection_examples_with_their_own_loss(collected_run):
     assert len(trajs) == len(reflections) and not too_long
     for traj, row in zip(trajs, reflections):
         prompt = encode_prompt(tok, json.loads(row["messages"]))  # what the sampler is given during RL
-        assert traj.token_ids[:len(prompt)] == prompt and traj.prompt_len == len(prompt)
-        assert set(traj.loss_mask[:len(prompt)]) == {0} and set(traj.loss_mask[len(prompt):]) == {1}
-        assert set(traj.stage_ids[:len(prompt)]) == {NO_STAGE} and set(traj.stage_ids[len(prompt):]) == {REFLECTION_STAGE}
-        assert tok.decode(traj.token_ids[len(prompt):-1]) == row["text"] and traj.token_ids[-1] == tok.eos_token_id
+        assert traj.token_ids[: len(prompt)] == prompt and traj.prompt_len == len(prompt)
+        assert set(traj.loss_mask[: len(prompt)]) == {0} and set(traj.loss_mask[len(prompt) :]) == {1}
+        assert set(traj.stage_ids[: len(prompt)]) == {NO_STAGE} and set(traj.stage_ids[len(prompt) :]) == {
+            REFLECTION_STAGE
+        }
+        assert tok.decode(traj.token_ids[len(prompt) : -1]) == row["text"] and traj.token_ids[-1] == tok.eos_token_id
     names = {r["name"] for r in json.loads(run_sql(collected_run, "SELECT DISTINCT name FROM metrics", fmt="json"))}
     assert {"sft/task_nll/research", "sft/task_nll/reflection", "sft/n_task_tokens/reflection"} <= names, sorted(names)
 
 
-@pytest.mark.parametrize("n_research,n_reflections,ratio,expected", [
-    (10, 4, 1.0, 10), (10, 4, 0.5, 5), (10, 20, 0.5, 5), (10, 0, 1.0, 0), (10, 4, 0.0, 0), (3, 4, 2.0, 6),
-])
+@pytest.mark.parametrize(
+    "n_research,n_reflections,ratio,expected",
+    [
+        (10, 4, 1.0, 10),
+        (10, 4, 0.5, 5),
+        (10, 20, 0.5, 5),
+        (10, 0, 1.0, 0),
+        (10, 4, 0.0, 0),
+        (3, 4, 2.0, 6),
+    ],
+)
 def test_reflection_mix_sizes_and_covers(n_research, n_reflections, ratio, expected):
     from rubricem_core.sft import reflection_mix
 
@@ -151,7 +165,12 @@ def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
 
 @pytest.mark.parametrize(
     ("overrides", "n_ids", "expected"),
-    [({}, 300, 300), ({}, 1025, 0), ({"policy.atomic_doc_ids": False}, 300, 0), ({"policy.vocab_size": 8192}, 1025, 1025)],
+    [
+        ({}, 300, 300),
+        ({}, 1025, 0),
+        ({"policy.atomic_doc_ids": False}, 300, 0),
+        ({"policy.vocab_size": 8192}, 1025, 1025),
+    ],
 )
 def test_atomic_doc_id_terms(overrides, n_ids, expected, caplog):
     cfg = load_config("tiny", overrides)  # vocab_size 4096 unless overridden: at most 1024 ids

@@ -68,7 +68,9 @@ def test_table_output_lists_and_truncation(run_dir: Path):
 def test_csv_and_json_output(run_dir: Path):
     csv_out = run_sql(run_dir, "SELECT rollout_id, token_ids, valid_scaffold FROM rollouts ORDER BY 1", fmt="csv")
     assert csv_out.splitlines() == ["rollout_id,token_ids,valid_scaffold", 'r1,"[1, 2, 3]",True', "r2,[4],False"]
-    records = json.loads(run_sql(run_dir, "SELECT step, avg(value) AS v FROM metrics GROUP BY step ORDER BY step", fmt="json"))
+    records = json.loads(
+        run_sql(run_dir, "SELECT step, avg(value) AS v FROM metrics GROUP BY step ORDER BY step", fmt="json")
+    )
     assert records == [{"step": 1, "v": 0.255}, {"step": 2, "v": 0.505}, {"step": 3, "v": 0.02}]
     assert json.loads(run_sql(run_dir, "SELECT 'nan'::DOUBLE AS x", fmt="json")) == [{"x": None}]
     with pytest.raises(RunSqlError, match="exactly one statement"):
@@ -183,7 +185,9 @@ def test_corrupt_file_leaves_other_tables_queryable(run_dir: Path, kind: str):
     assert run_sql(run_dir, "SELECT step, name FROM metrics ORDER BY 1, 2", fmt="csv").splitlines()[1] == "1,kl"
     shown = run_sql(run_dir, "SHOW TABLES", fmt="csv").splitlines()
     assert shown == ["name", "metrics", "rollouts"]  # the damaged table is still listed
-    with pytest.raises(RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"):
+    with pytest.raises(
+        RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"
+    ):
         run_sql(run_dir, "SELECT * FROM rollouts")
 
 
@@ -236,7 +240,9 @@ def test_every_damaged_file_is_named_and_the_lock_holds(run_dir: Path):
 
 def test_open_run_db_is_strict_by_default(run_dir: Path):
     victim = damage(RunStore(run_dir).files("rollouts")[0], "truncated")
-    with pytest.raises(RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"):
+    with pytest.raises(
+        RunSqlError, match=f"table 'rollouts' is unreadable: corrupt or truncated Parquet file {victim}"
+    ):
         open_run_db(run_dir)
     con = open_run_db(run_dir, strict=False)
     try:

@@ -1,4 +1,5 @@
 """SS-GRPO: vectorized functions against explicit-loop references, and loss behaviour."""
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,20 @@ from rubricem_core.ssgrpo import (
 )
 
 K = len(STAGES)
-LAMBDA_SPECS = ["stage_local", "terminal", "causal", {"name": "discounted", "gamma": 0.7}, "discounted(0.5)",
-                [[1, 0.5, 0, 2], [0, 1, 0.3, 0], [0, 0, 1, 1], [0, 0, 0, 1]]]
+LAMBDA_SPECS = [
+    "stage_local",
+    "terminal",
+    "causal",
+    {"name": "discounted", "gamma": 0.7},
+    "discounted(0.5)",
+    [[1, 0.5, 0, 2], [0, 1, 0.3, 0], [0, 0, 1, 1], [0, 0, 0, 1]],
+]
 SPEC_IDS = ["stage_local", "terminal", "causal", "discounted0.7", "discounted0.5", "explicit"]
 CLIPS = [(0.2, 0.2), (0.2, 0.28), (0.1, 0.4)]
 
 
 # ------------------------------------------------------------------------ loop references ----
+
 
 def ref_returns(R: list[list[float]], lam: list[list[float]]) -> list[list[float]]:
     n = len(R)
@@ -54,8 +62,10 @@ def ref_advantages(G: list[list[float]], eps: float = 1e-6) -> list[list[float]]
 
 
 def ref_token_advantages(A, stage_ids, mask):
-    return [[A[i][s] if m and s >= 0 else 0.0 for s, m in zip(sids, ms)] for i, (sids, ms) in
-            enumerate(zip(stage_ids, mask))]
+    return [
+        [A[i][s] if m and s >= 0 else 0.0 for s, m in zip(sids, ms)]
+        for i, (sids, ms) in enumerate(zip(stage_ids, mask))
+    ]
 
 
 def ref_policy_loss(logp, old, ref, adv, mask, clip_low, clip_high, kl_coef):
@@ -95,6 +105,7 @@ def same(a: torch.Tensor, b: list[list[float]]) -> bool:
 
 
 # --------------------------------------------------------------------------- equivalence ----
+
 
 @pytest.mark.parametrize("spec", LAMBDA_SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("seed", range(5))
@@ -157,8 +168,16 @@ def test_policy_loss_matches_loop(clip, with_ref, seed):
     adv = torch.randn(n, T, generator=g, dtype=torch.float64)
     mask = torch.rand(n, T, generator=g) < 0.7
     loss, metrics = policy_loss(logp, old, ref, adv, mask, clip[0], clip[1], kl_coef=0.05)
-    want, want_kl = ref_policy_loss(logp.tolist(), old.tolist(), None if ref is None else ref.tolist(),
-                                    adv.tolist(), mask.tolist(), clip[0], clip[1], 0.05)
+    want, want_kl = ref_policy_loss(
+        logp.tolist(),
+        old.tolist(),
+        None if ref is None else ref.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        clip[0],
+        clip[1],
+        0.05,
+    )
     assert loss.item() == pytest.approx(want, abs=1e-10)
     assert metrics["kl"] == pytest.approx(want_kl, abs=1e-10)
     assert metrics["n_tokens"] == mask.sum().item()
@@ -166,6 +185,7 @@ def test_policy_loss_matches_loop(clip, with_ref, seed):
 
 
 # -------------------------------------------------------------------------- Λ semantics ----
+
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("other_stages", ["nan", "scored"])
@@ -224,6 +244,7 @@ def test_returns_change_with_scores(spec):
 
 
 # ------------------------------------------------------------------------------ the loss ----
+
 
 def test_masked_tokens_get_exactly_zero_gradient():
     g = torch.Generator().manual_seed(0)
@@ -331,6 +352,7 @@ def test_pipeline_scores_to_update():
 
 # ------------------------------------------------------------------------- Λ constructors ----
 
+
 def test_lambda_presets():
     assert torch.equal(lambda_matrix("stage_local"), torch.eye(4))
     assert lambda_matrix("terminal").tolist() == [[0, 0, 0, 1]] * 4
@@ -344,23 +366,26 @@ def test_lambda_presets():
     assert torch.equal(as_lambda("discounted(1)"), lambda_matrix("causal"))
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("nope", "unknown lambda preset 'nope'"),
-    ("discounted", "needs gamma"),
-    ({"name": "discounted", "gamma": 1.5}, "in [0, 1]"),
-    ({"name": "causal", "gamma": 0.5}, "only to the 'discounted'"),
-    ({"name": "causal", "beta": 1}, "unknown keys ['beta']"),
-    ({"gamma": 0.5}, "needs a 'name'"),
-    ("discounted(x)", "not a number"),
-    ([[1, 0], [0, 1]], "must be 4×4; it has 2 rows"),
-    ([[1, 0, 0, 0]] * 3 + [[0, 0, 1]], "row 3 is 3"),
-    ([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0.5, 1, 0], [0, 0, 0, 1]], "lambda[2][1] = 0.5: entries below the diagonal"),
-    ([[1, 0, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[1][1] = 2.0: diagonal"),
-    ([[1, math.inf, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[0][1] = inf is not finite"),
-    ([[1, "a", 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[0][1] = 'a' is not a number"),
-    (lambda_matrix("terminal"), "lambda[0][0] = 0.0: diagonal"),
-    (3, "got int"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("nope", "unknown lambda preset 'nope'"),
+        ("discounted", "needs gamma"),
+        ({"name": "discounted", "gamma": 1.5}, "in [0, 1]"),
+        ({"name": "causal", "gamma": 0.5}, "only to the 'discounted'"),
+        ({"name": "causal", "beta": 1}, "unknown keys ['beta']"),
+        ({"gamma": 0.5}, "needs a 'name'"),
+        ("discounted(x)", "not a number"),
+        ([[1, 0], [0, 1]], "must be 4×4; it has 2 rows"),
+        ([[1, 0, 0, 0]] * 3 + [[0, 0, 1]], "row 3 is 3"),
+        ([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0.5, 1, 0], [0, 0, 0, 1]], "lambda[2][1] = 0.5: entries below the diagonal"),
+        ([[1, 0, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[1][1] = 2.0: diagonal"),
+        ([[1, math.inf, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[0][1] = inf is not finite"),
+        ([[1, "a", 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], "lambda[0][1] = 'a' is not a number"),
+        (lambda_matrix("terminal"), "lambda[0][0] = 0.0: diagonal"),
+        (3, "got int"),
+    ],
+)
 def test_as_lambda_rejects_bad_specs(spec, message):
     with pytest.raises(LambdaSpecError) as err:
         as_lambda(spec)
@@ -381,6 +406,7 @@ def test_bad_shapes_are_reported():
 
 
 # ------------------------------------------------------------------------------- recipes ----
+
 
 def test_recipes():
     assert recipe_names() == ["baseline", "ss_grpo", "meta_policy", "full"]
@@ -403,9 +429,14 @@ def test_update_config_comes_from_the_rl_section(overrides):
 
     cfg = load_config("tiny", overrides)
     config = UpdateConfig.from_rl(cfg.rl, temperature=0.7)
-    expected = {"kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2} | {k.split(".")[1]: v for k, v in overrides.items()}
-    assert (config.kl_coef, config.clip_low, config.clip_high) == (expected["kl_coef"], expected["clip_low"],
-                                                                   expected["clip_high"])
+    expected = {"kl_coef": 0.001, "clip_low": 0.2, "clip_high": 0.2} | {
+        k.split(".")[1]: v for k, v in overrides.items()
+    }
+    assert (config.kl_coef, config.clip_low, config.clip_high) == (
+        expected["kl_coef"],
+        expected["clip_low"],
+        expected["clip_high"],
+    )
     assert config.temperature == 0.7 and config.max_tokens_per_batch == cfg.rl.max_tokens_per_batch
 
 
@@ -423,10 +454,15 @@ def test_recipe_validation():
     with pytest.raises(ValueError, match="unknown stages"):
         Recipe(name="x", lambda_spec="causal", judged_stages=["plan", "summary"], reflection=False)
     with pytest.raises(ValueError, match="entries below the diagonal"):
-        Recipe(name="x", lambda_spec=[[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],
-               judged_stages=["answer"], reflection=False)
+        Recipe(
+            name="x",
+            lambda_spec=[[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]],
+            judged_stages=["answer"],
+            reflection=False,
+        )
     with pytest.raises(ValueError, match="extra"):
         Recipe(name="x", lambda_spec="causal", judged_stages=["answer"], reflection=False, lr=1.0)
-    r = Recipe(name="x", lambda_spec={"name": "discounted", "gamma": 0.9}, judged_stages=["answer", "plan"],
-               reflection=False)
+    r = Recipe(
+        name="x", lambda_spec={"name": "discounted", "gamma": 0.9}, judged_stages=["answer", "plan"], reflection=False
+    )
     assert r.judged_stages == ["plan", "answer"] and r.lam()[0, 1].item() == pytest.approx(0.9)

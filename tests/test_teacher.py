@@ -1,4 +1,5 @@
 """The built-in teacher through litellm, the multi-round loop, and rejection filtering (no Prefect)."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def tools(world):
 
 
 def collect(world, tools, max_rounds=12, max_tool_calls=10, **rates):
-    cfg = TeacherConfig(**{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0, **rates})
+    cfg = TeacherConfig(
+        **{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0, **rates}
+    )
     register_builtin_teacher(cfg, max_tool_calls=max_tool_calls)
     settings = EndpointSettings(model=MODEL, max_concurrency=4, max_retries=0, timeout_s=30)
     queries = [q for q in world.queries_table().to_pylist()]
@@ -45,8 +48,14 @@ def collect(world, tools, max_rounds=12, max_tool_calls=10, **rates):
         results = {x.custom_id: x for x in run_concurrent(reqs, settings)}
         by_traj = {s.trajectory_id: s for s in states}
         for req in reqs:
-            apply_result(by_traj[req.metadata["trajectory_id"]], results[req.custom_id],
-                         lambda c: env.execute(c).text, r, max_rounds, max_tool_calls)
+            apply_result(
+                by_traj[req.metadata["trajectory_id"]],
+                results[req.custom_id],
+                lambda c: env.execute(c).text,
+                r,
+                max_rounds,
+                max_tool_calls,
+            )
     return queries, states
 
 
@@ -111,6 +120,7 @@ def test_teacher_never_reads_ground_truth(world, tools):
     for s in states:
         answer = s.text.split("<answer>")[-1] if "<answer>" in s.text else ""
         assert "<cite" not in answer
+        assert ref[s.query_id] not in answer
         assert validate(s.text)  # not a clean trace
 
 
@@ -152,6 +162,8 @@ def test_teacher_reflections_are_valid_and_grounded_in_the_trajectory(world, too
 def test_teacher_reflection_of_a_question_outside_the_world():
     from rubricem_core.reflection.format import validate_reflection
 
-    text = _reflect("Why do migrating birds fly in a V formation?",
-                    '<call_tool name="search">bird V formation</call_tool><tool_output>nothing</tool_output><answer>Drafting.</answer>')
+    text = _reflect(
+        "Why do migrating birds fly in a V formation?",
+        '<call_tool name="search">bird V formation</call_tool><tool_output>nothing</tool_output><answer>Drafting.</answer>',
+    )
     assert validate_reflection(text) == [] and "bird V formation" in text and "cites nothing" in text

@@ -1,4 +1,5 @@
 """MCPTool against a real fastmcp server on 127.0.0.1 (streamable HTTP in a thread, and stdio)."""
+
 from __future__ import annotations
 
 import socket
@@ -91,7 +92,10 @@ def test_search_results_become_snippets(server_url):
         assert tool.spec.name == "kb"
         result = tool("active volcano Iceland")
         assert result.ok and result.snippet_ids == ["K1"]
-        assert result.text == '<tool_output><snippet id="K1">Hekla: Hekla is an active volcano in Iceland.</snippet></tool_output>'
+        assert (
+            result.text
+            == '<tool_output><snippet id="K1">Hekla: Hekla is an active volcano in Iceland.</snippet></tool_output>'
+        )
         two = tool("the ocean warms")
         assert two.snippet_ids == ["K2", "K3"]
         empty = tool("zzz")
@@ -150,8 +154,18 @@ def test_server_restart_reconnects():
 
 
 def test_concurrent_calls_share_one_connection(server_url):
-    tool = build_tools([{"name": "kb", "kind": "mcp", "server": server_url, "tool_name": "search", "max_concurrency": 4,
-                        "timeout_s": 15}])["kb"]
+    tool = build_tools(
+        [
+            {
+                "name": "kb",
+                "kind": "mcp",
+                "server": server_url,
+                "tool_name": "search",
+                "max_concurrency": 4,
+                "timeout_s": 15,
+            }
+        ]
+    )["kb"]
     assert tool.timeout_s == 15 and tool.inner.timeout_s == 15
     env = ToolEnv({"kb": tool}, max_calls=100)
     results = [None] * 16
@@ -173,7 +187,9 @@ def test_concurrent_calls_share_one_connection(server_url):
 
 def test_stdio_server(tmp_path):
     script = tmp_path / "server.py"
-    script.write_text(SERVER_SOURCE.format(corpus=CORPUS) + "\nif __name__ == '__main__':\n    mcp.run(show_banner=False)\n")
+    script.write_text(
+        SERVER_SOURCE.format(corpus=CORPUS) + "\nif __name__ == '__main__':\n    mcp.run(show_banner=False)\n"
+    )
     with MCPTool(f"{sys.executable} {script}", "search", timeout_s=60) as tool:
         result = tool("Hekla volcano")
         assert result.ok and result.snippet_ids == ["K1"]

@@ -1,4 +1,5 @@
 """RobustTool (timeout, concurrency, validation, caps, counters), ToolCache, and the registry's local kinds."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -150,7 +151,7 @@ def test_cap_drops_whole_snippets_and_stays_well_formed(max_chars):
     assert capped.snippet_ids == big.snippet_ids[: len(capped.snippet_ids)]
     assert capped.text.startswith("<tool_output><snippet") and capped.text.endswith("</snippet></tool_output>")
     # a trajectory that carries the capped block still parses as a valid tool output
-    assert scaffold.extract_snippet_ids("<call_tool name=\"search\">q</call_tool>" + capped.text) == set(ids)
+    assert scaffold.extract_snippet_ids('<call_tool name="search">q</call_tool>' + capped.text) == set(ids)
 
 
 def test_cap_shortens_one_giant_snippet_and_giant_error():
@@ -174,8 +175,9 @@ def test_robust_caps_enormous_output_and_counts_it():
 # ---- timeout, exceptions, concurrency ---------------------------------------------------------
 def test_hung_tool_times_out_and_caller_moves_on():
     release = threading.Event()
-    tool = RobustTool(FakeTool(respond=lambda q: (release.wait(10), ok())[1]), timeout_s=0.2, max_concurrency=1,
-                      wait_timeout_s=0.3)
+    tool = RobustTool(
+        FakeTool(respond=lambda q: (release.wait(10), ok())[1]), timeout_s=0.2, max_concurrency=1, wait_timeout_s=0.3
+    )
     start = time.monotonic()
     result = tool("q")
     assert time.monotonic() - start < 1.0

@@ -1,4 +1,5 @@
 """Web search adapters against a fake HTTP server on 127.0.0.1 (never the real internet)."""
+
 from __future__ import annotations
 
 import re
@@ -182,7 +183,9 @@ def test_browse_opens_a_search_result_by_id_or_url(server, keys):
     hit = search("glaciers")
     page = browse(hit.snippet_ids[0])
     assert page.ok and page.snippet_ids == [hit.snippet_ids[0]]
-    assert f'<snippet id="{hit.snippet_ids[0]}">Page glaciers-0: Heading glaciers-0\nBody text of glaciers-0.' in page.text
+    assert (
+        f'<snippet id="{hit.snippet_ids[0]}">Page glaciers-0: Heading glaciers-0\nBody text of glaciers-0.' in page.text
+    )
     assert "var x" not in page.text
     assert browse(server.page_url("glaciers-1")).snippet_ids == [hit.snippet_ids[1]]
     unknown = browse("W0000000000")
@@ -253,15 +256,25 @@ def test_a_resumed_teacher_round_browses_what_an_earlier_process_searched(server
     from rubricem_core.teacher.rounds import TrajectoryState, tool_outputs
     from rubricem_core.tools.base import ToolEnv
 
-    specs = [{"name": "search", "kind": "serper", "base_url": server.base_url, "backoff_s": 0.0},
-             {"name": "browse", "kind": "web_browse", "backoff_s": 0.0}]
+    specs = [
+        {"name": "search", "kind": "serper", "base_url": server.base_url, "backoff_s": 0.0},
+        {"name": "browse", "kind": "web_browse", "backoff_s": 0.0},
+    ]
     first = ToolEnv(build_tools(specs, cache_dir=tmp_path), max_calls=10)
     found = first.execute(ToolCall("search", "lakes"))
     invented = f'<snippet id="Wdeadbeef00">x\nURL: {server.page_url("secret")}</snippet>'
-    state = TrajectoryState(trajectory_id="t", query_id="q", sample_index=0, seed=0, messages=[
-        {"role": "system", "content": "s"}, {"role": "user", "content": f"question {invented}"},
-        {"role": "assistant", "content": f'{invented} <call_tool name="search">lakes</call_tool>'},
-        {"role": "user", "content": found.text}])
+    state = TrajectoryState(
+        trajectory_id="t",
+        query_id="q",
+        sample_index=0,
+        seed=0,
+        messages=[
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": f"question {invented}"},
+            {"role": "assistant", "content": f'{invented} <call_tool name="search">lakes</call_tool>'},
+            {"role": "user", "content": found.text},
+        ],
+    )
     assert tool_outputs(state) == [found.text]
     second = ToolEnv(build_tools(specs, cache_dir=tmp_path), max_calls=10)  # the rerun's process
     assert "unknown page id" in second.execute(ToolCall("browse", found.snippet_ids[1])).text
@@ -273,11 +286,13 @@ def test_a_resumed_teacher_round_browses_what_an_earlier_process_searched(server
 
 
 def test_registry_web_kinds(server, keys):
-    tools = build_tools([
-        {"name": "web", "kind": "serper", "base_url": server.base_url, "top_k": 2, "timeout_s": 3},
-        {"name": "papers", "kind": "semantic_scholar", "base_url": f"{server.base_url}/graph/v1"},
-        {"name": "open", "kind": "web_browse", "max_chars": 300, "timeout_s_http": 1.5},
-    ])
+    tools = build_tools(
+        [
+            {"name": "web", "kind": "serper", "base_url": server.base_url, "top_k": 2, "timeout_s": 3},
+            {"name": "papers", "kind": "semantic_scholar", "base_url": f"{server.base_url}/graph/v1"},
+            {"name": "open", "kind": "web_browse", "max_chars": 300, "timeout_s_http": 1.5},
+        ]
+    )
     assert all(isinstance(t, RobustTool) for t in tools.values())
     assert tools["web"].spec.name == "web" and tools["web"].inner.top_k == 2
     assert tools["open"].inner._client.timeout.read == 1.5

@@ -32,7 +32,9 @@ def test_parent_and_child_structure(tracker: Tracker, run_dir: Path):
     assert experiment.name == "rubricem"
     assert experiment.artifact_location == (run_dir.resolve() / "mlflow" / "artifacts").as_uri()
 
-    with tracker.child_run("collect_sft_data", {"teacher": {"model": "builtin", "rounds": 3}, "tags": ["a", "b"]}) as child:
+    with tracker.child_run(
+        "collect_sft_data", {"teacher": {"model": "builtin", "rounds": 3}, "tags": ["a", "b"]}
+    ) as child:
         run = tracker.client.get_run(child.run_id)
         assert run.info.status == "RUNNING"
         assert run.data.tags["mlflow.parentRunId"] == parent
@@ -111,7 +113,13 @@ def test_retry_replaces_the_mirrored_rows_of_relogged_steps(tracker: Tracker, ru
             second.log_metrics({"loss": 0.5 - step / 10, "kl": 0.2}, step=step)
     history = tracker.client.get_metric_history(second.run_id, "loss")
     assert [m.step for m in history] == [2, 3]  # the attempt's chart starts at the resumed step
-    out = json.loads(run_sql(run_dir, "SELECT step, name, value, run_id FROM metrics WHERE flow = 'rl_retry' ORDER BY step, name", fmt="json"))
+    out = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT step, name, value, run_id FROM metrics WHERE flow = 'rl_retry' ORDER BY step, name",
+            fmt="json",
+        )
+    )
     assert [(r["step"], r["name"]) for r in out] == [(s, n) for s in range(4) for n in ("kl", "loss")]
     owner = {r["step"]: r["run_id"] for r in out}
     assert owner == {0: first.run_id, 1: first.run_id, 2: second.run_id, 3: second.run_id}
@@ -127,8 +135,14 @@ def test_child_run_tags_and_ui_links(tracker: Tracker, run_dir: Path):
     run = tracker.client.get_run(child.run_id)
     assert child.experiment_id == run.info.experiment_id == tracker.experiment_id()
     assert child.ui_url() == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
-    assert child.ui_url("http://host:8080/") == f"http://host:8080/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
-    assert tracker.experiment_ui_url() == f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs?workflowType=machine_learning"
+    assert (
+        child.ui_url("http://host:8080/")
+        == f"http://host:8080/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
+    )
+    assert (
+        tracker.experiment_ui_url()
+        == f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs?workflowType=machine_learning"
+    )
     # secret-like tag names are refused before any run is created
     with pytest.raises(ValueError, match="looks like a secret"):
         with tracker.child_run("leaky", tags={"prefect.api_token": "x"}):
@@ -145,7 +159,10 @@ def test_experiment_opens_in_the_model_training_view(tracker: Tracker, run_dir: 
     again = Tracker(run_dir)  # an existing experiment (e.g. made by an older version) is marked on open
     assert again.parent_run_id() == tracker.parent_run_id()
     assert again.experiment_id() == experiment.experiment_id
-    assert again.client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert (
+        again.client.get_experiment(experiment.experiment_id).tags["mlflow.experimentKind"]
+        == "custom_model_development"
+    )
 
 
 def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
@@ -162,7 +179,12 @@ def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
             fmt="json",
         )
     )
-    assert [(r["step"], r["name"], r["value"]) for r in out] == [(2, "kl", 0.001), (2, "n_failed", 2.0), (2, "reward/mean", 0.25), (3, "reward/mean", 0.5)]
+    assert [(r["step"], r["name"], r["value"]) for r in out] == [
+        (2, "kl", 0.001),
+        (2, "n_failed", 2.0),
+        (2, "reward/mean", 0.25),
+        (3, "reward/mean", 0.5),
+    ]
     assert {r["run_id"] for r in out} == {child.run_id}
     assert out[0]["t"].startswith("TIMESTAMP")
     own = [p for p in tracker.store.files("metrics") if p.name.startswith("rl_step_0002-")]
@@ -173,12 +195,19 @@ def test_metrics_are_mirrored_and_queryable(tracker: Tracker, run_dir: Path):
 
 def test_secret_like_params_are_refused(tracker: Tracker):
     with tracker.child_run("secrets") as child:
-        for params in ({"judge": {"api_key": "sk-123"}}, {"hf_token": "x"}, {"db_password": "x"}, {"openaiApiKey": "x"}):
+        for params in (
+            {"judge": {"api_key": "sk-123"}},
+            {"hf_token": "x"},
+            {"db_password": "x"},
+            {"openaiApiKey": "x"},
+        ):
             with pytest.raises(ValueError, match="looks like a secret"):
                 child.log_params(params)
         with pytest.raises(ValueError, match="looks like a secret"):
             child.set_tags({"client_secret": "x"})
-        logged = child.log_params({"max_tokens": 512, "teacher": {"api_key_env": "OPENAI_API_KEY"}, "loss": {"token_level": True}})
+        logged = child.log_params(
+            {"max_tokens": 512, "teacher": {"api_key_env": "OPENAI_API_KEY"}, "loss": {"token_level": True}}
+        )
         assert set(logged) == {"max_tokens", "teacher.api_key_env", "loss.token_level"}
     assert "sk-123" not in json.dumps(tracker.client.get_run(child.run_id).data.params)
 
@@ -186,8 +215,16 @@ def test_secret_like_params_are_refused(tracker: Tracker):
 def test_secret_name_rule_and_flattening():
     for name in ("teacher.api_key", "ACCESS_TOKEN", "client_secret", "openaiApiKey", "db.password", "judge.apikey"):
         assert is_secret_name(name), name
-    for name in ("max_new_tokens", "monkey", "token_budget", "teacher.api_key_env", "api_key_secret_block",
-                 "input_cost_per_token", "tokenizer", "key_findings"):
+    for name in (
+        "max_new_tokens",
+        "monkey",
+        "token_budget",
+        "teacher.api_key_env",
+        "api_key_secret_block",
+        "input_cost_per_token",
+        "tokenizer",
+        "key_findings",
+    ):
         assert not is_secret_name(name), name
     assert flatten_params({"a": {"b": {"c": 1}, "d": {}}, "e": None}) == {"a.b.c": 1, "a.d": {}, "e": None}
 
@@ -230,7 +267,13 @@ def test_concurrent_children_in_threads(tracker: Tracker, run_dir: Path):
     for thread in threads:
         thread.join()
     assert errors == []
-    rows = json.loads(run_sql(run_dir, "SELECT count(*) AS n, count(DISTINCT run_id) AS runs FROM metrics WHERE flow LIKE 'reflection/%'", fmt="json"))
+    rows = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT count(*) AS n, count(DISTINCT run_id) AS runs FROM metrics WHERE flow LIKE 'reflection/%'",
+            fmt="json",
+        )
+    )
     assert rows == [{"n": 12, "runs": 4}]
 
 

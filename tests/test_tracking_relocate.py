@@ -1,4 +1,5 @@
 """A copied or moved run directory reads and writes its own MLflow artifacts, never the original's."""
+
 from __future__ import annotations
 
 import json
@@ -67,7 +68,10 @@ def test_copied_run_dir_uses_its_own_artifacts(original: tuple[Path, dict[str, s
     assert len(list((b / "mlflow" / "artifacts").rglob("extra.txt"))) == 2
     assert _files(a) == before  # the original is untouched ...
     original_tracker = Tracker(a)  # ... and still uses its own locations
-    assert original_tracker.client.get_experiment(original_tracker.experiment_id()).artifact_location == original_tracker.artifact_uri
+    assert (
+        original_tracker.client.get_experiment(original_tracker.experiment_id()).artifact_location
+        == original_tracker.artifact_uri
+    )
     assert _files(a) == before
     # the copy survives the original's deletion
     shutil.rmtree(a)

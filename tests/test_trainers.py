@@ -1,4 +1,5 @@
 """Trainers: schedule numbers, accumulation, clipping, bf16, and DeepSpeed ≡ torch on this CPU."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,6 @@ import torch.nn.functional as F
 from rubricem_core.training import TrainerConfig, TrainerConfigError, make_trainer
 from rubricem_core.training.schedule import WarmupCosine, make_scheduler
 from rubricem_core.training.torch_trainer import micro_batch_scales
-
 from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
 
 
@@ -81,8 +81,18 @@ def test_scheduler_state_round_trips_the_curve():
 # -------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize(
     "field, value",
-    [("lr", 0.0), ("betas", (0.9,)), ("warmup_steps", -1), ("total_steps", 0), ("min_lr_ratio", 1.5),
-     ("grad_accum_steps", 0), ("max_grad_norm", -1.0), ("precision", "fp16"), ("backend", "jax"), ("zero_stage", 4)],
+    [
+        ("lr", 0.0),
+        ("betas", (0.9,)),
+        ("warmup_steps", -1),
+        ("total_steps", 0),
+        ("min_lr_ratio", 1.5),
+        ("grad_accum_steps", 0),
+        ("max_grad_norm", -1.0),
+        ("precision", "fp16"),
+        ("backend", "jax"),
+        ("zero_stage", 4),
+    ],
 )
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(TrainerConfigError, match=rf"TrainerConfig\.{field}="):
@@ -246,12 +256,20 @@ def test_environment_left_to_mpi_discovery(monkeypatch):
     assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
 
 
-@pytest.mark.parametrize("stage, offload, offload_params", [(1, False, False), (2, True, False), (3, True, True), (3, False, True)])
+@pytest.mark.parametrize(
+    "stage, offload, offload_params", [(1, False, False), (2, True, False), (3, True, True), (3, False, True)]
+)
 def test_deepspeed_config_follows_trainer_config(stage, offload, offload_params):
     from rubricem_core.training.deepspeed_trainer import build_ds_config
 
     cfg = TrainerConfig(
-        backend="deepspeed", zero_stage=stage, offload=offload, offload_params=offload_params, max_grad_norm=0.5, grad_accum_steps=4, precision="bf16",
+        backend="deepspeed",
+        zero_stage=stage,
+        offload=offload,
+        offload_params=offload_params,
+        max_grad_norm=0.5,
+        grad_accum_steps=4,
+        precision="bf16",
         deepspeed_overrides={"zero_optimization": {"reduce_bucket_size": 123}, "steps_per_print": 7},
     )
     ds = build_ds_config(cfg, n_params=10_000)
@@ -262,11 +280,14 @@ def test_deepspeed_config_follows_trainer_config(stage, offload, offload_params)
     assert ("offload_optimizer" in zero) == offload and ("offload_param" in zero) == offload_params
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(backend="deepspeed", zero_stage=0, offload=True), "offload"),
-    (dict(backend="torch", offload=True), "offload"),
-    (dict(backend="deepspeed", zero_stage=2, offload_params=True), "offload_params"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(backend="deepspeed", zero_stage=0, offload=True), "offload"),
+        (dict(backend="torch", offload=True), "offload"),
+        (dict(backend="deepspeed", zero_stage=2, offload_params=True), "offload_params"),
+    ],
+)
 def test_offload_without_the_zero_stage_it_needs_is_rejected(kwargs, field):
     with pytest.raises(TrainerConfigError, match=f"TrainerConfig.{field}=True needs"):
         TrainerConfig(**kwargs)
@@ -303,8 +324,14 @@ def test_deepspeed_zero_matches_torch(deepspeed_ok, torch_reference, stage, offl
     ref_params, ref_hist = torch_reference
     # grad_accum_steps=2 as a real config would say for 2 micro-batches: DeepSpeed must not divide
     # by it on top of the trainer's own micro-batch weights.
-    ds_cfg = TrainerConfig(**EQUIV_CFG, backend="deepspeed", zero_stage=stage, offload=offload,
-                           offload_params=offload and stage == 3, grad_accum_steps=2)
+    ds_cfg = TrainerConfig(
+        **EQUIV_CFG,
+        backend="deepspeed",
+        zero_stage=stage,
+        offload=offload,
+        offload_params=offload and stage == 3,
+        grad_accum_steps=2,
+    )
     ds, ds_hist = run_steps(ds_cfg)
     assert all(h["grad_norm"] > 1.0 for h in ref_hist)
     assert [h["loss"] for h in ds_hist] == pytest.approx([h["loss"] for h in ref_hist], abs=1e-5)

@@ -214,8 +214,14 @@ def test_query_kinds_filter():
 
 @pytest.mark.parametrize(
     "bad",
-    [{"n_documents": 10}, {"n_documents": 200_000}, {"query_kinds": []}, {"query_kinds": ["trivia"]},
-     {"eval_fraction": 1.5}, {"distractor_rate": 0.9}],
+    [
+        {"n_documents": 10},
+        {"n_documents": 200_000},
+        {"query_kinds": []},
+        {"query_kinds": ["trivia"]},
+        {"eval_fraction": 1.5},
+        {"distractor_rate": 0.9},
+    ],
 )
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ValidationError):
@@ -235,8 +241,15 @@ def test_scales_to_100k_documents():
 @pytest.mark.parametrize("n_documents", [50, 51, 333])
 @pytest.mark.parametrize("distractor_rate, near_duplicate_rate", [(0.0, 0.0), (0.5, 1.0), (0.1, 0.35)])
 def test_size_is_exact_and_facts_readable_for_any_rates(n_documents, distractor_rate, near_duplicate_rate):
-    w = generate_world(WorldConfig(seed=11, n_documents=n_documents, n_queries=8, distractor_rate=distractor_rate,
-                                   near_duplicate_rate=near_duplicate_rate))
+    w = generate_world(
+        WorldConfig(
+            seed=11,
+            n_documents=n_documents,
+            n_queries=8,
+            distractor_rate=distractor_rate,
+            near_duplicate_rate=near_duplicate_rate,
+        )
+    )
     assert len(w.documents) == n_documents
     assert len(w.queries) == 8
     assert {f for d in w.documents for f in read_facts(d.text)} == set(w.facts)

@@ -1,4 +1,5 @@
 """Tiny random Qwen3 models, a BPE tokenizer over a small world, and a one-thread fixture, shared by tests."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,15 @@ def one_thread():
 def tiny_model(seed: int = 0, tie: bool = False) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=tie,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
     )
     return Qwen3ForCausalLM(config)
 
@@ -40,9 +48,17 @@ def tool_policy(tok, seed: int = 0, attn: str = "sdpa", max_positions: int = 409
     """A tiny random Qwen3 (eval mode) sized to ``tok``, for rollout-engine tests with real tools."""
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
     )
     config._attn_implementation = attn
     return Qwen3ForCausalLM(config).eval()

@@ -1,5 +1,6 @@
 """A run directory with inputs and a random-init tiny policy as its "SFT" checkpoint: flow tests that
 exercise evaluation plumbing need a loadable policy, not a trained one (training is tested elsewhere)."""
+
 from __future__ import annotations
 
 from pathlib import Path

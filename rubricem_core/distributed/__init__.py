@@ -7,7 +7,17 @@
 - ``launch``: the torchrun command a task runs to start its trainer ranks, and the loop that streams
   their output back (rank 0's metric lines included) and fails with the failing rank's traceback.
 """
+
 from rubricem_core.distributed.ranks import barrier, init_process_group, is_main, rank, shutdown, world_size
 from rubricem_core.distributed.shard import ShardItem, shard_micro_batches
 
-__all__ = ["ShardItem", "barrier", "init_process_group", "is_main", "rank", "shard_micro_batches", "shutdown", "world_size"]
+__all__ = [
+    "ShardItem",
+    "barrier",
+    "init_process_group",
+    "is_main",
+    "rank",
+    "shard_micro_batches",
+    "shutdown",
+    "world_size",
+]

@@ -11,6 +11,7 @@ train. A rank that fails makes torchrun stop the others and exit non-zero; ``run
 their entry point in torch.distributed.elastic's ``record``). A cancelled task (KeyboardInterrupt,
 an exception in a callback) terminates the whole launcher process group, ranks included.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -24,9 +25,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 METRICS_PREFIX = "@@rubricem-metrics "
 TAIL_LINES = 120
@@ -55,20 +56,31 @@ class LaunchSpec:
 
 def torchrun_command(spec: LaunchSpec, module: str, args: Sequence[str]) -> list[str]:
     """``python -m torch.distributed.run … -m module args`` for ``spec`` (a ``*.py`` path runs as a script)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={spec.nproc_per_node}",
-           f"--nnodes={spec.nnodes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={spec.nproc_per_node}",
+        f"--nnodes={spec.nnodes}",
+    ]
     if spec.nnodes == 1 and spec.master_port is None:
         cmd.append("--standalone")
     elif spec.rdzv_backend == "c10d":
         if spec.master_port is None:
             raise ValueError("a c10d rendezvous needs distributed.master_port")
-        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={spec.master_addr}:{spec.master_port}",
-                f"--rdzv_id={spec.rdzv_id}"]
+        cmd += [
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={spec.master_addr}:{spec.master_port}",
+            f"--rdzv_id={spec.rdzv_id}",
+        ]
     else:
         if spec.master_port is None:
             raise ValueError("several nodes need distributed.master_port (and master_addr: node 0's address)")
-        cmd += [f"--node_rank={spec.node_rank}", f"--master_addr={spec.master_addr}",
-                f"--master_port={spec.master_port}"]
+        cmd += [
+            f"--node_rank={spec.node_rank}",
+            f"--master_addr={spec.master_addr}",
+            f"--master_port={spec.master_port}",
+        ]
     target = [module] if module.endswith(".py") else ["-m", module]
     return [*cmd, *target, *args]
 
@@ -91,15 +103,27 @@ def emit_metrics(metrics: dict[str, float], step: int) -> None:
 class RankGroup:
     """torchrun and its ranks as a child process group whose output a thread reads line by line."""
 
-    def __init__(self, spec: LaunchSpec, module: str, args: Sequence[str], env: dict[str, str] | None = None,
-                 cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        module: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.spec, self.module = spec, module
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._lines: queue.Queue[str] = queue.Queue()
         self._metrics: queue.Queue[tuple[dict[str, float], int]] = queue.Queue()
         self.proc = subprocess.Popen(
-            torchrun_command(spec, module, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1, env={**rank_environment(spec), **(env or {})}, cwd=cwd, start_new_session=True,
+            torchrun_command(spec, module, args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**rank_environment(spec), **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, name=f"ranks-{module}", daemon=True)
         self._reader.start()
@@ -110,14 +134,17 @@ class RankGroup:
         for raw in self.proc.stdout:
             line = raw.rstrip("\n")
             if line.startswith(METRICS_PREFIX):
-                record = json.loads(line[len(METRICS_PREFIX):])
+                record = json.loads(line[len(METRICS_PREFIX) :])
                 self._metrics.put((record["metrics"], int(record["step"])))
                 continue
             self.tail.append(line)
             self._lines.put(line)
 
-    def drain(self, on_line: Callable[[str], None] = lambda line: None,
-              on_metrics: Callable[[dict[str, float], int], None] | None = None) -> None:
+    def drain(
+        self,
+        on_line: Callable[[str], None] = lambda line: None,
+        on_metrics: Callable[[dict[str, float], int], None] | None = None,
+    ) -> None:
         """Hand over what the ranks printed since the last call."""
         while not self._lines.empty():
             on_line(self._lines.get_nowait())
@@ -136,8 +163,12 @@ class RankGroup:
             f"last {len(self.tail)} lines of their output:\n" + "\n".join(self.tail)
         )
 
-    def wait(self, on_line: Callable[[str], None] = lambda line: None,
-             on_metrics: Callable[[dict[str, float], int], None] | None = None, timeout: float | None = None) -> None:
+    def wait(
+        self,
+        on_line: Callable[[str], None] = lambda line: None,
+        on_metrics: Callable[[dict[str, float], int], None] | None = None,
+        timeout: float | None = None,
+    ) -> None:
         """Until the ranks exit (streaming their output); RankFailure when they exit non-zero."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.proc.poll() is None:
@@ -201,8 +232,10 @@ def wait_for_launch_file(path: Path, newer_than: float, wait_s: float) -> dict:
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no launch file {path} newer than this command appeared within {wait_s:.0f}s: "
-                               "start the flow on node 0 (distributed.node_rank 0)")
+            raise TimeoutError(
+                f"no launch file {path} newer than this command appeared within {wait_s:.0f}s: "
+                "start the flow on node 0 (distributed.node_rank 0)"
+            )
         time.sleep(0.5)
 
 

@@ -14,6 +14,7 @@ a tiny model really saves) plus what the backward adds at its peak (``activation
 checkpointing only each layer's input is kept, plus one layer's tensors while it is recomputed. Buffers DeepSpeed allocates (buckets, prefetch), the CUDA
 context and fragmentation are not in the plan: keep 10-15% of a GPU free for them.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -34,14 +35,17 @@ class ModelShape:
     tied: bool = False
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         heads = int(config["num_attention_heads"])
         return cls(
-            hidden=int(config["hidden_size"]), intermediate=int(config["intermediate_size"]),
-            layers=int(config["num_hidden_layers"]), heads=heads,
+            hidden=int(config["hidden_size"]),
+            intermediate=int(config["intermediate_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+            vocab=int(config["vocab_size"]),
+            tied=bool(config.get("tie_word_embeddings", False)),
         )
 
     @property
@@ -68,8 +72,9 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, seq_len:
     return tokens * (elements * dtype_bytes + attention)
 
 
-def saved_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool,
-                           seq_len: int, fused_attention: bool = True) -> int:
+def saved_activation_bytes(
+    shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool, seq_len: int, fused_attention: bool = True
+) -> int:
     """What the forward pass of one micro-batch leaves for the backward: every layer's tensors (with
     checkpointing: only each layer's input), the final norm's, the token ids, the rotary tables and the
     logits."""
@@ -84,8 +89,14 @@ def saved_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, che
 LOGPROB_CHUNK = 1024  # positions per float32 log-softmax chunk (rubricem_core.logprobs.token_logprobs)
 
 
-def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool,
-                     seq_len: int | None = None, fused_attention: bool = True) -> int:
+def activation_bytes(
+    shape: ModelShape,
+    tokens: int,
+    dtype_bytes: int,
+    checkpointing: bool,
+    seq_len: int | None = None,
+    fused_attention: bool = True,
+) -> int:
     """Peak activation memory of one micro-batch: what the forward saves, plus during the backward the
     logits' gradient, one float32 log-softmax chunk with its gradient and, with checkpointing, the
     recomputed tensors of one layer."""

@@ -10,6 +10,7 @@ the other nodes' commands end with exit code 0 instead of waiting for a launch t
 launch file is marked ended when its ranks exit, and one written more than a minute before the command
 started is ignored: both belong to past launches.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,16 @@ from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
 from rubricem_core.distributed.spec import launch_path, launch_spec
 
-LAUNCHES = {"sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
-            "rl": ("rl.json", "rubricem_core.distributed.rl_ranks")}
+LAUNCHES = {
+    "sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
+    "rl": ("rl.json", "rubricem_core.distributed.rl_ranks"),
+}
 
 
 STALE_SLACK_S = 60.0  # a launch file written up to this long before the command started still counts
 
 
-def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0,
-                started: float | None = None) -> None:
+def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0, started: float | None = None) -> None:
     """Start this node's ranks of node 0's next ``kind`` launch (sft or rl) and wait for them. A launch
     file older than ``started`` (the command's start, default now) minus a minute is a past launch's."""
     if kind not in LAUNCHES:
@@ -41,10 +43,17 @@ def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0,
         return
     cfg = RunConfig.model_validate(spec["config"])
     if not 0 < node_rank < cfg.distributed.nnodes:
-        raise ValueError(f"--node-rank {node_rank} must be in 1..{cfg.distributed.nnodes - 1} "
-                         f"(distributed.nnodes={cfg.distributed.nnodes}; node 0 runs the flow)")
-    run_ranks(launch_spec(cfg, node_rank=node_rank), module, ["--spec", str(path.resolve())],
-              on_line=lambda line: print(line, flush=True), env=spec.get("env"))
+        raise ValueError(
+            f"--node-rank {node_rank} must be in 1..{cfg.distributed.nnodes - 1} "
+            f"(distributed.nnodes={cfg.distributed.nnodes}; node 0 runs the flow)"
+        )
+    run_ranks(
+        launch_spec(cfg, node_rank=node_rank),
+        module,
+        ["--spec", str(path.resolve())],
+        on_line=lambda line: print(line, flush=True),
+        env=spec.get("env"),
+    )
 
 
 def announce_no_launch(run_dir: str, kind: str, why: str) -> None:

@@ -3,6 +3,7 @@
 torchrun and the DeepSpeed launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for
 every process they start; one process with none of them set is rank 0 of a world of 1.
 """
+
 from __future__ import annotations
 
 import logging

@@ -14,6 +14,7 @@ collective checkpoint whose HF weights rank 0 writes gathered, and from which th
 weights; ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
 raises RankFailure with the traceback. Checkpoints and payloads must sit on a file system every node sees.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,13 +59,20 @@ class RankPolicy:
         self._seq = 0
         self._run_dir = run_dir
         # the ranks of every node connect to this store; on one node over loopback
-        self._control = dist.TCPStore("0.0.0.0" if d.nnodes > 1 else "127.0.0.1", 0, is_master=True,
-                                      wait_for_workers=False, timeout=timedelta(seconds=d.timeout_s))
+        self._control = dist.TCPStore(
+            "0.0.0.0" if d.nnodes > 1 else "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=d.timeout_s),
+        )
         control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
         spec_file = self._spec_file = launch_path(run_dir, "rl.json")
         control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
-        atomic_write_text(spec_file, json.dumps({"config": cfg.model_dump(mode="json"),
-                                                 "base": str(Path(base).resolve()), "env": control}))
+        atomic_write_text(
+            spec_file,
+            json.dumps({"config": cfg.model_dump(mode="json"), "base": str(Path(base).resolve()), "env": control}),
+        )
         self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], env=control)
         try:
             self._call("ready")
@@ -88,8 +97,10 @@ class RankPolicy:
                     raise self._ranks.failure(rc)
                 if time.monotonic() > deadline:
                     self._ranks.stop()
-                    raise RankFailure(f"the trainer ranks did not answer {op!r} within distributed.timeout_s="
-                                      f"{self.timeout_s:.0f}s; stopped them")
+                    raise RankFailure(
+                        f"the trainer ranks did not answer {op!r} within distributed.timeout_s="
+                        f"{self.timeout_s:.0f}s; stopped them"
+                    )
                 time.sleep(0.02)
             self._ranks.drain(self.on_line)
             return json.loads(self._control.get(key))
@@ -98,7 +109,9 @@ class RankPolicy:
     def log_to(self, on_line: Callable[[str], None]) -> None:
         self.on_line = on_line
 
-    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: Any) -> dict[str, float]:
+    def update(
+        self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: Any
+    ) -> dict[str, float]:
         payload = launch_path(self._run_dir, "rl-update.pt")
         tmp = payload.with_suffix(".tmp")
         arrays = [{k: getattr(t, k) for k in TOKEN_ARRAYS} for t in trajectories]

@@ -7,11 +7,13 @@ every rank reads it and the run's ``sft_trajectories`` (read only) and runs ``ru
 metric lines for the launching process and writes the result file. Checkpoints, resume and the final
 directory are the ones of a one-process run (``checkpoints/sft``).
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -36,13 +38,22 @@ def launch_sft(
     spec_file, result_file = launch_path(run_dir, "sft.json"), launch_path(run_dir, "sft-result.json")
     result_file.unlink(missing_ok=True)  # a result is only ever this launch's
     cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
-    atomic_write_text(spec_file, json.dumps({
-        "run_dir": str(Path(run_dir).resolve()), "config": cfg.model_dump(mode="json"),
-        "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
-        "checkpoint_root": str(checkpoint_root.resolve()), "result": str(result_file.resolve()),
-    }))
+    atomic_write_text(
+        spec_file,
+        json.dumps(
+            {
+                "run_dir": str(Path(run_dir).resolve()),
+                "config": cfg.model_dump(mode="json"),
+                "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
+                "checkpoint_root": str(checkpoint_root.resolve()),
+                "result": str(result_file.resolve()),
+            }
+        ),
+    )
     try:
-        run_ranks(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], on_line=on_line, on_metrics=on_metrics)
+        run_ranks(
+            launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], on_line=on_line, on_metrics=on_metrics
+        )
     finally:
         end_launch_file(spec_file)
     if not result_file.exists():
@@ -58,8 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     store = RunStore(spec["run_dir"])
     rows, reflections = sft_inputs(spec["run_dir"])
     doc_ids = store.read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
-    result = run_sft(Path(spec["policy_dir"]), rows, Path(spec["checkpoint_root"]), cfg.policy, cfg.sft, cfg.seed,
-                     log_metrics=emit_metrics if is_main() else None, doc_ids=doc_ids, reflection_rows=reflections)
+    result = run_sft(
+        Path(spec["policy_dir"]),
+        rows,
+        Path(spec["checkpoint_root"]),
+        cfg.policy,
+        cfg.sft,
+        cfg.seed,
+        log_metrics=emit_metrics if is_main() else None,
+        doc_ids=doc_ids,
+        reflection_rows=reflections,
+    )
     if is_main():
         atomic_write_text(Path(spec["result"]), json.dumps(result))
     shutdown()

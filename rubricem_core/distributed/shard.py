@@ -8,11 +8,12 @@ all) needs every rank to run the same number of forward and backward passes.
 Each micro-batch's scale is its weight over the *global* total, so summing the ranks' gradients gives
 exactly the gradient of one rank on the whole step: the loss stays the global token mean.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,7 @@ def micro_batch_scales(n: int, weights: Sequence[float] | None) -> list[float]:
     return [float(w) / total for w in weights]
 
 
-def shard_micro_batches(
-    n: int, weights: Sequence[float] | None, rank: int, world_size: int
-) -> list[ShardItem]:
+def shard_micro_batches(n: int, weights: Sequence[float] | None, rank: int, world_size: int) -> list[ShardItem]:
     """This rank's micro-batches of a step of ``n`` (ceil(n / world_size) items, padding included)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")

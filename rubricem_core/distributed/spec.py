@@ -1,4 +1,5 @@
 """From the run config's ``distributed`` section to a torchrun launch."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.layout import RunLayout
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import LaunchSpec
 from rubricem_core.distributed.ranks import is_main, rank
+from rubricem_core.layout import RunLayout
 
 
 def launch_path(run_dir: str | Path, name: str) -> Path:
@@ -37,9 +38,14 @@ def resolve_master(cfg: RunConfig) -> RunConfig:
 def launch_spec(cfg: RunConfig, node_rank: int | None = None) -> LaunchSpec:
     d = resolve_master(cfg).distributed
     return LaunchSpec(
-        nproc_per_node=d.nproc_per_node, nnodes=d.nnodes, node_rank=d.node_rank if node_rank is None else node_rank,
-        master_addr=d.master_addr or "127.0.0.1", master_port=d.master_port, rdzv_backend=d.rdzv_backend,
-        devices=tuple(d.train_devices) if d.train_devices is not None else None, timeout_s=d.timeout_s,
+        nproc_per_node=d.nproc_per_node,
+        nnodes=d.nnodes,
+        node_rank=d.node_rank if node_rank is None else node_rank,
+        master_addr=d.master_addr or "127.0.0.1",
+        master_port=d.master_port,
+        rdzv_backend=d.rdzv_backend,
+        devices=tuple(d.train_devices) if d.train_devices is not None else None,
+        timeout_s=d.timeout_s,
     )
 
 
@@ -49,7 +55,10 @@ def start_rank(description: str, argv: list[str] | None = None) -> tuple[dict[st
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--spec", required=True, help="the launch file the launching task wrote")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING, stream=sys.stdout,
-                        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if is_main() else logging.WARNING,
+        stream=sys.stdout,
+        format=f"[rank {rank()}] %(levelname)s %(name)s: %(message)s",
+    )
     spec = json.loads(Path(args.spec).read_text())
     return spec, RunConfig.model_validate(spec["config"])

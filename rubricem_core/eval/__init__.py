@@ -12,6 +12,7 @@ training rewards.
 
 ``llm_grader`` and ``builtin`` pull in litellm (seconds to import), so they are imported lazily.
 """
+
 from __future__ import annotations
 
 import importlib

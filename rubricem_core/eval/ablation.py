@@ -4,10 +4,12 @@ A row per (recipe, benchmark): the evaluation summary of the recipe's final RL c
 RL budget it had (steps, queries per step, group size), so a table whose budgets differ is visible
 as such. The SFT policy the recipes start from is the ``sft`` reference row.
 """
+
 from __future__ import annotations
 
 import io
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -17,17 +19,28 @@ from rubricem_core.schemas import nan_to_none
 ABLATION_SCHEMA = schemas.ABLATION_SCHEMA  # defined in schemas; the ablation flow imports it from here
 
 
-def ablation_rows(recipe: str, evaluation: dict[str, Any], budget: dict[str, int], run_dir: str) -> list[dict[str, Any]]:
+def ablation_rows(
+    recipe: str, evaluation: dict[str, Any], budget: dict[str, int], run_dir: str
+) -> list[dict[str, Any]]:
     """Table rows from one `evaluate` flow result (its ``benchmarks`` summaries)."""
     rows = []
     for benchmark, summary in evaluation["benchmarks"].items():
-        rows.append({
-            "recipe": recipe, "benchmark": benchmark, "retrieval": evaluation["retrieval"],
-            "checkpoint": evaluation["tag"], "score_mean": _num(summary["score_mean"]),
-            "n_samples": int(summary["n_samples"]), "grade_failed": int(summary["grade_failed"]),
-            "valid_scaffold_rate": _num(summary["valid_scaffold_rate"]), "rl_steps": budget["rl_steps"],
-            "queries_per_step": budget["queries_per_step"], "group_size": budget["group_size"], "run_dir": run_dir,
-        })
+        rows.append(
+            {
+                "recipe": recipe,
+                "benchmark": benchmark,
+                "retrieval": evaluation["retrieval"],
+                "checkpoint": evaluation["tag"],
+                "score_mean": _num(summary["score_mean"]),
+                "n_samples": int(summary["n_samples"]),
+                "grade_failed": int(summary["grade_failed"]),
+                "valid_scaffold_rate": _num(summary["valid_scaffold_rate"]),
+                "rl_steps": budget["rl_steps"],
+                "queries_per_step": budget["queries_per_step"],
+                "group_size": budget["group_size"],
+                "run_dir": run_dir,
+            }
+        )
     return rows
 
 

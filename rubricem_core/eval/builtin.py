@@ -15,6 +15,7 @@ it reads only the prompt.
 - RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
 The stagewise judge's provider (``rubricem-judge``) only reads its own two prompts, hence this one.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ from rubricem_core.llm.provider import message_text, register_completion_provide
 PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"
 
-_FAMILY = re.compile(rf"\((rubric_points|dimension_criteria|rubric_properties|short_form|{CRITERION_KIND}|{RACE_KIND})\)")
+_FAMILY = re.compile(
+    rf"\((rubric_points|dimension_criteria|rubric_properties|short_form|{CRITERION_KIND}|{RACE_KIND})\)"
+)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
@@ -49,7 +52,7 @@ def contains_answer(response: str, gold: str) -> bool:
     needle, hay = normalize_answer(gold), normalize_answer(response)
     if not needle:
         return False
-    return any(hay[i:i + len(needle)] == needle for i in range(len(hay) - len(needle) + 1))
+    return any(hay[i : i + len(needle)] == needle for i in range(len(hay) - len(needle) + 1))
 
 
 def short_form_grade(response: str, golds: list[str]) -> tuple[str, str]:
@@ -88,20 +91,36 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
     if family == RACE_KIND:
         target = _item_scores(sections, items, sections.get("ARTICLE 1", ""))
         reference = _item_scores(sections, items, sections.get("ARTICLE 2", ""))
-        return json.dumps({"items": [
-            {"id": item["id"], "justification": f"article 1: {t[1]}; article 2: {r[1]}",
-             "article_1_score": 5 * t[0], "article_2_score": 5 * r[0]}
-            for item, t, r in zip(items, target, reference)]})
+        return json.dumps(
+            {
+                "items": [
+                    {
+                        "id": item["id"],
+                        "justification": f"article 1: {t[1]}; article 2: {r[1]}",
+                        "article_1_score": 5 * t[0],
+                        "article_2_score": 5 * r[0],
+                    }
+                    for item, t, r in zip(items, target, reference)
+                ]
+            }
+        )
     if family not in SCALES:
         raise BuiltinGraderError(f"unknown grading family {family!r}")
-    return json.dumps({"items": [{"id": item["id"], "justification": why, "score": _to_scale(family, score)}
-                                 for item, (score, why) in zip(items, _item_scores(sections, items, response))]})
+    return json.dumps(
+        {
+            "items": [
+                {"id": item["id"], "justification": why, "score": _to_scale(family, score)}
+                for item, (score, why) in zip(items, _item_scores(sections, items, response))
+            ]
+        }
+    )
 
 
 def _item_scores(sections: dict[str, str], items: list[dict[str, Any]], response: str) -> list[tuple[int, str]]:
     """The built-in judge's 0/1/2 score and reason of every item against ``response``."""
-    rubrics = [{"stage": "answer", "title": "", "description": item["criterion"], "check": item.get("check")}
-               for item in items]
+    rubrics = [
+        {"stage": "answer", "title": "", "description": item["criterion"], "check": item.get("check")} for item in items
+    ]
     ctx = Context(sections.get("QUESTION", ""), {}, rubrics)
     view = TraceView(f"<answer>{response}</answer>")
     return [score_rubric(view, rubric, ctx) for rubric in rubrics]

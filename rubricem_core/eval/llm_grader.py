@@ -10,12 +10,14 @@ mode one failed criterion call fails the whole answer's grade (the criteria that
 in its details): a missing criterion would bias the score either way (a positive one lowers it, a
 negative one raises it), and the official grader never scores a partial set either.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 from rubricem_core.eval.prompts import (
     GradeItem,
@@ -59,17 +61,27 @@ class GraderOptions(StructuredOptions):
     error_type = EvalError
 
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one grading call."})
-    healthbench_grading: str = field(default="per_criterion", metadata={
-        "help": "HealthBench: per_criterion (one met/not-met call per criterion, as the official grader) or "
-                "joint (one call grading all criteria)."})
-    drb_grading: str = field(default="absolute", metadata={
-        "help": "DeepResearchBench: absolute (criteria scored 0..10 on their own) or race (target and reference "
-                "report scored on the same criteria; score T / (T + R)). race needs each query's reference."})
+    healthbench_grading: str = field(
+        default="per_criterion",
+        metadata={
+            "help": "HealthBench: per_criterion (one met/not-met call per criterion, as the official grader) or "
+            "joint (one call grading all criteria)."
+        },
+    )
+    drb_grading: str = field(
+        default="absolute",
+        metadata={
+            "help": "DeepResearchBench: absolute (criteria scored 0..10 on their own) or race (target and reference "
+            "report scored on the same criteria; score T / (T + R)). race needs each query's reference."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.healthbench_grading not in HEALTHBENCH_GRADING:
-            raise EvalError(f"healthbench_grading must be one of {HEALTHBENCH_GRADING}, got {self.healthbench_grading!r}")
+            raise EvalError(
+                f"healthbench_grading must be one of {HEALTHBENCH_GRADING}, got {self.healthbench_grading!r}"
+            )
         if self.drb_grading not in DRB_GRADING:
             raise EvalError(f"drb_grading must be one of {DRB_GRADING}, got {self.drb_grading!r}")
 
@@ -111,22 +123,42 @@ class BenchmarkGrader:
             custom_id = f"grade:{index}:{query.query_id}"
             if family == "short_form":
                 items_of.append(None)
-                pending.append(self.client.call(custom_id, short_form_messages(benchmark, query, response),
-                                                "short_form_grade", short_form_schema(), parse_short_form))
+                pending.append(
+                    self.client.call(
+                        custom_id,
+                        short_form_messages(benchmark, query, response),
+                        "short_form_grade",
+                        short_form_schema(),
+                        parse_short_form,
+                    )
+                )
             elif race:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
                 messages = race_messages(benchmark, query, response, self._reference(benchmark, query), items)
-                pending.append(self.client.call(custom_id, messages, "race_grades", race_schema(ids),
-                                                lambda text, ids=ids: parse_race(text, ids)))  # type: ignore[misc]
+                pending.append(
+                    self.client.call(
+                        custom_id,
+                        messages,
+                        "race_grades",
+                        race_schema(ids),
+                        partial(parse_race, ids=ids),
+                    )
+                )
             else:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
-                pending.append(self.client.call(custom_id, items_messages(benchmark, family, query, response, items),
-                                                "rubric_grades", items_schema(family, ids),
-                                                lambda text, ids=ids: parse_items(text, family, ids)))  # type: ignore[misc]
+                pending.append(
+                    self.client.call(
+                        custom_id,
+                        items_messages(benchmark, family, query, response, items),
+                        "rubric_grades",
+                        items_schema(family, ids),
+                        partial(parse_items, family=family, ids=ids),
+                    )
+                )
         self._ask(pending)
         out = []
         for (query, _), call, items in zip(pairs, pending, items_of):
@@ -136,16 +168,29 @@ class BenchmarkGrader:
                 out.append(GradeResult(None, {"grader": self.model}, failed=True, error=call.error))
             elif items is None:
                 grade, why = call.value
-                out.append(GradeResult(1.0 if grade == "correct" else 0.0,
-                                       {"grade": grade, "justification": why, "grader": self.model}))
+                out.append(
+                    GradeResult(
+                        1.0 if grade == "correct" else 0.0, {"grade": grade, "justification": why, "grader": self.model}
+                    )
+                )
             elif race:
                 out.append(self._race_result(items, call.value))
             else:
                 scores = {item_id: s for item_id, (s, _) in call.value.items()}
                 score, extra = aggregate_items(family, items, scores)
-                details = {"grader": self.model, **extra, "items": [
-                    {"id": i.item_id, "criterion": i.criterion[:300], "score": call.value[i.item_id][0],
-                     "justification": call.value[i.item_id][1]} for i in items]}
+                details = {
+                    "grader": self.model,
+                    **extra,
+                    "items": [
+                        {
+                            "id": i.item_id,
+                            "criterion": i.criterion[:300],
+                            "score": call.value[i.item_id][0],
+                            "justification": call.value[i.item_id][1],
+                        }
+                        for i in items
+                    ],
+                }
                 out.append(GradeResult(score, details))
         return out
 
@@ -153,16 +198,30 @@ class BenchmarkGrader:
     def _reference(benchmark: str, query: Query) -> str:
         reference = reference_article(query)
         if reference is None:  # run_eval records such queries as ungraded (no_reference) before sampling
-            raise EvalError(f"benchmark {benchmark!r} query {query.query_id!r}: drb_grading 'race' needs a reference "
-                            "report (eval.paths.deep_research_bench_reference)")
+            raise EvalError(
+                f"benchmark {benchmark!r} query {query.query_id!r}: drb_grading 'race' needs a reference "
+                "report (eval.paths.deep_research_bench_reference)"
+            )
         return reference
 
     def _race_result(self, items: Sequence[GradeItem], value: dict[str, tuple[float, float, str]]) -> GradeResult:
         score, extra = aggregate_race(items, {item_id: (t, r) for item_id, (t, r, _) in value.items()})
-        details = {"grader": self.model, "grading": "race", **extra, "items": [
-            {"id": i.item_id, "criterion": i.criterion[:300], "dimension": i.data["dimension"],
-             "score": value[i.item_id][0], "reference_score": value[i.item_id][1],
-             "justification": value[i.item_id][2]} for i in items]}
+        details = {
+            "grader": self.model,
+            "grading": "race",
+            **extra,
+            "items": [
+                {
+                    "id": i.item_id,
+                    "criterion": i.criterion[:300],
+                    "dimension": i.data["dimension"],
+                    "score": value[i.item_id][0],
+                    "reference_score": value[i.item_id][1],
+                    "justification": value[i.item_id][2],
+                }
+                for i in items
+            ],
+        }
         return GradeResult(score, details)
 
     def _grade_per_criterion(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
@@ -172,25 +231,44 @@ class BenchmarkGrader:
         items_of = [grade_items(query, family) for query, _ in pairs]
         calls: list[list[StructuredCall]] = []
         for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
-            calls.append([self.client.call(
-                f"grade:{index}:{query.query_id}:{item.item_id}", criterion_messages(benchmark, query, response, item),
-                "criterion_grade", criterion_schema(), parse_criterion) for item in items])
+            calls.append(
+                [
+                    self.client.call(
+                        f"grade:{index}:{query.query_id}:{item.item_id}",
+                        criterion_messages(benchmark, query, response, item),
+                        "criterion_grade",
+                        criterion_schema(),
+                        parse_criterion,
+                    )
+                    for item in items
+                ]
+            )
         self._ask([call for group in calls for call in group])
-        return [self._criterion_result(benchmark, query, items, group)
-                for (query, _), items, group in zip(pairs, items_of, calls)]
+        return [
+            self._criterion_result(benchmark, query, items, group)
+            for (query, _), items, group in zip(pairs, items_of, calls)
+        ]
 
-    def _criterion_result(self, benchmark: str, query: Query, items: Sequence[GradeItem],
-                          calls: Sequence[StructuredCall]) -> GradeResult:
-        graded = [{"id": i.item_id, "criterion": i.criterion[:300], "points": i.data["points"],
-                   **({"score": int(c.value[0]), "justification": c.value[1]} if c.error is None else {"error": c.error})}
-                  for i, c in zip(items, calls)]
+    def _criterion_result(
+        self, benchmark: str, query: Query, items: Sequence[GradeItem], calls: Sequence[StructuredCall]
+    ) -> GradeResult:
+        graded = [
+            {
+                "id": i.item_id,
+                "criterion": i.criterion[:300],
+                "points": i.data["points"],
+                **({"score": int(c.value[0]), "justification": c.value[1]} if c.error is None else {"error": c.error}),
+            }
+            for i, c in zip(items, calls)
+        ]
         failed = [(i.item_id, c.error) for i, c in zip(items, calls) if c.error is not None]
         details: dict[str, Any] = {"grader": self.model, "grading": "per_criterion", "items": graded}
         if failed:
             for _ in failed:
                 self.usage.fail(SCORE)
             error = f"{len(failed)} of {len(items)} criterion calls failed: " + "; ".join(
-                f"{item_id}: {why}" for item_id, why in failed[:3])
+                f"{item_id}: {why}" for item_id, why in failed[:3]
+            )
             log.warning("grading %s query %r failed: %s", benchmark, query.query_id, error)
             return GradeResult(None, details, failed=True, error=error)
         score, extra = aggregate_items("rubric_points", items, {c["id"]: c["score"] for c in graded})

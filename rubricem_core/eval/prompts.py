@@ -19,11 +19,13 @@ Families (``types.FAMILIES``):
                        negative properties
   short_form           SimpleQA, 2Wiki: correct / incorrect / not_attempted; score 1 only if correct
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
 from rubricem_core.judge.prompts import escape_section_markers
@@ -46,11 +48,11 @@ SCALES: dict[str, list[int]] = {
 
 _SCALE_TEXT = {
     "rubric_points": "For each criterion answer 1 if the response meets it and 0 if it does not. Some criteria "
-                     "describe mistakes (negative points): answer 1 when the response makes that mistake.",
+    "describe mistakes (negative points): answer 1 when the response makes that mistake.",
     "dimension_criteria": "Score each criterion from 0 (not addressed at all) to 10 (fully and excellently "
-                          "addressed), judging the response as a research report.",
+    "addressed), judging the response as a research report.",
     "rubric_properties": "Score each property 2 if the response fully has it, 1 if partly, 0 if not. A property "
-                         "with polarity negative describes a fault: score how fully the fault is present.",
+    "with polarity negative describes a fault: score how fully the fault is present.",
 }
 
 ITEMS_SYSTEM = """You grade the final response of a research assistant against a benchmark's rubric. {scale}
@@ -161,15 +163,18 @@ def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
     return per_item_schema(ids, {"score": {"type": "integer", "enum": SCALES[family]}})
 
 
-def items_messages(benchmark: str, family: str, query: Query, response: str,
-                   items: Sequence[GradeItem]) -> list[dict[str, str]]:
+def items_messages(
+    benchmark: str, family: str, query: Query, response: str, items: Sequence[GradeItem]
+) -> list[dict[str, str]]:
     system = ITEMS_SYSTEM.format(scale=_SCALE_TEXT[family], schema=json.dumps(items_schema(family, ["<item id>"])))
-    parts = [f"{TASK_LINE} against every rubric item ({family}).",
-             _section("BENCHMARK", benchmark),
-             _section("QUESTION", escape_section_markers(conversation_text(query))),
-             _section("RUBRIC ITEMS", "\n".join(item.line(family) for item in items)),
-             _section("RESPONSE", escape_section_markers(response)),
-             _section("END", f"Grade all {len(items)} items.")]
+    parts = [
+        f"{TASK_LINE} against every rubric item ({family}).",
+        _section("BENCHMARK", benchmark),
+        _section("QUESTION", escape_section_markers(conversation_text(query))),
+        _section("RUBRIC ITEMS", "\n".join(item.line(family) for item in items)),
+        _section("RESPONSE", escape_section_markers(response)),
+        _section("END", f"Grade all {len(items)} items."),
+    ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -203,16 +208,18 @@ def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, i
         per_dim, total, weights = {}, 0.0, 0.0
         for name, group in dims.items():
             w = sum(i.data["criterion_weight"] for i in group)
-            per_dim[name] = (sum(i.data["criterion_weight"] * scores[i.item_id] for i in group) / (10.0 * w)
-                             if w > 0 else 0.0)
+            per_dim[name] = (
+                sum(i.data["criterion_weight"] * scores[i.item_id] for i in group) / (10.0 * w) if w > 0 else 0.0
+            )
             total += group[0].data["dimension_weight"] * per_dim[name]
             weights += group[0].data["dimension_weight"]
         if weights <= 0:
             raise EvalError("DeepResearchBench-style grading needs a positive dimension weight")
         return total / weights, {"dimensions": per_dim}
     if family == "rubric_properties":
-        numerator = sum(i.weight * (scores[i.item_id] if i.polarity == "positive" else 2 - scores[i.item_id])
-                        for i in items)
+        numerator = sum(
+            i.weight * (scores[i.item_id] if i.polarity == "positive" else 2 - scores[i.item_id]) for i in items
+        )
         denominator = sum(2 * i.weight for i in items)
         if denominator <= 0:
             raise EvalError("property grading needs a positive total weight")
@@ -239,12 +246,14 @@ def criterion_messages(benchmark: str, query: Query, response: str, item: GradeI
     """The prompt of one criterion (HealthBench ``per_criterion``): the conversation, the criterion with its
     points, the response; the reply says met or not met."""
     system = CRITERION_SYSTEM.format(schema=json.dumps(criterion_schema()))
-    parts = [f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
-             _section("BENCHMARK", benchmark),
-             _section("QUESTION", escape_section_markers(conversation_text(query))),
-             _section("RUBRIC ITEM", item.line("rubric_points")),
-             _section("RESPONSE", escape_section_markers(response)),
-             _section("END", "Is the criterion met by the response?")]
+    parts = [
+        f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
+        _section("BENCHMARK", benchmark),
+        _section("QUESTION", escape_section_markers(conversation_text(query))),
+        _section("RUBRIC ITEM", item.line("rubric_points")),
+        _section("RESPONSE", escape_section_markers(response)),
+        _section("END", "Is the criterion met by the response?"),
+    ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -275,19 +284,22 @@ def race_schema(ids: Sequence[str]) -> dict[str, Any]:
     return per_item_schema(ids, {"article_1_score": score, "article_2_score": score})
 
 
-def race_messages(benchmark: str, query: Query, response: str, reference: str,
-                  items: Sequence[GradeItem]) -> list[dict[str, str]]:
+def race_messages(
+    benchmark: str, query: Query, response: str, reference: str, items: Sequence[GradeItem]
+) -> list[dict[str, str]]:
     """The RACE prompt: criteria, then the target (ARTICLE 1) and the reference (ARTICLE 2). As in the
     benchmark's own prompt the articles are labelled by position only, so the judge cannot favour or
     disfavour "the reference" as such."""
     system = RACE_SYSTEM.format(schema=json.dumps(race_schema(["<item id>"])))
-    parts = [f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
-             _section("BENCHMARK", benchmark),
-             _section("QUESTION", escape_section_markers(conversation_text(query))),
-             _section("RUBRIC ITEMS", "\n".join(race_line(item) for item in items)),
-             _section("ARTICLE 1", escape_section_markers(response)),
-             _section("ARTICLE 2", escape_section_markers(reference)),
-             _section("END", f"Score both articles on all {len(items)} criteria.")]
+    parts = [
+        f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
+        _section("BENCHMARK", benchmark),
+        _section("QUESTION", escape_section_markers(conversation_text(query))),
+        _section("RUBRIC ITEMS", "\n".join(race_line(item) for item in items)),
+        _section("ARTICLE 1", escape_section_markers(response)),
+        _section("ARTICLE 2", escape_section_markers(reference)),
+        _section("END", f"Score both articles on all {len(items)} criteria."),
+    ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -298,8 +310,11 @@ def parse_race(text: str | None, ids: Sequence[str]) -> dict[str, tuple[float, f
     for item in data["items"]:
         if item["id"] in out:
             raise ReplyError(f"item id {item['id']!r} is graded twice")
-        out[item["id"]] = (float(item["article_1_score"]), float(item["article_2_score"]),
-                           item["justification"].strip() or "-")
+        out[item["id"]] = (
+            float(item["article_1_score"]),
+            float(item["article_2_score"]),
+            item["justification"].strip() or "-",
+        )
     missing = [i for i in ids if i not in out]
     if missing:
         raise ReplyError(f"item ids not graded: {missing}")
@@ -327,12 +342,17 @@ def aggregate_race(items: Sequence[GradeItem], scores: dict[str, tuple[float, fl
         per_dim[name] = _share(t, r)
         raw[name] = {"target": t, "reference": r}
         weight = group[0].data["dimension_weight"]
-        target_total, reference_total, weights = target_total + weight * t, reference_total + weight * r, weights + weight
+        target_total, reference_total, weights = (
+            target_total + weight * t,
+            reference_total + weight * r,
+            weights + weight,
+        )
     if weights <= 0:
         raise EvalError("DeepResearchBench-style grading needs a positive dimension weight")
     return _share(target_total, reference_total), {
-        "dimensions": per_dim, "race": {"target_total": target_total, "reference_total": reference_total,
-                                        "dimensions": raw}}
+        "dimensions": per_dim,
+        "race": {"target_total": target_total, "reference_total": reference_total, "dimensions": raw},
+    }
 
 
 # ---- short form ----------------------------------------------------------------------------------
@@ -369,12 +389,14 @@ def short_form_schema() -> dict[str, Any]:
 
 def short_form_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
     system = SHORT_FORM_SYSTEM.format(schema=json.dumps(short_form_schema()))
-    parts = [f"{TASK_LINE}: is the short answer correct? (short_form)",
-             _section("BENCHMARK", benchmark),
-             _section("QUESTION", escape_section_markers(conversation_text(query))),
-             _section("GOLD ANSWERS", escape_section_markers(json.dumps(gold_answers(query), ensure_ascii=False))),
-             _section("RESPONSE", escape_section_markers(response)),
-             _section("END", "Grade the response: correct, incorrect or not_attempted.")]
+    parts = [
+        f"{TASK_LINE}: is the short answer correct? (short_form)",
+        _section("BENCHMARK", benchmark),
+        _section("QUESTION", escape_section_markers(conversation_text(query))),
+        _section("GOLD ANSWERS", escape_section_markers(json.dumps(gold_answers(query), ensure_ascii=False))),
+        _section("RESPONSE", escape_section_markers(response)),
+        _section("END", "Grade the response: correct, incorrect or not_attempted."),
+    ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 

@@ -14,6 +14,7 @@ own query file) is found before sampling (``ungraded_reason``), is not sampled, 
 ``eval_results`` row with score NULL, ``grade_failed`` true, the reason in ``error`` and
 ``details.ungraded`` (``ungraded_row``); the summary counts it apart (``n_ungraded``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,12 +22,14 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from rubricem_core import schemas
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.eval.prompts import aggregate_items, gold_answers, grade_items, reference_article
@@ -37,7 +40,6 @@ from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
 from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import extract_answer, neutralize_tags, strip_tags, validate
-from rubricem_core import schemas
 from rubricem_core.schemas import Query
 from rubricem_core.tools.base import ToolEnv
 
@@ -73,8 +75,10 @@ class EvalOptions:
     max_tool_calls: int = field(default=10, metadata={"help": "Tool calls per trajectory."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     prompt_style: str = field(default="full", metadata={"help": "System prompt style (environment.prompt_messages)."})
-    retrieval: str = field(default="none", metadata={
-        "help": "Reflection guidance: none, cross, within, or sequential (cross, reflect, retry with it)."})
+    retrieval: str = field(
+        default="none",
+        metadata={"help": "Reflection guidance: none, cross, within, or sequential (cross, reflect, retry with it)."},
+    )
     retrieval_k: int = field(default=1, metadata={"help": "Reflections per query for cross retrieval."})
 
     def __post_init__(self) -> None:
@@ -92,8 +96,12 @@ class SequentialOptions:
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of the reflection."})
     max_new_tokens: int = field(default=512, metadata={"help": "Tokens of the reflection."})
     max_trajectory_chars: int = field(default=6000, metadata={"help": "Longest trial-1 text shown (middle cut)."})
-    valid_only: bool = field(default=True, metadata={
-        "help": "Guide trial 2 only with reflections the meta-policy's validator accepts (as the bank holds)."})
+    valid_only: bool = field(
+        default=True,
+        metadata={
+            "help": "Guide trial 2 only with reflections the meta-policy's validator accepts (as the bank holds)."
+        },
+    )
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -133,8 +141,11 @@ def guidance_for(bank: ReflectionBank | None, queries: Sequence[Query], mode: st
         for entry, _ in entries:
             reflection = parse_reflection(entry.reflection)
             source = entry.query_text if mode == "cross" else None
-            blocks.append(guidance_text(reflection, source) if reflection is not None and
-                          (reflection.rubrics or reflection.takeaways) else neutralize_tags(entry.reflection))
+            blocks.append(
+                guidance_text(reflection, source)
+                if reflection is not None and (reflection.rubrics or reflection.takeaways)
+                else neutralize_tags(entry.reflection)
+            )
         out[query.query_id] = "\n\n".join(blocks) if blocks else None
     return out
 
@@ -150,34 +161,68 @@ def plain_answer(answer: str) -> str:
 
 
 def _sampling(options: EvalOptions) -> SamplingParams:
-    return SamplingParams(temperature=options.temperature, top_p=options.top_p, max_new_tokens=options.max_new_tokens,
-                          max_total_tokens=options.max_total_tokens, seed=options.seed)
+    return SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        max_new_tokens=options.max_new_tokens,
+        max_total_tokens=options.max_total_tokens,
+        seed=options.seed,
+    )
 
 
 def _eval_sample(query_id: str, index: int, traj: Any, guidance: str | None) -> EvalSample:
     text = "".join(s.text for s in traj.segments if s.kind != "prompt")
-    return EvalSample(query_id, index, text, extract_answer(text) or "", traj.n_tool_calls, traj.finish_reason,
-                      traj.n_policy_tokens, guidance)
+    return EvalSample(
+        query_id,
+        index,
+        text,
+        extract_answer(text) or "",
+        traj.n_tool_calls,
+        traj.finish_reason,
+        traj.n_policy_tokens,
+        guidance,
+    )
 
 
-def sample_queries(engine: Any, tokenizer: Any, queries: Sequence[Query], env: ToolEnv, options: EvalOptions,
-                   guidance: dict[str, str | None] | None = None) -> list[list[EvalSample]]:
+def sample_queries(
+    engine: Any,
+    tokenizer: Any,
+    queries: Sequence[Query],
+    env: ToolEnv,
+    options: EvalOptions,
+    guidance: dict[str, str | None] | None = None,
+) -> list[list[EvalSample]]:
     """``samples_per_query`` trajectories per query with the real tools, in query order."""
     guidance = guidance or {}
     sampling = _sampling(options)
     requests = []
     for query in queries:
         messages = prompt_messages(query.to_row(), guidance=guidance.get(query.query_id), style=options.prompt_style)
-        requests.append(RolloutRequest(request_id=query.query_id, prompt_ids=encode_prompt(tokenizer, messages),
-                                       n=options.samples_per_query, sampling=sampling,
-                                       max_tool_calls=options.max_tool_calls))
+        requests.append(
+            RolloutRequest(
+                request_id=query.query_id,
+                prompt_ids=encode_prompt(tokenizer, messages),
+                n=options.samples_per_query,
+                sampling=sampling,
+                max_tool_calls=options.max_tool_calls,
+            )
+        )
     groups = engine.generate(requests, env) if requests else []
-    return [[_eval_sample(query.query_id, index, traj, guidance.get(query.query_id)) for index, traj in enumerate(group)]
-            for query, group in zip(queries, groups)]
+    return [
+        [_eval_sample(query.query_id, index, traj, guidance.get(query.query_id)) for index, traj in enumerate(group)]
+        for query, group in zip(queries, groups)
+    ]
 
 
-def sample_guided(engine: Any, tokenizer: Any, queries: Sequence[Query], env: ToolEnv, options: EvalOptions,
-                  guidance: dict[tuple[str, int], str | None], tag: str = "t2") -> list[list[EvalSample]]:
+def sample_guided(
+    engine: Any,
+    tokenizer: Any,
+    queries: Sequence[Query],
+    env: ToolEnv,
+    options: EvalOptions,
+    guidance: dict[tuple[str, int], str | None],
+    tag: str = "t2",
+) -> list[list[EvalSample]]:
     """Like ``sample_queries``, but sample ``i`` of a query gets its own guidance ``guidance[(query_id, i)]``
     (one request per sample; ``tag`` in the request ids gives them other sampling seeds than trial 1's)."""
     sampling = _sampling(options)
@@ -187,28 +232,55 @@ def sample_guided(engine: Any, tokenizer: Any, queries: Sequence[Query], env: To
             text = guidance.get((query.query_id, index))
             messages = prompt_messages(query.to_row(), guidance=text, style=options.prompt_style)
             keys.append((query.query_id, index, text))
-            requests.append(RolloutRequest(request_id=f"{query.query_id}#{tag}-{index}", n=1, sampling=sampling,
-                                           prompt_ids=encode_prompt(tokenizer, messages),
-                                           max_tool_calls=options.max_tool_calls))
+            requests.append(
+                RolloutRequest(
+                    request_id=f"{query.query_id}#{tag}-{index}",
+                    n=1,
+                    sampling=sampling,
+                    prompt_ids=encode_prompt(tokenizer, messages),
+                    max_tool_calls=options.max_tool_calls,
+                )
+            )
     groups = engine.generate(requests, env) if requests else []
     flat = iter(_eval_sample(qid, index, group[0], text) for (qid, index, text), group in zip(keys, groups))
     return [[next(flat) for _ in range(options.samples_per_query)] for _ in queries]
 
 
-def reflect_on_trials(engine: Any, tokenizer: Any, queries: Sequence[Query], samples: Sequence[Sequence[EvalSample]],
-                      env: ToolEnv, options: EvalOptions, sequential: SequentialOptions) -> list[dict[str, Any]]:
+def reflect_on_trials(
+    engine: Any,
+    tokenizer: Any,
+    queries: Sequence[Query],
+    samples: Sequence[Sequence[EvalSample]],
+    env: ToolEnv,
+    options: EvalOptions,
+    sequential: SequentialOptions,
+) -> list[dict[str, Any]]:
     """One unforced reflection of the policy on each trial-1 trajectory (``reflection.meta.sample_reflections``,
     the meta-policy's prompt and validator): rows with ``query_id``, ``sample``, ``text``, ``valid``, ``codes``."""
     from rubricem_core.reflection.meta import sample_reflections  # pulls in torch
 
-    sources = [{"source": f"{s.query_id}#{s.sample}", "query_id": s.query_id, "sample": s.sample, "text": s.text}
-               for group in samples for s in group]
-    sampling = SamplingParams(temperature=sequential.temperature, top_p=options.top_p,
-                              max_new_tokens=sequential.max_new_tokens, max_total_tokens=options.max_total_tokens,
-                              seed=options.seed)
+    sources = [
+        {"source": f"{s.query_id}#{s.sample}", "query_id": s.query_id, "sample": s.sample, "text": s.text}
+        for group in samples
+        for s in group
+    ]
+    sampling = SamplingParams(
+        temperature=sequential.temperature,
+        top_p=options.top_p,
+        max_new_tokens=sequential.max_new_tokens,
+        max_total_tokens=options.max_total_tokens,
+        seed=options.seed,
+    )
     by_source = {s["source"]: s for s in sources}
-    rows = sample_reflections(engine, tokenizer, sources, {q.query_id: q.question for q in queries}, sampling,
-                              sequential.max_trajectory_chars, env)
+    rows = sample_reflections(
+        engine,
+        tokenizer,
+        sources,
+        {q.query_id: q.question for q in queries},
+        sampling,
+        sequential.max_trajectory_chars,
+        env,
+    )
     return [{**r, "sample": by_source[r["source"]]["sample"]} for r in rows]
 
 
@@ -253,14 +325,20 @@ def ungraded_reason(benchmark: str, query: Query, needs_reference: bool = False)
     except EvalError as exc:
         raise EvalError(f"benchmark {benchmark!r} query {query.query_id!r}: {exc}") from exc
     if needs_reference and reference_article(query) is None:
-        return NO_REFERENCE, (f"query {query.query_id!r} has no reference report for eval.drb_grading 'race' (none "
-                              "in eval.paths.deep_research_bench_reference for its id)")
+        return NO_REFERENCE, (
+            f"query {query.query_id!r} has no reference report for eval.drb_grading 'race' (none "
+            "in eval.paths.deep_research_bench_reference for its id)"
+        )
     return None
 
 
-
-def grade_samples(benchmark: str, queries: Sequence[Query], samples: Sequence[Sequence[EvalSample]],
-                  grader: Any = None, max_tool_calls: int | None = None) -> list[list[GradeResult]]:
+def grade_samples(
+    benchmark: str,
+    queries: Sequence[Query],
+    samples: Sequence[Sequence[EvalSample]],
+    grader: Any = None,
+    max_tool_calls: int | None = None,
+) -> list[list[GradeResult]]:
     """Grades aligned with ``samples``: in-process for synthetic, else one grader call per sample."""
     family = family_of(benchmark)
     if family == "synthetic":
@@ -272,35 +350,67 @@ def grade_samples(benchmark: str, queries: Sequence[Query], samples: Sequence[Se
     return [[next(flat) for _ in group] for group in samples]
 
 
-def result_rows(checkpoint: str, benchmark: str, retrieval: str, samples: Sequence[Sequence[EvalSample]],
-                grades: Sequence[Sequence[GradeResult]], grader_model: str,
-                valid: Sequence[Sequence[bool]]) -> list[dict[str, Any]]:
+def result_rows(
+    checkpoint: str,
+    benchmark: str,
+    retrieval: str,
+    samples: Sequence[Sequence[EvalSample]],
+    grades: Sequence[Sequence[GradeResult]],
+    grader_model: str,
+    valid: Sequence[Sequence[bool]],
+) -> list[dict[str, Any]]:
     rows = []
     for group, group_grades, group_valid in zip(samples, grades, valid):
         for sample, grade, ok in zip(group, group_grades, group_valid):
-            rows.append({
-                "checkpoint": checkpoint, "benchmark": benchmark, "query_id": sample.query_id,
-                "retrieval": retrieval, "score": grade.score, "details": grade.details_json(),
-                "sample": sample.sample, "grade_failed": grade.failed, "error": grade.error,
-                "grader": grader_model, "valid_scaffold": ok, "n_tool_calls": sample.n_tool_calls,
-                "finish_reason": sample.finish_reason, "n_policy_tokens": sample.n_policy_tokens,
-                "guidance": sample.guidance, "answer": sample.answer, "text": sample.text,
-            })
+            rows.append(
+                {
+                    "checkpoint": checkpoint,
+                    "benchmark": benchmark,
+                    "query_id": sample.query_id,
+                    "retrieval": retrieval,
+                    "score": grade.score,
+                    "details": grade.details_json(),
+                    "sample": sample.sample,
+                    "grade_failed": grade.failed,
+                    "error": grade.error,
+                    "grader": grader_model,
+                    "valid_scaffold": ok,
+                    "n_tool_calls": sample.n_tool_calls,
+                    "finish_reason": sample.finish_reason,
+                    "n_policy_tokens": sample.n_policy_tokens,
+                    "guidance": sample.guidance,
+                    "answer": sample.answer,
+                    "text": sample.text,
+                }
+            )
     return rows
 
 
-def ungraded_row(checkpoint: str, benchmark: str, retrieval: str, query_id: str, reason: tuple[str, str],
-                 grader_model: str) -> dict[str, Any]:
+def ungraded_row(
+    checkpoint: str, benchmark: str, retrieval: str, query_id: str, reason: tuple[str, str], grader_model: str
+) -> dict[str, Any]:
     """The row of a query that was not graded: no trajectory (it was not sampled), score NULL,
     ``grade_failed`` true (so every reader that excludes failed grades from means stays right), the
     reason in ``error`` ("<code>: <message>") and in ``details`` ({"ungraded": code, "reason": message})."""
     code, message = reason
     return {
-        "checkpoint": checkpoint, "benchmark": benchmark, "query_id": query_id, "retrieval": retrieval,
-        "score": None, "details": json.dumps({"ungraded": code, "reason": message}, ensure_ascii=False, sort_keys=True),
-        "sample": None, "grade_failed": True, "error": f"{code}: {message}", "grader": grader_model,
-        "valid_scaffold": None, "n_tool_calls": None, "finish_reason": None, "n_policy_tokens": None,
-        "guidance": None, "answer": None, "text": None,
+        "checkpoint": checkpoint,
+        "benchmark": benchmark,
+        "query_id": query_id,
+        "retrieval": retrieval,
+        "score": None,
+        "details": json.dumps({"ungraded": code, "reason": message}, ensure_ascii=False, sort_keys=True),
+        "sample": None,
+        "grade_failed": True,
+        "error": f"{code}: {message}",
+        "grader": grader_model,
+        "valid_scaffold": None,
+        "n_tool_calls": None,
+        "finish_reason": None,
+        "n_policy_tokens": None,
+        "guidance": None,
+        "answer": None,
+        "text": None,
     }
 
 
@@ -354,9 +464,17 @@ class EvalOutcome:
     summary: dict[str, float]
 
 
-def trial_rows(checkpoint: str, benchmark: str, retrieval: str, queries: Sequence[Query],
-               reason_of: Sequence[tuple[str, str] | None], samples: Sequence[Sequence[EvalSample]], grader: Any,
-               options: EvalOptions, model: str) -> list[dict[str, Any]]:
+def trial_rows(
+    checkpoint: str,
+    benchmark: str,
+    retrieval: str,
+    queries: Sequence[Query],
+    reason_of: Sequence[tuple[str, str] | None],
+    samples: Sequence[Sequence[EvalSample]],
+    grader: Any,
+    options: EvalOptions,
+    model: str,
+) -> list[dict[str, Any]]:
     """Grade the samples of the gradable queries → rows in query order, ungraded queries included."""
     gradable = [q for q, r in zip(queries, reason_of) if r is None]
     grades = grade_samples(benchmark, gradable, samples, grader, options.max_tool_calls)
@@ -372,9 +490,18 @@ def trial_rows(checkpoint: str, benchmark: str, retrieval: str, queries: Sequenc
     return rows
 
 
-def run_eval(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Query], env: ToolEnv,
-             options: EvalOptions, checkpoint: str, grader: Any = None,
-             bank: ReflectionBank | None = None, sequential: SequentialOptions | None = None) -> EvalOutcome:
+def run_eval(
+    engine: Any,
+    tokenizer: Any,
+    benchmark: str,
+    queries: Sequence[Query],
+    env: ToolEnv,
+    options: EvalOptions,
+    checkpoint: str,
+    grader: Any = None,
+    bank: ReflectionBank | None = None,
+    sequential: SequentialOptions | None = None,
+) -> EvalOutcome:
     """Sample every gradable query with the real tools (with reflection guidance per ``options.retrieval``),
     grade each sample independently of training rewards, and return ``eval_results`` rows and their
     summary. Queries the benchmark cannot grade (``ungraded_reason``) are not sampled but get a row
@@ -392,17 +519,36 @@ def run_eval(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Quer
     gradable = [q for q, r in zip(queries, reason_of) if r is None]
     if not gradable:
         counts = ", ".join(f"{n} {code}" for code in UNGRADED_REASONS if (n := sum(c == code for c, _ in reasons)))
-        raise EvalError(f"benchmark {benchmark!r}: none of its {len(queries)} queries can be graded ({counts}; "
-                        f"e.g. {reasons[0][1]}); nothing was sampled. Give the queries rubrics (or gold answers "
-                        "for short-form benchmarks, reference reports for RACE), or leave the benchmark out of "
-                        "eval.benchmarks")
+        raise EvalError(
+            f"benchmark {benchmark!r}: none of its {len(queries)} queries can be graded ({counts}; "
+            f"e.g. {reasons[0][1]}); nothing was sampled. Give the queries rubrics (or gold answers "
+            "for short-form benchmarks, reference reports for RACE), or leave the benchmark out of "
+            "eval.benchmarks"
+        )
     if reasons:
-        log.warning("benchmark %r: %d of %d queries cannot be graded and are recorded without sampling: %s",
-                    benchmark, len(reasons), len(queries), "; ".join(m for _, m in reasons[:5]))
+        log.warning(
+            "benchmark %r: %d of %d queries cannot be graded and are recorded without sampling: %s",
+            benchmark,
+            len(reasons),
+            len(queries),
+            "; ".join(m for _, m in reasons[:5]),
+        )
     model = "builtin:synthetic" if family == "synthetic" else grader.model
     if options.retrieval == SEQUENTIAL:
-        rows, summary = run_sequential(engine, tokenizer, benchmark, queries, reason_of, env, options, checkpoint,
-                                       grader, bank, model, sequential or SequentialOptions())
+        rows, summary = run_sequential(
+            engine,
+            tokenizer,
+            benchmark,
+            queries,
+            reason_of,
+            env,
+            options,
+            checkpoint,
+            grader,
+            bank,
+            model,
+            sequential or SequentialOptions(),
+        )
     else:
         guidance = guidance_for(bank, gradable, options.retrieval, options.retrieval_k)
         samples = sample_queries(engine, tokenizer, gradable, env, options, guidance)
@@ -413,28 +559,43 @@ def run_eval(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Quer
     return EvalOutcome(rows, summary)
 
 
-def run_sequential(engine: Any, tokenizer: Any, benchmark: str, queries: Sequence[Query],
-                   reason_of: Sequence[tuple[str, str] | None], env: ToolEnv, options: EvalOptions, checkpoint: str,
-                   grader: Any, bank: ReflectionBank | None, model: str,
-                   sequential: SequentialOptions) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def run_sequential(
+    engine: Any,
+    tokenizer: Any,
+    benchmark: str,
+    queries: Sequence[Query],
+    reason_of: Sequence[tuple[str, str] | None],
+    env: ToolEnv,
+    options: EvalOptions,
+    checkpoint: str,
+    grader: Any,
+    bank: ReflectionBank | None,
+    model: str,
+    sequential: SequentialOptions,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Test-time sequential reuse: trial 1 with cross retrieval from ``bank`` → the policy's reflection on
     each trial-1 trajectory → trial 2 of the same sample guided by it. Rows of both trials (retrieval
     ``sequential-1``/``sequential-2``); the summary is trial 2's, trial 1's under ``trial1/`` and the
     share of trial-1 reflections that guided trial 2 under ``sequential/``."""
     first_mode, second_mode = SEQUENTIAL_TRIALS
     gradable = [q for q, r in zip(queries, reason_of) if r is None]
-    first = sample_queries(engine, tokenizer, gradable, env, options, guidance_for(bank, gradable, "cross",
-                                                                                  options.retrieval_k))
+    first = sample_queries(
+        engine, tokenizer, gradable, env, options, guidance_for(bank, gradable, "cross", options.retrieval_k)
+    )
     reflections = reflect_on_trials(engine, tokenizer, gradable, first, env, options, sequential)
     guidance = reflection_guidance(reflections, sequential.valid_only)
     second = sample_guided(engine, tokenizer, gradable, env, options, guidance)
     rows_first = trial_rows(checkpoint, benchmark, first_mode, queries, reason_of, first, grader, options, model)
     rows_second = trial_rows(checkpoint, benchmark, second_mode, queries, reason_of, second, grader, options, model)
     n_trajectories = sum(len(group) for group in first)
-    summary = {**summarize(rows_second), **{f"trial1/{k}": v for k, v in summarize(rows_first).items()},
-               "sequential/reflection_valid_rate": (sum(r["valid"] for r in reflections) / len(reflections)
-                                                    if reflections else math.nan),
-               "sequential/guided_rate": len(guidance) / n_trajectories if n_trajectories else math.nan}
+    summary = {
+        **summarize(rows_second),
+        **{f"trial1/{k}": v for k, v in summarize(rows_first).items()},
+        "sequential/reflection_valid_rate": (
+            sum(r["valid"] for r in reflections) / len(reflections) if reflections else math.nan
+        ),
+        "sequential/guided_rate": len(guidance) / n_trajectories if n_trajectories else math.nan,
+    }
     return rows_first + rows_second, summary
 
 
@@ -456,8 +617,14 @@ def select_queries(queries: Sequence[Query], max_queries: int, sample: str = "fi
     return [q for q in queries if q.query_id in chosen]
 
 
-def load_benchmark_queries(benchmark: str, path: str | Path | None, max_queries: int, sample: str = "first",
-                           seed: int = 0, reference_path: str | Path | None = None) -> list[Query]:
+def load_benchmark_queries(
+    benchmark: str,
+    path: str | Path | None,
+    max_queries: int,
+    sample: str = "first",
+    seed: int = 0,
+    reference_path: str | Path | None = None,
+) -> list[Query]:
     """``max_queries`` queries of a benchmark file (``select_queries``), read with the benchmark's own reader;
     with ``reference_path`` (DeepResearchBench) each gets its reference report (``attach_drb_references``)."""
     from rubricem_core.readers import attach_drb_references, read_queries
@@ -467,14 +634,17 @@ def load_benchmark_queries(benchmark: str, path: str | Path | None, max_queries:
     if not path:
         raise EvalError(f"benchmark {benchmark!r} has no file: set eval.paths.{benchmark}")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"eval.paths.{benchmark}: no such file {path} (relative paths resolve against "
-                                f"{Path.cwd()})")
+        raise FileNotFoundError(
+            f"eval.paths.{benchmark}: no such file {path} (relative paths resolve against {Path.cwd()})"
+        )
     queries = select_queries(read_queries(path, format=benchmark), max_queries, sample, seed)
     if reference_path is None:
         return queries
     if family_of(benchmark) != "dimension_criteria":
         raise EvalError(f"benchmark {benchmark!r} has no reference reports (only deep_research_bench does)")
     if not Path(reference_path).is_file():
-        raise FileNotFoundError(f"eval.paths.{benchmark}_reference: no such file {reference_path} (relative paths "
-                                f"resolve against {Path.cwd()})")
+        raise FileNotFoundError(
+            f"eval.paths.{benchmark}_reference: no such file {reference_path} (relative paths "
+            f"resolve against {Path.cwd()})"
+        )
     return attach_drb_references(queries, reference_path)

@@ -7,16 +7,17 @@ judge's criteria (``judge.builtin.score_rubric``: a fact counts fully only when 
 agent actually retrieved states it) and aggregated with the judge's formula
 R = Σ w·s′ / (2 Σ w). Scaffold validity and citation grounding are reported beside the score.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
+from rubricem_core.eval.types import EvalError, GradeResult
 from rubricem_core.filtering import claim_supported, snippet_texts
 from rubricem_core.judge.aggregate import stage_scores
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import Context, TraceView, score_rubric
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
-from rubricem_core.eval.types import EvalError, GradeResult
 from rubricem_core.scaffold import STAGE_IDS, extract_citations, validate
 from rubricem_core.schemas import Query
 
@@ -37,8 +38,15 @@ def citation_grounding(text: str) -> dict[str, Any]:
 
 
 def _rubric_record(rubric: Rubric) -> dict[str, Any]:
-    return {"id": rubric.rubric_id, "stage": rubric.stage, "polarity": rubric.polarity, "weight": rubric.weight,
-            "title": rubric.title, "description": rubric.description, "check": rubric.check}
+    return {
+        "id": rubric.rubric_id,
+        "stage": rubric.stage,
+        "polarity": rubric.polarity,
+        "weight": rubric.weight,
+        "title": rubric.title,
+        "description": rubric.description,
+        "check": rubric.check,
+    }
 
 
 def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) -> GradeResult:
@@ -53,8 +61,16 @@ def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) 
     for rubric, record in zip(rubrics, records):
         score, why = score_rubric(view, record, ctx)
         scores.append(RubricScore(rubric.rubric_id, rubric.stage, rubric.polarity, rubric.weight, score, why))
-        items.append({"title": rubric.title, "polarity": rubric.polarity, "weight": rubric.weight,
-                      "check": (rubric.check or {}).get("type"), "score": score, "justification": why})
+        items.append(
+            {
+                "title": rubric.title,
+                "polarity": rubric.polarity,
+                "weight": rubric.weight,
+                "check": (rubric.check or {}).get("type"),
+                "score": score,
+                "justification": why,
+            }
+        )
     R = stage_scores([TrajectoryJudgment("eval", scores)], rubrics)[0]
     judged = [R[STAGE_IDS[s]] for s in sorted({r.stage for r in rubrics}, key=STAGE_IDS.get)]
     # persistent rubrics are answer-stage; a query with rubrics on several stages gets their mean.
@@ -72,4 +88,3 @@ def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) 
         **citation_grounding(text),
     }
     return GradeResult(mean, details)
-

@@ -1,4 +1,5 @@
 """Plain records of evaluation: what was sampled for a query and how it was graded."""
+
 from __future__ import annotations
 
 import json

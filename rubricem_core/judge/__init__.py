@@ -10,6 +10,7 @@
 Names are imported lazily, each from the module named in ``_LAZY``: ``llm_judge`` and ``builtin`` pull
 in litellm, which takes seconds to import; table and buffer code should not pay for it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -9,10 +9,11 @@ would pay a trajectory for silence (no answer, no credit — the evaluation's ru
 Two implementations — a plain loop that mirrors the formula and a vectorized one used in training —
 are tested against each other and against numbers worked by hand.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -107,8 +108,14 @@ def zero_absent_stages(R: np.ndarray, texts: Sequence[str]) -> np.ndarray:
     return np.where(~written & ~np.isnan(R), 0.0, R)
 
 
-def stage_reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], R: np.ndarray,
-                      G: np.ndarray | None = None, A: np.ndarray | None = None) -> list[dict]:
+def stage_reward_rows(
+    step: int,
+    query_id: str,
+    rollout_ids: Sequence[str],
+    R: np.ndarray,
+    G: np.ndarray | None = None,
+    A: np.ndarray | None = None,
+) -> list[dict]:
     """``stage_rewards`` rows; R, G and A are None where NaN (G and A: None when not given)."""
     for name, values in (("R", R), ("G", G), ("A", A)):
         if values is not None and values.shape != (len(rollout_ids), N_STAGES):
@@ -118,8 +125,15 @@ def stage_reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], R: n
         return None if values is None or math.isnan(values[i, k]) else float(values[i, k])
 
     return [
-        {"step": step, "query_id": query_id, "rollout_id": rollout_id, "stage": stage,
-         "R": num(R, i, k), "G": num(G, i, k), "A": num(A, i, k)}
+        {
+            "step": step,
+            "query_id": query_id,
+            "rollout_id": rollout_id,
+            "stage": stage,
+            "R": num(R, i, k),
+            "G": num(G, i, k),
+            "A": num(A, i, k),
+        }
         for i, rollout_id in enumerate(rollout_ids)
         for k, stage in enumerate(STAGES)
     ]

@@ -10,11 +10,13 @@ Every change is kept on the rubric itself (status, created_step, pruned_step), s
 gives the ``judge_rubrics`` partition of a step: the rubrics in force during it plus those pruned
 at it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +41,9 @@ class RubricBuffer:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def from_query(cls, query_id: str, rubrics: Sequence[dict[str, Any]], cap_per_stage: int = 5,
-                   step: int = 0) -> "RubricBuffer":
+    def from_query(
+        cls, query_id: str, rubrics: Sequence[dict[str, Any]], cap_per_stage: int = 5, step: int = 0
+    ) -> RubricBuffer:
         """From the ``rubrics`` of a ``queries`` row (dicts with title, description, weight, polarity,
         stage and an optional ``check`` dict or JSON string)."""
         persistent = []
@@ -54,15 +57,24 @@ class RubricBuffer:
                     check = json.loads(check)
                 except json.JSONDecodeError as exc:
                     raise JudgeError(f"query {query_id!r} rubric {index}: check is not JSON: {exc}") from exc
-            persistent.append(Rubric.create(query_id, record["stage"], record["polarity"], record["title"],
-                                            record.get("description") or "", record["weight"], "persistent",
-                                            step, check))
+            persistent.append(
+                Rubric.create(
+                    query_id,
+                    record["stage"],
+                    record["polarity"],
+                    record["title"],
+                    record.get("description") or "",
+                    record["weight"],
+                    "persistent",
+                    step,
+                    check,
+                )
+            )
         return cls(query_id, persistent, cap_per_stage)
 
     def _insert(self, rubric: Rubric) -> None:
         if rubric.query_id != self.query_id:
-            raise JudgeError(f"rubric {rubric.rubric_id!r} belongs to query {rubric.query_id!r}, "
-                             f"not {self.query_id!r}")
+            raise JudgeError(f"rubric {rubric.rubric_id!r} belongs to query {rubric.query_id!r}, not {self.query_id!r}")
         existing = self._rubrics.get(rubric.rubric_id)
         if existing is not None and existing.status == "active":
             return  # same criterion twice (persistent data may repeat a title)
@@ -94,11 +106,21 @@ class RubricBuffer:
         added: list[Rubric] = []
         for item in new_rubrics:
             if isinstance(item, GeneratedRubric):
-                rubric = Rubric.create(self.query_id, item.stage, item.polarity, item.title, item.description,
-                                       item.weight, "adaptive", step, item.check)
+                rubric = Rubric.create(
+                    self.query_id,
+                    item.stage,
+                    item.polarity,
+                    item.title,
+                    item.description,
+                    item.weight,
+                    "adaptive",
+                    step,
+                    item.check,
+                )
             elif isinstance(item, Rubric):
-                rubric = dataclasses.replace(item, origin="adaptive", status="active", created_step=step,
-                                             pruned_step=None)
+                rubric = dataclasses.replace(
+                    item, origin="adaptive", status="active", created_step=step, pruned_step=None
+                )
             else:
                 raise JudgeError(f"cannot add {type(item).__name__} to a RubricBuffer; expected Rubric")
             if rubric.key in active_keys:
@@ -129,13 +151,16 @@ class RubricBuffer:
                 self._prune(rubric, step)
                 pruned.append(rubric)
         for stage in STAGES:
-            alive = [r for r in self._rubrics.values()
-                     if r.status == "active" and r.origin == "adaptive" and r.stage == stage]
+            alive = [
+                r
+                for r in self._rubrics.values()
+                if r.status == "active" and r.origin == "adaptive" and r.stage == stage
+            ]
             if len(alive) <= self.cap_per_stage:
                 continue
             # Most discriminative first; ties go to the heavier, then the older rubric (stability).
             alive.sort(key=lambda r: (-spread.get(r.rubric_id, float("inf")), -r.weight, r.created_step))
-            for rubric in alive[self.cap_per_stage:]:
+            for rubric in alive[self.cap_per_stage :]:
                 self._prune(rubric, step)
                 pruned.append(rubric)
         return [dataclasses.replace(r) for r in pruned]
@@ -152,17 +177,27 @@ class RubricBuffer:
             in_force = rubric.status == "active" and rubric.created_step <= step
             if not (in_force or rubric.pruned_step == step):
                 continue
-            out.append({
-                "step": step, "query_id": self.query_id, "rubric_id": rubric.rubric_id, "stage": rubric.stage,
-                "polarity": rubric.polarity, "origin": rubric.origin, "title": rubric.title,
-                "description": rubric.description, "weight": rubric.weight, "status": rubric.status,
-                "created_step": rubric.created_step, "pruned_step": rubric.pruned_step,
-                "check": None if rubric.check is None else json.dumps(rubric.check, ensure_ascii=False),
-            })
+            out.append(
+                {
+                    "step": step,
+                    "query_id": self.query_id,
+                    "rubric_id": rubric.rubric_id,
+                    "stage": rubric.stage,
+                    "polarity": rubric.polarity,
+                    "origin": rubric.origin,
+                    "title": rubric.title,
+                    "description": rubric.description,
+                    "weight": rubric.weight,
+                    "status": rubric.status,
+                    "created_step": rubric.created_step,
+                    "pruned_step": rubric.pruned_step,
+                    "check": None if rubric.check is None else json.dumps(rubric.check, ensure_ascii=False),
+                }
+            )
         return out
 
     @classmethod
-    def from_rows(cls, query_id: str, rows: Sequence[dict[str, Any]], cap_per_stage: int) -> "RubricBuffer":
+    def from_rows(cls, query_id: str, rows: Sequence[dict[str, Any]], cap_per_stage: int) -> RubricBuffer:
         """The buffer after the last step in ``rows``: the query's ``judge_rubrics`` rows of every step so
         far, in step order. Each step's partition lists the rubrics in force plus those pruned at it, so
         a rubric's newest row is its state and its first row places it in creation order."""
@@ -176,11 +211,14 @@ class RubricBuffer:
         return buffer
 
     def to_dict(self) -> dict[str, Any]:
-        return {"query_id": self.query_id, "cap_per_stage": self.cap_per_stage,
-                "rubrics": [r.to_dict() for r in self._rubrics.values()]}
+        return {
+            "query_id": self.query_id,
+            "cap_per_stage": self.cap_per_stage,
+            "rubrics": [r.to_dict() for r in self._rubrics.values()],
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RubricBuffer":
+    def from_dict(cls, data: dict[str, Any]) -> RubricBuffer:
         for key in ("query_id", "cap_per_stage", "rubrics"):
             if key not in data:
                 raise JudgeError(f"RubricBuffer checkpoint lacks field {key!r}")
@@ -188,7 +226,9 @@ class RubricBuffer:
         for record in data["rubrics"]:
             rubric = Rubric.from_dict(record)
             if rubric.query_id != buffer.query_id:
-                raise JudgeError(f"RubricBuffer checkpoint of {buffer.query_id!r} holds rubric "
-                                 f"{rubric.rubric_id!r} of query {rubric.query_id!r}")
+                raise JudgeError(
+                    f"RubricBuffer checkpoint of {buffer.query_id!r} holds rubric "
+                    f"{rubric.rubric_id!r} of query {rubric.query_id!r}"
+                )
             buffer._rubrics[rubric.rubric_id] = rubric
         return buffer

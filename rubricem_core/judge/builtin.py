@@ -24,13 +24,15 @@ Rubric generation contrasts the group: candidate rubrics are derived from the qu
 for non-synthetic queries, its key terms), each is scored on every rollout, and only those whose
 scores differ across the group are proposed, most discriminative first.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +51,9 @@ MODEL = f"{PROVIDER}/builtin"
 
 _SNIPPET = re.compile(r'<snippet id="([^"]+)">(.*?)</snippet>', re.S)
 _TITLE_PREFIX = re.compile(r"^[^.:<>]{1,80}:\s+")  # search snippets read "Title: text"
-_CALL = re.compile(r'<call_tool(?:\s+name="([^"]*)")?[^>]*>(.*?)</call_tool>\s*(?:<tool_output>(.*?)</tool_output>)?',
-                   re.S)
+_CALL = re.compile(
+    r'<call_tool(?:\s+name="([^"]*)")?[^>]*>(.*?)</call_tool>\s*(?:<tool_output>(.*?)</tool_output>)?', re.S
+)
 _CITE_ELEMENT = re.compile(r"<cite\b[^>]*>.*?</cite>", re.S)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _NUMBER = re.compile(r"\d[\d,]*")
@@ -71,15 +74,23 @@ _ATTRIBUTE_CUES: dict[str, tuple[str, ...]] = {
     "population": ("population", "residents", "live"),
 }
 _ATTRIBUTE_WORDS = {
-    "founded": "founding year", "employees": "employee count", "headquarters": "headquarters city",
-    "sector": "sector", "founder_of": "founded organization", "acquired_by": "acquirer",
-    "acquired_in": "acquisition year", "born": "birth year", "birthplace": "birthplace", "population": "population",
+    "founded": "founding year",
+    "employees": "employee count",
+    "headquarters": "headquarters city",
+    "sector": "sector",
+    "founder_of": "founded organization",
+    "acquired_by": "acquirer",
+    "acquired_in": "acquisition year",
+    "born": "birth year",
+    "birthplace": "birthplace",
+    "population": "population",
 }
 _STOPWORDS = frozenset(
     "a an and are as at be by does do for from has have in is it its of on or that the their this to was were "
     "what which who with how when where why answer answers states stated mentions report question research "
     "should must not any all each every other than more most less least about into also been being whether "
-    "there these those them they".split())
+    "there these those them they".split()
+)
 
 
 class BuiltinJudgeError(ValueError):
@@ -172,8 +183,10 @@ class TraceView:
 
     @cached_property
     def calls(self) -> list[ToolCallView]:
-        return [ToolCallView((m.group(1) or "").strip(), m.group(2).strip(), m.group(3) or "")
-                for m in _CALL.finditer(self.text)]
+        return [
+            ToolCallView((m.group(1) or "").strip(), m.group(2).strip(), m.group(3) or "")
+            for m in _CALL.finditer(self.text)
+        ]
 
     @cached_property
     def answer(self) -> str:
@@ -210,8 +223,10 @@ class TraceView:
 
     def supports(self, doc_id: str, entity: str, attribute: str, value: str | None = None) -> bool:
         """The snippet ``doc_id`` (as retrieved in this trajectory) states entity.attribute (= value)."""
-        return any(f.entity == entity and f.attribute == attribute and (value is None or _same(f.value, value))
-                   for f in self.snippet_facts.get(doc_id, ()))
+        return any(
+            f.entity == entity and f.attribute == attribute and (value is None or _same(f.value, value))
+            for f in self.snippet_facts.get(doc_id, ())
+        )
 
     def found(self, entity: str, attribute: str) -> bool:
         return any(self.supports(doc_id, entity, attribute) for doc_id in self.snippets)
@@ -222,8 +237,10 @@ def _same(a: str, b: str) -> bool:
 
 
 def _states(sentence: str, entity: str, attribute: str, value: str) -> bool:
-    if any(f.entity == entity and f.attribute == attribute and _same(f.value, value)
-           for f in read_facts(sentence if sentence.endswith(".") else sentence + ".")):
+    if any(
+        f.entity == entity and f.attribute == attribute and _same(f.value, value)
+        for f in read_facts(sentence if sentence.endswith(".") else sentence + ".")
+    ):
         return True
     return _mentions(sentence, entity) and _value_in(sentence, attribute, value)
 
@@ -234,8 +251,11 @@ def _stated_values(view: TraceView, entity: str, attribute: str, others: set[str
     values: list[str] = []
     pieces = _sentences(view.answer_plain) + [c.claim for c in view.citations]
     for sentence in pieces:
-        parsed = [f for f in read_facts(sentence if sentence.endswith(".") else sentence + ".")
-                  if f.entity == entity and f.attribute == attribute]
+        parsed = [
+            f
+            for f in read_facts(sentence if sentence.endswith(".") else sentence + ".")
+            if f.entity == entity and f.attribute == attribute
+        ]
         if parsed:
             values += [f.value for f in parsed]
             continue
@@ -297,7 +317,10 @@ def _fact(view: TraceView, check: dict, ctx: Context) -> Score:
     if unsupported is not None:
         return 1, f"The fact is cited to {unsupported}, but that retrieved snippet does not state it."
     if any(_states(s, entity, attribute, value) for s in _sentences(view.answer_plain)):
-        return 1, f"The answer states {_poss(entity)} {_ATTRIBUTE_WORDS.get(attribute, attribute)} ({value}) without a supporting citation."
+        return (
+            1,
+            f"The answer states {_poss(entity)} {_ATTRIBUTE_WORDS.get(attribute, attribute)} ({value}) without a supporting citation.",
+        )
     return 0, f"The answer never states that {_poss(entity)} {_ATTRIBUTE_WORDS.get(attribute, attribute)} is {value}."
 
 
@@ -333,7 +356,10 @@ def _wrong_value(view: TraceView, check: dict, ctx: Context) -> Score:
     entity, attribute, value = check["entity"], check["attribute"], str(check["value"])
     wrong = [v for v in _stated_values(view, entity, attribute, ctx.entities) if not _same(v, value)]
     if wrong:
-        return 2, f"The answer gives {wrong[0]} as {_poss(entity)} {_ATTRIBUTE_WORDS.get(attribute, attribute)}; the source gives {value}."
+        return (
+            2,
+            f"The answer gives {wrong[0]} as {_poss(entity)} {_ATTRIBUTE_WORDS.get(attribute, attribute)}; the source gives {value}.",
+        )
     confusable = check.get("confusable") or {}
     twin_value = str(confusable.get("value") or "")
     if twin_value and not _same(twin_value, value) and _value_in(view.answer_plain, attribute, twin_value):
@@ -349,8 +375,14 @@ def _search_hit(view: TraceView, check: dict, ctx: Context) -> Score:
     for call in targeted:
         for doc_id, _ in _SNIPPET.findall(call.output):
             if view.supports(doc_id, entity, attribute):
-                return 2, f'The search "{call.query}" returned {doc_id}, which states the {_ATTRIBUTE_WORDS.get(attribute, attribute)}.'
-    return 1, f'Searched for {entity} ("{targeted[0].query}") but no result stated the {_ATTRIBUTE_WORDS.get(attribute, attribute)}.'
+                return (
+                    2,
+                    f'The search "{call.query}" returned {doc_id}, which states the {_ATTRIBUTE_WORDS.get(attribute, attribute)}.',
+                )
+    return (
+        1,
+        f'Searched for {entity} ("{targeted[0].query}") but no result stated the {_ATTRIBUTE_WORDS.get(attribute, attribute)}.',
+    )
 
 
 def _plan_text(view: TraceView) -> str:
@@ -388,7 +420,7 @@ def _review_maps(view: TraceView, check: dict, ctx: Context) -> Score:
 
 def _id_like(view: TraceView) -> re.Pattern[str] | None:
     """Pattern of ids shaped like the retrieved ones (letters + digits), to spot invented ids."""
-    prefixes = {re.match(r"[A-Za-z]*", doc_id).group() for doc_id in view.snippets}  # type: ignore[union-attr]
+    prefixes = {re.match(r"[A-Za-z]*", doc_id).group() for doc_id in view.snippets}
     prefixes.discard("")
     if not prefixes:
         return None
@@ -469,20 +501,34 @@ def _terms(view: TraceView, check: dict, ctx: Context) -> Score:
 
 
 def _review_grounded(view: TraceView, check: dict, ctx: Context) -> Score:
-    ids = [doc_id for doc_id in view.snippets if re.search(rf"(?<![\w]){re.escape(doc_id)}(?![\w])", view.rubric_review)]
+    ids = [
+        doc_id for doc_id in view.snippets if re.search(rf"(?<![\w]){re.escape(doc_id)}(?![\w])", view.rubric_review)
+    ]
     if not ids:
         return 0, "The rubric review maps no criterion to a retrieved id."
     bad = _review_unretrieved(view, check, ctx)[0]
-    return (1, "The rubric review also names ids never retrieved.") if bad else (
-        2, f"The rubric review maps criteria to retrieved ids ({', '.join(ids[:3])}).")
+    return (
+        (1, "The rubric review also names ids never retrieved.")
+        if bad
+        else (2, f"The rubric review maps criteria to retrieved ids ({', '.join(ids[:3])}).")
+    )
 
 
 _CHECKS: dict[str, Callable[[TraceView, dict, Context], Score]] = {
-    "fact": _fact, "final": _final, "wrong_value": _wrong_value, "search_hit": _search_hit,
-    "plan_covers": _plan_covers, "review_maps": _review_maps, "review_unretrieved": _review_unretrieved,
-    "cites_unretrieved": _cites_unretrieved, "cites_distractor": _cites_distractor,
-    "cited_claims_supported": _cited_claims_supported, "repeated_search": _repeated_search,
-    "tool_errors": _tool_errors, "terms": _terms, "review_grounded": _review_grounded,
+    "fact": _fact,
+    "final": _final,
+    "wrong_value": _wrong_value,
+    "search_hit": _search_hit,
+    "plan_covers": _plan_covers,
+    "review_maps": _review_maps,
+    "review_unretrieved": _review_unretrieved,
+    "cites_unretrieved": _cites_unretrieved,
+    "cites_distractor": _cites_distractor,
+    "cited_claims_supported": _cited_claims_supported,
+    "repeated_search": _repeated_search,
+    "tool_errors": _tool_errors,
+    "terms": _terms,
+    "review_grounded": _review_grounded,
 }
 
 
@@ -524,8 +570,13 @@ class Candidate:
     check: dict[str, Any]
 
     def as_reply(self) -> dict[str, Any]:
-        return {"polarity": self.polarity, "title": self.title, "description": self.description,
-                "weight": self.weight, "check": self.check}
+        return {
+            "polarity": self.polarity,
+            "title": self.title,
+            "description": self.description,
+            "weight": self.weight,
+            "check": self.check,
+        }
 
 
 def _synthetic_candidates(ctx: Context) -> list[Candidate]:
@@ -535,20 +586,42 @@ def _synthetic_candidates(ctx: Context) -> list[Candidate]:
         words = _ATTRIBUTE_WORDS.get(attribute, attribute)
         target = {"entity": entity, "attribute": attribute}
         out += [
-            Candidate("plan", "positive", f"Plans to find {_poss(entity)} {words}",
-                      f"The plan's checklist or research steps target the {words} of {entity}.", 2,
-                      {"type": "plan_covers", **target}),
-            Candidate("research", "positive", f"Searches for {_poss(entity)} {words}",
-                      f"A search targets {entity} and returns a snippet stating its {words}.", 3,
-                      {"type": "search_hit", **target}),
-            Candidate("review", "positive", f"Maps {_poss(entity)} {words} to supporting evidence",
-                      f"The rubric review links {_poss(entity)} {words} to a retrieved document that states it.", 2,
-                      {"type": "review_maps", **target}),
+            Candidate(
+                "plan",
+                "positive",
+                f"Plans to find {_poss(entity)} {words}",
+                f"The plan's checklist or research steps target the {words} of {entity}.",
+                2,
+                {"type": "plan_covers", **target},
+            ),
+            Candidate(
+                "research",
+                "positive",
+                f"Searches for {_poss(entity)} {words}",
+                f"A search targets {entity} and returns a snippet stating its {words}.",
+                3,
+                {"type": "search_hit", **target},
+            ),
+            Candidate(
+                "review",
+                "positive",
+                f"Maps {_poss(entity)} {words} to supporting evidence",
+                f"The rubric review links {_poss(entity)} {words} to a retrieved document that states it.",
+                2,
+                {"type": "review_maps", **target},
+            ),
         ]
     for distractor in ctx.distractors:
-        out.append(Candidate("answer", "negative", f"Relies on documents about {distractor}",
-                             f"The answer cites or uses {distractor}, a similarly named entity the question is not about.",
-                             3, {"type": "cites_distractor", "entity": distractor}))
+        out.append(
+            Candidate(
+                "answer",
+                "negative",
+                f"Relies on documents about {distractor}",
+                f"The answer cites or uses {distractor}, a similarly named entity the question is not about.",
+                3,
+                {"type": "cites_distractor", "entity": distractor},
+            )
+        )
     return out
 
 
@@ -563,42 +636,94 @@ def _generic_candidates(ctx: Context) -> list[Candidate]:
             terms.append(lower)
     out = []
     for term in terms[:8]:
-        out.append(Candidate("research", "positive", f"Searches for '{term}'",
-                             f"At least one search query includes the key term '{term}' of the question.", 2,
-                             {"type": "terms", "stage": "research", "terms": [term]}))
-        out.append(Candidate("answer", "positive", f"Addresses '{term}' in the report",
-                             f"The report discusses '{term}', which the question asks about.", 1,
-                             {"type": "terms", "stage": "answer", "terms": [term]}))
-        out.append(Candidate("plan", "positive", f"Plans research on '{term}'",
-                             f"The plan names '{term}' among the things to find.", 1,
-                             {"type": "terms", "stage": "plan", "terms": [term]}))
+        out.append(
+            Candidate(
+                "research",
+                "positive",
+                f"Searches for '{term}'",
+                f"At least one search query includes the key term '{term}' of the question.",
+                2,
+                {"type": "terms", "stage": "research", "terms": [term]},
+            )
+        )
+        out.append(
+            Candidate(
+                "answer",
+                "positive",
+                f"Addresses '{term}' in the report",
+                f"The report discusses '{term}', which the question asks about.",
+                1,
+                {"type": "terms", "stage": "answer", "terms": [term]},
+            )
+        )
+        out.append(
+            Candidate(
+                "plan",
+                "positive",
+                f"Plans research on '{term}'",
+                f"The plan names '{term}' among the things to find.",
+                1,
+                {"type": "terms", "stage": "plan", "terms": [term]},
+            )
+        )
     return out
 
 
 _COMMON_CANDIDATES = [
-    Candidate("research", "negative", "Repeats an identical search query",
-              "The agent sends the same search query more than once instead of refining it.", 1,
-              {"type": "repeated_search"}),
-    Candidate("research", "negative", "Makes tool calls that fail",
-              "Tool calls come back with errors (malformed call, unknown tool, exhausted budget).", 1,
-              {"type": "tool_errors"}),
-    Candidate("review", "positive", "Maps criteria to retrieved evidence ids",
-              "The rubric review links criteria to ids of documents that were actually retrieved.", 2,
-              {"type": "review_grounded"}),
-    Candidate("review", "negative", "Maps criteria to evidence ids never retrieved",
-              "The rubric review names document ids that no search returned.", 2,
-              {"type": "review_unretrieved"}),
-    Candidate("answer", "positive", "Cited claims match their sources",
-              "Every number in a cited claim appears in the cited snippet.", 3,
-              {"type": "cited_claims_supported"}),
-    Candidate("answer", "negative", "Cites document ids that were never retrieved",
-              "The report cites ids that no tool output returned.", 3,
-              {"type": "cites_unretrieved"}),
+    Candidate(
+        "research",
+        "negative",
+        "Repeats an identical search query",
+        "The agent sends the same search query more than once instead of refining it.",
+        1,
+        {"type": "repeated_search"},
+    ),
+    Candidate(
+        "research",
+        "negative",
+        "Makes tool calls that fail",
+        "Tool calls come back with errors (malformed call, unknown tool, exhausted budget).",
+        1,
+        {"type": "tool_errors"},
+    ),
+    Candidate(
+        "review",
+        "positive",
+        "Maps criteria to retrieved evidence ids",
+        "The rubric review links criteria to ids of documents that were actually retrieved.",
+        2,
+        {"type": "review_grounded"},
+    ),
+    Candidate(
+        "review",
+        "negative",
+        "Maps criteria to evidence ids never retrieved",
+        "The rubric review names document ids that no search returned.",
+        2,
+        {"type": "review_unretrieved"},
+    ),
+    Candidate(
+        "answer",
+        "positive",
+        "Cited claims match their sources",
+        "Every number in a cited claim appears in the cited snippet.",
+        3,
+        {"type": "cited_claims_supported"},
+    ),
+    Candidate(
+        "answer",
+        "negative",
+        "Cites document ids that were never retrieved",
+        "The report cites ids that no tool output returned.",
+        3,
+        {"type": "cites_unretrieved"},
+    ),
 ]
 
 
-def generate_by_contrast(ctx: Context, views: list[TraceView],
-                         limits: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+def generate_by_contrast(
+    ctx: Context, views: list[TraceView], limits: dict[str, int]
+) -> dict[str, list[dict[str, Any]]]:
     """The most discriminative candidates of each stage, at most ``limits[stage]`` (none for a stage not listed)."""
     existing = {normalize_title(r.get("title", "")) for r in ctx.rubrics}
     candidates = (_synthetic_candidates(ctx) if ctx.facts else _generic_candidates(ctx)) + _COMMON_CANDIDATES
@@ -611,7 +736,7 @@ def generate_by_contrast(ctx: Context, views: list[TraceView],
             ranked[candidate.stage].append((float(np.std(scores)), order, candidate))
     out: dict[str, list[dict[str, Any]]] = {}
     for stage in STAGES:
-        best = sorted(ranked[stage], key=lambda item: (-item[0], item[1]))[:limits.get(stage, 0)]
+        best = sorted(ranked[stage], key=lambda item: (-item[0], item[1]))[: limits.get(stage, 0)]
         out[stage] = [candidate.as_reply() for _, _, candidate in best]
     return out
 

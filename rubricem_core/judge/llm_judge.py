@@ -14,12 +14,14 @@ repaired when ``require_min_rubrics``).
 ``judge_step`` runs one RL step's judging for many queries: all generation calls at once, the
 buffers updated, all scoring calls at once, stage rewards, then pruning.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -70,25 +72,40 @@ class JudgeOptions(StructuredOptions):
 
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one judge call."})
     max_new_rubrics_per_stage: int = field(
-        default=3, metadata={"help": "Most new rubrics one generation call may add to a stage (the paper's "
-                                     "1-4 per plan/research/review stage and 2-5 for the answer, capped by this)."})
+        default=3,
+        metadata={
+            "help": "Most new rubrics one generation call may add to a stage (the paper's "
+            "1-4 per plan/research/review stage and 2-5 for the answer, capped by this)."
+        },
+    )
     require_min_rubrics: bool = field(
-        default=False, metadata={"help": "Repair a generation reply with fewer new rubrics in a stage than the "
-                                         "paper's fewest. Off for the built-in judge, which proposes only rubrics "
-                                         "that separate the group (there may be none)."})
+        default=False,
+        metadata={
+            "help": "Repair a generation reply with fewer new rubrics in a stage than the "
+            "paper's fewest. Off for the built-in judge, which proposes only rubrics "
+            "that separate the group (there may be none)."
+        },
+    )
     rubric_stages: tuple[str, ...] = field(
-        default=STAGES,
-        metadata={"help": "Stages that get adaptive rubrics; ('answer',) is the answer-only baseline."})
+        default=STAGES, metadata={"help": "Stages that get adaptive rubrics; ('answer',) is the answer-only baseline."}
+    )
     view: str = field(
         default=TRAJECTORY_VIEW,
-        metadata={"help": "What the judge sees of a rollout: trajectory (every stage, tool outputs included) or "
-                          "answer (the question and the final answer only: DR Tulu's evolving-answer objective)."})
+        metadata={
+            "help": "What the judge sees of a rollout: trajectory (every stage, tool outputs included) or "
+            "answer (the question and the final answer only: DR Tulu's evolving-answer objective)."
+        },
+    )
     show_reference: bool = field(
         default=True,
-        metadata={"help": "Show the query's reference answer and spec, an answer key the paper's judge never sees "
-                          "(it reads the query, the rollouts and its rubrics); the built-in judge needs the spec."})
+        metadata={
+            "help": "Show the query's reference answer and spec, an answer key the paper's judge never sees "
+            "(it reads the query, the rollouts and its rubrics); the built-in judge needs the spec."
+        },
+    )
     max_block_chars: int | None = field(
-        default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."})
+        default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,8 +118,9 @@ class JudgeOptions(StructuredOptions):
             raise JudgeError(f"JudgeOptions.view must be one of {VIEWS}, got {self.view!r}")
         if self.view != TRAJECTORY_VIEW and set(self.rubric_stages) != {"answer"}:
             # a judge shown the answer alone cannot score plan, research or review rubrics
-            raise JudgeError(f"JudgeOptions.view={self.view!r} needs rubric_stages=('answer',), "
-                             f"got {self.rubric_stages}")
+            raise JudgeError(
+                f"JudgeOptions.view={self.view!r} needs rubric_stages=('answer',), got {self.rubric_stages}"
+            )
 
     def prompt_args(self) -> dict[str, Any]:
         """What both prompts show: the rollout view and whether the answer key is in."""
@@ -154,11 +172,25 @@ class LLMJudge:
         schema = generation_schema(rubric_counts(limit, stages), require_min)
         pending = []
         for index, item in enumerate(inputs):
-            messages = generation_messages(item.query, item.rollouts, item.existing, limit, options.max_block_chars,
-                                           stages=stages, require_min=require_min, **options.prompt_args())
-            pending.append(self.client.call(
-                f"generate:{index}:{item.query.query_id}", messages, "new_rubrics", schema,
-                lambda text: parse_generation(text, limit, stages=stages, require_min=require_min)))
+            messages = generation_messages(
+                item.query,
+                item.rollouts,
+                item.existing,
+                limit,
+                options.max_block_chars,
+                stages=stages,
+                require_min=require_min,
+                **options.prompt_args(),
+            )
+            pending.append(
+                self.client.call(
+                    f"generate:{index}:{item.query.query_id}",
+                    messages,
+                    "new_rubrics",
+                    schema,
+                    lambda text: parse_generation(text, limit, stages=stages, require_min=require_min),
+                )
+            )
         self.ask(GENERATE, pending)
         outcomes = []
         for item, call in zip(inputs, pending):
@@ -182,11 +214,18 @@ class LLMJudge:
             if not ids:
                 pending.append(None)  # nothing to score: no call
                 continue
-            messages = scoring_messages(item.query, item.rollout, item.rubrics, self.options.max_block_chars,
-                                        **self.options.prompt_args())
-            pending.append(self.client.call(
-                f"score:{index}:{item.rollout.rollout_id}", messages, "rubric_scores", scoring_schema(ids),
-                lambda text, ids=ids: parse_scores(text, ids)))  # type: ignore[misc]
+            messages = scoring_messages(
+                item.query, item.rollout, item.rubrics, self.options.max_block_chars, **self.options.prompt_args()
+            )
+            pending.append(
+                self.client.call(
+                    f"score:{index}:{item.rollout.rollout_id}",
+                    messages,
+                    "rubric_scores",
+                    scoring_schema(ids),
+                    partial(parse_scores, rubric_ids=ids),
+                )
+            )
         self.ask(SCORE, [p for p in pending if p is not None])
         judgments = []
         for item, call in zip(inputs, pending):
@@ -197,10 +236,15 @@ class LLMJudge:
                 self.usage.fail(SCORE)
                 judgments.append(TrajectoryJudgment(rollout_id, failed=True, error=call.error))
             else:
-                judgments.append(TrajectoryJudgment(rollout_id, [
-                    RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, *call.value[r.rubric_id])
-                    for r in item.rubrics
-                ]))
+                judgments.append(
+                    TrajectoryJudgment(
+                        rollout_id,
+                        [
+                            RubricScore(r.rubric_id, r.stage, r.polarity, r.weight, *call.value[r.rubric_id])
+                            for r in item.rubrics
+                        ],
+                    )
+                )
         return judgments
 
 
@@ -225,8 +269,13 @@ class GroupJudgment:
         return sum(j.failed for j in self.judgments)
 
 
-def judge_step(judge: LLMJudge, groups: Sequence[tuple[JudgeQuery, Sequence[JudgeRollout]]],
-               buffers: dict[str, RubricBuffer], step: int, generate: bool = True) -> list[GroupJudgment]:
+def judge_step(
+    judge: LLMJudge,
+    groups: Sequence[tuple[JudgeQuery, Sequence[JudgeRollout]]],
+    buffers: dict[str, RubricBuffer],
+    step: int,
+    generate: bool = True,
+) -> list[GroupJudgment]:
     """Generate rubrics for every group, score every rollout, aggregate, prune; buffers are updated."""
     for query, _ in groups:
         if query.query_id not in buffers:
@@ -236,17 +285,21 @@ def judge_step(judge: LLMJudge, groups: Sequence[tuple[JudgeQuery, Sequence[Judg
     else:
         outcomes = [GenerationOutcome(q.query_id) for q, _ in groups]
     added = [buffers[o.query_id].add(o.rubrics, step) for o in outcomes]
-    in_force = [[r for r in buffers[q.query_id].active()
-                 if r.origin == "persistent" or r.stage in judge.options.rubric_stages] for q, _ in groups]
-    inputs = [ScoringInput(q, rollout, rubrics) for (q, rollouts), rubrics in zip(groups, in_force)
-              for rollout in rollouts]
+    in_force = [
+        [r for r in buffers[q.query_id].active() if r.origin == "persistent" or r.stage in judge.options.rubric_stages]
+        for q, _ in groups
+    ]
+    inputs = [
+        ScoringInput(q, rollout, rubrics) for (q, rollouts), rubrics in zip(groups, in_force) for rollout in rollouts
+    ]
     judgments = judge.score(inputs)
     out, start = [], 0
     for (query, rollouts), rubrics, outcome, new in zip(groups, in_force, outcomes, added):
-        group = judgments[start:start + len(rollouts)]
+        group = judgments[start : start + len(rollouts)]
         start += len(rollouts)
         pruned = buffers[query.query_id].after_scoring(group, step)
         R = zero_absent_stages(stage_scores(group, rubrics), [r.text for r in rollouts])
-        out.append(GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics, R, new, pruned,
-                                 outcome))
+        out.append(
+            GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics, R, new, pruned, outcome)
+        )
     return out

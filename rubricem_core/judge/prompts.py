@@ -17,12 +17,14 @@ The user messages are built from delimited sections (``<<<NAME>>>`` on a line of
 any model can read them and the built-in judge can parse them back; text from the query or the
 trajectory is escaped so it cannot open a section of its own.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rubricem_core.judge.types import ADAPTIVE_WEIGHTS, POLARITIES, SCORES, JudgeQuery, JudgeRollout, Rubric
 from rubricem_core.llm.replies import (  # ReplyError stays importable from here
@@ -30,6 +32,8 @@ from rubricem_core.llm.replies import (  # ReplyError stays importable from here
     entries_shape,
     load_json_reply,
     one_entry_per_id,
+)
+from rubricem_core.llm.replies import (
     schema_error as _schema_error,
 )
 from rubricem_core.scaffold import STAGES, TAG_NAMES, extract_plan, parse_segments
@@ -63,13 +67,12 @@ STAGE_GUIDE = {
 # The paper frames each stage's rubrics by one central question, made specific to the query.
 CENTRAL_QUESTIONS = {
     "plan": "Does the plan pin down what this question needs (entities, facts, comparisons) and a sound way to "
-            "find it?",
+    "find it?",
     "research": "Did the research find, read correctly and verify the evidence this question needs, adapting "
-                "when the results called for it?",
+    "when the results called for it?",
     "review": "Does the review map each criterion of this question to evidence actually retrieved, and name "
-              "what is still missing?",
-    "answer": "Does the report answer this question correctly and completely, every claim backed by a cited "
-              "source?",
+    "what is still missing?",
+    "answer": "Does the report answer this question correctly and completely, every claim backed by a cited source?",
 }
 
 
@@ -127,8 +130,14 @@ def _query_sections(query: JudgeQuery, show_reference: bool = True) -> list[str]
 
 
 def rubric_line(rubric: Rubric) -> str:
-    record: dict[str, Any] = {"id": rubric.rubric_id, "stage": rubric.stage, "polarity": rubric.polarity,
-                              "weight": rubric.weight, "title": rubric.title, "description": rubric.description}
+    record: dict[str, Any] = {
+        "id": rubric.rubric_id,
+        "stage": rubric.stage,
+        "polarity": rubric.polarity,
+        "weight": rubric.weight,
+        "title": rubric.title,
+        "description": rubric.description,
+    }
     if rubric.check is not None:
         record["check"] = rubric.check
     return escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True))
@@ -138,8 +147,10 @@ def _trajectory_sections(text: str, prefix: str, max_block_chars: int | None) ->
     blocks = stage_blocks(text)
     if not blocks:
         return [_section(f"{prefix}STAGE plan", "(empty trajectory)")]
-    return [_section(f"{prefix}STAGE {stage}", escape_section_markers(_clip(body, max_block_chars)))
-            for stage, body in blocks]
+    return [
+        _section(f"{prefix}STAGE {stage}", escape_section_markers(_clip(body, max_block_chars)))
+        for stage, body in blocks
+    ]
 
 
 def _rollout_sections(text: str, prefix: str, max_block_chars: int | None, view: str) -> list[str]:
@@ -163,9 +174,11 @@ def _planning_rubric(text: str) -> str:
     if plan is None:
         return "(no plan-stage rubric)"
     lines = []
-    for label, items in (("knowledge checklist", plan.knowledge_checklist),
-                         ("analytical criteria", plan.analytical_criteria),
-                         ("negative constraints", plan.negative_constraints)):
+    for label, items in (
+        ("knowledge checklist", plan.knowledge_checklist),
+        ("analytical criteria", plan.analytical_criteria),
+        ("negative constraints", plan.negative_constraints),
+    ):
         lines.append(f"{label}:")
         lines += [f"- {item}" for item in items] or ["- (none)"]
     return escape_section_markers("\n".join(lines))
@@ -226,8 +239,7 @@ def _counts_line(counts: Mapping[str, tuple[int, int]]) -> str:
     return "New rubrics per stage: " + ", ".join(f"{s} {low}-{high}" for s, (low, high) in counts.items()) + "."
 
 
-def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None,
-                      require_min: bool = False) -> dict[str, Any]:
+def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None, require_min: bool = False) -> dict[str, Any]:
     """The reply's JSON schema; with ``counts`` it also bounds each stage's list (sent to the
     provider), without them it is the shape that replies are validated against."""
     item = {
@@ -255,16 +267,26 @@ def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None,
     return {"type": "object", "properties": properties, "required": list(STAGES), "additionalProperties": False}
 
 
-def generation_messages(query: JudgeQuery, rollouts: Sequence[JudgeRollout], existing: Sequence[Rubric],
-                        max_new_per_stage: int, max_block_chars: int | None = None, *,
-                        stages: Sequence[str] = STAGES, view: str = TRAJECTORY_VIEW, show_reference: bool = True,
-                        require_min: bool = False) -> list[dict[str, str]]:
+def generation_messages(
+    query: JudgeQuery,
+    rollouts: Sequence[JudgeRollout],
+    existing: Sequence[Rubric],
+    max_new_per_stage: int,
+    max_block_chars: int | None = None,
+    *,
+    stages: Sequence[str] = STAGES,
+    view: str = TRAJECTORY_VIEW,
+    show_reference: bool = True,
+    require_min: bool = False,
+) -> list[dict[str, str]]:
     _check_view(view)
     counts = rubric_counts(max_new_per_stage, stages)
     system = GENERATION_SYSTEM.format(
         shown=_shown_stages(view),
         central="\n".join(f"- {stage}: {CENTRAL_QUESTIONS[stage]}" for stage in STAGES if counts[stage][1]),
-        counts=_count_lines(counts), schema=json.dumps(generation_schema(counts, require_min)))
+        counts=_count_lines(counts),
+        schema=json.dumps(generation_schema(counts, require_min)),
+    )
     parts = ["TASK: write new rubrics for this question from the rollout group below."]
     parts += _query_sections(query, show_reference)
     parts.append(_section("EXISTING RUBRICS", "\n".join(rubric_line(r) for r in existing) or "(none)"))
@@ -278,10 +300,13 @@ def generation_messages(query: JudgeQuery, rollouts: Sequence[JudgeRollout], exi
 
 # A tag in angle brackets, or a bare tag name that is no ordinary word (review, answer, cite are).
 _TAG_WORDS = re.compile(
-    rf"<\s*/?\s*(?:{'|'.join(TAG_NAMES)})\b|\b(?:tags?|xml|{'|'.join(n for n in TAG_NAMES if '_' in n)})\b", re.I)
+    rf"<\s*/?\s*(?:{'|'.join(TAG_NAMES)})\b|\b(?:tags?|xml|{'|'.join(n for n in TAG_NAMES if '_' in n)})\b", re.I
+)
 _SELF_RUBRIC = re.compile(
     r"\b(?:its|own|the agent's|the model's)\s+(?:own\s+)?(?:[a-z]+\s+)?(?:rubric|checklist|criteria|"
-    r"constraints)\b", re.I)
+    r"constraints)\b",
+    re.I,
+)
 
 
 def forbidden_rubric(title: str, description: str) -> str | None:
@@ -305,13 +330,17 @@ class GeneratedRubric:
 
 
 def _too_few(data: dict[str, Any], counts: Mapping[str, tuple[int, int]]) -> str | None:
-    short = [f"{stage} has {len(data[stage])}, at least {low} asked"
-             for stage, (low, _) in counts.items() if len(data[stage]) < low]
+    short = [
+        f"{stage} has {len(data[stage])}, at least {low} asked"
+        for stage, (low, _) in counts.items()
+        if len(data[stage]) < low
+    ]
     return "too few new rubrics: " + "; ".join(short) if short else None
 
 
-def parse_generation(text: str | None, max_new_per_stage: int, *, stages: Sequence[str] = STAGES,
-                     require_min: bool = False) -> tuple[list[GeneratedRubric], list[str]]:
+def parse_generation(
+    text: str | None, max_new_per_stage: int, *, stages: Sequence[str] = STAGES, require_min: bool = False
+) -> tuple[list[GeneratedRubric], list[str]]:
     """Validated new rubrics, and notes on the ones dropped.
 
     Counts follow ``rubric_counts``: a stage's rubrics beyond its most are cut (the first ones
@@ -344,8 +373,9 @@ def parse_generation(text: str | None, max_new_per_stage: int, *, stages: Sequen
             if kept == counts[stage][1]:
                 dropped.append(f"{stage}: {title!r} (beyond the stage's {counts[stage][1]} new rubrics)")
                 continue
-            rubrics.append(GeneratedRubric(stage, item["polarity"], title, description, int(item["weight"]),
-                                           item.get("check")))
+            rubrics.append(
+                GeneratedRubric(stage, item["polarity"], title, description, int(item["weight"]), item.get("check"))
+            )
             kept += 1
     return rubrics, dropped
 
@@ -368,37 +398,51 @@ _SCORING_VIEW = {
     TRAJECTORY_VIEW: dict(
         what="trajectory",
         judge_from="Judge each rubric only from the stage it names, using only what the trajectory shows (tool "
-                   "outputs are the evidence the agent actually saw). A plan is a hypothesis: never take points "
-                   "away because the research or the answer went beyond the plan when the evidence warranted it.",
-        grounded="the trajectory (quote the claim, the search or the evidence id)"),
+        "outputs are the evidence the agent actually saw). A plan is a hypothesis: never take points "
+        "away because the research or the answer went beyond the plan when the evidence warranted it.",
+        grounded="the trajectory (quote the claim, the search or the evidence id)",
+    ),
     ANSWER_VIEW: dict(
         what="answer",
         judge_from="Judge every rubric from the answer alone, using only what it states and cites.",
-        grounded="the answer (quote the claim or the cited id)"),
+        grounded="the answer (quote the claim or the cited id)",
+    ),
 }
 
 
 # A scored rubric: its justification, then the 0/1/2 score.
-_SCORE_FIELDS = {"justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                 "score": {"type": "integer", "enum": list(SCORES)}}
+_SCORE_FIELDS = {
+    "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+    "score": {"type": "integer", "enum": list(SCORES)},
+}
 
 
 def scoring_schema(rubric_ids: Sequence[str]) -> dict[str, Any]:
     return one_entry_per_id("scores", "rubric_id", rubric_ids, _SCORE_FIELDS)
 
 
-def scoring_messages(query: JudgeQuery, rollout: JudgeRollout, rubrics: Sequence[Rubric],
-                     max_block_chars: int | None = None, *, view: str = TRAJECTORY_VIEW,
-                     show_reference: bool = True) -> list[dict[str, str]]:
+def scoring_messages(
+    query: JudgeQuery,
+    rollout: JudgeRollout,
+    rubrics: Sequence[Rubric],
+    max_block_chars: int | None = None,
+    *,
+    view: str = TRAJECTORY_VIEW,
+    show_reference: bool = True,
+) -> list[dict[str, str]]:
     _check_view(view)
     # The exact schema (its id enum) differs per request and travels as response_format; the
     # system prompt shows the shape with a placeholder id so it is identical for every trajectory
     # (providers cache shared prompt prefixes).
-    shape = entries_shape("scores", "rubric_id", {"type": "string", "description": "the id of a listed rubric"},
-                          _SCORE_FIELDS)
-    shown = (f"The question and the agent's final answer are shown: {STAGE_GUIDE['answer']}." if view == ANSWER_VIEW
-             else "The trajectory is shown split by stage:\n"
-             + "\n".join(f"- {stage}: {STAGE_GUIDE[stage]}" for stage in STAGES))
+    shape = entries_shape(
+        "scores", "rubric_id", {"type": "string", "description": "the id of a listed rubric"}, _SCORE_FIELDS
+    )
+    shown = (
+        f"The question and the agent's final answer are shown: {STAGE_GUIDE['answer']}."
+        if view == ANSWER_VIEW
+        else "The trajectory is shown split by stage:\n"
+        + "\n".join(f"- {stage}: {STAGE_GUIDE[stage]}" for stage in STAGES)
+    )
     system = SCORING_SYSTEM.format(shown=shown, schema=json.dumps(shape), **_SCORING_VIEW[view])
     parts = [f"TASK: score this {_SCORING_VIEW[view]['what']} against every rubric."]
     parts += _query_sections(query, show_reference)
@@ -435,7 +479,7 @@ def split_sections(content: str) -> list[tuple[str, str]]:
     out = []
     for index, mark in enumerate(marks):
         end = marks[index + 1].start() if index + 1 < len(marks) else len(content)
-        out.append((mark.group(1), content[mark.end():end].strip("\n")))
+        out.append((mark.group(1), content[mark.end() : end].strip("\n")))
     return out
 
 

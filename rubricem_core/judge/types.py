@@ -5,6 +5,7 @@ reward what they describe, ``negative`` ones penalise it (aggregation inverts th
 ``persistent`` rubrics come with the query (answer stage, never removed); ``adaptive`` ones are
 written by the judge from the rollout group and pruned when they stop discriminating.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -99,12 +100,34 @@ class Rubric:
         self.weight = float(self.weight)
 
     @classmethod
-    def create(cls, query_id: str, stage: str, polarity: str, title: str, description: str, weight: float,
-               origin: str = "adaptive", created_step: int = 0, check: dict[str, Any] | None = None) -> "Rubric":
+    def create(
+        cls,
+        query_id: str,
+        stage: str,
+        polarity: str,
+        title: str,
+        description: str,
+        weight: float,
+        origin: str = "adaptive",
+        created_step: int = 0,
+        check: dict[str, Any] | None = None,
+    ) -> Rubric:
         """A new active rubric with its id derived from (query_id, stage, polarity, title)."""
         title = _SPACE.sub(" ", str(title)).strip()
-        return cls(make_rubric_id(query_id, stage, polarity, title), query_id, stage, polarity, origin, title,
-                   str(description).strip(), weight, "active", created_step, None, check)
+        return cls(
+            make_rubric_id(query_id, stage, polarity, title),
+            query_id,
+            stage,
+            polarity,
+            origin,
+            title,
+            str(description).strip(),
+            weight,
+            "active",
+            created_step,
+            None,
+            check,
+        )
 
     @property
     def key(self) -> str:
@@ -114,10 +137,13 @@ class Rubric:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Rubric":
+    def from_dict(cls, data: dict[str, Any]) -> Rubric:
         known = set(cls.__dataclass_fields__)
-        missing = [name for name in ("rubric_id", "query_id", "stage", "polarity", "origin", "title", "weight")
-                   if name not in data]
+        missing = [
+            name
+            for name in ("rubric_id", "query_id", "stage", "polarity", "origin", "title", "weight")
+            if name not in data
+        ]
         if missing:
             raise JudgeError(f"rubric record {data.get('rubric_id', '?')!r} lacks fields {missing}")
         return cls(**{key: value for key, value in data.items() if key in known})
@@ -154,9 +180,17 @@ class TrajectoryJudgment:
         if self.failed:
             return []
         return [
-            {"step": step, "query_id": query_id, "rollout_id": self.rollout_id, "rubric_id": s.rubric_id,
-             "stage": s.stage, "polarity": s.polarity, "weight": float(s.weight), "score": int(s.score),
-             "justification": s.justification}
+            {
+                "step": step,
+                "query_id": query_id,
+                "rollout_id": self.rollout_id,
+                "rubric_id": s.rubric_id,
+                "stage": s.stage,
+                "polarity": s.polarity,
+                "weight": float(s.weight),
+                "score": int(s.score),
+                "justification": s.justification,
+            }
             for s in self.scores
         ]
 
@@ -173,8 +207,15 @@ class JudgeUsage(Traffic):
     repairs: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in CALL_KINDS})
     failures: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in CALL_KINDS})
 
-    def record(self, kind: str, prompt_tokens: int, completion_tokens: int, cost_usd: float, attempts: int,
-               repair: bool = False) -> None:
+    def record(
+        self,
+        kind: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost_usd: float,
+        attempts: int,
+        repair: bool = False,
+    ) -> None:
         if kind not in CALL_KINDS:
             raise JudgeError(f"unknown judge call kind {kind!r}; expected one of {CALL_KINDS}")
         (self.repairs if repair else self.calls)[kind] += 1
@@ -182,8 +223,9 @@ class JudgeUsage(Traffic):
 
     def add_call(self, kind: str, result: ChatResult, repair: bool = False) -> None:
         """``record`` of one answered call (a structured client's record hook, with ``kind`` bound)."""
-        self.record(kind, result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts,
-                    repair=repair)
+        self.record(
+            kind, result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts, repair=repair
+        )
 
     def fail(self, kind: str) -> None:
         self.failures[kind] += 1
@@ -193,7 +235,7 @@ class JudgeUsage(Traffic):
         """Requests sent, repairs included (what a provider bills as separate calls)."""
         return sum(self.calls.values()) + sum(self.repairs.values())
 
-    def merge(self, other: "JudgeUsage") -> "JudgeUsage":
+    def merge(self, other: JudgeUsage) -> JudgeUsage:
         for name in ("calls", "repairs", "failures"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for kind, count in theirs.items():

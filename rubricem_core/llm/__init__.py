@@ -9,6 +9,7 @@
 The litellm-backed names are imported lazily: importing litellm takes seconds, and code that only
 needs the data types (config validation, table schemas) should not pay for it.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -11,6 +11,7 @@ Terminal batch statuses: ``completed``; ``expired`` and ``failed`` (partial outp
 resubmitted); ``cancelled`` (partial output kept, the rest failed without resubmission: a cancel
 is a deliberate stop).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ import logging
 import re
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from rubricem_core.llm._litellm import litellm
-
 from rubricem_core.llm.concurrent import backoff_delay, error_status, error_text, is_retryable_error
 from rubricem_core.llm.cost import call_cost
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
@@ -34,8 +35,9 @@ T = TypeVar("T")
 CHAT_ENDPOINT = "/v1/chat/completions"
 TERMINAL_STATUSES = frozenset({"completed", "expired", "failed", "cancelled"})
 # Per-line error codes worth a new batch; anything else (invalid request, cancelled) is final.
-RETRYABLE_LINE_CODES = frozenset({"server_error", "rate_limit_exceeded", "batch_expired", "timeout",
-                                  "internal_error", "service_unavailable"})
+RETRYABLE_LINE_CODES = frozenset(
+    {"server_error", "rate_limit_exceeded", "batch_expired", "timeout", "internal_error", "service_unavailable"}
+)
 _CUSTOM_ID_IN_BROKEN_LINE = re.compile(r'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
@@ -50,8 +52,10 @@ class BatchTimeoutError(BatchError):
     """
 
     def __init__(self, batch_id: str, waited_s: float, last_status: str | None) -> None:
-        super().__init__(f"batch {batch_id} not finished after {waited_s:.1f}s (last status: {last_status}); "
-                         f"resume it with resume_batch_id={batch_id!r}")
+        super().__init__(
+            f"batch {batch_id} not finished after {waited_s:.1f}s (last status: {last_status}); "
+            f"resume it with resume_batch_id={batch_id!r}"
+        )
         self.batch_id = batch_id
         self.waited_s = waited_s
         self.last_status = last_status
@@ -141,8 +145,12 @@ class BatchClient:
                 else:
                     retry[custom_id] = request
             if retry:
-                log.info("batch %s: %d of %d requests failed transiently; resubmitting them", batch_id,
-                         len(retry), len(pending))
+                log.info(
+                    "batch %s: %d of %d requests failed transiently; resubmitting them",
+                    batch_id,
+                    len(retry),
+                    len(pending),
+                )
                 resubmits += 1
             pending = retry
             batch_id = None
@@ -173,14 +181,18 @@ class BatchClient:
         """The model name the provider expects inside a batch line (no litellm provider prefix)."""
         model = request.resolved_model(self.settings)
         prefix = f"{self.provider}/"
-        return model[len(prefix):] if model.startswith(prefix) else model
+        return model[len(prefix) :] if model.startswith(prefix) else model
 
     def jsonl_bytes(self, requests: list[ChatRequest]) -> bytes:
         lines = []
         for request in requests:
             body = {"model": self.body_model(request), "messages": request.messages, **request.sampling_params()}
-            lines.append(json.dumps({"custom_id": request.custom_id, "method": "POST", "url": CHAT_ENDPOINT,
-                                     "body": body}, ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {"custom_id": request.custom_id, "method": "POST", "url": CHAT_ENDPOINT, "body": body},
+                    ensure_ascii=False,
+                )
+            )
         return ("\n".join(lines) + "\n").encode("utf-8")
 
     def _submit(self, requests: list[ChatRequest]) -> str:
@@ -200,8 +212,12 @@ class BatchClient:
 
         batch = self._with_retries(
             "creating the batch",
-            lambda: litellm.create_batch(completion_window=self.settings.completion_window, endpoint=CHAT_ENDPOINT,
-                                         input_file_id=uploaded.id, **connection),
+            lambda: litellm.create_batch(
+                completion_window=self.settings.completion_window,
+                endpoint=CHAT_ENDPOINT,
+                input_file_id=uploaded.id,
+                **connection,
+            ),
             surely_not_created,
         )
         log.info("submitted batch %s with %d requests (input file %s)", batch.id, len(requests), uploaded.id)
@@ -275,15 +291,20 @@ class BatchClient:
         for custom_id in pending:
             if custom_id not in outcomes:
                 outcomes[custom_id] = _LineOutcome(
-                    self._failed(custom_id, batch_id, f"{reason} (status {status})"), retryable)
+                    self._failed(custom_id, batch_id, f"{reason} (status {status})"), retryable
+                )
         return outcomes
 
     def _failed(self, custom_id: str, batch_id: str, reason: str, **fields: Any) -> ChatResult:
-        return ChatResult(custom_id=custom_id, status="failed",
-                          error=f"request {custom_id!r} in batch {batch_id}: {reason}", batch_id=batch_id, **fields)
+        return ChatResult(
+            custom_id=custom_id,
+            status="failed",
+            error=f"request {custom_id!r} in batch {batch_id}: {reason}",
+            batch_id=batch_id,
+            **fields,
+        )
 
-    def _parse_line(self, line: str, batch_id: str,
-                    pending: dict[str, ChatRequest]) -> tuple[str, _LineOutcome] | None:
+    def _parse_line(self, line: str, batch_id: str, pending: dict[str, ChatRequest]) -> tuple[str, _LineOutcome] | None:
         try:
             record = json.loads(line)
             if not isinstance(record, dict):
@@ -308,16 +329,17 @@ class BatchClient:
             message = detail.get("message") or json.dumps(body)[:500]
             retryable = status_code in (408, 409, 429) or status_code >= 500
             return custom_id, _LineOutcome(
-                self._failed(custom_id, batch_id, f"status {status_code}: {message}"), retryable)
+                self._failed(custom_id, batch_id, f"status {status_code}: {message}"), retryable
+            )
         if error:
             code = error.get("code") if isinstance(error, dict) else None
             message = error.get("message") if isinstance(error, dict) else str(error)
             return custom_id, _LineOutcome(
-                self._failed(custom_id, batch_id, f"error {code}: {message}"), code in RETRYABLE_LINE_CODES)
+                self._failed(custom_id, batch_id, f"error {code}: {message}"), code in RETRYABLE_LINE_CODES
+            )
         return custom_id, self._parse_response_body(custom_id, batch_id, pending[custom_id], response.get("body"))
 
-    def _parse_response_body(self, custom_id: str, batch_id: str, request: ChatRequest,
-                             body: Any) -> _LineOutcome:
+    def _parse_response_body(self, custom_id: str, batch_id: str, request: ChatRequest, body: Any) -> _LineOutcome:
         try:
             choice = body["choices"][0]
             text = choice["message"]["content"]
@@ -327,14 +349,34 @@ class BatchClient:
             completion_tokens = int(usage.get("completion_tokens") or 0)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             return _LineOutcome(self._failed(custom_id, batch_id, f"malformed response body ({exc!r})"), True)
-        cost = call_cost(request.resolved_model(self.settings), prompt_tokens, completion_tokens, self.settings,
-                         batch=True)
+        cost = call_cost(
+            request.resolved_model(self.settings), prompt_tokens, completion_tokens, self.settings, batch=True
+        )
         problem = content_problem(request, text)
         if problem:
-            return _LineOutcome(self._failed(custom_id, batch_id, problem, finish_reason=finish_reason,
-                                             text=text if isinstance(text, str) else None,
-                                             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                             cost_usd=cost), True)
-        return _LineOutcome(ChatResult(custom_id=custom_id, status="ok", text=text, finish_reason=finish_reason,
-                                       prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                       cost_usd=cost, batch_id=batch_id), False)
+            return _LineOutcome(
+                self._failed(
+                    custom_id,
+                    batch_id,
+                    problem,
+                    finish_reason=finish_reason,
+                    text=text if isinstance(text, str) else None,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    cost_usd=cost,
+                ),
+                True,
+            )
+        return _LineOutcome(
+            ChatResult(
+                custom_id=custom_id,
+                status="ok",
+                text=text,
+                finish_reason=finish_reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cost_usd=cost,
+                batch_id=batch_id,
+            ),
+            False,
+        )

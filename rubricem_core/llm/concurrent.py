@@ -5,6 +5,7 @@ backoff and full jitter on transient errors (429, 5xx, timeouts, connection erro
 (400, 401, 403, 404, ...) fail at once. One bad request never raises: it comes back as a
 ``ChatResult`` with status "failed". Results are returned in request order.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +13,13 @@ import concurrent.futures
 import logging
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
-from rubricem_core.llm._litellm import litellm
 import openai
 
+from rubricem_core.llm._litellm import litellm
 from rubricem_core.llm.cost import call_cost
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
 
@@ -37,8 +39,9 @@ def error_status(exc: BaseException) -> int | None:
 
 def is_retryable_error(exc: BaseException) -> bool:
     """True for errors worth another try: rate limits, server errors, timeouts, lost connections."""
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, httpx.TransportError,
-                        openai.APIConnectionError)):  # APIConnectionError covers APITimeoutError
+    if isinstance(
+        exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, httpx.TransportError, openai.APIConnectionError)
+    ):  # APIConnectionError covers APITimeoutError
         return True
     status = error_status(exc)
     if status is None:
@@ -80,8 +83,9 @@ def _retry_after_s(exc: BaseException) -> float | None:
         return None
 
 
-def _result_from_response(request: ChatRequest, response: Any, settings: EndpointSettings, model: str,
-                          attempts: int, started: float) -> ChatResult:
+def _result_from_response(
+    request: ChatRequest, response: Any, settings: EndpointSettings, model: str, attempts: int, started: float
+) -> ChatResult:
     choice = response.choices[0]
     text = choice.message.content
     usage = getattr(response, "usage", None)
@@ -139,8 +143,13 @@ async def _call_with_retries(request: ChatRequest, settings: EndpointSettings) -
             hint = _retry_after_s(exc) if error_status(exc) == 429 else None
             if hint is not None:
                 delay = min(max(delay, hint), settings.backoff_max_s)
-            log.debug("request %r attempt %d failed (%s); retrying in %.2fs",
-                      request.custom_id, attempts, type(exc).__name__, delay)
+            log.debug(
+                "request %r attempt %d failed (%s); retrying in %.2fs",
+                request.custom_id,
+                attempts,
+                type(exc).__name__,
+                delay,
+            )
             await asyncio.sleep(delay)
             continue
         result = _result_from_response(request, response, settings, model, attempts, started)

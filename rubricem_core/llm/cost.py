@@ -3,12 +3,12 @@
 The price map is the copy shipped inside litellm (the project sets LITELLM_LOCAL_MODEL_COST_MAP so
 litellm never fetches it); nothing here touches the network.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from rubricem_core.llm._litellm import litellm
-
 from rubricem_core.llm.types import EndpointSettings
 
 

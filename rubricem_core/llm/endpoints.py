@@ -5,11 +5,12 @@ provider registered when the section's model string names one (``rubricem-judge/
 The built-in providers live with what they answer (judge, reflection, eval, teacher); they are imported
 only when a model names them, so a run against real endpoints never loads them.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from rubricem_core.config import EndpointConfig, require_env
 from rubricem_core.llm.types import EndpointSettings
@@ -53,8 +54,9 @@ def endpoint_settings(cfg: EndpointConfig, api_key: str | None = None, model: st
     if api_key is None and cfg.api_key_env:
         api_key = require_env(cfg.api_key_env, purpose=f"model {model}")
     names = [f.name for f in dataclasses.fields(EndpointSettings) if f.name not in _NOT_FROM_CONFIG]
-    return EndpointSettings(model=model, api_key=api_key,
-                            **{name: getattr(cfg, name) for name in names if hasattr(cfg, name)})
+    return EndpointSettings(
+        model=model, api_key=api_key, **{name: getattr(cfg, name) for name in names if hasattr(cfg, name)}
+    )
 
 
 def endpoint_for(cfg: EndpointConfig, api_key: str | None = None, *, max_tool_calls: int = 10) -> EndpointSettings:

@@ -7,17 +7,20 @@ providers lets the offline default travel exactly the code path a real provider 
 Tokens are counted as whitespace-separated words: there is no real tokenizer behind these
 providers, and a word count is deterministic and good enough for budgets and usage columns.
 """
+
 from __future__ import annotations
 
 import re
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from rubricem_core.llm._litellm import litellm
 from litellm import CustomLLM
 from litellm.llms.custom_llm import CustomLLMError
 from litellm.types.utils import Usage
+
+from rubricem_core.llm._litellm import litellm
 
 RespondFn = Callable[[list[dict[str, Any]], dict[str, Any]], str]
 
@@ -127,14 +130,38 @@ class _RespondingLLM(CustomLLM):
         )
         return model_response
 
-    def completion(self, model: str, messages: list, api_base: str, custom_prompt_dict: dict, model_response: Any,
-                   print_verbose: Callable, encoding: Any, api_key: Any, logging_obj: Any, optional_params: dict,
-                   *args: Any, **kwargs: Any) -> Any:
+    def completion(
+        self,
+        model: str,
+        messages: list,
+        api_base: str,
+        custom_prompt_dict: dict,
+        model_response: Any,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         return self._fill(model, messages, optional_params, model_response)
 
-    async def acompletion(self, model: str, messages: list, api_base: str, custom_prompt_dict: dict,
-                          model_response: Any, print_verbose: Callable, encoding: Any, api_key: Any,
-                          logging_obj: Any, optional_params: dict, *args: Any, **kwargs: Any) -> Any:
+    async def acompletion(
+        self,
+        model: str,
+        messages: list,
+        api_base: str,
+        custom_prompt_dict: dict,
+        model_response: Any,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         # respond() is CPU-bound Python; a thread would not run it faster under the GIL.
         return self._fill(model, messages, optional_params, model_response)
 
@@ -163,5 +190,8 @@ def register_completion_provider(name: str, respond: RespondFn) -> None:
 
 
 def registered_provider_names() -> list[str]:
-    return [item["provider"] for item in litellm.custom_provider_map if isinstance(item.get("custom_handler"),
-                                                                                    _RespondingLLM)]
+    return [
+        item["provider"]
+        for item in litellm.custom_provider_map
+        if isinstance(item.get("custom_handler"), _RespondingLLM)
+    ]

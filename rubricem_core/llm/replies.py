@@ -4,11 +4,13 @@ reply, the repair turn, and the reply schema every verdict list shares.
 No litellm here (prompt and parsing code imports this module; importing litellm takes seconds). The
 client that sends the calls is ``rubricem_core.llm.structured``.
 """
+
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jsonschema
 
@@ -63,16 +65,21 @@ def checked_reply(text: str | None, schema: dict[str, Any]) -> Any:
 
 def repair_message(error: str) -> dict[str, str]:
     """The user turn that sends a reply's validation error back (after the reply itself)."""
-    return {"role": "user", "content": (
-        f"Your reply could not be used: {error[:MAX_ERROR_CHARS]}\n"
-        "Reply again with only the corrected JSON object, following the schema in the instructions.")}
+    return {
+        "role": "user",
+        "content": (
+            f"Your reply could not be used: {error[:MAX_ERROR_CHARS]}\n"
+            "Reply again with only the corrected JSON object, following the schema in the instructions."
+        ),
+    }
 
 
 # ---- the verdict list: one entry per asked id ------------------------------------------------------
 
 
-def _entries(array: str, id_field: str, id_schema: dict[str, Any], fields: Mapping[str, Any],
-             counts: Mapping[str, int]) -> dict[str, Any]:
+def _entries(
+    array: str, id_field: str, id_schema: dict[str, Any], fields: Mapping[str, Any], counts: Mapping[str, int]
+) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {

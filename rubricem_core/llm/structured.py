@@ -7,11 +7,13 @@ through ``run_concurrent`` (bounded concurrency, retries with backoff on 429/5xx
 replies that are not JSON), validation of every reply by the caller's checker, one repair turn that
 sends an unusable reply's validation error back, and a usage record of every call made.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Self, Sequence
+from typing import Any, ClassVar, Self
 
 from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.replies import STRUCTURED_OUTPUT_MODES, ReplyError, repair_message, response_format
@@ -30,7 +32,8 @@ class StructuredOptions:
     seed: int | None = field(default=0, metadata={"help": "Sampling seed sent with every call (None: not sent)."})
     structured_output: str = field(
         default="json_schema",
-        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."})
+        metadata={"help": "response_format sent: json_schema (exact schema), json_object, or none."},
+    )
     repair: bool = field(default=True, metadata={"help": "Send an invalid reply's error back once for a fix."})
 
     error_type: ClassVar[type[Exception]] = ValueError  # what a bad value raises (the caller's error)
@@ -38,8 +41,9 @@ class StructuredOptions:
     def __post_init__(self) -> None:
         name = type(self).__name__
         if self.structured_output not in STRUCTURED_OUTPUT_MODES:
-            raise self.error_type(f"{name}.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, "
-                                  f"got {self.structured_output!r}")
+            raise self.error_type(
+                f"{name}.structured_output must be one of {STRUCTURED_OUTPUT_MODES}, got {self.structured_output!r}"
+            )
         if self.max_tokens < 1:
             raise self.error_type(f"{name}.max_tokens must be >= 1")
 
@@ -67,22 +71,34 @@ class StructuredCall:
 class StructuredClient:
     """Structured calls against one endpoint with one set of options."""
 
-    def __init__(self, settings: EndpointSettings, options: StructuredOptions | None = None,
-                 failure: str = "judge call failed") -> None:
+    def __init__(
+        self, settings: EndpointSettings, options: StructuredOptions | None = None, failure: str = "judge call failed"
+    ) -> None:
         self.settings = settings
         self.options = options or StructuredOptions()
         self.failure = failure  # the error of a failed call that came back without one
 
-    def request(self, custom_id: str, messages: list[dict[str, str]], name: str,
-                schema: dict[str, Any]) -> ChatRequest:
+    def request(self, custom_id: str, messages: list[dict[str, str]], name: str, schema: dict[str, Any]) -> ChatRequest:
         """The chat request of a call whose reply must follow ``schema`` (``name`` names it to the provider)."""
         options = self.options
-        return ChatRequest(custom_id=custom_id, model="", messages=messages, max_tokens=options.max_tokens,
-                           temperature=options.temperature, seed=options.seed,
-                           response_format=response_format(options.structured_output, name, schema))
+        return ChatRequest(
+            custom_id=custom_id,
+            model="",
+            messages=messages,
+            max_tokens=options.max_tokens,
+            temperature=options.temperature,
+            seed=options.seed,
+            response_format=response_format(options.structured_output, name, schema),
+        )
 
-    def call(self, custom_id: str, messages: list[dict[str, str]], name: str, schema: dict[str, Any],
-             validate: Callable[[str | None], Any]) -> StructuredCall:
+    def call(
+        self,
+        custom_id: str,
+        messages: list[dict[str, str]],
+        name: str,
+        schema: dict[str, Any],
+        validate: Callable[[str | None], Any],
+    ) -> StructuredCall:
         return StructuredCall(self.request(custom_id, messages, name, schema), validate)
 
     def ask(self, calls: Sequence[StructuredCall], record: RecordFn | None = None) -> None:
@@ -93,10 +109,14 @@ class StructuredClient:
             return
         to_repair = [c for c in calls if c.error is not None and c.last_text is not None]
         for call in to_repair:
-            messages = [*call.request.messages, {"role": "assistant", "content": call.last_text},
-                        repair_message(call.error)]
-            call.request = dataclasses.replace(call.request, custom_id=call.request.custom_id + ":repair",
-                                               messages=messages)
+            messages = [
+                *call.request.messages,
+                {"role": "assistant", "content": call.last_text},
+                repair_message(call.error),
+            ]
+            call.request = dataclasses.replace(
+                call.request, custom_id=call.request.custom_id + ":repair", messages=messages
+            )
         self._send(to_repair, record, repair=True)
 
     def _send(self, calls: Sequence[StructuredCall], record: RecordFn | None, repair: bool) -> None:

@@ -3,6 +3,7 @@
 A ``ChatRequest`` is what the teacher or the judge wants answered; a ``ChatResult`` is what came
 back, one per request, never an exception. ``EndpointSettings`` says where and how to call.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ class ChatRequest:
     response_format: dict[str, Any] | None = None  # e.g. {"type": "json_object"} for JSON calls
     metadata: dict[str, Any] = field(default_factory=dict)  # caller bookkeeping; never sent
 
-    def resolved_model(self, settings: "EndpointSettings") -> str:
+    def resolved_model(self, settings: EndpointSettings) -> str:
         return self.model or settings.model
 
     def sampling_params(self) -> dict[str, Any]:
@@ -131,8 +132,13 @@ class EndpointSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise LLMSettingsError("EndpointSettings.model must be a non-empty string")
-        positive = ("timeout_s", "backoff_max_s", "batch_poll_interval_s", "batch_poll_max_interval_s",
-                    "batch_timeout_s")
+        positive = (
+            "timeout_s",
+            "backoff_max_s",
+            "batch_poll_interval_s",
+            "batch_poll_max_interval_s",
+            "batch_timeout_s",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise LLMSettingsError(f"EndpointSettings.{name} must be > 0, got {getattr(self, name)!r}")
@@ -142,7 +148,8 @@ class EndpointSettings:
                 raise LLMSettingsError(f"EndpointSettings.{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
             raise LLMSettingsError(
-                f"EndpointSettings.max_concurrency must be an int >= 1, got {self.max_concurrency!r}")
+                f"EndpointSettings.max_concurrency must be an int >= 1, got {self.max_concurrency!r}"
+            )
         if self.backoff_base_s < 0:
             raise LLMSettingsError(f"EndpointSettings.backoff_base_s must be >= 0, got {self.backoff_base_s!r}")
         if self.batch_poll_max_interval_s < self.batch_poll_interval_s:

@@ -1,4 +1,5 @@
 """Policy models: the tiny Qwen3 with its own BPE tokenizer, loading any HF causal LM, GGUF conversion."""
+
 from __future__ import annotations
 
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf

@@ -8,9 +8,11 @@ second copy (minus its first token, which nothing predicts). Random tokens canno
 looking back scores. Span lengths and both positions vary per row, so attending a fixed number of
 tokens back (a positional shortcut) does not pass either.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

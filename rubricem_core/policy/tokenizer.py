@@ -5,12 +5,13 @@ is no normalizer, and the pre-tokenizer only splits, it never rewrites. Every sc
 *added* token that is not special, so ``decode(skip_special_tokens=True)`` keeps it and the rollout
 parser sees tags as whole tokens; the chat markers are special tokens with a Qwen-style template.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -33,9 +34,9 @@ ATTRIBUTE_PIECES: tuple[str, ...] = (
     '<snippet id="',
     '<cite id="',
 )
-TAG_TOKENS: tuple[str, ...] = tuple(
-    piece for name in TAG_NAMES for piece in (f"<{name}>", f"</{name}>")
-) + ATTRIBUTE_PIECES
+TAG_TOKENS: tuple[str, ...] = (
+    tuple(piece for name in TAG_NAMES for piece in (f"<{name}>", f"</{name}>")) + ATTRIBUTE_PIECES
+)
 
 # Qwen-style split: letters with one leading non-letter, single digits (numbers generalise better
 # digit by digit), punctuation runs with trailing newlines, newline runs, other whitespace.
@@ -78,10 +79,12 @@ def _build_backend(texts: Iterable[str], vocab_size: int, atomic_terms: Sequence
             + (f" (including {len(atomic_terms)} atomic terms)" if atomic_terms else "")
         )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     # Tags and atomic terms are added after training, so the BPE vocabulary gets what is left of the budget.
     trainer = trainers.BpeTrainer(

@@ -8,12 +8,13 @@
 
 ``judge`` pulls in litellm (seconds to import), so its names are imported lazily.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from rubricem_core.reflection.bank import BankEntry, BankError, ReflectionBank, RETRIEVAL_MODES
+from rubricem_core.reflection.bank import RETRIEVAL_MODES, BankEntry, BankError, ReflectionBank
 from rubricem_core.reflection.format import (
     REFLECTION_CODES,
     REFLECTION_STOP,
@@ -24,12 +25,35 @@ from rubricem_core.reflection.format import (
     validate_reflection,
 )
 
-_LAZY = {name: "rubricem_core.reflection.judge" for name in (
-    "ReflectionJudge", "ReflectionJudgeInput", "ReflectionJudgeOptions", "ReflectionJudgeUsage", "CandidateScore",
-    "best_candidate", "candidate_rewards", "reflection_rows", "register_builtin_reflection_judge")}
+_LAZY = {
+    name: "rubricem_core.reflection.judge"
+    for name in (
+        "ReflectionJudge",
+        "ReflectionJudgeInput",
+        "ReflectionJudgeOptions",
+        "ReflectionJudgeUsage",
+        "CandidateScore",
+        "best_candidate",
+        "candidate_rewards",
+        "reflection_rows",
+        "register_builtin_reflection_judge",
+    )
+}
 
-__all__ = ["BankEntry", "BankError", "ReflectionBank", "RETRIEVAL_MODES", "REFLECTION_CODES", "REFLECTION_STOP",
-           "Reflection", "guidance_text", "parse_reflection", "reflection_messages", "validate_reflection", *_LAZY]
+__all__ = [
+    "BankEntry",
+    "BankError",
+    "ReflectionBank",
+    "RETRIEVAL_MODES",
+    "REFLECTION_CODES",
+    "REFLECTION_STOP",
+    "Reflection",
+    "guidance_text",
+    "parse_reflection",
+    "reflection_messages",
+    "validate_reflection",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,14 +29,16 @@ the two leaves the previous pair readable. Stale index files are removed after t
 ``load(dir)`` rebuilds the recorded embedder unless it is given one. A run's bank lives at
 ``bank_dir(run_dir)`` (RL saves it there, evaluation reads it from there).
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import faiss
 import numpy as np
@@ -55,6 +57,7 @@ INDEX_META_KEY = b"rubricem.bank.index_file"
 DIM_META_KEY = b"rubricem.bank.dim"
 EMBEDDER_META_KEY = b"rubricem.bank.embedder"
 EMBEDDER_CHECK_MIN_COSINE = 0.99  # re-embedding a stored query must give (almost) the stored vector
+
 
 class BankError(ValueError):
     """Bad bank input (entry field, mode, policy) or a saved bank that cannot be read back."""
@@ -108,8 +111,10 @@ def _check_dim(info: SavedBankInfo, dim: int, given: str | None) -> None:
     """A search with vectors of another width is impossible: name both embedders."""
     if info.dim != dim:
         built = repr(info.embedder) if info.embedder else "an embedder it did not record"
-        raise BankError(f"{info.entries_path}: the bank was built with {info.dim}-dim embeddings ({built}); "
-                        f"the embedder given ({given!r}) gives {dim}-dim ones")
+        raise BankError(
+            f"{info.entries_path}: the bank was built with {info.dim}-dim embeddings ({built}); "
+            f"the embedder given ({given!r}) gives {dim}-dim ones"
+        )
 
 
 def _resolve_embedder(info: SavedBankInfo, embedder: Embedder | str | None) -> tuple[Embedder, str | None]:
@@ -119,8 +124,10 @@ def _resolve_embedder(info: SavedBankInfo, embedder: Embedder | str | None) -> t
         return embedder, embedder_spec(embedder)
     spec = embedder if embedder is not None else info.embedder
     if spec is None:
-        raise BankError(f"{info.entries_path}: the bank does not record the embedder it was built with "
-                        f"({info.dim}-dim); name it (evaluation: eval.bank_embedder)")
+        raise BankError(
+            f"{info.entries_path}: the bank does not record the embedder it was built with "
+            f"({info.dim}-dim); name it (evaluation: eval.bank_embedder)"
+        )
     built = make_embedder(spec)
     if built is None:
         raise BankError(f"embedder {spec!r} cannot search a bank: name an embedder (hashing[:dim] or a model)")
@@ -152,8 +159,14 @@ class BankEntry:
 class ReflectionBank:
     """Thread-safe, persisted, FAISS-indexed map query_id → best reflection. See the module doc."""
 
-    def __init__(self, embedder: Embedder, path: str | Path | None = None, replace: str = "if_better",
-                 within_source: str = "best", embedder_name: str | None = None) -> None:
+    def __init__(
+        self,
+        embedder: Embedder,
+        path: str | Path | None = None,
+        replace: str = "if_better",
+        within_source: str = "best",
+        embedder_name: str | None = None,
+    ) -> None:
         """``path``: the default directory of ``save()``; a bank saved there is loaded (resume).
         ``within_source``: "best" — within retrieval returns the query's entry; "window" — the entry
         written at the ``source_step`` given to ``retrieve_many`` (None, or none of that step: a miss).
@@ -255,19 +268,26 @@ class ReflectionBank:
         return True
 
     # ---- retrieval ------------------------------------------------------------------------------
-    def retrieve(self, query_id: str, query_text: str, mode: str, k: int = 1,
-                 min_similarity: float | None = None) -> list[BankEntry]:
+    def retrieve(
+        self, query_id: str, query_text: str, mode: str, k: int = 1, min_similarity: float | None = None
+    ) -> list[BankEntry]:
         """Reflections to guide an attempt at this query (see the module doc for the modes)."""
         return [entry for entry, _ in self.retrieve_scored(query_id, query_text, mode, k, min_similarity)]
 
-    def retrieve_scored(self, query_id: str, query_text: str, mode: str, k: int = 1,
-                        min_similarity: float | None = None) -> list[tuple[BankEntry, float]]:
+    def retrieve_scored(
+        self, query_id: str, query_text: str, mode: str, k: int = 1, min_similarity: float | None = None
+    ) -> list[tuple[BankEntry, float]]:
         """``retrieve`` with the cosine similarity of each entry's query (1.0 for ``within``)."""
         return self.retrieve_many([(query_id, query_text)], mode, k, min_similarity)[0]
 
-    def retrieve_many(self, queries: Sequence[tuple[str, str]], mode: str, k: int = 1,
-                      min_similarity: float | None = None,
-                      source_step: int | None = None) -> list[list[tuple[BankEntry, float]]]:
+    def retrieve_many(
+        self,
+        queries: Sequence[tuple[str, str]],
+        mode: str,
+        k: int = 1,
+        min_similarity: float | None = None,
+        source_step: int | None = None,
+    ) -> list[list[tuple[BankEntry, float]]]:
         """``retrieve_scored`` for many (query_id, query_text) pairs with one embedding batch;
         ``source_step``: the step whose reflections ``within`` returns under ``within_source="window"``."""
         if mode not in RETRIEVAL_MODES:
@@ -292,8 +312,9 @@ class ReflectionBank:
                 counts["misses"] += len(results) - hits
         return results
 
-    def _search_within(self, queries: list[tuple[str, str]],
-                       source_step: int | None) -> list[list[tuple[BankEntry, float]]]:
+    def _search_within(
+        self, queries: list[tuple[str, str]], source_step: int | None
+    ) -> list[list[tuple[BankEntry, float]]]:
         with self._lock:
             if self.within_source == "best":
                 found = [self._entries.get(q) for q, _ in queries]
@@ -301,8 +322,9 @@ class ReflectionBank:
                 found = [None if source_step is None else self._written.get((q, source_step)) for q, _ in queries]
         return [[(entry, 1.0)] if entry is not None else [] for entry in found]
 
-    def _search_cross(self, queries: list[tuple[str, str]], vectors: np.ndarray, k: int,
-                      min_similarity: float | None) -> list[list[tuple[BankEntry, float]]]:
+    def _search_cross(
+        self, queries: list[tuple[str, str]], vectors: np.ndarray, k: int, min_similarity: float | None
+    ) -> list[list[tuple[BankEntry, float]]]:
         if self._index.ntotal == 0:
             return [[] for _ in queries]
         # one extra neighbour: the query's own entry, when it is in the bank, is skipped
@@ -364,8 +386,9 @@ class ReflectionBank:
         return target
 
     @classmethod
-    def load(cls, directory: str | Path, embedder: Embedder | str | None = None,
-             replace: str = "if_better") -> "ReflectionBank":
+    def load(
+        cls, directory: str | Path, embedder: Embedder | str | None = None, replace: str = "if_better"
+    ) -> ReflectionBank:
         """The bank saved under ``directory``, searched with ``embedder`` (an Embedder or a
         make_embedder name; None: the one recorded with the bank); later ``save()`` calls write back there."""
         info = saved_bank_info(directory)
@@ -393,16 +416,19 @@ class ReflectionBank:
             raise BankError(f"cannot read bank index {index_path}: {exc}") from exc
         rows = table.to_pylist()
         if index.ntotal != len(rows) or index.d != dim:
-            raise BankError(f"{index_path} holds {index.ntotal} vectors of dim {index.d}; "
-                            f"{entries_path} has {len(rows)} entries of dim {dim}")
+            raise BankError(
+                f"{index_path} holds {index.ntotal} vectors of dim {index.d}; "
+                f"{entries_path} has {len(rows)} entries of dim {dim}"
+            )
         # deserialize_index already returns the concrete class; a downcast_index wrapper would not own
         # the C++ object, which is freed with the original wrapper
         if not isinstance(index, faiss.IndexIDMap2):
             raise BankError(f"{index_path} is a {type(index).__name__}, expected IndexIDMap2")
         entries, ids = {}, {}
         for number, row in enumerate(rows):
-            entry = BankEntry(row["query_id"], row["query_text"], row["reflection"], float(row["score"]),
-                              int(row["step"]))
+            entry = BankEntry(
+                row["query_id"], row["query_text"], row["reflection"], float(row["score"]), int(row["step"])
+            )
             if entry.query_id in entries:
                 raise BankError(f"{entries_path} row {number}: query_id {entry.query_id!r} appears twice")
             entries[entry.query_id] = entry
@@ -429,6 +455,7 @@ class ReflectionBank:
                 continue
             cosine = float(np.dot(vector, stored))
             if cosine < EMBEDDER_CHECK_MIN_COSINE:
-                raise BankError(f"{index_path}: the stored embedding of query {query_id!r} differs from this "
-                                f"embedder's (cosine {cosine:.3f}); load the bank with the embedder that built it")
-
+                raise BankError(
+                    f"{index_path}: the stored embedding of query {query_id!r} differs from this "
+                    f"embedder's (cosine {cosine:.3f}); load the bank with the embedder that built it"
+                )

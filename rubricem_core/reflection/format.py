@@ -18,6 +18,7 @@ give text without it, so the parser accepts a missing final ``</reflection>``.
 The accepted reflection is injected into later prompts through ``guidance_text`` →
 ``scaffold.system_prompt(guidance=...)``.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,14 +41,16 @@ MISSING_REFLECTION = _code("missing_reflection", "no <reflection> element")
 MISSING_RUBRICS = _code("missing_rubrics", "no <reflection_rubrics> element inside the reflection")
 MISSING_TAKEAWAYS = _code("missing_takeaways", "no <takeaways> element inside the reflection")
 REPEATED_TAG = _code("repeated_tag", "a reflection tag opens more than once")
-TEXT_OUTSIDE_TAGS = _code("text_outside_tags",
-                          "text before <reflection>, after </reflection>, or between the two lists")
+TEXT_OUTSIDE_TAGS = _code(
+    "text_outside_tags", "text before <reflection>, after </reflection>, or between the two lists"
+)
 EMPTY_RUBRICS = _code("empty_rubrics", "the rubric list has no items")
 EMPTY_TAKEAWAYS = _code("empty_takeaways", "the takeaway list has no items")
 TOO_LONG = _code("too_long", f"over {MAX_REFLECTION_CHARS} characters, or an item over {MAX_ITEM_CHARS}")
 TOO_MANY_ITEMS = _code("too_many_items", f"a list has more than {MAX_ITEMS} items")
-COPIES_TRAJECTORY = _code("copies_trajectory",
-                          f"repeats {COPY_MIN_WORDS}+ consecutive words of the trajectory verbatim")
+COPIES_TRAJECTORY = _code(
+    "copies_trajectory", f"repeats {COPY_MIN_WORDS}+ consecutive words of the trajectory verbatim"
+)
 SCAFFOLD_TAGS = _code("scaffold_tags", "contains scaffold tags (<answer>, <cite>, <call_tool>, ...)")
 MENTIONS_SCORES = _code("mentions_scores", "talks about scores, rewards or grading, which the policy never saw")
 
@@ -79,8 +82,10 @@ class Reflection:
         """The canonical text of the reflection (what the bank stores)."""
         rubrics = "\n".join(f"- {item}" for item in self.rubrics)
         takeaways = "\n".join(f"- {item}" for item in self.takeaways)
-        return (f"<reflection>\n<reflection_rubrics>\n{rubrics}\n</reflection_rubrics>\n"
-                f"<takeaways>\n{takeaways}\n</takeaways>\n</reflection>")
+        return (
+            f"<reflection>\n<reflection_rubrics>\n{rubrics}\n</reflection_rubrics>\n"
+            f"<takeaways>\n{takeaways}\n</takeaways>\n</reflection>"
+        )
 
     @property
     def items(self) -> tuple[str, ...]:
@@ -100,8 +105,9 @@ def clip_middle(text: str, max_chars: int | None) -> tuple[str, int]:
     return f"{text[:head]}\n[... {omitted} characters of the attempt omitted here ...]\n{text[-tail:]}", omitted
 
 
-def reflection_messages(question: str, trajectory_text: str,
-                        max_chars: int | None = DEFAULT_MAX_TRAJECTORY_CHARS) -> list[dict[str, str]]:
+def reflection_messages(
+    question: str, trajectory_text: str, max_chars: int | None = DEFAULT_MAX_TRAJECTORY_CHARS
+) -> list[dict[str, str]]:
     """Chat messages asking the policy for a reflection on ``trajectory_text``.
 
     Deliberately takes no rubrics or scores: the policy must not see privileged judge inputs.
@@ -112,11 +118,17 @@ def reflection_messages(question: str, trajectory_text: str,
         raise ValueError("reflection_messages: trajectory_text must be a non-empty string")
     shown, omitted = clip_middle(trajectory_text.strip(), max_chars)
     shown = shown.replace("<<<", "<< <")  # the attempt cannot close its own delimiters
-    note = (f"\n(The attempt is {len(trajectory_text.strip())} characters long; {omitted} characters from "
-            "its middle are omitted below.)" if omitted else "")
-    user = (f"Question:\n{question.strip()}\n\nYour earlier attempt:{note}\n"
-            f"<<<ATTEMPT>>>\n{shown}\n<<<END OF ATTEMPT>>>\n\n"
-            "Write your reflection now, in the required format.")
+    note = (
+        f"\n(The attempt is {len(trajectory_text.strip())} characters long; {omitted} characters from "
+        "its middle are omitted below.)"
+        if omitted
+        else ""
+    )
+    user = (
+        f"Question:\n{question.strip()}\n\nYour earlier attempt:{note}\n"
+        f"<<<ATTEMPT>>>\n{shown}\n<<<END OF ATTEMPT>>>\n\n"
+        "Write your reflection now, in the required format."
+    )
     return [{"role": "system", "content": REFLECTION_SYSTEM}, {"role": "user", "content": user}]
 
 
@@ -128,7 +140,9 @@ _BULLET = re.compile(r"^\s*(?:[-*\u2022]|\d+[.)])\s*")
 _SCAFFOLD_TAG = re.compile(rf"<\s*/?\s*(?:{'|'.join(sorted(TAG_NAMES, key=len, reverse=True))})\b", re.I)
 _SCORE_TALK = re.compile(
     r"\b(?:scor(?:e|es|ed|ing)|rewards?|rewarded|grad(?:er|ers|ed|ing)|judged|judge's|the judge)\b"
-    r"|\b[0-2]\s*/\s*2\b", re.I)
+    r"|\b[0-2]\s*/\s*2\b",
+    re.I,
+)
 _WORD = re.compile(r"\w+")
 
 
@@ -140,8 +154,9 @@ class _Span:
     outer_end: int
 
 
-def _element(text: str, name: str, start: int = 0, end: int | None = None,
-             open_ended: bool = False) -> tuple[_Span | None, int]:
+def _element(
+    text: str, name: str, start: int = 0, end: int | None = None, open_ended: bool = False
+) -> tuple[_Span | None, int]:
     """The first ``<name>…</name>`` in text[start:end], and how many times ``<name>`` opens there."""
     end = len(text) if end is None else end
     opens = list(_OPEN[name].finditer(text, start, end))
@@ -173,7 +188,7 @@ def _structure(text: str) -> tuple[Reflection | None, list[str]]:
         return None, [MISSING_REFLECTION]
     if n_outer > 1:
         codes.append(REPEATED_TAG)
-    if text[:outer.outer_start].strip() or text[outer.outer_end:].strip():
+    if text[: outer.outer_start].strip() or text[outer.outer_end :].strip():
         codes.append(TEXT_OUTSIDE_TAGS)
     rubrics, n_rubrics = _element(text, "reflection_rubrics", outer.inner_start, outer.inner_end)
     takeaways, n_takeaways = _element(text, "takeaways", outer.inner_start, outer.inner_end)
@@ -186,14 +201,15 @@ def _structure(text: str) -> tuple[Reflection | None, list[str]]:
     if rubrics is None or takeaways is None:
         return None, codes
     # Everything inside <reflection> must belong to one of the two lists.
-    leftover = text[outer.inner_start:outer.inner_end]
+    leftover = text[outer.inner_start : outer.inner_end]
     for span in sorted((rubrics, takeaways), key=lambda s: s.outer_start, reverse=True):
         a, b = span.outer_start - outer.inner_start, span.outer_end - outer.inner_start
         leftover = leftover[:a] + leftover[b:]
     if leftover.strip() and TEXT_OUTSIDE_TAGS not in codes:
         codes.append(TEXT_OUTSIDE_TAGS)
-    reflection = Reflection(_items(text[rubrics.inner_start:rubrics.inner_end]),
-                            _items(text[takeaways.inner_start:takeaways.inner_end]))
+    reflection = Reflection(
+        _items(text[rubrics.inner_start : rubrics.inner_end]), _items(text[takeaways.inner_start : takeaways.inner_end])
+    )
     return reflection, codes
 
 
@@ -206,7 +222,7 @@ def parse_reflection(text: str | None) -> Reflection | None:
 
 
 def _word_ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def copies_text(candidate: str, source: str, min_words: int = COPY_MIN_WORDS) -> bool:
@@ -224,8 +240,9 @@ def _mentions_scores(text: str, question: str | None) -> bool:
     return any(match.group(0).lower() not in allowed for match in _SCORE_TALK.finditer(text))
 
 
-def validate_reflection(text: str, trajectory_text: str | None = None, question: str | None = None,
-                        max_chars: int = MAX_REFLECTION_CHARS) -> list[str]:
+def validate_reflection(
+    text: str, trajectory_text: str | None = None, question: str | None = None, max_chars: int = MAX_REFLECTION_CHARS
+) -> list[str]:
     """Codes (``REFLECTION_CODES``) of everything wrong with a generated reflection; [] = valid.
 
     ``trajectory_text`` enables the verbatim-copy check; words of ``question`` never count as talk
@@ -263,8 +280,9 @@ def guidance_text(reflection: Reflection, source_question: str | None = None) ->
         raise ValueError("guidance_text: the reflection has no items")
     lines = []
     if source_question:
-        lines.append(f"These notes come from an earlier attempt at a similar question: "
-                     f"\"{' '.join(source_question.split())}\"")
+        lines.append(
+            f'These notes come from an earlier attempt at a similar question: "{" ".join(source_question.split())}"'
+        )
     if reflection.rubrics:
         lines.append("A strong report meets these criteria:")
         lines += [f"- {item}" for item in reflection.rubrics]

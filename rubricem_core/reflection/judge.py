@@ -19,14 +19,17 @@ and scores deterministically from the privileged inputs: coverage of the failed 
 candidate's items (lexical overlap of key terms and entity names), specificity, actionable
 takeaways, and a penalty for redundant items.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from functools import partial
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -85,11 +88,19 @@ class CandidateScore:
 
     def row(self, step: int, accepted: bool) -> dict[str, Any]:
         """One ``reflections`` table row."""
-        return {"step": int(step), "query_id": self.query_id, "source_rollout_id": self.source_rollout_id,
-                "candidate": int(self.candidate), "text": self.text, "valid": bool(self.valid),
-                "score": None if self.score is None else float(self.score), "accepted": bool(accepted),
-                "judge_failed": bool(self.judge_failed), "codes": list(self.codes),
-                "justification": self.justification}
+        return {
+            "step": int(step),
+            "query_id": self.query_id,
+            "source_rollout_id": self.source_rollout_id,
+            "candidate": int(self.candidate),
+            "text": self.text,
+            "valid": bool(self.valid),
+            "score": None if self.score is None else float(self.score),
+            "accepted": bool(accepted),
+            "judge_failed": bool(self.judge_failed),
+            "codes": list(self.codes),
+            "justification": self.justification,
+        }
 
 
 @dataclass
@@ -101,9 +112,18 @@ class ReflectionJudgeUsage(CallUsage):
     failed_candidates: int = 0
 
     # metric order: the calls, their traffic, then the candidates' outcomes
-    METRICS: ClassVar[tuple[str, ...]] = ("calls", "repairs", "failed_calls", "attempts", "prompt_tokens",
-                                          "completion_tokens", "cost_usd", "candidates", "invalid_candidates",
-                                          "failed_candidates")
+    METRICS: ClassVar[tuple[str, ...]] = (
+        "calls",
+        "repairs",
+        "failed_calls",
+        "attempts",
+        "prompt_tokens",
+        "completion_tokens",
+        "cost_usd",
+        "candidates",
+        "invalid_candidates",
+        "failed_candidates",
+    )
 
     def metrics(self, prefix: str = "reflection_judge/") -> dict[str, float]:
         return {f"{prefix}{name}": float(getattr(self, name)) for name in self.METRICS}
@@ -121,11 +141,17 @@ class ReflectionJudgeOptions(StructuredOptions):
     max_tokens: int = field(default=4096, metadata={"help": "Completion budget of one call (all candidates)."})
     max_trajectory_chars: int | None = field(
         default=20_000,
-        metadata={"help": "Longest source trajectory shown (its middle is cut); 0 = not shown; None = all."})
+        metadata={"help": "Longest source trajectory shown (its middle is cut); 0 = not shown; None = all."},
+    )
     max_reflection_chars: int = field(
-        default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."})
-    mode: str = field(default="joint", metadata={
-        "help": "per_candidate: one call per valid candidate (the paper); joint: one call per source trajectory."})
+        default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."}
+    )
+    mode: str = field(
+        default="joint",
+        metadata={
+            "help": "per_candidate: one call per valid candidate (the paper); joint: one call per source trajectory."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,8 +181,10 @@ Reply with one JSON object and nothing else, following this JSON schema:
 
 
 # A scored candidate: its justification, then the usefulness score.
-_SCORE_FIELDS = {"justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-                 "score": {"type": "number", "minimum": 0, "maximum": 1}}
+_SCORE_FIELDS = {
+    "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+    "score": {"type": "number", "minimum": 0, "maximum": 1},
+}
 
 
 def reply_schema(candidates: Sequence[int]) -> dict[str, Any]:
@@ -182,24 +210,33 @@ def rubric_score_lines(rubrics: Sequence[Rubric], judgment: TrajectoryJudgment) 
     lines = []
     for rubric in rubrics:
         scored = by_id.get(rubric.rubric_id)
-        record = {"id": rubric.rubric_id, "stage": rubric.stage, "polarity": rubric.polarity,
-                  "weight": rubric.weight, "title": rubric.title, "description": rubric.description,
-                  "score": None if scored is None else scored.score,
-                  "credit": None if scored is None else credit(rubric.polarity, scored.score),
-                  "justification": None if scored is None else scored.justification}
+        record = {
+            "id": rubric.rubric_id,
+            "stage": rubric.stage,
+            "polarity": rubric.polarity,
+            "weight": rubric.weight,
+            "title": rubric.title,
+            "description": rubric.description,
+            "score": None if scored is None else scored.score,
+            "credit": None if scored is None else credit(rubric.polarity, scored.score),
+            "justification": None if scored is None else scored.justification,
+        }
         lines.append(escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True)))
     return lines
 
 
-def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
-                   max_trajectory_chars: int | None) -> list[dict[str, str]]:
+def judge_messages(
+    item: ReflectionJudgeInput, candidates: Sequence[int], max_trajectory_chars: int | None
+) -> list[dict[str, str]]:
     # The system prompt shows the reply shape with a generic candidate field so it is identical for
     # every call (providers cache shared prefixes); the exact schema travels as response_format.
-    shape = entries_shape("scores", "candidate", {"type": "integer", "description": "a listed candidate number"},
-                          _SCORE_FIELDS)
+    shape = entries_shape(
+        "scores", "candidate", {"type": "integer", "description": "a listed candidate number"}, _SCORE_FIELDS
+    )
     parts = [TASK_LINE, _section("QUESTION", escape_section_markers(item.query.question))]
-    parts.append(_section("JUDGE RUBRICS AND SCORES", "\n".join(rubric_score_lines(item.rubrics, item.judgment))
-                          or "(none)"))
+    parts.append(
+        _section("JUDGE RUBRICS AND SCORES", "\n".join(rubric_score_lines(item.rubrics, item.judgment)) or "(none)")
+    )
     if max_trajectory_chars != 0:
         shown, omitted = clip_middle(item.trajectory_text, max_trajectory_chars)
         head = f"({omitted} characters omitted from the middle)\n" if omitted else ""
@@ -207,8 +244,10 @@ def judge_messages(item: ReflectionJudgeInput, candidates: Sequence[int],
     for index in candidates:
         parts.append(_section(f"CANDIDATE {index}", escape_section_markers(item.candidates[index])))
     parts.append(_section("END", "Score candidates " + ", ".join(str(i) for i in candidates) + "."))
-    return [{"role": "system", "content": SYSTEM.format(schema=json.dumps(shape))},
-            {"role": "user", "content": "\n\n".join(parts)}]
+    return [
+        {"role": "system", "content": SYSTEM.format(schema=json.dumps(shape))},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
 
 
 def parse_reply(text: str | None, candidates: Sequence[int]) -> dict[int, tuple[float, str]]:
@@ -248,14 +287,20 @@ class ReflectionJudge:
         targets: list[tuple[int, list[int]]] = []  # each call's (input index, candidates)
         for index, item in enumerate(inputs):
             if item.judgment.rollout_id != item.source_rollout_id:
-                raise JudgeError(f"input {index}: judgment is for rollout {item.judgment.rollout_id!r}, "
-                                 f"not the source rollout {item.source_rollout_id!r}")
+                raise JudgeError(
+                    f"input {index}: judgment is for rollout {item.judgment.rollout_id!r}, "
+                    f"not the source rollout {item.source_rollout_id!r}"
+                )
             scores = []
             for number, text in enumerate(item.candidates):
-                codes = validate_reflection(text, item.trajectory_text, item.query.question,
-                                            self.options.max_reflection_chars)
-                scores.append(CandidateScore(item.query.query_id, item.source_rollout_id, number, text,
-                                             valid=not codes, codes=codes))
+                codes = validate_reflection(
+                    text, item.trajectory_text, item.query.question, self.options.max_reflection_chars
+                )
+                scores.append(
+                    CandidateScore(
+                        item.query.query_id, item.source_rollout_id, number, text, valid=not codes, codes=codes
+                    )
+                )
                 if codes:  # invalid: a zero, decided without the judge
                     scores[-1].score = 0.0
                     scores[-1].justification = "invalid: " + ", ".join(codes)
@@ -273,17 +318,22 @@ class ReflectionJudge:
             for group in groups:
                 suffix = f":{group[0]}" if self.options.mode == "per_candidate" else ""
                 messages = judge_messages(item, group, self.options.max_trajectory_chars)
-                calls.append(self.client.call(f"reflect:{index}:{item.source_rollout_id}{suffix}", messages,
-                                              "reflection_scores", reply_schema(group),
-                                              lambda text, group=group: parse_reply(text, group)))  # type: ignore[misc]
+                calls.append(
+                    self.client.call(
+                        f"reflect:{index}:{item.source_rollout_id}{suffix}",
+                        messages,
+                        "reflection_scores",
+                        reply_schema(group),
+                        partial(parse_reply, candidates=group),
+                    )
+                )
                 targets.append((index, group))
         self.client.ask(calls, self.usage.record)
         for call, (index, group) in zip(calls, targets):
             scores = out[index]
             if call.error is not None:
                 self.usage.failed_calls += 1
-                log.warning("reflection judge call for rollout %r failed: %s",
-                            scores[0].source_rollout_id, call.error)
+                log.warning("reflection judge call for rollout %r failed: %s", scores[0].source_rollout_id, call.error)
                 for number in group:
                     scores[number].judge_failed, scores[number].error = True, call.error
                 continue
@@ -333,7 +383,8 @@ _STOPWORDS = frozenset(
     "a an and are as at be by does do for from has have in is it its of on or that the their this to was were "
     "what which who with how when where why should must not any all each every other than more most less least "
     "about into also been being whether there these those them they then only one two both per next time "
-    "your you our we us it's its' don't can could would will may might".split())
+    "your you our we us it's its' don't can could would will may might".split()
+)
 # Words every research reflection uses: they say nothing about this question.
 _GENERIC = frozenset(
     "search searches searched searching query queries answer answers report reports evidence source sources "
@@ -343,11 +394,51 @@ _GENERIC = frozenset(
     "clearly correct correctly detail details detailed quality step steps final well write writing written "
     "use using used find finding found read reading document documents data mention mentions mentioned "
     "state states stated include includes including criteria criterion plan planning review improve "
-    "strong weak lesson lessons future again look looking sure always never rubric rubrics".split())
-_ACTIONS = ("search", "query", "queri", "brows", "read", "verif", "check", "compar", "confirm", "distinguish",
-            "cite", "look", "find", "use", "avoid", "state", "map", "cross", "prefer", "record", "note", "open",
-            "separat", "list", "comput", "calculat", "rank", "order", "quote", "attribut", "name", "report",
-            "includ", "ask", "start", "follow", "trac", "match", "identif", "tie", "link")
+    "strong weak lesson lessons future again look looking sure always never rubric rubrics".split()
+)
+_ACTIONS = (
+    "search",
+    "query",
+    "queri",
+    "brows",
+    "read",
+    "verif",
+    "check",
+    "compar",
+    "confirm",
+    "distinguish",
+    "cite",
+    "look",
+    "find",
+    "use",
+    "avoid",
+    "state",
+    "map",
+    "cross",
+    "prefer",
+    "record",
+    "note",
+    "open",
+    "separat",
+    "list",
+    "comput",
+    "calculat",
+    "rank",
+    "order",
+    "quote",
+    "attribut",
+    "name",
+    "report",
+    "includ",
+    "ask",
+    "start",
+    "follow",
+    "trac",
+    "match",
+    "identif",
+    "tie",
+    "link",
+)
 
 
 def _stem(word: str) -> str:
@@ -372,7 +463,7 @@ def _entities(text: str) -> set[str]:
         word = match.group(0).strip("'-")
         if any(ch.isdigit() for ch in word):
             out.add(word.lower())
-        elif word[:1].isupper() and not _SENTENCE_START.search(text[:match.start()]):
+        elif word[:1].isupper() and not _SENTENCE_START.search(text[: match.start()]):
             lowered = word.lower()
             if lowered not in _STOPWORDS:
                 out.add(lowered.removesuffix("'s"))
@@ -404,12 +495,20 @@ def builtin_score(reflection: Reflection, question: str, rubrics: Sequence[dict[
     views = []
     for record in rubrics:
         text = f"{record.get('title', '')}. {record.get('description', '')}"
-        views.append(_RubricView(float(record.get("weight") or 1.0), record.get("credit"), str(record.get("title", "")),
-                                 _terms(text) - _GENERIC, _entities(text)))
+        views.append(
+            _RubricView(
+                float(record.get("weight") or 1.0),
+                record.get("credit"),
+                str(record.get("title", "")),
+                _terms(text) - _GENERIC,
+                _entities(text),
+            )
+        )
     failed = [v for v in views if v.credit is not None and v.credit < 2]
     # Nothing failed: a reflection can still restate what mattered; no rubrics: the question is the target.
-    targets = failed or views or [_RubricView(1.0, None, "the question", _terms(question) - _GENERIC,
-                                              _entities(question))]
+    targets = (
+        failed or views or [_RubricView(1.0, None, "the question", _terms(question) - _GENERIC, _entities(question))]
+    )
     weights = [v.weight * (2 - v.credit) if failed else v.weight for v in targets]
 
     items = list(reflection.items)
@@ -430,8 +529,8 @@ def builtin_score(reflection: Reflection, question: str, rubrics: Sequence[dict[
     specificity = sum(specific_flags) / len(items)
     takeaways = list(reflection.takeaways)
     actionable = sum(
-        1 for item in takeaways
-        if specific(item) and any(w.startswith(_ACTIONS) for w in _words(item))) / len(takeaways)
+        1 for item in takeaways if specific(item) and any(w.startswith(_ACTIONS) for w in _words(item))
+    ) / len(takeaways)
     item_terms = [_terms(item) for item in items]
     redundant = 0
     for j in range(1, len(items)):
@@ -445,10 +544,12 @@ def builtin_score(reflection: Reflection, question: str, rubrics: Sequence[dict[
     score = round(min(1.0, max(0.0, score)), 4)
     covered = [v.title for v, c in zip(targets, coverages) if c >= 0.5]
     kind = "failed rubrics" if failed else ("rubrics" if views else "question terms")
-    why = (f"addresses {len(covered)}/{len(targets)} {kind}"
-           + (f" ({'; '.join(t[:60] for t in covered[:3])})" if covered else "")
-           + f"; coverage {coverage:.2f}; {sum(specific_flags)}/{len(items)} items specific; "
-           f"{round(actionable * len(takeaways))}/{len(takeaways)} takeaways actionable; {redundant} redundant")
+    why = (
+        f"addresses {len(covered)}/{len(targets)} {kind}"
+        + (f" ({'; '.join(t[:60] for t in covered[:3])})" if covered else "")
+        + f"; coverage {coverage:.2f}; {sum(specific_flags)}/{len(items)} items specific; "
+        f"{round(actionable * len(takeaways))}/{len(takeaways)} takeaways actionable; {redundant} redundant"
+    )
     return score, why
 
 

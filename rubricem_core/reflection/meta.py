@@ -11,13 +11,15 @@ The bank is a replay of the ``reflections`` table: inserting the accepted rows i
 bank's replace policy gives the same bank an uninterrupted run had, so a resumed run rebuilds it
 exactly instead of trusting a snapshot that may be newer than its checkpoint.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 import random
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +28,11 @@ from rubricem_core.encoding import encode_prompt
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.format import (
-    REFLECTION_STOP, guidance_text, parse_reflection, reflection_messages, validate_reflection,
+    REFLECTION_STOP,
+    guidance_text,
+    parse_reflection,
+    reflection_messages,
+    validate_reflection,
 )
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.seeds import REFLECTION_SOURCE, derive_seed
@@ -34,28 +40,40 @@ from rubricem_core.ssgrpo import stage_advantages
 from rubricem_core.trajectory import TokenTrajectory
 
 
-def pick_source_rollouts(rollouts: Sequence[dict[str, Any]], query_ids: Sequence[str], seed: int,
-                         step: int) -> dict[str, dict[str, Any]]:
+def pick_source_rollouts(
+    rollouts: Sequence[dict[str, Any]], query_ids: Sequence[str], seed: int, step: int
+) -> dict[str, dict[str, Any]]:
     """query_id → one rollout drawn uniformly from its group. Rollouts whose judgment failed are left
     out: the reflection judge would have no scores to judge the candidates with."""
     rng = random.Random(derive_seed(seed, REFLECTION_SOURCE, step))
     chosen: dict[str, dict[str, Any]] = {}
     for qid in query_ids:
-        group = sorted((r for r in rollouts if r["query_id"] == qid and not r["judge_failed"]),
-                       key=lambda r: r["rollout_id"])
+        group = sorted(
+            (r for r in rollouts if r["query_id"] == qid and not r["judge_failed"]), key=lambda r: r["rollout_id"]
+        )
         if group:
             chosen[qid] = group[rng.randrange(len(group))]
     return chosen
 
 
-def candidate_requests(tokenizer: Any, sources: dict[str, dict[str, Any]], questions: dict[str, str],
-                       n: int, sampling: SamplingParams, max_trajectory_chars: int) -> list[RolloutRequest]:
+def candidate_requests(
+    tokenizer: Any,
+    sources: dict[str, dict[str, Any]],
+    questions: dict[str, str],
+    n: int,
+    sampling: SamplingParams,
+    max_trajectory_chars: int,
+) -> list[RolloutRequest]:
     """One request per source rollout, ``n`` samples each; no tool calls are allowed."""
     return [
         RolloutRequest(
             request_id=src["rollout_id"],
             prompt_ids=encode_prompt(tokenizer, reflection_messages(questions[qid], src["text"], max_trajectory_chars)),
-            n=n, sampling=reflection_sampling(sampling), max_tool_calls=0, meta={"query_id": qid}, scaffold=False,
+            n=n,
+            sampling=reflection_sampling(sampling),
+            max_tool_calls=0,
+            meta={"query_id": qid},
+            scaffold=False,
         )
         for qid, src in sources.items()
     ]
@@ -74,24 +92,41 @@ def engine_stop_texts(engine: Any, tokenizer: Any) -> list[str]:
     return [t for t in (tokenizer.eos_token,) if t]
 
 
-def sample_reflections(engine: Any, tokenizer: Any, sources: Sequence[dict[str, Any]], questions: dict[str, str],
-                       sampling: SamplingParams, max_trajectory_chars: int, tools: Any) -> list[dict[str, Any]]:
+def sample_reflections(
+    engine: Any,
+    tokenizer: Any,
+    sources: Sequence[dict[str, Any]],
+    questions: dict[str, str],
+    sampling: SamplingParams,
+    max_trajectory_chars: int,
+    tools: Any,
+) -> list[dict[str, Any]]:
     """One reflection per source trajectory (dicts with ``query_id``, ``text`` and an id ``source``),
     unforced, each checked with the meta-policy's validator: the valid-reflection rate of a policy.
     ``tools`` is the engine's ToolEnv (no call is allowed: max_tool_calls 0)."""
     sources = [s for s in sources if s["text"] and s["text"].strip()]
-    requests = [RolloutRequest(request_id=s["source"], n=1, sampling=reflection_sampling(sampling), max_tool_calls=0,
-                               scaffold=False,
-                               prompt_ids=encode_prompt(tokenizer, reflection_messages(
-                                   questions[s["query_id"]], s["text"], max_trajectory_chars)))
-                for s in sources]
+    requests = [
+        RolloutRequest(
+            request_id=s["source"],
+            n=1,
+            sampling=reflection_sampling(sampling),
+            max_tool_calls=0,
+            scaffold=False,
+            prompt_ids=encode_prompt(
+                tokenizer, reflection_messages(questions[s["query_id"]], s["text"], max_trajectory_chars)
+            ),
+        )
+        for s in sources
+    ]
     groups = engine.generate(requests, tools) if requests else []
     stops = engine_stop_texts(engine, tokenizer)
     rows = []
     for src, group in zip(sources, groups):
         text = candidate_text(group[0], stops)
         codes = validate_reflection(text, src["text"], questions[src["query_id"]])
-        rows.append({"source": src["source"], "query_id": src["query_id"], "text": text, "valid": not codes, "codes": codes})
+        rows.append(
+            {"source": src["source"], "query_id": src["query_id"], "text": text, "valid": not codes, "codes": codes}
+        )
     return rows
 
 
@@ -105,8 +140,9 @@ def candidate_text(traj: TokenTrajectory, stop_texts: Sequence[str] = ()) -> str
     return text.strip()
 
 
-def judge_view(query_id: str, rollout_id: str, rubric_rows: Sequence[dict[str, Any]],
-               score_rows: Sequence[dict[str, Any]]) -> tuple[list[Rubric], TrajectoryJudgment]:
+def judge_view(
+    query_id: str, rollout_id: str, rubric_rows: Sequence[dict[str, Any]], score_rows: Sequence[dict[str, Any]]
+) -> tuple[list[Rubric], TrajectoryJudgment]:
     """The rubrics one rollout was scored on and its judgment, read back from the step's tables."""
     scores = [r for r in score_rows if r["query_id"] == query_id and r["rollout_id"] == rollout_id]
     scored_ids = {r["rubric_id"] for r in scores}
@@ -118,10 +154,15 @@ def judge_view(query_id: str, rollout_id: str, rubric_rows: Sequence[dict[str, A
         check = data.get("check")
         data["check"] = json.loads(check) if isinstance(check, str) and check else None
         rubrics.append(Rubric.from_dict(data))
-    judgment = TrajectoryJudgment(rollout_id, [
-        RubricScore(r["rubric_id"], r["stage"], r["polarity"], float(r["weight"]), int(r["score"]), r["justification"] or "")
-        for r in scores
-    ])
+    judgment = TrajectoryJudgment(
+        rollout_id,
+        [
+            RubricScore(
+                r["rubric_id"], r["stage"], r["polarity"], float(r["weight"]), int(r["score"]), r["justification"] or ""
+            )
+            for r in scores
+        ],
+    )
     if not scores:
         judgment.failed, judgment.error = True, "no judge scores recorded for this rollout"
     return rubrics, judgment
@@ -147,7 +188,11 @@ def bank_entries(rows: Iterable[dict[str, Any]], questions: dict[str, str]) -> l
         parsed = parse_reflection(r["text"])
         if parsed is None:  # accepted rows are valid by construction; a hand-edited table is not trusted
             raise ValueError(f"reflections row step={r['step']} query={r['query_id']!r} is accepted but unparsable")
-        out.append(BankEntry(r["query_id"], questions.get(r["query_id"], ""), parsed.render(), float(r["score"]), int(r["step"])))
+        out.append(
+            BankEntry(
+                r["query_id"], questions.get(r["query_id"], ""), parsed.render(), float(r["score"]), int(r["step"])
+            )
+        )
     return out
 
 
@@ -157,9 +202,15 @@ def rebuild_bank(bank: ReflectionBank, rows: Iterable[dict[str, Any]], questions
     return len(bank)
 
 
-def retrieve_guidance(bank: ReflectionBank, queries: Sequence[tuple[str, str]], mode: str, k: int,
-                      min_similarity: float | None, questions: dict[str, str],
-                      source_step: int | None = None) -> tuple[list[str | None], dict[str, float]]:
+def retrieve_guidance(
+    bank: ReflectionBank,
+    queries: Sequence[tuple[str, str]],
+    mode: str,
+    k: int,
+    min_similarity: float | None,
+    questions: dict[str, str],
+    source_step: int | None = None,
+) -> tuple[list[str | None], dict[str, float]]:
     """Guidance text per query (None when nothing was retrieved) and hit/miss counts for the step;
     ``source_step``: the new-query step a replay repeats (within retrieval of that window's reflection)."""
     results = bank.retrieve_many(queries, mode, k=k, min_similarity=min_similarity, source_step=source_step)

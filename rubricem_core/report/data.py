@@ -5,11 +5,13 @@ Every table the report uses may be absent (a run that stopped after SFT has no `
 against an absent table return an empty result instead of raising, so every section and plot can say
 "no data" rather than crash.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rubricem_core.sql import open_run_db
 
@@ -22,13 +24,15 @@ class RunData:
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.con = open_run_db(self.run_dir)
-        self.tables = {row[0] for row in self.con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
+        self.tables = {
+            row[0] for row in self.con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()
+        }
         self._columns: dict[str, set[str]] = {}
 
     def close(self) -> None:
         self.con.close()
 
-    def __enter__(self) -> "RunData":
+    def __enter__(self) -> RunData:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -92,4 +96,3 @@ class RunData:
         if not self.has("metrics", "name"):
             return []
         return [r[0] for r in self.con.execute("SELECT DISTINCT name FROM metrics ORDER BY name").fetchall()]
-

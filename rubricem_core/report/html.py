@@ -5,6 +5,7 @@ ticket; they are also written beside it (``<name>_plots/``) and, for a tracked r
 under the parent run. Every piece of text that comes from the run (config values, reject codes,
 benchmark names, paths) goes through ``html.escape``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -12,9 +13,10 @@ import html
 import logging
 import os
 import shlex
-from datetime import datetime, timezone
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rubricem_core.layout import RunLayout
 from rubricem_core.report import sections
@@ -113,24 +115,42 @@ def _sft_section(summary: dict[str, Any] | None) -> str:
         total = summary["trajectories"]
         rate = summary["accepted"] / total if total else None
         parts.append("<h3>Teacher trajectories</h3>")
-        items = [("trajectories", fmt_int(total)), ("accepted", f"{fmt_int(summary['accepted'])} ({fmt_pct(rate)})"),
-                 ("rejected", fmt_int(summary["rejected"]))]
+        items = [
+            ("trajectories", fmt_int(total)),
+            ("accepted", f"{fmt_int(summary['accepted'])} ({fmt_pct(rate)})"),
+            ("rejected", fmt_int(summary["rejected"])),
+        ]
         teacher = summary.get("teacher")
         if teacher:
-            items += [("teacher requests", fmt_int(teacher["requests"])),
-                      ("teacher tokens (prompt / completion)", f"{fmt_int(teacher['prompt_tokens'])} / {fmt_int(teacher['completion_tokens'])}"),
-                      ("teacher cost", fmt_usd(teacher["cost_usd"]))]
+            items += [
+                ("teacher requests", fmt_int(teacher["requests"])),
+                (
+                    "teacher tokens (prompt / completion)",
+                    f"{fmt_int(teacher['prompt_tokens'])} / {fmt_int(teacher['completion_tokens'])}",
+                ),
+                ("teacher cost", fmt_usd(teacher["cost_usd"])),
+            ]
         parts.append(_kv(items))
         if summary.get("reject_codes"):
-            parts.append(_table(["reject code", "rejected trajectories"], [[c, fmt_int(n)] for c, n in summary["reject_codes"]], [False, True]))
+            parts.append(
+                _table(
+                    ["reject code", "rejected trajectories"],
+                    [[c, fmt_int(n)] for c, n in summary["reject_codes"]],
+                    [False, True],
+                )
+            )
     training = summary.get("training")
     parts.append("<h3>Training</h3>")
     if not training:
         parts.append(_no_data("no sft/loss metrics from the sft flow"))
     else:
-        items = [("optimizer steps", fmt_int(training["steps"])), ("first logged loss", fmt_fixed(4)(training["first_loss"])),
-                 ("final loss", fmt_fixed(4)(training["final_loss"])), ("tokens/s", fmt_int(training["tokens_per_s"])),
-                 ("padding fraction", fmt_fixed(3)(training["padding_fraction"]))]
+        items = [
+            ("optimizer steps", fmt_int(training["steps"])),
+            ("first logged loss", fmt_fixed(4)(training["first_loss"])),
+            ("final loss", fmt_fixed(4)(training["final_loss"])),
+            ("tokens/s", fmt_int(training["tokens_per_s"])),
+            ("padding fraction", fmt_fixed(3)(training["padding_fraction"])),
+        ]
         items += [(f"final NLL, {stage}", fmt_fixed(4)(v)) for stage, v in training["final_nll"].items()]
         parts.append(_kv(items))
     return "\n".join(parts)
@@ -166,20 +186,49 @@ def _reflection_section(steps: list[dict[str, Any]]) -> str:
     head = "<h2>Reflections</h2>"
     if not steps:
         return head + _no_data("table reflections is absent or empty")
-    rows = [[fmt_int(r["step"]), fmt_int(r["candidates"]), fmt_int(r["valid"]), fmt_int(r["accepted"]),
-             fmt_fixed(3)(r["mean_score"]), fmt_fixed(3)(r["best_score"])] for r in steps]
-    return head + _table(["step", "candidates", "valid", "accepted", "mean score (valid)", "best score"], rows, [True] * 6)
+    rows = [
+        [
+            fmt_int(r["step"]),
+            fmt_int(r["candidates"]),
+            fmt_int(r["valid"]),
+            fmt_int(r["accepted"]),
+            fmt_fixed(3)(r["mean_score"]),
+            fmt_fixed(3)(r["best_score"]),
+        ]
+        for r in steps
+    ]
+    return head + _table(
+        ["step", "candidates", "valid", "accepted", "mean score (valid)", "best score"], rows, [True] * 6
+    )
 
 
 def _eval_section(results: list[dict[str, Any]]) -> str:
     head = "<h2>Evaluation</h2>"
     if not results:
         return head + _no_data("table eval_results is absent or empty")
-    rows = [[fmt_text(r["checkpoint"]), fmt_text(r["benchmark"]), fmt_text(r["retrieval"]), fmt_int(r["queries"]),
-             fmt_int(r["samples"]), fmt_int(r["failed"]), fmt_fixed(3)(r["mean_score"]), fmt_fixed(3)(r["sd"])] for r in results]
+    rows = [
+        [
+            fmt_text(r["checkpoint"]),
+            fmt_text(r["benchmark"]),
+            fmt_text(r["retrieval"]),
+            fmt_int(r["queries"]),
+            fmt_int(r["samples"]),
+            fmt_int(r["failed"]),
+            fmt_fixed(3)(r["mean_score"]),
+            fmt_fixed(3)(r["sd"]),
+        ]
+        for r in results
+    ]
     note = "<p class=note>Means and std over graded samples; failed grades are excluded and counted.</p>"
-    return head + _table(["checkpoint", "benchmark", "retrieval", "queries", "samples", "failed grades", "mean score", "std"],
-                         rows, [False, False, False, True, True, True, True, True]) + note
+    return (
+        head
+        + _table(
+            ["checkpoint", "benchmark", "retrieval", "queries", "samples", "failed grades", "mean score", "std"],
+            rows,
+            [False, False, False, True, True, True, True, True],
+        )
+        + note
+    )
 
 
 def _plots_section(plots: dict[str, Path | None]) -> str:
@@ -191,8 +240,10 @@ def _plots_section(plots: dict[str, Path | None]) -> str:
             missing.append(f"<li>{_esc(spec.title)}: no data ({_esc(spec.source)})</li>")
             continue
         data = base64.b64encode(path.read_bytes()).decode("ascii")
-        parts.append(f'<figure><img alt="{_esc(spec.title)}" src="data:image/png;base64,{data}">'
-                     f"<figcaption>{_esc(spec.title)}</figcaption></figure>")
+        parts.append(
+            f'<figure><img alt="{_esc(spec.title)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{_esc(spec.title)}</figcaption></figure>"
+        )
     if missing:
         parts.append("<h3>Not plotted</h3><ul class=nodata>" + "".join(missing) + "</ul>")
     return "\n".join(parts)
@@ -201,24 +252,43 @@ def _plots_section(plots: dict[str, Path | None]) -> str:
 # SQL to dig further: (title, query, tables it needs).
 SQL_RECIPES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("tables and their columns", "SHOW TABLES", ()),
-    ("why teacher traces were rejected",
-     "SELECT code, count(*) AS n FROM (SELECT unnest(reject_reasons) AS code FROM sft_trajectories) GROUP BY ALL ORDER BY n DESC",
-     ("sft_trajectories",)),
-    ("stage rewards, returns, advantages", "SELECT step, stage, avg(R) AS R, avg(G) AS G, avg(A) AS A FROM stage_rewards GROUP BY ALL ORDER BY step, stage",
-     ("stage_rewards",)),
-    ("mean judge score per stage and step", "SELECT step, stage, avg(score) AS mean_score, count(*) AS n FROM judge_scores GROUP BY ALL ORDER BY step, stage",
-     ("judge_scores",)),
-    ("most discriminative rubrics",
-     "SELECT step, rubric_id, any_value(stage) AS stage, stddev_samp(score) AS spread FROM judge_scores GROUP BY step, rubric_id ORDER BY spread DESC LIMIT 10",
-     ("judge_scores",)),
-    ("rubrics pruned at each step", "SELECT step, query_id, stage, title FROM judge_rubrics WHERE status = 'pruned' AND pruned_step = step",
-     ("judge_rubrics",)),
+    (
+        "why teacher traces were rejected",
+        "SELECT code, count(*) AS n FROM (SELECT unnest(reject_reasons) AS code FROM sft_trajectories) GROUP BY ALL ORDER BY n DESC",
+        ("sft_trajectories",),
+    ),
+    (
+        "stage rewards, returns, advantages",
+        "SELECT step, stage, avg(R) AS R, avg(G) AS G, avg(A) AS A FROM stage_rewards GROUP BY ALL ORDER BY step, stage",
+        ("stage_rewards",),
+    ),
+    (
+        "mean judge score per stage and step",
+        "SELECT step, stage, avg(score) AS mean_score, count(*) AS n FROM judge_scores GROUP BY ALL ORDER BY step, stage",
+        ("judge_scores",),
+    ),
+    (
+        "most discriminative rubrics",
+        "SELECT step, rubric_id, any_value(stage) AS stage, stddev_samp(score) AS spread FROM judge_scores GROUP BY step, rubric_id ORDER BY spread DESC LIMIT 10",
+        ("judge_scores",),
+    ),
+    (
+        "rubrics pruned at each step",
+        "SELECT step, query_id, stage, title FROM judge_rubrics WHERE status = 'pruned' AND pruned_step = step",
+        ("judge_rubrics",),
+    ),
     ("every metric name", "SELECT DISTINCT flow, name FROM metrics ORDER BY flow, name", ("metrics",)),
     ("one metric over steps", "SELECT step, value FROM metrics WHERE name = 'rl/loss' ORDER BY step", ("metrics",)),
-    ("accepted reflections", "SELECT step, query_id, score, text FROM reflections WHERE accepted ORDER BY step, score DESC",
-     ("reflections",)),
-    ("evaluation by benchmark", "SELECT checkpoint, benchmark, retrieval, avg(score) AS score, count(*) AS n FROM eval_results GROUP BY ALL ORDER BY ALL",
-     ("eval_results",)),
+    (
+        "accepted reflections",
+        "SELECT step, query_id, score, text FROM reflections WHERE accepted ORDER BY step, score DESC",
+        ("reflections",),
+    ),
+    (
+        "evaluation by benchmark",
+        "SELECT checkpoint, benchmark, retrieval, avg(score) AS score, count(*) AS n FROM eval_results GROUP BY ALL ORDER BY ALL",
+        ("eval_results",),
+    ),
 )
 
 
@@ -249,7 +319,7 @@ pre{background:#f6f8fa;padding:6px 8px;overflow-x:auto;font-size:.82em;margin:.2
 
 
 def render_page(run_dir: Path, body: Sequence[str]) -> str:
-    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
         f"<title>RubricEM report: {_esc(run_dir.name)}</title><style>{STYLE}</style></head><body>\n"

@@ -3,10 +3,12 @@
 Pure functions of the figures a flow already returns, so they are tested without Prefect: SFT data
 collection (acceptance and reject codes), SFT, one row per RL step, evaluation per benchmark.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def cell(value: Any) -> str:
@@ -29,46 +31,81 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def links(run_dir: str, mlflow_url: str | None, mlflow_db: str | None = None) -> str:
-    parts = [f"- run directory: `{run_dir}` (tables: `rubricem sql --run-dir {run_dir} \"SHOW TABLES\"`)"]
+    parts = [f'- run directory: `{run_dir}` (tables: `rubricem sql --run-dir {run_dir} "SHOW TABLES"`)']
     if mlflow_url:
         where = f" (start it with `mlflow ui --backend-store-uri {mlflow_db}`)" if mlflow_db else ""
         parts.append(f"- MLflow run: [{mlflow_url}]({mlflow_url}){where}")
     return "\n".join(parts)
 
 
-def collection_markdown(stats: Mapping[str, Any], rounds: int, totals: Mapping[str, Any], run_dir: str,
-                        mlflow_url: str | None = None, mlflow_db: str | None = None) -> str:
+def collection_markdown(
+    stats: Mapping[str, Any],
+    rounds: int,
+    totals: Mapping[str, Any],
+    run_dir: str,
+    mlflow_url: str | None = None,
+    mlflow_db: str | None = None,
+) -> str:
     rejected = dict(sorted(stats.get("reject_reasons", {}).items(), key=lambda kv: -kv[1]))
     out = [
         f"# SFT data collection: {stats['accepted']} of {stats['trajectories']} trajectories accepted",
-        table(["figure", "value"], [
-            ["teacher rounds", rounds],
-            ["teacher requests", totals.get("requests", 0)],
-            ["failed requests", totals.get("failed", 0)],
-            ["acceptance rate", float(stats.get("acceptance_rate", float("nan")))],
-            ["mean tool calls (accepted)", float(stats.get("mean_tool_calls", float("nan")))],
-            ["teacher cost (USD)", float(stats.get("cost_usd", 0.0))],
-            *([["teacher reflections valid", f"{stats['reflections_valid']} of {stats['reflections']}"]]
-              if "reflections" in stats else []),
-        ]),
+        table(
+            ["figure", "value"],
+            [
+                ["teacher rounds", rounds],
+                ["teacher requests", totals.get("requests", 0)],
+                ["failed requests", totals.get("failed", 0)],
+                ["acceptance rate", float(stats.get("acceptance_rate", float("nan")))],
+                ["mean tool calls (accepted)", float(stats.get("mean_tool_calls", float("nan")))],
+                ["teacher cost (USD)", float(stats.get("cost_usd", 0.0))],
+                *(
+                    [["teacher reflections valid", f"{stats['reflections_valid']} of {stats['reflections']}"]]
+                    if "reflections" in stats
+                    else []
+                ),
+            ],
+        ),
         "## Reject codes",
         table(["code", "trajectories"], list(rejected.items())) if rejected else "none",
     ]
     if stats.get("reflection_reject_codes"):
-        out += ["## Teacher reflection reject codes", table(["code", "reflections"], list(stats["reflection_reject_codes"].items()))]
+        out += [
+            "## Teacher reflection reject codes",
+            table(["code", "reflections"], list(stats["reflection_reject_codes"].items())),
+        ]
     out += ["## Links", links(run_dir, mlflow_url, mlflow_db)]
     return "\n\n".join(out) + "\n"
 
 
-def sft_markdown(result: Mapping[str, Any], run_dir: str, mlflow_url: str | None = None,
-                 mlflow_db: str | None = None) -> str:
+def sft_markdown(
+    result: Mapping[str, Any], run_dir: str, mlflow_url: str | None = None, mlflow_db: str | None = None
+) -> str:
     if result.get("cached"):
         body = f"SFT had already finished: `{result['final_dir']}` (nothing trained in this flow run)."
     else:
-        body = table(["figure", "value"], [[k, result[k]] for k in (
-            "steps", "trajectories", "reflection_examples", "skipped_too_long", "rejected_rows", "train_tokens",
-            "policy_tokens", "padding_fraction", "final_loss") if k in result] + [["policy", result["final_dir"]]])
-    return "\n\n".join([f"# SFT policy: `{result['final_dir']}`", body, "## Links", links(run_dir, mlflow_url, mlflow_db)]) + "\n"
+        body = table(
+            ["figure", "value"],
+            [
+                [k, result[k]]
+                for k in (
+                    "steps",
+                    "trajectories",
+                    "reflection_examples",
+                    "skipped_too_long",
+                    "rejected_rows",
+                    "train_tokens",
+                    "policy_tokens",
+                    "padding_fraction",
+                    "final_loss",
+                )
+                if k in result
+            ]
+            + [["policy", result["final_dir"]]],
+        )
+    return (
+        "\n\n".join([f"# SFT policy: `{result['final_dir']}`", body, "## Links", links(run_dir, mlflow_url, mlflow_db)])
+        + "\n"
+    )
 
 
 RL_COLUMNS = (  # metric → column header of the RL step table
@@ -84,27 +121,52 @@ RL_COLUMNS = (  # metric → column header of the RL step table
 )
 
 
-def rl_markdown(steps: Sequence[Mapping[str, Any]], recipe: str, total_steps: int, run_dir: str,
-                mlflow_url: str | None = None, mlflow_db: str | None = None) -> str:
+def rl_markdown(
+    steps: Sequence[Mapping[str, Any]],
+    recipe: str,
+    total_steps: int,
+    run_dir: str,
+    mlflow_url: str | None = None,
+    mlflow_db: str | None = None,
+) -> str:
     """``steps``: one mapping per finished step with ``step``, ``phase``, ``retrieval`` and its metrics."""
     shown = [(k, h) for k, h in RL_COLUMNS if any(k in s for s in steps)]
     rows = [[s["step"], s["phase"], s["retrieval"], *[s.get(k) for k, _ in shown]] for s in steps]
-    return "\n\n".join([
-        f"# RL ({recipe}): {len(steps)} of {total_steps} steps done",
-        table(["step", "phase", "retrieval", *[h for _, h in shown]], rows) if rows else "no step finished",
-        f"Per-stage scores: `rubricem sql --run-dir {run_dir} \"SELECT step, stage, avg(score) FROM judge_scores GROUP BY ALL ORDER BY ALL\"`",
-        "## Links", links(run_dir, mlflow_url, mlflow_db),
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                f"# RL ({recipe}): {len(steps)} of {total_steps} steps done",
+                table(["step", "phase", "retrieval", *[h for _, h in shown]], rows) if rows else "no step finished",
+                f'Per-stage scores: `rubricem sql --run-dir {run_dir} "SELECT step, stage, avg(score) FROM judge_scores GROUP BY ALL ORDER BY ALL"`',
+                "## Links",
+                links(run_dir, mlflow_url, mlflow_db),
+            ]
+        )
+        + "\n"
+    )
 
 
-def eval_markdown(tag: str, checkpoint: str, retrieval: str, results: Mapping[str, Mapping[str, Any]], run_dir: str,
-                  mlflow_url: str | None = None, mlflow_db: str | None = None) -> str:
+def eval_markdown(
+    tag: str,
+    checkpoint: str,
+    retrieval: str,
+    results: Mapping[str, Mapping[str, Any]],
+    run_dir: str,
+    mlflow_url: str | None = None,
+    mlflow_db: str | None = None,
+) -> str:
     keys = ("score_mean", "n_samples", "grade_failed", "n_ungraded", "valid_scaffold_rate", "reflection_valid_rate")
     shown = [k for k in keys if any(k in r for r in results.values())]
     rows = [[name, *[r.get(k) for k in shown], "yes" if r.get("cached") else "no"] for name, r in results.items()]
-    return "\n\n".join([
-        f"# Evaluation of {tag} (retrieval {retrieval})",
-        f"checkpoint: `{checkpoint}`",
-        table(["benchmark", *shown, "cached"], rows),
-        "## Links", links(run_dir, mlflow_url, mlflow_db),
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                f"# Evaluation of {tag} (retrieval {retrieval})",
+                f"checkpoint: `{checkpoint}`",
+                table(["benchmark", *shown, "cached"], rows),
+                "## Links",
+                links(run_dir, mlflow_url, mlflow_db),
+            ]
+        )
+        + "\n"
+    )

@@ -5,11 +5,13 @@ or returns ``None`` without writing anything when its table is absent or empty (
 lists the plot as "no data"). Figures are built on ``matplotlib.figure.Figure`` directly, which
 renders with Agg and never touches pyplot's global state or the process-wide backend.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -88,11 +90,20 @@ def plot_stage_rewards(data: RunData, path: Path) -> Path | None:
         sd = [float(r["sd"] or 0.0) for r in points]
         color = STAGE_COLORS[stage]
         ax.plot(steps, mean, marker=STAGE_MARKERS[stage], markersize=4.5, color=color, label=stage, linewidth=1.6)
-        ax.fill_between(steps, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], color=color, alpha=0.12, linewidth=0)
+        ax.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, sd)],
+            [m + s for m, s in zip(mean, sd)],
+            color=color,
+            alpha=0.12,
+            linewidth=0,
+        )
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("mean R (0–1)", fontsize=9)
     _steps_axis(ax, all_steps)
-    ax.legend(fontsize=8.5, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)  # outside: R near 1 stays visible
+    ax.legend(
+        fontsize=8.5, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False
+    )  # outside: R near 1 stays visible
     missing = [s for s in STAGES if not any(r["stage"] == s for r in rows)]
     if missing:
         ax.set_title("no rubrics (R is null): " + ", ".join(missing), fontsize=8.5, color="#666666")
@@ -119,8 +130,15 @@ def plot_buffer_size(data: RunData, path: Path) -> Path | None:
     for stage in STAGES:
         points = [r for r in active if r["stage"] == stage]
         if points:
-            left.plot([int(r["step"]) for r in points], [float(r["per_query"]) for r in points], marker=STAGE_MARKERS[stage],
-                      markersize=4.5, color=STAGE_COLORS[stage], label=stage, linewidth=1.6)
+            left.plot(
+                [int(r["step"]) for r in points],
+                [float(r["per_query"]) for r in points],
+                marker=STAGE_MARKERS[stage],
+                markersize=4.5,
+                color=STAGE_COLORS[stage],
+                label=stage,
+                linewidth=1.6,
+            )
     left.set_title("active rubrics per query", fontsize=10)
     left.set_ylim(bottom=0)
     left.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -169,13 +187,29 @@ def plot_judge_cost(data: RunData, path: Path) -> Path | None:
     totals = [sum(stack[1][i] for stack in stacks) for i in range(len(steps))]
     for step, n, top in zip(steps, failed, totals):
         if n:  # failed judgments are excluded from the update: flag them above the step's bar
-            calls_ax.annotate(f"{n:g} failed", (step, top), xytext=(0, 3), textcoords="offset points", ha="center",
-                              fontsize=7.5, color=PALETTE[3], fontweight="bold")
+            calls_ax.annotate(
+                f"{n:g} failed",
+                (step, top),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7.5,
+                color=PALETTE[3],
+                fontweight="bold",
+            )
     calls_ax.set_title("calls", fontsize=10)
     _legend(calls_ax)
 
-    prompt = [a + b for a, b in zip(values(judge, "judge/prompt_tokens"), values(reflection, "reflection_judge/prompt_tokens"))]
-    completion = [a + b for a, b in zip(values(judge, "judge/completion_tokens"), values(reflection, "reflection_judge/completion_tokens"))]
+    prompt = [
+        a + b
+        for a, b in zip(values(judge, "judge/prompt_tokens"), values(reflection, "reflection_judge/prompt_tokens"))
+    ]
+    completion = [
+        a + b
+        for a, b in zip(
+            values(judge, "judge/completion_tokens"), values(reflection, "reflection_judge/completion_tokens")
+        )
+    ]
     _stacked_bars(tokens_ax, steps, [("prompt", prompt, PALETTE[2]), ("completion", completion, PALETTE[5])])
     tokens_ax.set_title("tokens", fontsize=10)
     _legend(tokens_ax)
@@ -191,7 +225,15 @@ def plot_judge_cost(data: RunData, path: Path) -> Path | None:
     cost_ax.set_ylim(0, max(cumulative) * 1.3 if running > 0 else 1.0)
     _legend(cost_ax)
     if running == 0:
-        cost_ax.text(0.5, 0.5, "$0: no priced judge calls", transform=cost_ax.transAxes, ha="center", va="center", color="#777777")
+        cost_ax.text(
+            0.5,
+            0.5,
+            "$0: no priced judge calls",
+            transform=cost_ax.transAxes,
+            ha="center",
+            va="center",
+            color="#777777",
+        )
     for ax in (calls_ax, tokens_ax, cost_ax):
         _steps_axis(ax, steps)
     return _save(fig, path)
@@ -223,16 +265,34 @@ def plot_reflection_acceptance(data: RunData, path: Path) -> Path | None:
         return None
     steps = [int(r["step"]) for r in rows]
     fig, (rates, scores) = _figure(2, "Reflection candidates")
-    rates.plot(steps, [float(r["valid_rate"]) for r in rows], marker="o", markersize=4, color=PALETTE[0], label="valid candidates")
-    rates.plot(steps, [r["accepted"] / r["sources"] for r in rows], marker="s", markersize=4, color=PALETTE[2],
-               label="sources with an accepted reflection")
+    rates.plot(
+        steps,
+        [float(r["valid_rate"]) for r in rows],
+        marker="o",
+        markersize=4,
+        color=PALETTE[0],
+        label="valid candidates",
+    )
+    rates.plot(
+        steps,
+        [r["accepted"] / r["sources"] for r in rows],
+        marker="s",
+        markersize=4,
+        color=PALETTE[2],
+        label="sources with an accepted reflection",
+    )
     rates.set_ylim(-0.03, 1.03)
     rates.set_title("fractions", fontsize=10)
     _legend(rates)
-    for key, label, color, marker in (("mean_score", "valid candidates", PALETTE[1], "o"), ("accepted_score", "accepted", PALETTE[3], "s")):
+    for key, label, color, marker in (
+        ("mean_score", "valid candidates", PALETTE[1], "o"),
+        ("accepted_score", "accepted", PALETTE[3], "s"),
+    ):
         points = [(s, float(r[key])) for s, r in zip(steps, rows) if r[key] is not None and not math.isnan(r[key])]
         if points:
-            scores.plot([p[0] for p in points], [p[1] for p in points], marker=marker, markersize=4, color=color, label=label)
+            scores.plot(
+                [p[0] for p in points], [p[1] for p in points], marker=marker, markersize=4, color=color, label=label
+            )
     scores.set_title("mean judge score", fontsize=10)
     _legend(scores)
     for ax in (rates, scores):
@@ -256,7 +316,9 @@ def plot_eval_scores(data: RunData, path: Path) -> Path | None:
         return None
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
     series = list(dict.fromkeys((r["checkpoint"], r["retrieval"]) for r in rows))
-    fig = Figure(figsize=(max(5.0, 1.2 + 1.1 * len(benchmarks) * max(1, len(series)) ** 0.6), 3.8), dpi=DPI, layout="constrained")
+    fig = Figure(
+        figsize=(max(5.0, 1.2 + 1.1 * len(benchmarks) * max(1, len(series)) ** 0.6), 3.8), dpi=DPI, layout="constrained"
+    )
     ax = fig.subplots()
     fig.suptitle("Evaluation scores", fontsize=12, fontweight="bold")
     ax.grid(True, axis="y", alpha=0.3, linewidth=0.6)
@@ -275,14 +337,34 @@ def plot_eval_scores(data: RunData, path: Path) -> Path | None:
             means.append(float(r["mean"]))
             errors.append(se)
         label = _label(" · ".join(part for part in key if part) or "score")
-        bars = ax.bar(xs, means, width=width * 0.92, yerr=errors, capsize=3, color=PALETTE[i % len(PALETTE)], label=label,
-                      error_kw={"linewidth": 0.8})
+        bars = ax.bar(
+            xs,
+            means,
+            width=width * 0.92,
+            yerr=errors,
+            capsize=3,
+            color=PALETTE[i % len(PALETTE)],
+            label=label,
+            error_kw={"linewidth": 0.8},
+        )
         # inside the bar: above it the error bar would cross the number
-        ax.bar_label(bars, labels=[f"{m:.2f}" for m in means], fontsize=7.5, label_type="center", color="white", fontweight="bold")
+        ax.bar_label(
+            bars,
+            labels=[f"{m:.2f}" for m in means],
+            fontsize=7.5,
+            label_type="center",
+            color="white",
+            fontweight="bold",
+        )
         top = max(top, max(m + e for m, e in zip(means, errors)))
     long_names = any(len(str(b)) > 14 for b in benchmarks)
-    ax.set_xticks(range(len(benchmarks)), [_label(b) for b in benchmarks], fontsize=8.5,
-                  rotation=20 if long_names else 0, ha="right" if long_names else "center")
+    ax.set_xticks(
+        range(len(benchmarks)),
+        [_label(b) for b in benchmarks],
+        fontsize=8.5,
+        rotation=20 if long_names else 0,
+        ha="right" if long_names else "center",
+    )
     ax.set_ylabel("mean score", fontsize=9)
     ax.set_ylim(min(0.0, min(float(r["mean"]) for r in rows)), max(1.0, top) * 1.12)
     if len(series) > 1 or series[0] != ("", ""):
@@ -312,7 +394,9 @@ def plot_sft_loss(data: RunData, path: Path) -> Path | None:
     if drawn:
         stages.legend(fontsize=8, frameon=False)
     else:
-        stages.text(0.5, 0.5, "no per-stage NLL logged", transform=stages.transAxes, ha="center", va="center", color="#777777")
+        stages.text(
+            0.5, 0.5, "no per-stage NLL logged", transform=stages.transAxes, ha="center", va="center", color="#777777"
+        )
     _steps_axis(stages, steps, "optimizer step")
     return _save(fig, path)
 
@@ -327,7 +411,9 @@ class PlotSpec(NamedTuple):
 PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("stage_rewards", "Stage rewards per step", "table stage_rewards", plot_stage_rewards),
     PlotSpec("buffer_size", "Rubric buffer", "table judge_rubrics", plot_buffer_size),
-    PlotSpec("judge_cost", "Judge calls, tokens and cost", "metrics judge/*, reflection_judge/* (flow rl)", plot_judge_cost),
+    PlotSpec(
+        "judge_cost", "Judge calls, tokens and cost", "metrics judge/*, reflection_judge/* (flow rl)", plot_judge_cost
+    ),
     PlotSpec("reflection_acceptance", "Reflection acceptance", "table reflections", plot_reflection_acceptance),
     PlotSpec("eval_scores", "Evaluation scores", "table eval_results", plot_eval_scores),
     PlotSpec("sft_loss", "SFT loss", "metrics sft/loss, sft/nll/* (flow sft)", plot_sft_loss),

@@ -3,6 +3,7 @@
 Only a run that was tracked (its ``mlflow/mlflow.db`` and parent-run state exist, and its config has
 ``tracking.enabled``) gets the artifacts; the report never creates an MLflow store of its own.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,10 @@ def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker
     # (rubricem_core.tracking); a store that still points elsewhere must not be written to.
     own = layout.mlflow_artifacts_dir.as_uri() + "/"
     if not artifact_uri.startswith(own):
-        return None, (f"the parent run stores artifacts at {artifact_uri}, outside this run directory "
-                      "(was it copied or moved?); not writing there")
+        return None, (
+            f"the parent run stores artifacts at {artifact_uri}, outside this run directory "
+            "(was it copied or moved?); not writing there"
+        )
     return tracker, f"parent run {run_id}, artifact path {ARTIFACT_PATH}/"
 
 

@@ -3,6 +3,7 @@
 Each function returns ``None`` (or an empty list) when the tables it reads are absent or empty, so
 the page can say "no data" for that section.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,19 @@ from rubricem_core.report.data import STAGES, RunData
 
 # Tables in the order a run writes them (the contract's names), for the table inventory.
 TABLE_ORDER = (
-    "queries", "corpus", "teacher_requests", "teacher_responses", "sft_trajectories", "rollouts",
-    "judge_rubrics", "judge_scores", "stage_rewards", "reflections", "bank", "metrics", "eval_results",
+    "queries",
+    "corpus",
+    "teacher_requests",
+    "teacher_responses",
+    "sft_trajectories",
+    "rollouts",
+    "judge_rubrics",
+    "judge_scores",
+    "stage_rewards",
+    "reflections",
+    "bank",
+    "metrics",
+    "eval_results",
 )
 
 
@@ -53,8 +65,10 @@ def config_summary(raw: dict[str, Any] | None, error: str | None = None) -> dict
     lam, lam_source, judged, reflection = _recipe_details(recipe_name, _dig(raw, "rl.lambda_spec"))
     policy = _dig(raw, "policy.name_or_path")
     if policy == "tiny":
-        policy = (f"tiny Qwen3 (random init; hidden {_dig(raw, 'policy.hidden_size')}, "
-                  f"{_dig(raw, 'policy.n_layers')} layers, vocab {_dig(raw, 'policy.vocab_size')})")
+        policy = (
+            f"tiny Qwen3 (random init; hidden {_dig(raw, 'policy.hidden_size')}, "
+            f"{_dig(raw, 'policy.n_layers')} layers, vocab {_dig(raw, 'policy.vocab_size')})"
+        )
     items = [
         ("profile", raw.get("profile")),
         ("seed", raw.get("seed")),
@@ -72,14 +86,21 @@ def config_summary(raw: dict[str, Any] | None, error: str | None = None) -> dict
         ("RL learning rate", _dig(raw, "rl.lr")),
         ("data source", _dig(raw, "data.source")),
     ]
-    return {"items": [(k, v) for k, v in items if v is not None], "lambda": lam, "lambda_source": lam_source, "error": None}
+    return {
+        "items": [(k, v) for k, v in items if v is not None],
+        "lambda": lam,
+        "lambda_source": lam_source,
+        "error": None,
+    }
 
 
 def _pair(a: Any, b: Any) -> str | None:
     return None if a is None or b is None else f"{a} × {b}"
 
 
-def _recipe_details(recipe_name: Any, override: Any) -> tuple[list[list[float]] | None, str | None, list[str], bool | None]:
+def _recipe_details(
+    recipe_name: Any, override: Any
+) -> tuple[list[list[float]] | None, str | None, list[str], bool | None]:
     """Λ as a matrix, how it was chosen, judged stages and reflection flag of a recipe."""
     from rubricem_core.recipes import RECIPES  # imports torch: only when a report is built
     from rubricem_core.ssgrpo import LambdaSpecError, as_lambda
@@ -115,7 +136,9 @@ def sft_summary(data: RunData) -> dict[str, Any] | None:
     """Collection (accepted/rejected, reject codes, teacher traffic) and training (loss, speed, padding)."""
     out: dict[str, Any] = {}
     if data.has("sft_trajectories", "accepted"):
-        counts = data.rows("SELECT count(*) AS total, count(*) FILTER (WHERE accepted) AS accepted FROM sft_trajectories")[0]
+        counts = data.rows(
+            "SELECT count(*) AS total, count(*) FILTER (WHERE accepted) AS accepted FROM sft_trajectories"
+        )[0]
         out["trajectories"] = int(counts["total"])
         out["accepted"] = int(counts["accepted"])
         out["rejected"] = int(counts["total"]) - int(counts["accepted"])

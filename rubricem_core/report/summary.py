@@ -1,9 +1,11 @@
 """The end-of-run printout of `rubricem run`: the figures of each stage, what they mean for the
 profile that produced them, and what to run next."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 # What a profile's figures can show, and the command worth running next; other profiles get no note.
 PROFILE_NOTES: dict[str, tuple[str, str | None]] = {
@@ -37,16 +39,19 @@ def pipeline_summary(result: Mapping[str, Any], profile: str, run_dir: str) -> s
         f"pipeline finished ({profile} profile, run directory {run_dir})",
         f"  SFT data:   {collected['accepted']} of {collected['trajectories']} teacher trajectories accepted "
         f"over {collected['rounds']} rounds",
-        f"  SFT:        {tuned['final_dir']}" + ("" if tuned.get("cached") else
-                                               f" ({tuned['steps']} steps, final loss {_num(tuned['final_loss'])})"),
+        f"  SFT:        {tuned['final_dir']}"
+        + ("" if tuned.get("cached") else f" ({tuned['steps']} steps, final loss {_num(tuned['final_loss'])})"),
         f"  RL:         {trained['steps']} steps of {trained['recipe']}; policy {trained['final_checkpoint']}",
     ]
     for name, value in sorted(trained.get("last_metrics", {}).items()):
         lines.append(f"              {name} {_num(value)}")
     lines.append(f"  evaluation: {evaluated['tag']} (retrieval {evaluated['retrieval']})")
     for name, summary in evaluated["benchmarks"].items():
-        shown = {k: summary[k] for k in ("score_mean", "valid_scaffold_rate", "reflection_valid_rate", "n_samples")
-                 if k in summary}
+        shown = {
+            k: summary[k]
+            for k in ("score_mean", "valid_scaffold_rate", "reflection_valid_rate", "n_samples")
+            if k in summary
+        }
         lines.append(f"              {name}: " + ", ".join(f"{k} {_num(v)}" for k, v in shown.items()))
     if result.get("report"):
         lines.append(f"  report:     {result['report']}")

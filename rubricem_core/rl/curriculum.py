@@ -4,6 +4,7 @@ New-query steps retrieve reflections across episodes (similar other queries); re
 the query's own reflection (within-episode). The schedule is a pure function of its inputs, so a
 resumed run sees exactly the batches an uninterrupted run would.
 """
+
 from __future__ import annotations
 
 import random

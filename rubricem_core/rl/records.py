@@ -1,4 +1,5 @@
 """One conversion each way between a sampled trajectory and its `rollouts` row."""
+
 from __future__ import annotations
 
 import json
@@ -10,24 +11,42 @@ from rubricem_core.schemas import nan_to_none, none_to_nan
 from rubricem_core.trajectory import TokenTrajectory
 
 
-def rollout_row(plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int,
-                guidance: str | None) -> dict[str, Any]:
+def rollout_row(
+    plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int, guidance: str | None
+) -> dict[str, Any]:
     """The `rollouts` row of one trajectory (judge_failed False until the judge says otherwise)."""
     text = "".join(s.text for s in traj.segments if s.kind != "prompt")
     violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls)})
     return {
-        "step": plan.step, "query_id": query_id, "rollout_id": rollout_id, "phase": plan.phase,
-        "retrieval": plan.retrieval, "token_ids": traj.token_ids, "loss_mask": traj.loss_mask,
-        "stage_ids": traj.stage_ids, "logprobs": [nan_to_none(x) for x in traj.logprobs],
-        "n_tool_calls": traj.n_tool_calls, "finish_reason": traj.finish_reason,
-        "valid_scaffold": not violations, "judge_failed": False, "judge_error": None, "violations": violations,
-        "n_tokens": len(traj), "n_policy_tokens": traj.n_policy_tokens, "prompt_len": traj.prompt_len,
-        "text": text, "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
+        "step": plan.step,
+        "query_id": query_id,
+        "rollout_id": rollout_id,
+        "phase": plan.phase,
+        "retrieval": plan.retrieval,
+        "token_ids": traj.token_ids,
+        "loss_mask": traj.loss_mask,
+        "stage_ids": traj.stage_ids,
+        "logprobs": [nan_to_none(x) for x in traj.logprobs],
+        "n_tool_calls": traj.n_tool_calls,
+        "finish_reason": traj.finish_reason,
+        "valid_scaffold": not violations,
+        "judge_failed": False,
+        "judge_error": None,
+        "violations": violations,
+        "n_tokens": len(traj),
+        "n_policy_tokens": traj.n_policy_tokens,
+        "prompt_len": traj.prompt_len,
+        "text": text,
+        "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
         "guidance": guidance,
     }
 
 
 def rollout_trajectory(row: dict[str, Any]) -> TokenTrajectory:
     """A `rollouts` row as the token trajectory it was sampled as (NULL logprobs: never sampled)."""
-    return TokenTrajectory(token_ids=row["token_ids"], loss_mask=row["loss_mask"], stage_ids=row["stage_ids"],
-                           logprobs=[none_to_nan(x) for x in row["logprobs"]])
+    return TokenTrajectory(
+        token_ids=row["token_ids"],
+        loss_mask=row["loss_mask"],
+        stage_ids=row["stage_ids"],
+        logprobs=[none_to_nan(x) for x in row["logprobs"]],
+    )

@@ -17,6 +17,7 @@ from the trainer's gathered weights in this process, else from the step's checkp
 rank 0 writes gathered (ZeRO-3 included). The session is per process and rebuilt from the newest
 checkpoint after a restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
 log = logging.getLogger(__name__)
+
 
 # ---- paths and progress -------------------------------------------------------------------------
 def rl_dir(run_dir: str) -> Path:
@@ -106,10 +108,19 @@ def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
 # ---- the trainer side --------------------------------------------------------------------------
 def rl_trainer_config(cfg: RunConfig) -> TrainerConfig:
     return TrainerConfig(
-        lr=cfg.rl.lr, weight_decay=0.0, warmup_steps=cfg.rl.warmup_steps, total_steps=max(1, total_updates(cfg)),
-        min_lr_ratio=1.0, max_grad_norm=cfg.rl.max_grad_norm, precision=cfg.rl.precision, seed=cfg.seed,
-        backend=cfg.rl.backend, zero_stage=cfg.rl.zero_stage, gradient_checkpointing=cfg.rl.gradient_checkpointing,
-        offload=cfg.rl.offload, offload_params=cfg.rl.offload_params,
+        lr=cfg.rl.lr,
+        weight_decay=0.0,
+        warmup_steps=cfg.rl.warmup_steps,
+        total_steps=max(1, total_updates(cfg)),
+        min_lr_ratio=1.0,
+        max_grad_norm=cfg.rl.max_grad_norm,
+        precision=cfg.rl.precision,
+        seed=cfg.seed,
+        backend=cfg.rl.backend,
+        zero_stage=cfg.rl.zero_stage,
+        gradient_checkpointing=cfg.rl.gradient_checkpointing,
+        offload=cfg.rl.offload,
+        offload_params=cfg.rl.offload_params,
     )
 
 
@@ -118,8 +129,9 @@ class Policy(Protocol):
 
     tokenizer: Any  # the policy's tokenizer (the engine encodes and decodes with it)
 
-    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
-               settings: UpdateConfig) -> dict[str, float]: ...
+    def update(
+        self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: UpdateConfig
+    ) -> dict[str, float]: ...
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None: ...
 
@@ -149,10 +161,15 @@ def load_reference(base: Path, cfg: RunConfig, device: torch.device) -> torch.nn
     zero: dict[str, Any] = {"stage": 3}
     if cfg.rl.offload_params:
         zero["offload_param"] = {"device": "cpu"}
-    engine, *_ = deepspeed.initialize(model=ref, config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
-        "bf16": {"enabled": cfg.rl.precision == "bf16"}, "steps_per_print": 2**31 - 1,
-    })
+    engine, *_ = deepspeed.initialize(
+        model=ref,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": zero,
+            "bf16": {"enabled": cfg.rl.precision == "bf16"},
+            "steps_per_print": 2**31 - 1,
+        },
+    )
     engine.eval()
     return engine.module
 
@@ -169,10 +186,12 @@ class LocalPolicy:
     def device(self) -> torch.device:
         return self.trainer.device
 
-    def update(self, trajectories: list[TokenTrajectory], token_advs: list[list[float]],
-               settings: UpdateConfig) -> dict[str, float]:
-        return ss_grpo_update(self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id,
-                              settings)
+    def update(
+        self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: UpdateConfig
+    ) -> dict[str, float]:
+        return ss_grpo_update(
+            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id, settings
+        )
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None:
         self.trainer.save(directory, extra=extra, tokenizer=self.tokenizer)
@@ -194,8 +213,12 @@ class LocalPolicy:
 def shares_engine_module(cfg: RunConfig) -> bool:
     """The engine can sample with the trainer's own module only in one process, without ZeRO-3's
     partitioned parameters, and without the reflection loop's overlap."""
-    return (cfg.distributed.world_size == 1 and cfg.rollout.engine == "hf" and not reflection_on(cfg)
-            and not (cfg.rl.backend == "deepspeed" and cfg.rl.zero_stage == 3))
+    return (
+        cfg.distributed.world_size == 1
+        and cfg.rollout.engine == "hf"
+        and not reflection_on(cfg)
+        and not (cfg.rl.backend == "deepspeed" and cfg.rl.zero_stage == 3)
+    )
 
 
 def make_policy(run_dir: str, cfg: RunConfig, base: Path) -> Policy:
@@ -260,17 +283,25 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
             buffers = rebuild_buffers(RunStore(run_dir), after_step, cfg.judge.cap_per_stage)
             tokenizer = policy.tokenizer
             engine: Any  # one of the three engines below, all driven through generate() and load_weights()
-            log.info("RL session at step %d: trainer %s (%d rank%s)", after_step, cfg.rl.backend,
-                     cfg.distributed.world_size, "s" if cfg.distributed.world_size > 1 else "")
+            log.info(
+                "RL session at step %d: trainer %s (%d rank%s)",
+                after_step,
+                cfg.rl.backend,
+                cfg.distributed.world_size,
+                "s" if cfg.distributed.world_size > 1 else "",
+            )
             if cfg.rollout.engine == "vllm_server":
                 from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
 
                 # its own process and devices; weights pushed from each step's checkpoint directory
                 server = VLLMServer(
-                    base, python=cfg.rollout.server_python or sys.executable, devices=cfg.rollout.devices,
+                    base,
+                    python=cfg.rollout.server_python or sys.executable,
+                    devices=cfg.rollout.devices,
                     tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                    max_model_len=cfg.rollout.max_total_tokens, dtype=cfg.policy.dtype,
+                    max_model_len=cfg.rollout.max_total_tokens,
+                    dtype=cfg.policy.dtype,
                     startup_timeout_s=cfg.rollout.server_startup_timeout_s,
                     log_path=RunStore(run_dir).state_dir / "vllm-server.log",
                 )
@@ -281,10 +312,15 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
 
                 # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
                 # before each step's rollouts (ensure_engine_weights).
-                engine = VLLMRolloutEngine(str(base), tokenizer, llm_kwargs={
-                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                }, max_model_len=cfg.rollout.max_total_tokens)
+                engine = VLLMRolloutEngine(
+                    str(base),
+                    tokenizer,
+                    llm_kwargs={
+                        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                    },
+                    max_model_len=cfg.rollout.max_total_tokens,
+                )
                 separate, engine_step = True, -1
             elif not shares_engine_module(cfg):
                 engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=_engine_device(policy))
@@ -293,14 +329,24 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 separate, engine_step = True, -1
             else:
                 # shares_engine_module: a LocalPolicy, whose trainer's module the engine samples from
-                engine = HFRolloutEngine(cast(LocalPolicy, policy).trainer.model, tokenizer,
-                                         max_batch_rows=cfg.rollout.max_batch_rows)
+                engine = HFRolloutEngine(
+                    cast(LocalPolicy, policy).trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows
+                )
                 separate, engine_step = False, after_step
         except BaseException:
             policy.close()
             raise
-        session = RLSession(run_dir, after_step, policy, tokenizer, engine, buffers, buffers_step=after_step,
-                            engine_step=engine_step, separate_engine=separate)
+        session = RLSession(
+            run_dir,
+            after_step,
+            policy,
+            tokenizer,
+            engine,
+            buffers,
+            buffers_step=after_step,
+            engine_step=engine_step,
+            separate_engine=separate,
+        )
         if reflection_on(cfg):
             store = RunStore(run_dir)
             reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
@@ -361,7 +407,9 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
             return
         if not session.separate_engine:
             if step != session.step:
-                raise RuntimeError(f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}")
+                raise RuntimeError(
+                    f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}"
+                )
             session.engine_step = step
             return
         source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
@@ -417,11 +465,14 @@ def warm_bank_entries(store: RunStore, score: float) -> list[BankEntry]:
         whole = row["request_id"].endswith("-reflection")  # not one of the prefix variants
         if whole and row["valid"] and row["query_id"] not in first:
             first[row["query_id"]] = row["text"]
-    return [BankEntry(qid, questions.get(qid, ""), text, float(score), WARM_STEP) for qid, text in sorted(first.items())]
+    return [
+        BankEntry(qid, questions.get(qid, ""), text, float(score), WARM_STEP) for qid, text in sorted(first.items())
+    ]
 
 
-def load_bank_steps(session: RLSession, store: RunStore, steps: list[int],
-                    rows: dict[int, list[dict[str, Any]]] | None = None) -> None:
+def load_bank_steps(
+    session: RLSession, store: RunStore, steps: list[int], rows: dict[int, list[dict[str, Any]]] | None = None
+) -> None:
     """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank, from
     ``rows[step]`` when given (a step whose `reflections` partition is not written yet), else from the table."""
     todo = sorted(s for s in steps if s not in session.bank_steps)

@@ -11,6 +11,7 @@ weighted by their policy tokens; each rank first recomputes the old logprobs wit
 (the gap to the engine's sampling logprobs is a metric) and the reference logprobs with the frozen
 reference model for its own micro-batches.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,13 @@ class UpdateConfig:
     @classmethod
     def from_rl(cls, rl: RLConfig, temperature: float) -> UpdateConfig:
         """The `rl` section's settings at the temperature the trained tokens were sampled with."""
-        return cls(temperature=temperature, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coef=rl.kl_coef,
-                   max_tokens_per_batch=rl.max_tokens_per_batch)
+        return cls(
+            temperature=temperature,
+            clip_low=rl.clip_low,
+            clip_high=rl.clip_high,
+            kl_coef=rl.kl_coef,
+            max_tokens_per_batch=rl.max_tokens_per_batch,
+        )
 
 
 # ---- R → G → A ----------------------------------------------------------------------------------
@@ -118,8 +124,14 @@ def make_loss_fn(config: UpdateConfig):
     def loss_fn(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=config.temperature)
         loss, metrics = policy_loss(
-            logp, batch.old_logprobs, batch.ref_logprobs, batch.advantages, batch.loss_mask.to(logp.dtype),
-            clip_low=config.clip_low, clip_high=config.clip_high, kl_coef=config.kl_coef,
+            logp,
+            batch.old_logprobs,
+            batch.ref_logprobs,
+            batch.advantages,
+            batch.loss_mask.to(logp.dtype),
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            kl_coef=config.kl_coef,
         )
         if batch.sampled_logprobs is not None:
             # engine vs trainer on the same weights: how far the sampler's numbers are from ours
@@ -173,9 +185,14 @@ def ss_grpo_update(
     for idx in bucket_batches(lengths, config.max_tokens_per_batch):
         trajs = [trajectories[i] for i in idx]
         sampled = [[0.0 if (m == 0 or math.isnan(lp)) else lp for m, lp in zip(t.loss_mask, t.logprobs)] for t in trajs]
-        micro.append(collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in idx],
-                                                    "sampled_logprobs": sampled}))
-    metrics = trainer.step(micro, make_loss_fn(config), weights=[float(b.loss_mask.sum()) for b in micro],
-                           prepare=make_prepare_fn(ref_model, config.temperature))
+        micro.append(
+            collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in idx], "sampled_logprobs": sampled})
+        )
+    metrics = trainer.step(
+        micro,
+        make_loss_fn(config),
+        weights=[float(b.loss_mask.sum()) for b in micro],
+        prepare=make_prepare_fn(ref_model, config.temperature),
+    )
     metrics["policy_tokens"] = float(sum(int(b.loss_mask.sum()) for b in micro))
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -7,6 +7,7 @@ transformers engine with a KV cache kept across tool turns (``kv_cache``, ``samp
 ``vllm_engine`` / ``vllm_server`` drive vLLM in process or over HTTP; ``baseline`` is the naive
 re-encode-every-turn loop used only by ``bench/rollout_engine.py``.
 """
+
 from rubricem_core.rollout.hf_engine import HFRolloutEngine
 from rubricem_core.rollout.types import (
     ANSWERED,
@@ -23,6 +24,16 @@ from rubricem_core.rollout.types import (
 )
 
 __all__ = [
-    "ANSWERED", "ERROR", "FINISH_REASONS", "TOOL_BUDGET", "TRUNCATED", "ForcedContext", "ForcedPolicy",
-    "HFRolloutEngine", "RolloutEngine", "RolloutError", "RolloutRequest", "SamplingParams",
+    "ANSWERED",
+    "ERROR",
+    "FINISH_REASONS",
+    "TOOL_BUDGET",
+    "TRUNCATED",
+    "ForcedContext",
+    "ForcedPolicy",
+    "HFRolloutEngine",
+    "RolloutEngine",
+    "RolloutError",
+    "RolloutRequest",
+    "SamplingParams",
 ]

@@ -7,10 +7,12 @@ Every turn re-encodes the whole text so far (prompt + turns + tool outputs) and 
 turn early wait for the slowest row of that turn, and tokens are re-tokenized from text (so they
 are not the sampled ids; no logprobs are kept). Do not train on its output.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -58,8 +60,14 @@ class _ForceTokens:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         for b, row in enumerate(self.rows):
-            ctx = ForcedContext(row.request_id, row.sample_index, len(row.turns),
-                                input_ids[b, self.start:].tolist(), list(row.turns), list(row.tool_outputs))
+            ctx = ForcedContext(
+                row.request_id,
+                row.sample_index,
+                len(row.turns),
+                input_ids[b, self.start :].tolist(),
+                list(row.turns),
+                list(row.tool_outputs),
+            )
             token = self.policy(ctx)
             if token is not None:
                 scores[b] = float("-inf")
@@ -68,8 +76,13 @@ class _ForceTokens:
 
 
 class NaiveRolloutBaseline:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, tool_names: Sequence[str] | None = ("search", "browse"),
-                 forced_policy: ForcedPolicy | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        tool_names: Sequence[str] | None = ("search", "browse"),
+        forced_policy: ForcedPolicy | None = None,
+    ):
         self.model, self.tokenizer, self.forced_policy = model, tokenizer, forced_policy
         self.tool_names = None if tool_names is None else tuple(tool_names)
 
@@ -94,16 +107,18 @@ class NaiveRolloutBaseline:
                 for i in live:
                     groups.setdefault(params[i].sampling, []).append(i)
                 for sampling, members in groups.items():
-                    self._turn([rows[i] for i in members], [envs[i] for i in members],
-                               [params[i] for i in members], sampling)
+                    self._turn(
+                        [rows[i] for i in members], [envs[i] for i in members], [params[i] for i in members], sampling
+                    )
         out, index = [], 0
         for request in requests:
-            out.append(rows[index:index + request.n])
+            out.append(rows[index : index + request.n])
             index += request.n
         return out
 
-    def _turn(self, rows: list[BaselineRollout], envs: list[ToolEnv], requests: list[RolloutRequest],
-              sampling: SamplingParams) -> None:
+    def _turn(
+        self, rows: list[BaselineRollout], envs: list[ToolEnv], requests: list[RolloutRequest], sampling: SamplingParams
+    ) -> None:
         tok = self.tokenizer
         texts = [row.prompt_text + row.text for row in rows]  # the naive part: re-encode everything
         encoded = [tok.encode(t, add_special_tokens=False) for t in texts]
@@ -117,14 +132,18 @@ class NaiveRolloutBaseline:
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         kwargs: dict[str, Any] = dict(
-            max_new_tokens=min(sampling.max_new_tokens, room), stop_strings=list(STOP_STRINGS), tokenizer=tok,
-            pad_token_id=pad, eos_token_id=tok.eos_token_id,
+            max_new_tokens=min(sampling.max_new_tokens, room),
+            stop_strings=list(STOP_STRINGS),
+            tokenizer=tok,
+            pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
         )
         if sampling.temperature == 0:
             kwargs.update(do_sample=False)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k or None)
+            kwargs.update(
+                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None
+            )
         if self.forced_policy is not None:
             kwargs["logits_processor"] = [_ForceTokens(self.forced_policy, rows, width)]
         if sampling.seed is not None:
@@ -142,7 +161,7 @@ class NaiveRolloutBaseline:
             turn = self._decode(new)
             cut = [turn.index(s) + len(s) for s in STOP_STRINGS if s in turn]
             if cut:
-                turn = turn[:min(cut)]
+                turn = turn[: min(cut)]
             row.turns.append(turn)
             row.n_generated += len(new)
             if turn.endswith("</answer>"):

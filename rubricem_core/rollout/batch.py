@@ -3,10 +3,12 @@
 An engine builds a :class:`RowBatch` (one :class:`~rubricem_core.rollout.rows.RowState` per sample,
 in request order), runs its own loop over ``batch.live`` and returns ``batch.trajectories()``.
 """
+
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from rubricem_core.rollout.rows import RowState
 from rubricem_core.rollout.types import RolloutError, RolloutRequest
@@ -62,8 +64,13 @@ class RowBatch:
         self.requests = list(requests)
         self.rows: list[RowState] = [
             RowState.start(
-                request, k, ToolEnv(tools, request.max_tool_calls), tokenizer, stop_token_ids,
-                vocab_size=vocab_size, rng=rng(request, k) if rng is not None else None,
+                request,
+                k,
+                ToolEnv(tools, request.max_tool_calls),
+                tokenizer,
+                stop_token_ids,
+                vocab_size=vocab_size,
+                rng=rng(request, k) if rng is not None else None,
                 max_model_len=max_model_len,
             )
             for request in self.requests

@@ -32,11 +32,13 @@ budget, finish reasons, the trajectory) is :class:`~rubricem_core.rollout.rows.R
 with the vLLM engine; tool calls of one step run in parallel threads (``rows.run_tool_calls``);
 sampling is ``sampling.draw``; the cache and its surgery are ``kv_cache.BatchKVCache``.
 """
+
 from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -123,8 +125,14 @@ class HFRolloutEngine:
     # ---- public entry ---------------------------------------------------------------------------
     def generate(self, requests: list[RolloutRequest], tools: ToolEnv) -> list[list[TokenTrajectory]]:
         self.stats = {}
-        batch = RowBatch(requests, allowed_tools(self.tool_names, tools), self.tokenizer, self.stop_token_ids,
-                         vocab_size=self._lm_head.weight.shape[0], rng=row_rng)
+        batch = RowBatch(
+            requests,
+            allowed_tools(self.tool_names, tools),
+            self.tokenizer,
+            self.stop_token_ids,
+            vocab_size=self._lm_head.weight.shape[0],
+            rng=row_rng,
+        )
         started = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
@@ -171,8 +179,9 @@ class HFRolloutEngine:
                 at = torch.tensor([last[i] for i in ready], device=device)
                 picked = hidden[torch.tensor(ready, device=device), at]
                 tokens, logprobs = self._sample([rows[i] for i in ready], self._logits(picked))
-                calls = [rows[i] for i, token, logprob in zip(ready, tokens, logprobs)
-                         if rows[i].accept(token, logprob)]
+                calls = [
+                    rows[i] for i, token, logprob in zip(ready, tokens, logprobs) if rows[i].accept(token, logprob)
+                ]
                 run_tool_calls(calls, self.tool_timeout_s)
 
             # 3. drop finished rows; compact the cache when holes make it much longer than needed
@@ -183,7 +192,7 @@ class HFRolloutEngine:
             if not rows:  # start the next rows on a fresh cache
                 cache.reset()
             if waiting and len(rows) < limit:
-                admitted, waiting = waiting[:limit - len(rows)], waiting[limit - len(rows):]
+                admitted, waiting = waiting[: limit - len(rows)], waiting[limit - len(rows) :]
                 cache.admit(len(admitted))
                 self.stats["admitted"] = self.stats.get("admitted", 0) + len(admitted)
                 rows = rows + admitted
@@ -221,7 +230,8 @@ class HFRolloutEngine:
             forced = self.forced_policy(row.forced_context())
             if forced is not None:
                 if not 0 <= int(forced) < vocab:
-                    raise RolloutError(f"forced_policy returned token id {forced}, outside the vocabulary "
-                                       f"(size {vocab})")
+                    raise RolloutError(
+                        f"forced_policy returned token id {forced}, outside the vocabulary (size {vocab})"
+                    )
                 tokens[i] = int(forced)
         return tokens

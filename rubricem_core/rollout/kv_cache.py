@@ -15,6 +15,7 @@ contiguous sequence. Surgery keeps the numbers exact:
 The cache is transformers' ``DynamicCache`` with its layers swapped for :func:`growing_layer_class`,
 a buffer that appends in place (the stock layer concatenates the whole cache every step).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -117,12 +118,12 @@ def growing_layer_class() -> type:
             k, v = self._k, self._v
             self._k = k.new_zeros((*k.shape[:2], capacity, k.shape[-1]))
             self._v = v.new_zeros((*v.shape[:2], capacity, v.shape[-1]))
-            self._k[..., :self._len, :] = k[..., :self._len, :]
-            self._v[..., :self._len, :] = v[..., :self._len, :]
+            self._k[..., : self._len, :] = k[..., : self._len, :]
+            self._v[..., : self._len, :] = v[..., : self._len, :]
 
         def _expose(self) -> None:
-            self.keys = self._k[..., :self._len, :]
-            self.values = self._v[..., :self._len, :]
+            self.keys = self._k[..., : self._len, :]
+            self.values = self._v[..., : self._len, :]
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
             if not self.is_initialized:
@@ -131,8 +132,8 @@ def growing_layer_class() -> type:
                 self._k, self._v = key_states[..., :0, :], value_states[..., :0, :]
             end = self._len + key_states.shape[-2]
             self._reserve(end)
-            self._k[..., self._len:end, :] = key_states
-            self._v[..., self._len:end, :] = value_states
+            self._k[..., self._len : end, :] = key_states
+            self._v[..., self._len : end, :] = value_states
             self._len = end
             self._expose()
             return self.keys, self.values

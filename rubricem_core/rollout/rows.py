@@ -17,14 +17,16 @@ Tool budget, as in the teacher's rounds: the first call over ``max_tool_calls`` 
 budget-exhausted error as its output; calling again after that ends the row (tool_budget).
 Requests with ``scaffold=False`` (free text, e.g. reflections) end only at eos, a stop text or a limit.
 """
+
 from __future__ import annotations
 
 import bisect
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from rubricem_core.encoding import TOOL_OUTPUT_STAGE, encode_tool_output
 from rubricem_core.rollout.types import (
@@ -42,7 +44,6 @@ from rubricem_core.trajectory import TokenTrajectory
 
 _TOOL_OUTPUT_OPEN = "<tool_output>"
 MALFORMED_CALL_MESSAGE = 'malformed tool call; write <call_tool name="search">query</call_tool>'
-
 
 
 def decode_ids(tokenizer: Any, ids: list[int]) -> str:
@@ -110,8 +111,15 @@ class RowState:
     ) -> RowState:
         """A row ready for its first turn, or already finished (error) when the prompt is unusable."""
         prompt = request.prompt_ids
-        row = cls(request=request, sample_index=sample_index, env=env, tokenizer=tokenizer,
-                  stop_token_ids=stop_token_ids, rng=rng, length=len(prompt))
+        row = cls(
+            request=request,
+            sample_index=sample_index,
+            env=env,
+            tokenizer=tokenizer,
+            stop_token_ids=stop_token_ids,
+            rng=rng,
+            length=len(prompt),
+        )
         limit = request.sampling.max_total_tokens
         if not prompt:
             row.finish(ERROR, "empty prompt")
@@ -197,9 +205,9 @@ class RowState:
         if turn is None:
             return
         if self.read_offset < len(turn.ids):
-            prefix = self.decode(turn.ids[self.prefix_offset:self.read_offset])
-            full = self.decode(turn.ids[self.prefix_offset:])
-            self._feed_policy_text(full[len(prefix):])
+            prefix = self.decode(turn.ids[self.prefix_offset : self.read_offset])
+            full = self.decode(turn.ids[self.prefix_offset :])
+            self._feed_policy_text(full[len(prefix) :])
         if turn.ids:
             self.blocks.append(turn)
         self.turn = None
@@ -208,11 +216,11 @@ class RowState:
         """Text the newest token adds, decoded with a little left context (prefix/read offsets), so
         byte-level pieces of one character wait until the character is complete."""
         turn = self.turn
-        prefix = self.decode(turn.ids[self.prefix_offset:self.read_offset])
-        full = self.decode(turn.ids[self.prefix_offset:])
+        prefix = self.decode(turn.ids[self.prefix_offset : self.read_offset])
+        full = self.decode(turn.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(turn.ids)
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""
 
     def _feed_policy_text(self, text: str) -> bool:
@@ -260,8 +268,10 @@ class RowState:
     def append_tool_output(self, text: str) -> None:
         ids = encode_tool_output(self.tokenizer, text)
         if self.length + len(ids) > self.sampling.max_total_tokens:
-            self.finish(TRUNCATED, f"tool output of {len(ids)} tokens does not fit the context limit "
-                                   f"{self.sampling.max_total_tokens}")
+            self.finish(
+                TRUNCATED,
+                f"tool output of {len(ids)} tokens does not fit the context limit {self.sampling.max_total_tokens}",
+            )
             return
         self.blocks.append(Block("tool_output", self.gen_len, ids=ids, text=text))
         for piece, stage, _ in self.parser.feed(text):
@@ -280,8 +290,11 @@ class RowState:
     def forced_context(self) -> ForcedContext:
         """What a ``forced_policy`` hook sees before this row's next token."""
         return ForcedContext(
-            request_id=self.request.request_id, sample_index=self.sample_index, turn=self.n_outputs,
-            turn_ids=list(self.turn.ids), policy_turns=[b.text for b in self.blocks if b.kind == "policy"],
+            request_id=self.request.request_id,
+            sample_index=self.sample_index,
+            turn=self.n_outputs,
+            turn_ids=list(self.turn.ids),
+            policy_turns=[b.text for b in self.blocks if b.kind == "policy"],
             tool_outputs=[b.text for b in self.blocks if b.kind == "tool_output"],
         )
 
@@ -312,8 +325,7 @@ class RowState:
                 if i == len(block.ids) or stages[i] != stages[start]:
                     lo = block.chars[start] - block.char_start if start else 0
                     hi = block.chars[i] - block.char_start if i < len(block.ids) else len(block.text)
-                    traj.append("policy", stages[start], block.ids[start:i], block.text[lo:hi],
-                                block.logprobs[start:i])
+                    traj.append("policy", stages[start], block.ids[start:i], block.text[lo:hi], block.logprobs[start:i])
                     start = i
         traj.n_tool_calls = self.n_outputs
         traj.finish_reason = self.finish_reason or ERROR
@@ -365,15 +377,17 @@ def checked_tool_result(result: Any) -> ToolResult:
     if not isinstance(result, ToolResult) or not isinstance(result.text, str):
         return error_result(f"tool returned {type(result).__name__}, not a ToolResult")
     text = result.text
-    if not (text.startswith(_TOOL_OUTPUT_OPEN) and text.endswith(TOOL_OUTPUT_CLOSE)
-            and text.count(TOOL_OUTPUT_CLOSE) == 1):
+    if not (
+        text.startswith(_TOOL_OUTPUT_OPEN) and text.endswith(TOOL_OUTPUT_CLOSE) and text.count(TOOL_OUTPUT_CLOSE) == 1
+    ):
         # A block the parser would misread (unclosed, or closed early) must not enter the trajectory.
-        return ToolResult(format_tool_output(error="the tool returned a malformed output block"), [],
-                          error="malformed tool output")
+        return ToolResult(
+            format_tool_output(error="the tool returned a malformed output block"), [], error="malformed tool output"
+        )
     return result
 
 
 def _ends_with_stop(text: str, stops: Sequence[str]) -> bool:
     """A stop text just completed (the newest token may carry a few characters after it)."""
-    tail = text[-(max(len(s) for s in stops) + 8):]
+    tail = text[-(max(len(s) for s in stops) + 8) :]
     return any(s in tail for s in stops)

@@ -5,9 +5,10 @@ Sampling is by inverse CDF with one uniform number per row per step, drawn from 
 logprob recorded is that of the distribution drawn from: log-softmax of the temperature-scaled,
 top-k/top-p-filtered logits; for temperature 0 it is the plain T=1 log-softmax of the argmax token.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +32,9 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float
     return scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def draw(logits: torch.Tensor, settings: Sequence[SamplingParams],
-         uniforms: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, settings: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ([rows, vocab], float) from one uniform number each.
 
     Returns the tokens and the log-probabilities of the whole sampled distribution (``[rows, vocab]``),

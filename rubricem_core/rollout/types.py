@@ -5,11 +5,13 @@ are kept exactly as sampled, tool outputs are tokenized once (``encoding.encode_
 appended with loss mask 0, and every sampled token carries its stage id and sampling logprob.
 The transformers engine (``hf_engine``) and a vLLM engine implement the same protocol.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 

@@ -62,14 +62,16 @@ see ``docs/vllm.md``) the same code runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0
 vLLM is imported lazily, so this module imports (and its turn loop runs with a ``sampler`` hook)
 where vLLM is not installed.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -197,8 +199,10 @@ class VLLMRolloutEngine:
         started = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?); "
-                               "cached KV from the old weights would corrupt later rollouts")
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache (requests still running?); "
+                "cached KV from the old weights would corrupt later rollouts"
+            )
         self.stats["update_weights_s"] = time.perf_counter() - started
 
     def sync_from(self, model: torch.nn.Module) -> None:
@@ -224,8 +228,14 @@ class VLLMRolloutEngine:
     def generate(self, requests: list[RolloutRequest], tools: ToolEnv) -> list[list[TokenTrajectory]]:
         self.stats = {"vllm_calls": 0, "turn_calls": 0, "sampled_tokens": 0, "discarded_tokens": 0}
         # No row rng: vLLM draws, with a seed per call from _call_seed.
-        batch = RowBatch(requests, allowed_tools(self.tool_names, tools), self.tokenizer, self.stop_token_ids,
-                         vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        batch = RowBatch(
+            requests,
+            allowed_tools(self.tool_names, tools),
+            self.tokenizer,
+            self.stop_token_ids,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
         started = time.perf_counter()
         self._run(batch)
         self.stats["generate_s"] = time.perf_counter() - started
@@ -262,8 +272,13 @@ class VLLMRolloutEngine:
         context = row.context_ids()
         assert len(context) == row.length, (len(context), row.length)
         return TurnCall(
-            request_id=row.request.request_id, sample_index=row.sample_index, turn=row.n_outputs,
-            prompt_ids=context, turn_ids=list(row.turn.ids), max_tokens=room, sampling=sampling,
+            request_id=row.request.request_id,
+            sample_index=row.sample_index,
+            turn=row.n_outputs,
+            prompt_ids=context,
+            turn_ids=list(row.turn.ids),
+            max_tokens=room,
+            sampling=sampling,
             seed=_call_seed(sampling.seed, row.request.request_id, row.sample_index, row.n_outputs, len(row.turn.ids)),
             stop=(tuple(STOP_STRINGS) if row.request.scaffold else ()) + tuple(sampling.stop_texts),
             stop_token_ids=tuple(sorted(self.stop_token_ids)),
@@ -338,14 +353,20 @@ def _build_llm(path: Path, max_model_len: int | None, llm_kwargs: Mapping[str, A
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
-        model=str(path), tokenizer=str(path), enable_prefix_caching=True, logprobs_mode=LOGPROBS_MODE, seed=0,
+        model=str(path),
+        tokenizer=str(path),
+        enable_prefix_caching=True,
+        logprobs_mode=LOGPROBS_MODE,
+        seed=0,
     )
     if max_model_len is not None:
         kwargs["max_model_len"] = int(max_model_len)
     kwargs.update(llm_kwargs)
     if kwargs["logprobs_mode"] != LOGPROBS_MODE:
-        raise RolloutError(f"llm_kwargs.logprobs_mode must be {LOGPROBS_MODE!r} (the sampled distribution's "
-                           f"logprobs), got {kwargs['logprobs_mode']!r}")
+        raise RolloutError(
+            f"llm_kwargs.logprobs_mode must be {LOGPROBS_MODE!r} (the sampled distribution's "
+            f"logprobs), got {kwargs['logprobs_mode']!r}"
+        )
     return LLM(**kwargs)
 
 

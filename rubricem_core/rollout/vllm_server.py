@@ -16,6 +16,7 @@ HF checkpoints of a model with tied embeddings store only ``model.embed_tokens.w
 in-place reload then keeps the old ``lm_head`` (docs/distributed.md); for such a model the reload reads a
 side directory of links to the checkpoint's files plus ``lm_head.safetensors``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,9 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
@@ -64,11 +66,28 @@ class VLLMServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.max_concurrency = max_concurrency
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-               "--enable-prefix-caching", "--logprobs-mode", LOGPROBS_MODE, "--seed", "0",
-               "--tensor-parallel-size", str(tensor_parallel_size),
-               "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enable-prefix-caching",
+            "--logprobs-mode",
+            LOGPROBS_MODE,
+            "--seed",
+            "0",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+            "--gpu-memory-utilization",
+            str(gpu_memory_utilization),
+        ]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
         if dtype is not None:
@@ -79,8 +98,15 @@ class VLLMServer:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         self.log_path = Path(log_path) if log_path is not None else None
         self._tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=full_env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=full_env,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
@@ -102,8 +128,10 @@ class VLLMServer:
                 log.flush()
 
     def _failure(self, what: str) -> RolloutError:
-        return RolloutError(f"vLLM server ({self.base_url}, model {self.model_dir}) {what}; last lines of its "
-                            "output:\n" + "\n".join(self._tail))
+        return RolloutError(
+            f"vLLM server ({self.base_url}, model {self.model_dir}) {what}; last lines of its "
+            "output:\n" + "\n".join(self._tail)
+        )
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -129,12 +157,20 @@ class VLLMServer:
     # ---- sampling -------------------------------------------------------------------------------
     def _sample_one(self, call: TurnCall) -> TurnSample:
         body = {
-            "model": SERVED_NAME, "prompt": call.prompt_ids, "max_tokens": call.max_tokens,
-            "temperature": call.sampling.temperature, "top_p": call.sampling.top_p,
-            "top_k": call.sampling.top_k if call.sampling.top_k > 0 else -1, "seed": call.seed,
-            "stop": list(call.stop), "stop_token_ids": list(call.stop_token_ids),
-            "include_stop_str_in_output": True, "skip_special_tokens": False,
-            "spaces_between_special_tokens": False, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "model": SERVED_NAME,
+            "prompt": call.prompt_ids,
+            "max_tokens": call.max_tokens,
+            "temperature": call.sampling.temperature,
+            "top_p": call.sampling.top_p,
+            "top_k": call.sampling.top_k if call.sampling.top_k > 0 else -1,
+            "seed": call.seed,
+            "stop": list(call.stop),
+            "stop_token_ids": list(call.stop_token_ids),
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
         }
         choice = self._post("/v1/completions", body)["choices"][0]
         tokens = choice["logprobs"]["tokens"]
@@ -177,8 +213,10 @@ class VLLMServer:
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 if "model.embed_tokens.weight" in handle.keys():
-                    save_file({"lm_head.weight": handle.get_tensor("model.embed_tokens.weight")},
-                              str(side / "lm_head.safetensors"))
+                    save_file(
+                        {"lm_head.weight": handle.get_tensor("model.embed_tokens.weight")},
+                        str(side / "lm_head.safetensors"),
+                    )
         index = directory / "model.safetensors.index.json"
         if index.exists():  # vLLM reads only the files an index names
             data = json.loads(index.read_text())
@@ -201,8 +239,9 @@ class VLLMServer:
 class VLLMServerEngine(VLLMRolloutEngine):
     """VLLMRolloutEngine whose turns are sampled by a VLLMServer (its own process and devices)."""
 
-    def __init__(self, server: VLLMServer, tokenizer: Any, tool_names: Sequence[str] | None = ("search", "browse"),
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, server: VLLMServer, tokenizer: Any, tool_names: Sequence[str] | None = ("search", "browse"), **kwargs: Any
+    ) -> None:
         super().__init__(None, tokenizer, tool_names, sampler=server.sample, **kwargs)
         self.server = server
         self.model_path = server.model_dir
@@ -213,8 +252,10 @@ class VLLMServerEngine(VLLMRolloutEngine):
         self.stats["update_weights_s"] = self.server.load_weights_from_dir(directory)
 
     def update_weights(self, state_dict: Any) -> None:
-        raise RolloutError("the vLLM server engine loads weights from a checkpoint directory "
-                           "(load_weights_from_dir), not from tensors in this process")
+        raise RolloutError(
+            "the vLLM server engine loads weights from a checkpoint directory "
+            "(load_weights_from_dir), not from tensors in this process"
+        )
 
     def close(self) -> None:
         self.server.close()

@@ -1,10 +1,11 @@
 """Reading a trace: its tool calls, retrieved snippet ids, citations, answer, plans and verdicts."""
+
 from __future__ import annotations
 
 import re
 
 from rubricem_core.scaffold.records import Citation, Plan, ToolCall
-from rubricem_core.scaffold.tree import _Element, _Tree, _build_tree, _child, _content, _strip_scaffold_tags
+from rubricem_core.scaffold.tree import _build_tree, _child, _content, _Element, _strip_scaffold_tags, _Tree
 
 _SNIPPET_ID_RE = re.compile(r"""<snippet[ \t\n\r]+id\s*=\s*(?:"([^"]*)"|'([^']*)')[^<>]*>""")
 _VERDICT_LABELLED_RE = re.compile(r"verdict\s*[:=\-]\s*\**\s*(continue|revise|ready)\b", re.IGNORECASE)
@@ -76,7 +77,7 @@ def _list_items(text: str) -> list[str]:
         if not line.strip():
             continue
         bullet = _BULLET_RE.match(line)
-        body = line[bullet.end():].strip() if bullet else line.strip()
+        body = line[bullet.end() :].strip() if bullet else line.strip()
         if bullet:
             any_bullet = True
             if body:

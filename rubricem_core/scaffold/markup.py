@@ -4,10 +4,11 @@ Inside ``<tool_output>`` only ``</tool_output>`` is a tag: the environment write
 neutralises scaffold tags in document text (:func:`format_tool_output`), so a document cannot
 close it early or fake stages.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from rubricem_core.scaffold.records import ScaffoldError
 from rubricem_core.scaffold.tags import _NAMES_ALT

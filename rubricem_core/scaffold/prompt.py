@@ -1,8 +1,9 @@
 """The system prompt that teaches the scaffold, with its worked example and the guidance block."""
+
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from rubricem_core.scaffold.records import DEFAULT_TOOLS, ScaffoldError, ToolSpec
 
@@ -71,16 +72,16 @@ def system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str | None 
         "All three rubric lists and the research plan must be non-empty.",
         "",
         "2. RESEARCH (one or more tool calls):",
-        "Make exactly one tool call at a time: <call_tool name=\"TOOL\">argument</call_tool>. "
+        'Make exactly one tool call at a time: <call_tool name="TOOL">argument</call_tool>. '
         "Nothing else goes inside call_tool. Your turn stops right after </call_tool>; the environment then writes "
-        "<tool_output>...</tool_output> with results as <snippet id=\"D12\">text</snippet>, or an <error>. "
+        '<tool_output>...</tool_output> with results as <snippet id="D12">text</snippet>, or an <error>. '
         "Never write <tool_output> yourself.",
         "Available tools:",
         tool_lines,
         "After a tool output, judge the evidence against your plan and rubric in "
-        "<state_evaluation>...</state_evaluation>, ending with one verdict: \"Verdict: continue\" (search more), "
-        "\"Verdict: revise\" (the plan needs changing: write a revised <structured_plan> next, in the same format), "
-        "or \"Verdict: ready\" (enough evidence to write).",
+        '<state_evaluation>...</state_evaluation>, ending with one verdict: "Verdict: continue" (search more), '
+        '"Verdict: revise" (the plan needs changing: write a revised <structured_plan> next, in the same format), '
+        'or "Verdict: ready" (enough evidence to write).',
         "",
         "3. REVIEW (exactly once, after research):",
         "<review>",
@@ -89,8 +90,8 @@ def system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str | None 
         "</review>",
         "",
         "4. ANSWER (exactly once, last):",
-        "<answer>the long-form report, with every supported claim wrapped as <cite id=\"D12\">claim</cite></answer>",
-        "Cite only ids that appeared in a <snippet id=\"...\"> of a tool output above; one id per cite. "
+        '<answer>the long-form report, with every supported claim wrapped as <cite id="D12">claim</cite></answer>',
+        'Cite only ids that appeared in a <snippet id="..."> of a tool output above; one id per cite. '
         "Never invent ids. Stop after </answer>.",
         "",
         "Example of the complete format (a short one; real questions need more research and a longer report):",

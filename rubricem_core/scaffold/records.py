@@ -1,4 +1,5 @@
 """Small records the scaffold helpers return, the default tool specs, and the scaffold's error type."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ class ScaffoldError(ValueError):
 class ToolSpec:
     name: str
     description: str
+
 
 DEFAULT_TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(

@@ -1,12 +1,13 @@
 """The whole-text scanner: a trace as tokens (text, opening and closing tags) and labelled segments."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from rubricem_core.scaffold.records import Segment
 from rubricem_core.scaffold.stages import _StageMachine
-from rubricem_core.scaffold.tags import STAGES, TOOL_OUTPUT_CLOSE, _TAG_RE
+from rubricem_core.scaffold.tags import _TAG_RE, STAGES, TOOL_OUTPUT_CLOSE
 
 
 @dataclass
@@ -46,7 +47,7 @@ def _tokenize(text: str) -> list[_Token]:
             tokens.append(_Token("text", text[pos:], pos, machine.stage, False))
             break
         if match.start() > pos:
-            tokens.append(_Token("text", text[pos:match.start()], pos, machine.stage, False))
+            tokens.append(_Token("text", text[pos : match.start()], pos, machine.stage, False))
         if match.group("close"):
             name = match.group("close")
             stage, is_tool = machine.close_tag(name)
@@ -55,8 +56,9 @@ def _tokenize(text: str) -> list[_Token]:
             name = match.group("open")
             stage, is_tool = machine.open_tag(name)
             tokens.append(
-                _Token("open", match.group(), match.start(), stage, is_tool,
-                       name=name, attrs=match.group("attrs") or "")
+                _Token(
+                    "open", match.group(), match.start(), stage, is_tool, name=name, attrs=match.group("attrs") or ""
+                )
             )
         pos = match.end()
     return tokens

@@ -4,6 +4,7 @@ The two scanners (:func:`~rubricem_core.scaffold.segments.parse_segments` over a
 :class:`~rubricem_core.scaffold.stream.StreamParser` incrementally) share only this machine, so
 tests comparing them check the incremental tag scanning for real.
 """
+
 from __future__ import annotations
 
 

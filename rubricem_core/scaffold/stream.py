@@ -1,4 +1,5 @@
 """The streaming scanner: scaffold parsing of text that arrives token by token (rollouts)."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,8 @@ def _could_become_tag(s: str) -> bool:
     closing = body.startswith("/")
     if closing:
         body = body[1:]
-    name = _NAME_CHARS_RE.match(body).group()  # type: ignore[union-attr]
-    rest = body[len(name):]
+    name = _NAME_CHARS_RE.match(body).group()
+    rest = body[len(name) :]
     if not rest:
         return any(tag.startswith(name) for tag in TAG_NAMES)
     if closing or name not in _TAG_NAME_SET or rest[0] not in _ATTR_SPACE:
@@ -119,7 +120,7 @@ class StreamParser:
                 close_at = buf.find(TOOL_OUTPUT_CLOSE, pos)
                 if close_at < 0:
                     keep = 0 if final else _partial_suffix_len(buf[pos:], TOOL_OUTPUT_CLOSE)
-                    self._emit(out, buf[pos:len(buf) - keep], machine.stage, True)
+                    self._emit(out, buf[pos : len(buf) - keep], machine.stage, True)
                     pos = len(buf) - keep
                     break
                 self._emit(out, buf[pos:close_at], machine.stage, True)

@@ -3,6 +3,7 @@
 Tags are recognised only for the scaffold's own tag names (``<b>`` or ``<think>`` is plain text),
 opening tags may carry attributes, closing tags are exactly ``</name>``.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,10 +34,25 @@ ALLOWED_CHILDREN: dict[str, frozenset[str]] = {
 # ``snippet`` and ``error`` only belong inside tool output; they are listed so that the model
 # writing them elsewhere is recognised (and flagged) and so documents cannot inject them.
 TAG_NAMES: tuple[str, ...] = (
-    "structured_plan", "deep_analysis", "rubric", "knowledge_checklist", "analytical_criteria",
-    "negative_constraints", "research_plan", "call_tool", "tool_output", "snippet", "error",
-    "state_evaluation", "review", "rubric_review", "writing_plan", "thesis", "outline",
-    "answer", "cite",
+    "structured_plan",
+    "deep_analysis",
+    "rubric",
+    "knowledge_checklist",
+    "analytical_criteria",
+    "negative_constraints",
+    "research_plan",
+    "call_tool",
+    "tool_output",
+    "snippet",
+    "error",
+    "state_evaluation",
+    "review",
+    "rubric_review",
+    "writing_plan",
+    "thesis",
+    "outline",
+    "answer",
+    "cite",
 )
 _TAG_NAME_SET = frozenset(TAG_NAMES)
 

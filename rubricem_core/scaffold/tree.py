@@ -1,4 +1,5 @@
 """The element tree of a whole trace (nesting, attributes, structural problems) that extraction and validation read."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 from rubricem_core.scaffold.codes import MALFORMED_TAG
 from rubricem_core.scaffold.records import Violation
 from rubricem_core.scaffold.segments import _Token, _tokenize
-from rubricem_core.scaffold.tags import ALLOWED_CHILDREN, TAG_STAGE, _TAG_RE, _attributes
+from rubricem_core.scaffold.tags import _TAG_RE, ALLOWED_CHILDREN, TAG_STAGE, _attributes
 
 
 @dataclass
@@ -91,7 +92,7 @@ def _build_tree(text: str) -> _Tree:
 
 
 def _content(tree: _Tree, element: _Element) -> str:
-    return tree.text[element.content_start:element.content_end]
+    return tree.text[element.content_start : element.content_end]
 
 
 def _strip_scaffold_tags(text: str) -> str:

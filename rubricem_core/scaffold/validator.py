@@ -1,13 +1,14 @@
 """The scaffold validator: every way a trace breaks the format, as ``Violation`` records with codes."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from rubricem_core.scaffold import codes
 from rubricem_core.scaffold.extract import _cite_ids, _plan_from, _snippet_ids_in, _tool_outputs, state_verdict
 from rubricem_core.scaffold.records import Plan, Violation
 from rubricem_core.scaffold.tags import STAGE_IDS, STAGES, TAG_STAGE
-from rubricem_core.scaffold.tree import _Element, _Tree, _build_tree, _child, _content, _strip_scaffold_tags
+from rubricem_core.scaffold.tree import _build_tree, _child, _content, _Element, _strip_scaffold_tags, _Tree
 
 
 def _plan_gaps(plan: Plan) -> list[str]:
@@ -76,10 +77,13 @@ def _check_stages(tree: _Tree) -> list[Violation]:
         rank = STAGE_IDS[element.stage]
         # A tool output follows its call; the call already carries any ordering problem.
         if rank < latest and element.name != "tool_output":
-            out.append(Violation(
-                codes.STAGE_ORDER, f"<{element.name}> ({element.stage}) comes after the {STAGES[latest]} stage",
-                element.start,
-            ))
+            out.append(
+                Violation(
+                    codes.STAGE_ORDER,
+                    f"<{element.name}> ({element.stage}) comes after the {STAGES[latest]} stage",
+                    element.start,
+                )
+            )
         latest = max(latest, rank)
     return out
 

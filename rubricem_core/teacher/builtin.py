@@ -10,6 +10,7 @@ Each call continues the trajectory by one turn: the plan and first search, then 
 and the next search, and finally the review and the cited answer. Configurable error rates (skipped
 stage, malformed tool call, uncited answer, ungrounded claim) give rejection filtering real work.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,11 +18,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rubricem_core.seeds import TEACHER_TURN, derive_seed
 from rubricem_core.config import TeacherConfig
 from rubricem_core.llm.provider import message_text, register_completion_provider
 from rubricem_core.reflection.format import REFLECTION_SYSTEM, Reflection
 from rubricem_core.scaffold import extract_tool_calls
+from rubricem_core.seeds import TEACHER_TURN, derive_seed
 from rubricem_core.world import read_facts
 
 PROVIDER = "rubricem-teacher"
@@ -36,13 +37,26 @@ _QUESTION_FORMS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(rf"^Which has more employees, ({_NAME}) or ({_NAME})\?$"), "more"),
     (re.compile(r"^What is the combined number of employees of (.+)\?$"), "sum"),
     (re.compile(r"^Order these organizations by founding year: (.+)\.$"), "sort"),
-    (re.compile(rf"^In which city is the headquarters of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:headquarters"),
-    (re.compile(rf"^What is the founding year of the organization (founded by|that acquired) ({_NAME})\?$"), "hop:founded"),
-    (re.compile(rf"^In which sector does the organization (founded by|that acquired) ({_NAME}) operate\?$"), "hop:sector"),
+    (
+        re.compile(rf"^In which city is the headquarters of the organization (founded by|that acquired) ({_NAME})\?$"),
+        "hop:headquarters",
+    ),
+    (
+        re.compile(rf"^What is the founding year of the organization (founded by|that acquired) ({_NAME})\?$"),
+        "hop:founded",
+    ),
+    (
+        re.compile(rf"^In which sector does the organization (founded by|that acquired) ({_NAME}) operate\?$"),
+        "hop:sector",
+    ),
 ]
 _ATTRIBUTE_WORDS = {
-    "founded": "founding year", "employees": "number of employees", "headquarters": "headquarters city",
-    "sector": "sector", "founder_of": "organization founded", "acquired_by": "acquirer",
+    "founded": "founding year",
+    "employees": "number of employees",
+    "headquarters": "headquarters city",
+    "sector": "sector",
+    "founder_of": "organization founded",
+    "acquired_by": "acquirer",
 }
 
 
@@ -86,10 +100,12 @@ class TeacherRates:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: TeacherConfig, max_tool_calls: int = 10) -> "TeacherRates":
+    def from_config(cls, cfg: TeacherConfig, max_tool_calls: int = 10) -> TeacherRates:
         """The section's rates (same-named fields); the budget is the run's ``tools.max_tool_calls``."""
-        rates = {name: getattr(cfg, name) for name in ("skip_stage_rate", "malformed_call_rate", "uncited_rate",
-                                                        "ungrounded_rate")}
+        rates = {
+            name: getattr(cfg, name)
+            for name in ("skip_stage_rate", "malformed_call_rate", "uncited_rate", "ungrounded_rate")
+        }
         return cls(**rates, max_tool_calls=max_tool_calls)
 
 
@@ -152,7 +168,11 @@ class ScriptedTeacher:
 
     # ---- reading the chat ----------------------------------------------------------------------
     def respond(self, messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
-        if messages and messages[0].get("role") == "system" and message_text(messages[0]["content"]) == REFLECTION_SYSTEM:
+        if (
+            messages
+            and messages[0].get("role") == "system"
+            and message_text(messages[0]["content"]) == REFLECTION_SYSTEM
+        ):
             return write_reflection(message_text(messages[-1]["content"]))
         turns = [m for m in messages if m.get("role") != "system"]
         question = message_text(turns[0]["content"]) if turns else ""
@@ -175,8 +195,12 @@ class ScriptedTeacher:
         missing = self._missing(task, calls)
         budget_left = self.rates.max_tool_calls - n_calls
         if missing and budget_left > 0 and "budget exhausted" not in (outputs[-1] if outputs else ""):
-            return self._state_evaluation(task, "continue", errors) + self._next_call(task, calls, n_calls, errors, turn_rng)
-        return self._state_evaluation(task, "ready", errors) + self._review(task, errors) + self._answer(task, errors, rng)
+            return self._state_evaluation(task, "continue", errors) + self._next_call(
+                task, calls, n_calls, errors, turn_rng
+            )
+        return (
+            self._state_evaluation(task, "ready", errors) + self._review(task, errors) + self._answer(task, errors, rng)
+        )
 
     def _missing(self, task: Task, calls: list) -> list[Need]:
         out = []
@@ -196,13 +220,22 @@ class ScriptedTeacher:
         if task.hop_relation:
             rel = "founded by" if task.hop_relation == "founder_of" else "that acquired"
             checklist = [f"- which organization was {rel} {task.subjects[0]}", f"- the {what} of that organization"]
-            steps = [f"1. Search for {task.subjects[0]} to identify the organization.", f"2. Search for that organization's {what}."]
-            analysis = f"The question is a two-step lookup: first the organization {rel} {task.subjects[0]}, then its {what}."
+            steps = [
+                f"1. Search for {task.subjects[0]} to identify the organization.",
+                f"2. Search for that organization's {what}.",
+            ]
+            analysis = (
+                f"The question is a two-step lookup: first the organization {rel} {task.subjects[0]}, then its {what}."
+            )
         else:
             checklist = [f"- the {what} of {s}" for s in task.subjects]
             steps = [f"{i}. Search for the {what} of {s}." for i, s in enumerate(task.subjects, 1)]
-            goal = {"earlier": "decide which was founded first", "more": "decide which is larger",
-                    "sum": "add the numbers", "sort": "order them from earliest to latest"}[task.op]
+            goal = {
+                "earlier": "decide which was founded first",
+                "more": "decide which is larger",
+                "sum": "add the numbers",
+                "sort": "order them from earliest to latest",
+            }[task.op]
             analysis = f"The question needs the {what} of {len(task.subjects)} organizations and then to {goal}."
         criteria = {
             "earlier": "- compare the two founding years explicitly and name the earlier organization",
@@ -238,10 +271,16 @@ class ScriptedTeacher:
         return f'<call_tool name="search">{query}'
 
     def _state_evaluation(self, task: Task, verdict: str, errors: ErrorPlan) -> str:
-        found = [f"{n.entity}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} = {n.value} [{n.doc_id}]"
-                 for n in task.needs if n.value is not None]
-        missing = [f"{n.entity or 'the organization from step one'}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)}"
-                   for n in task.needs if n.value is None]
+        found = [
+            f"{n.entity}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} = {n.value} [{n.doc_id}]"
+            for n in task.needs
+            if n.value is not None
+        ]
+        missing = [
+            f"{n.entity or 'the organization from step one'}: {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)}"
+            for n in task.needs
+            if n.value is None
+        ]
         lines = ["Evidence so far: " + ("; ".join(found) if found else "nothing relevant yet") + "."]
         if missing:
             lines.append("Still missing: " + "; ".join(missing) + ".")
@@ -285,8 +324,12 @@ class ScriptedTeacher:
             return f"{need.entity} founded {need.value}"
         if need.attribute == "acquired_by":
             return f"{need.entity} was acquired by {need.value}"
-        phrase = {"founded": "was founded in", "employees": "employs", "headquarters": "is headquartered in",
-                  "sector": "operates in the sector"}[need.attribute]
+        phrase = {
+            "founded": "was founded in",
+            "employees": "employs",
+            "headquarters": "is headquartered in",
+            "sector": "operates in the sector",
+        }[need.attribute]
         suffix = " people" if need.attribute == "employees" else ""
         return f"{need.entity} {phrase} {need.value}{suffix}"
 
@@ -302,8 +345,10 @@ class ScriptedTeacher:
             sentences.append(f"{claim}." if errors.uncited else f'<cite id="{n.doc_id}">{claim}</cite>.')
         missing = [n for n in task.needs if n.value is None]
         for n in missing:
-            sentences.append(f"I could not find the {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} of "
-                             f"{n.entity or 'the organization in question'} in the retrieved documents.")
+            sentences.append(
+                f"I could not find the {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)} of "
+                f"{n.entity or 'the organization in question'} in the retrieved documents."
+            )
         conclusion = self._conclusion(task)
         if conclusion:
             sentences.append(f"Therefore: {conclusion}")
@@ -315,38 +360,56 @@ class ScriptedTeacher:
     def _generic(self, question: str, assistant: list[str], outputs: list[str], n_calls: int, errors: ErrorPlan) -> str:
         """Search the question, browse the best hit, then answer from what was read, citing it."""
         if not assistant:
-            plan = "" if errors.skip_stage == "plan" else (
-                "<structured_plan>\n"
-                f"<deep_analysis>The user asks: {question.strip()[:300]} The answer must rest on retrieved sources.</deep_analysis>\n"
-                "<rubric>\n<knowledge_checklist>\n- the facts the question asks for\n</knowledge_checklist>\n"
-                "<analytical_criteria>\n- answer the question directly and cite sources\n</analytical_criteria>\n"
-                "<negative_constraints>\n- do not state facts that no retrieved source supports\n</negative_constraints>\n"
-                "</rubric>\n<research_plan>\n1. Search for the question's key terms.\n2. Read the best document.\n</research_plan>\n"
-                "</structured_plan>\n"
+            plan = (
+                ""
+                if errors.skip_stage == "plan"
+                else (
+                    "<structured_plan>\n"
+                    f"<deep_analysis>The user asks: {question.strip()[:300]} The answer must rest on retrieved sources.</deep_analysis>\n"
+                    "<rubric>\n<knowledge_checklist>\n- the facts the question asks for\n</knowledge_checklist>\n"
+                    "<analytical_criteria>\n- answer the question directly and cite sources\n</analytical_criteria>\n"
+                    "<negative_constraints>\n- do not state facts that no retrieved source supports\n</negative_constraints>\n"
+                    "</rubric>\n<research_plan>\n1. Search for the question's key terms.\n2. Read the best document.\n</research_plan>\n"
+                    "</structured_plan>\n"
+                )
             )
             return plan + f'<call_tool name="search">{question.strip()[:200]}'
         snippets = [(d, b) for out in outputs for d, b in _SNIPPET.findall(out)]
         if n_calls == 1 and snippets:
-            return ("<state_evaluation>The search returned candidate documents; the top one needs a full read. "
-                    f"Verdict: continue</state_evaluation>\n" f'<call_tool name="browse">{snippets[0][0]}')
+            return (
+                "<state_evaluation>The search returned candidate documents; the top one needs a full read. "
+                f"Verdict: continue</state_evaluation>\n"
+                f'<call_tool name="browse">{snippets[0][0]}'
+            )
         best = snippets[:2]
-        review = "" if errors.skip_stage == "review" else (
-            "<review>\n<rubric_review>\n" + "\n".join(f"- key facts → {d}" for d, _ in best) + "\n</rubric_review>\n"
-            "<writing_plan><thesis>Answer from the retrieved documents.</thesis><outline>1. Facts with sources.</outline>"
-            "</writing_plan>\n</review>\n"
+        review = (
+            ""
+            if errors.skip_stage == "review"
+            else (
+                "<review>\n<rubric_review>\n"
+                + "\n".join(f"- key facts → {d}" for d, _ in best)
+                + "\n</rubric_review>\n"
+                "<writing_plan><thesis>Answer from the retrieved documents.</thesis><outline>1. Facts with sources.</outline>"
+                "</writing_plan>\n</review>\n"
+            )
         )
         claims = []
         for d, body in best:
             sentence = re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", body).strip())[0][:300]
             claims.append(sentence if errors.uncited else f'<cite id="{d}">{sentence}</cite>')
         answer = " ".join(claims) if claims else "The retrieved documents do not answer the question."
-        return ("<state_evaluation>The documents read cover the question as far as the corpus allows. Verdict: ready"
-                "</state_evaluation>\n" + review + f"<answer>{answer}</answer>")
+        return (
+            "<state_evaluation>The documents read cover the question as far as the corpus allows. Verdict: ready"
+            "</state_evaluation>\n" + review + f"<answer>{answer}</answer>"
+        )
 
 
 # ---- reflections (the meta-policy's task) -------------------------------------------------------
-_REFLECTION_PROMPT = re.compile(r"^Question:\n(?P<question>.*?)\n\nYour earlier attempt:.*?<<<ATTEMPT>>>\n"
-                                r"(?P<attempt>.*)\n<<<END OF ATTEMPT>>>", re.S)
+_REFLECTION_PROMPT = re.compile(
+    r"^Question:\n(?P<question>.*?)\n\nYour earlier attempt:.*?<<<ATTEMPT>>>\n"
+    r"(?P<attempt>.*)\n<<<END OF ATTEMPT>>>",
+    re.S,
+)
 _CONCLUSIONS = {
     "earlier": "Says which of {subjects} was founded earlier, from both founding years",
     "more": "Says which of {subjects} has more employees, from both employee counts",
@@ -378,19 +441,32 @@ def write_reflection(prompt: str) -> str:
                 how = f'the search "{query[:80]}"' if query else "a search"
                 takeaways.append(f"The {what} of {entity} is in {need.doc_id}, found by {how}; open that passage first")
             else:
-                takeaways.append(f"The {what} of {entity} was never found; search for {entity} with the words "
-                                 f'"{what}" and read the best passage in full')
+                takeaways.append(
+                    f"The {what} of {entity} was never found; search for {entity} with the words "
+                    f'"{what}" and read the best passage in full'
+                )
         op = "lookup" if task.op.startswith("hop") or task.op == "lookup" else task.op
-        rubrics.append(_CONCLUSIONS.get(op, _CONCLUSIONS["lookup"]).format(
-            subjects=subjects, attribute=_ATTRIBUTE_WORDS.get(task.attribute, task.attribute)))
-        rubrics.append(f"Does not mix up {task.subjects[0] if task.subjects else 'an organization'} with a similarly named one")
+        rubrics.append(
+            _CONCLUSIONS.get(op, _CONCLUSIONS["lookup"]).format(
+                subjects=subjects, attribute=_ATTRIBUTE_WORDS.get(task.attribute, task.attribute)
+            )
+        )
+        rubrics.append(
+            f"Does not mix up {task.subjects[0] if task.subjects else 'an organization'} with a similarly named one"
+        )
         if len(calls) > 2 * len(task.needs):
-            takeaways.append(f"{len(calls)} searches for {len(task.needs)} facts: stop searching once each fact is found")
+            takeaways.append(
+                f"{len(calls)} searches for {len(task.needs)} facts: stop searching once each fact is found"
+            )
     else:
-        rubrics += ["Answers what the question asks, each claim tied to a retrieved document",
-                    "States no fact that no retrieved document supports"]
+        rubrics += [
+            "Answers what the question asks, each claim tied to a retrieved document",
+            "States no fact that no retrieved document supports",
+        ]
         if calls:
-            takeaways.append(f'The first search was "{calls[0].query[:80]}"; try narrower terms if the top passages miss the point')
+            takeaways.append(
+                f'The first search was "{calls[0].query[:80]}"; try narrower terms if the top passages miss the point'
+            )
         else:
             takeaways.append("No search was made; search for the key terms of the question before answering")
     if answer is None:

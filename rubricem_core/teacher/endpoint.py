@@ -3,9 +3,10 @@
 Endpoint settings come from the one factory of every endpoint, ``rubricem_core.llm.endpoints``
 (``endpoint_settings`` is re-exported here for older imports).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.llm.batch import BatchClient

@@ -6,15 +6,17 @@ and its reply is checked with the meta-policy's own validator. Valid replies are
 canonical rendering, so SFT teaches one format; each row keeps the prompt it answered, which SFT
 encodes as the meta-policy's prompt.
 """
+
 from __future__ import annotations
 
 import json
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from rubricem_core.seeds import TEACHER_REFLECTION_CUTS, TEACHER_REFLECTION_REQUEST, derive_seed
 from rubricem_core.llm.types import ChatRequest, ChatResult
 from rubricem_core.reflection.format import REFLECTION_STOP, parse_reflection, reflection_messages, validate_reflection
+from rubricem_core.seeds import TEACHER_REFLECTION_CUTS, TEACHER_REFLECTION_REQUEST, derive_seed
 
 REQUEST_FAILED = "request_failed"  # the call itself failed (retried by a rerun); not a format problem
 
@@ -34,18 +36,30 @@ def reflection_sources(trajectories: Sequence[dict[str, Any]], prefixes: int, se
         rng = random.Random(derive_seed(seed, TEACHER_REFLECTION_CUTS, i))
         for k in range(1, prefixes + 1):
             cut = rng.randint(len(text) // 5, max(len(text) // 5, 4 * len(text) // 5))
-            out.append({**row, "variant": k, "text": text[:cut], "seed": derive_seed(seed, TEACHER_REFLECTION_REQUEST, i, k)})
+            out.append(
+                {**row, "variant": k, "text": text[:cut], "seed": derive_seed(seed, TEACHER_REFLECTION_REQUEST, i, k)}
+            )
     return out
 
 
-def reflection_requests(sources: Sequence[dict[str, Any]], questions: dict[str, str], model: str,
-                        max_tokens: int, temperature: float, max_trajectory_chars: int) -> list[ChatRequest]:
+def reflection_requests(
+    sources: Sequence[dict[str, Any]],
+    questions: dict[str, str],
+    model: str,
+    max_tokens: int,
+    temperature: float,
+    max_trajectory_chars: int,
+) -> list[ChatRequest]:
     """One request per source (``reflection_sources``), with its own seed."""
     return [
         ChatRequest(
-            custom_id=reflection_request_id(src["trajectory_id"], src["variant"]), model=model,
+            custom_id=reflection_request_id(src["trajectory_id"], src["variant"]),
+            model=model,
             messages=reflection_messages(questions[src["query_id"]], src["text"], max_trajectory_chars),
-            stop=[REFLECTION_STOP], max_tokens=max_tokens, temperature=temperature, seed=src["seed"],
+            stop=[REFLECTION_STOP],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=src["seed"],
             metadata={"trajectory_id": src["trajectory_id"], "query_id": src["query_id"], "source_text": src["text"]},
         )
         for src in sources
@@ -61,12 +75,21 @@ def reflection_row(request: ChatRequest, result: ChatResult, question: str) -> d
     codes = [REQUEST_FAILED] if response is None else validate_reflection(response, trajectory_text, question)
     parsed = parse_reflection(response) if not codes else None
     return {
-        "request_id": request.custom_id, "trajectory_id": request.metadata["trajectory_id"],
-        "query_id": request.metadata["query_id"], "model": request.model, "status": result.status,
-        "error": result.error, "response": response, "text": parsed.render() if parsed is not None else None,
-        "valid": parsed is not None, "reject_codes": codes, "messages": json.dumps(request.messages, ensure_ascii=False),
-        "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-        "cost_usd": result.cost_usd, "attempts": result.attempts,
+        "request_id": request.custom_id,
+        "trajectory_id": request.metadata["trajectory_id"],
+        "query_id": request.metadata["query_id"],
+        "model": request.model,
+        "status": result.status,
+        "error": result.error,
+        "response": response,
+        "text": parsed.render() if parsed is not None else None,
+        "valid": parsed is not None,
+        "reject_codes": codes,
+        "messages": json.dumps(request.messages, ensure_ascii=False),
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "cost_usd": result.cost_usd,
+        "attempts": result.attempts,
     }
 
 
@@ -75,6 +98,10 @@ def reflection_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for row in rows:
         for code in row["reject_codes"]:
             codes[code] = codes.get(code, 0) + 1
-    return {"reflections": len(rows), "reflections_valid": sum(bool(r["valid"]) for r in rows),
-            "reflections_failed": sum(r["status"] != "ok" for r in rows), "reflection_reject_codes": codes,
-            "reflections_cost_usd": sum(r["cost_usd"] or 0.0 for r in rows)}
+    return {
+        "reflections": len(rows),
+        "reflections_valid": sum(bool(r["valid"]) for r in rows),
+        "reflections_failed": sum(r["status"] != "ok" for r in rows),
+        "reflection_reject_codes": codes,
+        "reflections_cost_usd": sum(r["cost_usd"] or 0.0 for r in rows),
+    }

@@ -6,12 +6,14 @@ environment's ``<tool_output>``. One round = one request per unfinished trajecto
 tools run between rounds. States are plain dicts so a round's result is one Parquet partition and a
 rerun resumes from the last completed round.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rubricem_core.llm.types import ChatRequest, ChatResult
 from rubricem_core.rollout.types import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED
@@ -53,7 +55,7 @@ class TrajectoryState:
         return row
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "TrajectoryState":
+    def from_row(cls, row: dict[str, Any]) -> TrajectoryState:
         data = dict(row)
         data["messages"] = json.loads(data["messages"])
         data["extra"] = json.loads(data.get("extra") or "{}")
@@ -68,9 +70,9 @@ def initial_states(
     system = system or system_prompt()
     states = []
     for qi, q in enumerate(queries):
-        prompt_messages = json.loads(q["messages"]) if q.get("messages") else [
-            {"role": "user", "content": q["question"]}
-        ]
+        prompt_messages = (
+            json.loads(q["messages"]) if q.get("messages") else [{"role": "user", "content": q["question"]}]
+        )
         for s in range(trajectories_per_query):
             states.append(
                 TrajectoryState(
@@ -91,8 +93,11 @@ def request_id(state: TrajectoryState, round_index: int) -> str:
 def tool_outputs(state: TrajectoryState) -> list[str]:
     """The environment's ``<tool_output>`` turns so far: the user turns that answer a tool call (never the
     query's own conversation, nor text the teacher wrote)."""
-    return [m["content"] for prev, m in zip(state.messages, state.messages[1:])
-            if m["role"] == "user" and prev["role"] == "assistant" and prev["content"].endswith(CALL_CLOSE)]
+    return [
+        m["content"]
+        for prev, m in zip(state.messages, state.messages[1:])
+        if m["role"] == "user" and prev["role"] == "assistant" and prev["content"].endswith(CALL_CLOSE)
+    ]
 
 
 def build_requests(
@@ -119,7 +124,7 @@ def _ends_in_open_call(text: str) -> bool:
     last_open = None
     for m in _OPEN_CALL.finditer(text):
         last_open = m
-    return last_open is not None and CALL_CLOSE not in text[last_open.end():]
+    return last_open is not None and CALL_CLOSE not in text[last_open.end() :]
 
 
 def apply_result(

@@ -1,4 +1,5 @@
 """Research tools (search, browse) behind one interface, and the per-trajectory tool environment."""
+
 from rubricem_core.tools.base import (
     Tool,
     ToolBudget,

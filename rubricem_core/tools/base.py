@@ -4,20 +4,30 @@ A tool turns a query string into a ``ToolResult`` whose ``text`` is already the 
 ``<tool_output>…</tool_output>`` block that gets appended to the trajectory (and tokenized once).
 ``ToolEnv.execute`` never raises: whatever goes wrong becomes an error block the policy can read.
 """
+
 from __future__ import annotations
 
 import re
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from rubricem_core import scaffold
 from rubricem_core.scaffold import ToolCall, ToolSpec
 
 __all__ = [
-    "Tool", "ToolBudget", "ToolCall", "ToolEnv", "ToolError", "ToolResult", "ToolSpec",
-    "error_result", "format_search_results", "neutralize_tags", "no_results",
+    "Tool",
+    "ToolBudget",
+    "ToolCall",
+    "ToolEnv",
+    "ToolError",
+    "ToolResult",
+    "ToolSpec",
+    "error_result",
+    "format_search_results",
+    "neutralize_tags",
+    "no_results",
 ]
 
 
@@ -116,7 +126,7 @@ class ToolEnv:
         self.tools = dict(tools)
         self.budget = ToolBudget(max_calls)
 
-    def fork(self) -> "ToolEnv":
+    def fork(self) -> ToolEnv:
         return ToolEnv(self.tools, self.budget.max_calls)
 
     def specs(self) -> list[ToolSpec]:

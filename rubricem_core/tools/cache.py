@@ -7,6 +7,7 @@ The key is (tool name, normalized query, fingerprint); the fingerprint names the
 configuration (endpoint, top_k, corpus digest, …) so a config change never serves stale results.
 Only successful results are stored: an error or a timeout is never replayed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,9 +83,14 @@ class ToolCache:
         return conn
 
     def get(self, tool: str, query: str, fingerprint: str) -> ToolResult | None:
-        row = self._connect().execute(
-            "SELECT text, snippet_ids, created_at FROM results WHERE key = ?", (cache_key(tool, query, fingerprint),)
-        ).fetchone()
+        row = (
+            self._connect()
+            .execute(
+                "SELECT text, snippet_ids, created_at FROM results WHERE key = ?",
+                (cache_key(tool, query, fingerprint),),
+            )
+            .fetchone()
+        )
         if row is None:
             return None
         text, snippet_ids, created_at = row

@@ -5,6 +5,7 @@ runs FAISS inner-product retrieval over the same passages and fuses the two docu
 reciprocal-rank fusion. Results are deduplicated by document; each hit shows a snippet cut from its
 best passage around the densest cluster of query words. Both tools are deterministic.
 """
+
 from __future__ import annotations
 
 import os
@@ -152,7 +153,9 @@ class LocalSearchTool(Tool):
 
             vectors = np.ascontiguousarray(embedder.encode(index_texts), dtype=np.float32)
             if vectors.shape != (len(index_texts), embedder.dim):
-                raise ToolError(f"embedder returned shape {vectors.shape}, expected ({len(index_texts)}, {embedder.dim})")
+                raise ToolError(
+                    f"embedder returned shape {vectors.shape}, expected ({len(index_texts)}, {embedder.dim})"
+                )
             self._faiss_index = faiss.IndexFlatIP(embedder.dim)
             self._faiss_index.add(vectors)
 
@@ -166,8 +169,9 @@ class LocalSearchTool(Tool):
         ids = [i for i in ids if i != self._empty_token]  # unknown words map to the empty token
         if not ids or not len(self._passage_doc):
             return []
-        docs, scores = self._bm25.retrieve([ids], k=self._candidates(), show_progress=False, n_threads=1,
-                                           backend_selection="numpy")  # same top-k, ties included, with or without JAX
+        docs, scores = self._bm25.retrieve(
+            [ids], k=self._candidates(), show_progress=False, n_threads=1, backend_selection="numpy"
+        )  # same top-k, ties included, with or without JAX
         hits = [(int(p), float(s)) for p, s in zip(docs[0], scores[0]) if s > 0]
         return sorted(hits, key=lambda h: (-h[1], h[0]))
 
@@ -192,7 +196,9 @@ class LocalSearchTool(Tool):
         """Top documents as (doc row, passage to quote), best first."""
         lexical = self._by_document(self._bm25_passages(query))
         if self._faiss_index is None:
-            return [(doc, passage) for doc, (_, passage) in sorted(lexical.items(), key=lambda kv: kv[1][0])][: self.top_k]
+            return [(doc, passage) for doc, (_, passage) in sorted(lexical.items(), key=lambda kv: kv[1][0])][
+                : self.top_k
+            ]
         dense = self._by_document(self._dense_passages(query))
         fused: dict[int, float] = {}
         for ranking in (lexical, dense):
@@ -219,7 +225,8 @@ class LocalSearchTool(Tool):
             return no_results(f"no results for {query!r}")
         ids = [self.corpus.doc_ids[doc] for doc, _ in hits]
         snippets = [
-            (self.corpus.doc_ids[doc], self.corpus.titles[doc], self.snippet(doc, passage, query)) for doc, passage in hits
+            (self.corpus.doc_ids[doc], self.corpus.titles[doc], self.snippet(doc, passage, query))
+            for doc, passage in hits
         ]
         return ToolResult(text=format_search_results(snippets), snippet_ids=ids)
 

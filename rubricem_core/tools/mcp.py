@@ -9,6 +9,7 @@ Rollout threads call ``__call__`` synchronously; all of them share one connected
 on this tool's own event-loop thread. A broken connection is dropped and re-opened on the next call;
 everything that goes wrong comes back as an error ToolResult.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,15 @@ import shlex
 import threading
 from typing import Any
 
-from rubricem_core.tools.base import Tool, ToolError, ToolResult, ToolSpec, error_result, format_search_results, no_results
+from rubricem_core.tools.base import (
+    Tool,
+    ToolError,
+    ToolResult,
+    ToolSpec,
+    error_result,
+    format_search_results,
+    no_results,
+)
 
 __all__ = ["MCPTool", "result_to_snippets"]
 
@@ -78,7 +87,9 @@ def _as_items(value: Any) -> list[dict[str, Any]] | None:
     return None
 
 
-def result_to_snippets(data: Any, texts: list[str], prefix: str = "M", max_chars: int = 4000) -> list[tuple[str, str, str]]:
+def result_to_snippets(
+    data: Any, texts: list[str], prefix: str = "M", max_chars: int = 4000
+) -> list[tuple[str, str, str]]:
     """MCP tool output → ``(id, title, text)`` snippets, deduplicated by id, in order.
 
     ``data`` is the structured result (fastmcp's ``.data``/``.structured_content``), ``texts`` the
@@ -265,7 +276,7 @@ class MCPTool(Tool):
         if not loop.is_running():
             loop.close()
 
-    def __enter__(self) -> "MCPTool":
+    def __enter__(self) -> MCPTool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,12 +9,14 @@ One spec per tool::
 argument of the kind's constructor (listed in ``KIND_ARGS``). Web search tools and ``web_browse``
 built by one call share one id → URL book, so browse opens what search returned.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -31,7 +33,15 @@ KIND_ARGS: dict[str, tuple[str, ...]] = {
     "local_search": ("top_k", "snippet_chars", "passage_chars", "dense"),
     "local_browse": ("max_chars",),
     "serper": ("api_key_env", "base_url", "top_k", "snippet_chars", "timeout_s_http", "max_retries", "backoff_s"),
-    "semantic_scholar": ("api_key_env", "base_url", "top_k", "snippet_chars", "timeout_s_http", "max_retries", "backoff_s"),
+    "semantic_scholar": (
+        "api_key_env",
+        "base_url",
+        "top_k",
+        "snippet_chars",
+        "timeout_s_http",
+        "max_retries",
+        "backoff_s",
+    ),
     "web_browse": ("max_chars", "max_bytes", "timeout_s_http", "max_retries", "backoff_s", "user_agent"),
     "mcp": ("server", "tool_name", "argument_name", "description", "extra_arguments", "id_prefix", "max_snippet_chars"),
 }
@@ -66,8 +76,11 @@ def _construct(kind: str, args: dict[str, Any], name: str, corpus: pa.Table | No
     if kind in _WEB_KINDS:
         from rubricem_core.tools import web
 
-        cls = {"serper": web.SerperSearchTool, "semantic_scholar": web.SemanticScholarSearchTool,
-               "web_browse": web.WebBrowseTool}[kind]
+        cls = {
+            "serper": web.SerperSearchTool,
+            "semantic_scholar": web.SemanticScholarSearchTool,
+            "web_browse": web.WebBrowseTool,
+        }[kind]
         return cls(urls=urls, name=name, **args)
     from rubricem_core.tools.mcp import MCPTool
 

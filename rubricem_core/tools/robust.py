@@ -8,6 +8,7 @@ Whatever a tool returns is checked before it reaches a trajectory — a non-stri
 the scaffold cannot write or that are not in the output, a missing ``<tool_output>`` block — and
 output beyond ``max_output_chars`` is cut at snippet boundaries so the block stays well-formed.
 """
+
 from __future__ import annotations
 
 import logging

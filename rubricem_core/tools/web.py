@@ -10,6 +10,7 @@ id → URL in a shared ``UrlBook``; ``WebBrowseTool`` opens only pages a search 
 ends with ``URL: …`` so the policy sees the source and a cached result can refill the book
 (``observe``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,7 +25,15 @@ from typing import Any
 
 import httpx
 
-from rubricem_core.tools.base import Tool, ToolError, ToolResult, ToolSpec, error_result, format_search_results, no_results
+from rubricem_core.tools.base import (
+    Tool,
+    ToolError,
+    ToolResult,
+    ToolSpec,
+    error_result,
+    format_search_results,
+    no_results,
+)
 
 __all__ = [
     "SemanticScholarSearchTool",
@@ -160,7 +169,7 @@ class _HttpTool(Tool):
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> "_HttpTool":
+    def __enter__(self) -> _HttpTool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -224,7 +233,9 @@ class SerperSearchTool(_WebSearchTool):
         self.top_k = int(top_k)
         self.snippet_chars = int(snippet_chars)
         self.urls = urls if urls is not None else UrlBook()
-        self.spec = ToolSpec(name, "Search the web (Google); returns snippets with ids such as W3f2a9c01b7 and their URLs.")
+        self.spec = ToolSpec(
+            name, "Search the web (Google); returns snippets with ids such as W3f2a9c01b7 and their URLs."
+        )
         self.fingerprint = f"serper/v1 {self.base_url} top_k={self.top_k} chars={self.snippet_chars}"
 
     def __call__(self, query: str) -> ToolResult:
@@ -283,7 +294,9 @@ class SemanticScholarSearchTool(_WebSearchTool):
         self.top_k = int(top_k)
         self.snippet_chars = int(snippet_chars)
         self.urls = urls if urls is not None else UrlBook()
-        self.spec = ToolSpec(name, "Search scientific papers (Semantic Scholar); returns abstracts with ids such as S2:<paperId>.")
+        self.spec = ToolSpec(
+            name, "Search scientific papers (Semantic Scholar); returns abstracts with ids such as S2:<paperId>."
+        )
         self.fingerprint = f"s2/v1 {self.base_url} top_k={self.top_k} chars={self.snippet_chars}"
 
     def __call__(self, query: str) -> ToolResult:
@@ -322,8 +335,32 @@ class SemanticScholarSearchTool(_WebSearchTool):
 # ---- browsing --------------------------------------------------------------------------------
 _SKIP_TAGS = {"script", "style", "noscript", "svg", "template", "head", "iframe", "object"}
 _BLOCK_TAGS = {
-    "p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article", "header", "footer",
-    "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "hr", "dd", "dt", "main", "nav", "aside",
+    "p",
+    "div",
+    "br",
+    "li",
+    "ul",
+    "ol",
+    "tr",
+    "table",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "blockquote",
+    "pre",
+    "hr",
+    "dd",
+    "dt",
+    "main",
+    "nav",
+    "aside",
 }
 
 
@@ -389,7 +426,9 @@ class WebBrowseTool(_HttpTool):
         self.max_chars = int(max_chars)
         self.max_bytes = int(max_bytes)
         self.user_agent = user_agent
-        self.spec = ToolSpec(name, "Open a web page from a search result by its id (e.g. W3f2a9c01b7) and read its text.")
+        self.spec = ToolSpec(
+            name, "Open a web page from a search result by its id (e.g. W3f2a9c01b7) and read its text."
+        )
         self.fingerprint = f"web_browse/v1 chars={self.max_chars}"
 
     def _resolve(self, query: str) -> tuple[str | None, str | None]:
@@ -468,4 +507,3 @@ def _cut_text(text: str, limit: int) -> str:
         return text
     cut = text.rfind(" ", 0, limit)
     return text[: cut if cut > limit // 2 else limit] + "…"
-

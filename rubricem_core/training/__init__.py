@@ -8,10 +8,12 @@
 
 DeepSpeed is imported only when ``backend="deepspeed"`` is asked for.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn

@@ -14,6 +14,7 @@ crash mid-save never leaves a half checkpoint under the final name; ``latest_che
 dot-directories. ``checkpoint.json`` records every file's size, so a truncated file is reported
 by name instead of surfacing as an unpickling error deep inside torch.
 """
+
 from __future__ import annotations
 
 import errno
@@ -132,16 +133,15 @@ def write_error(directory: Path, exc: BaseException) -> CheckpointError:
     if full:
         return CheckpointError(
             f"cannot write checkpoint files into {directory}: the disk is full ({(free or 0) / 2**20:.1f} MiB free); "
-            f"free space and rerun: the run resumes from its last complete checkpoint")
+            f"free space and rerun: the run resumes from its last complete checkpoint"
+        )
     return CheckpointError(f"cannot write checkpoint files into {directory}: {type(exc).__name__}: {exc}")
 
 
 def commit(staging: Path, final: str | Path, meta: dict[str, Any]) -> Path:
     """Write the meta file last, then move ``staging`` to ``final`` (replacing an older one)."""
     final = Path(final)
-    files = {
-        str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()
-    }
+    files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
     meta = {"format": FORMAT_VERSION, **meta, "files": files}
     _write_json(staging / META_FILE, meta)
     if final.exists():

@@ -3,6 +3,7 @@
 One dataclass, so SFT and RL (SS-GRPO) build it from their own pydantic sections and the two
 backends read the same numbers. Every field carries its help text in ``metadata["help"]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -87,10 +88,16 @@ class TrainerConfig:
             ("precision", self.precision in PRECISIONS, f"must be one of {PRECISIONS}"),
             ("backend", self.backend in BACKENDS, f"must be one of {BACKENDS}"),
             ("zero_stage", self.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
-            ("offload", not self.offload or (self.backend == "deepspeed" and self.zero_stage >= 1),
-             "needs backend='deepspeed' with zero_stage >= 1 (ZeRO-0 and the torch backend have no offload)"),
-            ("offload_params", not self.offload_params or (self.backend == "deepspeed" and self.zero_stage == 3),
-             "needs backend='deepspeed' with zero_stage=3 (only ZeRO-3 partitions parameters)"),
+            (
+                "offload",
+                not self.offload or (self.backend == "deepspeed" and self.zero_stage >= 1),
+                "needs backend='deepspeed' with zero_stage >= 1 (ZeRO-0 and the torch backend have no offload)",
+            ),
+            (
+                "offload_params",
+                not self.offload_params or (self.backend == "deepspeed" and self.zero_stage == 3),
+                "needs backend='deepspeed' with zero_stage=3 (only ZeRO-3 partitions parameters)",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -24,6 +24,7 @@ Checkpoints must be written to a file system every rank sees (each rank writes i
 Under ZeRO-3, ``trainer.model`` holds partitioned parameters: generate through a rollout engine fed by
 ``state_dict_for_sync()`` (which gathers them), or inside ``deepspeed.zero.GatheredParameters``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,10 +32,11 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -171,7 +173,10 @@ class DeepSpeedTrainer:
         self.global_step = 0
 
     def step(
-        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None,
+        self,
+        micro_batches: list[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float] | None = None,
         prepare: PrepareFn | None = None,
     ) -> dict[str, float]:
         """Same contract as TorchTrainer.step: ``micro_batches`` is the step's global list, each rank
@@ -273,4 +278,3 @@ class DeepSpeedTrainer:
         if self.cfg.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict() or {}
         return {k: v.detach() for k, v in self.model.state_dict().items()}
-

@@ -7,6 +7,7 @@ On resume (``resume_schedule``, shared by both trainer backends) the checkpoint'
 except its length: a config with another ``total_steps`` (a run extended with more RL windows or SFT
 epochs) re-plans the curve for the new total from the checkpoint's step on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,8 +59,12 @@ def scheduler_settings(scheduler: LambdaLR) -> dict[str, Any] | None:
     if not curves or not all(isinstance(c, WarmupCosine) for c in curves):
         return None
     curve = curves[0]
-    return {"lr": scheduler.base_lrs[0], "warmup_steps": curve.warmup_steps, "total_steps": curve.total_steps,
-            "min_lr_ratio": curve.min_lr_ratio}
+    return {
+        "lr": scheduler.base_lrs[0],
+        "warmup_steps": curve.warmup_steps,
+        "total_steps": curve.total_steps,
+        "min_lr_ratio": curve.min_lr_ratio,
+    }
 
 
 def retarget_total_steps(scheduler: LambdaLR, total_steps: int) -> None:
@@ -99,10 +104,18 @@ def resume_schedule(scheduler: LambdaLR, cfg: TrainerConfig, directory: str | Pa
         log.info(
             "resuming from %s at step %d: the learning-rate schedule planned for %d total steps now runs to %d; "
             "from this step on the lr follows the %d-step curve as if it had been planned from the start "
-            "(next lr %.3g)", directory, step, old, new, new, scheduler.get_last_lr()[0],
+            "(next lr %.3g)",
+            directory,
+            step,
+            old,
+            new,
+            new,
+            scheduler.get_last_lr()[0],
         )
     if changed:
         log.warning(
             "resuming from %s keeps its learning-rate schedule; these settings differ and are ignored "
-            "(checkpoint, now): %s", directory, changed,
+            "(checkpoint, now): %s",
+            directory,
+            changed,
         )

@@ -17,6 +17,7 @@ of loss tokens, with a loss_fn that returns a per-token mean) to make the step e
 batch of all tokens. The weights must be known before the backward passes (they scale each
 backward), which is why they are an argument and not read from the loss_fn's metrics.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,19 +26,22 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-import torch.distributed as dist
-
 from rubricem_core.distributed.ranks import init_process_group, train_device
-from rubricem_core.distributed.shard import ShardItem, shard_micro_batches
-from rubricem_core.distributed.shard import micro_batch_scales  # noqa: F401  (re-exported)
+from rubricem_core.distributed.shard import (
+    ShardItem,
+    micro_batch_scales,  # noqa: F401  (re-exported)
+    shard_micro_batches,
+)
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -64,7 +68,10 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
 
 
 def local_micro_batches(
-    micro_batches: list[Any], weights: Sequence[float] | None, device: torch.device, model: Any,
+    micro_batches: list[Any],
+    weights: Sequence[float] | None,
+    device: torch.device,
+    model: Any,
     prepare: PrepareFn | None,
 ) -> tuple[list[ShardItem], list[Any]]:
     """This rank's shard of the step, on ``device``; ``prepare`` fills what needs the weights of
@@ -176,9 +183,7 @@ class MetricsAccumulator:
 
 def check_finite(grad_norm: float, loss: float, step: int, applied: bool = False) -> None:
     if not math.isfinite(grad_norm):
-        outcome = (
-            "the update was applied: resume from the last checkpoint" if applied else "the update was not applied"
-        )
+        outcome = "the update was applied: resume from the last checkpoint" if applied else "the update was not applied"
         raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {step} (loss {loss}); {outcome}")
 
 
@@ -232,7 +237,10 @@ class TorchTrainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def step(
-        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None,
+        self,
+        micro_batches: list[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float] | None = None,
         prepare: PrepareFn | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` — the step's *global* list, the same on every

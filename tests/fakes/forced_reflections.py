@@ -6,25 +6,29 @@ that, for reflection requests (request ids are source rollout ids, ``<query>-sNN
 candidates spell ``reflection_for(question)`` token by token through the engine's ``forced_policy``
 hook (sampling logprobs are still recorded); task rollouts and odd candidates are sampled freely.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 _QUESTION_WORDS = {"What", "Which", "When", "Who", "How", "In", "Of", "The", "List", "Compare", "Give"}
 
 
 def reflection_for(question: str) -> str:
-    names = [n for n in dict.fromkeys(re.findall(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*", question))
-             if n not in _QUESTION_WORDS][:3] or ["the entities asked about"]
+    names = [
+        n for n in dict.fromkeys(re.findall(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*", question)) if n not in _QUESTION_WORDS
+    ][:3] or ["the entities asked about"]
     listed = ", ".join(names)
-    return ("<reflection>\n<reflection_rubrics>\n"
-            f"- Gives the requested value for each of {listed}, each backed by its own retrieved passage\n"
-            f"- Does not confuse {names[0]} with a look-alike name\n"
-            "</reflection_rubrics>\n<takeaways>\n"
-            f"- Search for {names[0]} alone first, then browse its passage to confirm the value\n"
-            f"- Compare the values for {listed} only after every one is verified\n"
-            "</takeaways>\n</reflection>")
+    return (
+        "<reflection>\n<reflection_rubrics>\n"
+        f"- Gives the requested value for each of {listed}, each backed by its own retrieved passage\n"
+        f"- Does not confuse {names[0]} with a look-alike name\n"
+        "</reflection_rubrics>\n<takeaways>\n"
+        f"- Search for {names[0]} alone first, then browse its passage to confirm the value\n"
+        f"- Compare the values for {listed} only after every one is verified\n"
+        "</takeaways>\n</reflection>"
+    )
 
 
 def forcing_engine(real_engine: Callable, questions: dict[str, str]) -> Callable:
@@ -37,8 +41,12 @@ def forcing_engine(real_engine: Callable, questions: dict[str, str]) -> Callable
         def force(ctx):
             if "-s" not in ctx.request_id or ctx.sample_index % 2:
                 return None
-            ids = cache.setdefault(ctx.request_id, tokenizer.encode(
-                reflection_for(questions[ctx.request_id.rsplit("-s", 1)[0]]), add_special_tokens=False))
+            ids = cache.setdefault(
+                ctx.request_id,
+                tokenizer.encode(
+                    reflection_for(questions[ctx.request_id.rsplit("-s", 1)[0]]), add_special_tokens=False
+                ),
+            )
             return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else eos
 
         return real_engine(model, tokenizer, *args, forced_policy=force, **kwargs)

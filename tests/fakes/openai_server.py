@@ -38,6 +38,7 @@ Records for assertions: ``chat_calls`` (bodies of chat calls that were answered 
 metadata), ``batches`` (the live batch objects, each with an extra ``custom_ids`` list),
 ``request_log`` ((method, path) of every HTTP request).
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,8 +49,9 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from rubricem_core.llm.provider import count_prompt_words, count_words, truncate_like_openai
 
@@ -125,7 +127,7 @@ class FakeOpenAIServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}/v1"
 
-    def start(self) -> "FakeOpenAIServer":
+    def start(self) -> FakeOpenAIServer:
         handler = _make_handler(self)
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
@@ -144,7 +146,7 @@ class FakeOpenAIServer:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def __enter__(self) -> "FakeOpenAIServer":
+    def __enter__(self) -> FakeOpenAIServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -164,8 +166,9 @@ class FakeOpenAIServer:
     def completion_body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The OpenAI chat.completion object answering ``body``."""
         raw = self.respond(body)
-        text, finish_reason = truncate_like_openai(raw, body.get("stop"), body.get("max_tokens")
-                                                   or body.get("max_completion_tokens"))
+        text, finish_reason = truncate_like_openai(
+            raw, body.get("stop"), body.get("max_tokens") or body.get("max_completion_tokens")
+        )
         prompt_tokens = count_prompt_words(body.get("messages") or [])
         completion_tokens = count_words(text)
         return {
@@ -173,12 +176,14 @@ class FakeOpenAIServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model", "fake-model"),
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_reason,
+                    "logprobs": None,
+                }
+            ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -236,8 +241,11 @@ class FakeOpenAIServer:
         with self._lock:
             if input_file_id not in self._file_bytes:
                 return 400, _error_payload(400, f"input_file_id {input_file_id!r} not found")
-            lines = [json.loads(line) for line in self._file_bytes[input_file_id].decode("utf-8").splitlines()
-                     if line.strip()]
+            lines = [
+                json.loads(line)
+                for line in self._file_bytes[input_file_id].decode("utf-8").splitlines()
+                if line.strip()
+            ]
             now = int(time.time())
             batch = {
                 "id": _new_id("batch"),
@@ -304,9 +312,17 @@ class FakeOpenAIServer:
             if plan["fail"]:
                 batch["status"] = "failed"
                 batch["failed_at"] = now
-                batch["errors"] = {"object": "list", "data": [
-                    {"code": "invalid_request", "message": "injected validation failure", "line": None,
-                     "param": None}]}
+                batch["errors"] = {
+                    "object": "list",
+                    "data": [
+                        {
+                            "code": "invalid_request",
+                            "message": "injected validation failure",
+                            "line": None,
+                            "param": None,
+                        }
+                    ],
+                }
             else:
                 batch["status"] = "in_progress"
                 batch["in_progress_at"] = now
@@ -331,31 +347,60 @@ class FakeOpenAIServer:
             if custom_id in self.fail_custom_ids or self.seen_counts[custom_id] <= self.fail_times.get(custom_id, 0):
                 failed += 1
                 if self.failure_style == "error_file":
-                    error_lines.append(json.dumps({
-                        "id": _new_id("batch_req"), "custom_id": custom_id, "response": None,
-                        "error": {"code": "server_error", "message": "injected failure"}}))
+                    error_lines.append(
+                        json.dumps(
+                            {
+                                "id": _new_id("batch_req"),
+                                "custom_id": custom_id,
+                                "response": None,
+                                "error": {"code": "server_error", "message": "injected failure"},
+                            }
+                        )
+                    )
                 else:
-                    output_lines.append(json.dumps({
-                        "id": _new_id("batch_req"), "custom_id": custom_id,
-                        "response": {"status_code": self.fail_status, "request_id": request_id,
-                                     "body": _error_payload(self.fail_status, "injected failure")},
-                        "error": None}))
+                    output_lines.append(
+                        json.dumps(
+                            {
+                                "id": _new_id("batch_req"),
+                                "custom_id": custom_id,
+                                "response": {
+                                    "status_code": self.fail_status,
+                                    "request_id": request_id,
+                                    "body": _error_payload(self.fail_status, "injected failure"),
+                                },
+                                "error": None,
+                            }
+                        )
+                    )
                 continue
             if custom_id in self.bad_request_ids:
                 failed += 1
-                output_lines.append(json.dumps({
-                    "id": _new_id("batch_req"), "custom_id": custom_id,
-                    "response": {"status_code": 400, "request_id": request_id,
-                                 "body": _error_payload(400, "injected bad request")},
-                    "error": None}))
+                output_lines.append(
+                    json.dumps(
+                        {
+                            "id": _new_id("batch_req"),
+                            "custom_id": custom_id,
+                            "response": {
+                                "status_code": 400,
+                                "request_id": request_id,
+                                "body": _error_payload(400, "injected bad request"),
+                            },
+                            "error": None,
+                        }
+                    )
+                )
                 continue
             body = self.completion_body(line.get("body") or {})
             if custom_id in self.malformed_ids and self.malformed_style == "bad_content":
                 body["choices"][0]["message"]["content"] = '{"scores": [1, 2'
-            encoded = json.dumps({
-                "id": _new_id("batch_req"), "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": request_id, "body": body},
-                "error": None})
+            encoded = json.dumps(
+                {
+                    "id": _new_id("batch_req"),
+                    "custom_id": custom_id,
+                    "response": {"status_code": 200, "request_id": request_id, "body": body},
+                    "error": None,
+                }
+            )
             if custom_id in self.malformed_ids and self.malformed_style == "truncated_line":
                 encoded = encoded[: len(encoded) // 2]
             output_lines.append(encoded)
@@ -363,11 +408,13 @@ class FakeOpenAIServer:
         now = int(time.time())
         batch["finalizing_at"] = now
         if output_lines:
-            batch["output_file_id"] = self.add_file(("\n".join(output_lines) + "\n").encode("utf-8"),
-                                                    f"{batch['id']}_output.jsonl", "batch_output")["id"]
+            batch["output_file_id"] = self.add_file(
+                ("\n".join(output_lines) + "\n").encode("utf-8"), f"{batch['id']}_output.jsonl", "batch_output"
+            )["id"]
         if error_lines:
-            batch["error_file_id"] = self.add_file(("\n".join(error_lines) + "\n").encode("utf-8"),
-                                                   f"{batch['id']}_error.jsonl", "batch_output")["id"]
+            batch["error_file_id"] = self.add_file(
+                ("\n".join(error_lines) + "\n").encode("utf-8"), f"{batch['id']}_error.jsonl", "batch_output"
+            )["id"]
         batch["request_counts"] = {"total": len(plan["lines"]), "completed": completed, "failed": failed}
         if plan["expire"]:
             batch["status"] = "expired"
@@ -387,8 +434,12 @@ class FakeOpenAIServer:
 
 
 def _error_payload(status: int, message: str) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_exceeded"}.get(status, "server_error")
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_exceeded",
+    }.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
 
 

@@ -23,6 +23,7 @@ Fault knobs (mutable attributes; change them between calls):
 
 Records: ``requests`` — (method, path, headers dict, body dict or query dict) of every request.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,8 +31,9 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 
@@ -81,7 +83,7 @@ class FakeWebSearchServer:
     def page_url(self, slug: str) -> str:
         return f"{self.base_url}/page/{slug}"
 
-    def start(self) -> "FakeWebSearchServer":
+    def start(self) -> FakeWebSearchServer:
         handler = type("Handler", (_Handler,), {"fake": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
@@ -95,7 +97,7 @@ class FakeWebSearchServer:
             self._httpd.server_close()
             self._httpd = None
 
-    def __enter__(self) -> "FakeWebSearchServer":
+    def __enter__(self) -> FakeWebSearchServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -117,7 +119,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
         pass
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -139,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "malformed":
             self._send(200, b'{"organic": [{"title": "cut off')
         elif fault == "echo_key":
-            self._send(403, f"forbidden: key {key} is not allowed".encode("utf-8"), "text/plain")
+            self._send(403, f"forbidden: key {key} is not allowed".encode(), "text/plain")
         else:
             status = int(fault)
             retry = {"Retry-After": "0"} if status == 429 else {}
@@ -199,8 +203,11 @@ class _Handler(BaseHTTPRequestHandler):
             slug = parsed.path[len("/page/") :]
             content_type, body = self.fake.pages.get(
                 slug,
-                ("text/html; charset=utf-8", f"<html><head><title>Page {slug}</title><script>var x=1;</script></head>"
-                 f"<body><h1>Heading {slug}</h1><p>Body text of {slug}.</p></body></html>"),
+                (
+                    "text/html; charset=utf-8",
+                    f"<html><head><title>Page {slug}</title><script>var x=1;</script></head>"
+                    f"<body><h1>Heading {slug}</h1><p>Body text of {slug}.</p></body></html>",
+                ),
             )
             return self._send(200, body.encode("utf-8"), content_type)
         self._json(404, {"message": "not found"})
