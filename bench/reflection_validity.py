@@ -102,7 +102,14 @@ def main() -> int:
     results = {}
     for name, sources in (("own held-out rollouts", own), ("teacher trajectories", teacher)):
         rows = sample_reflections(
-            engine, tokenizer, sources, questions, reflect, cfg.reflection.max_trajectory_chars, env
+            engine,
+            tokenizer,
+            sources,
+            questions,
+            reflect,
+            cfg.reflection.max_trajectory_chars,
+            env,
+            cfg.reflection.max_trajectory_tokens,
         )
         codes = Counter(c for r in rows for c in r["codes"])
         results[name] = sum(r["valid"] for r in rows) / max(len(rows), 1)

@@ -498,7 +498,19 @@ class ReflectionConfig(_Strict):
     temperature: float = Field(default=0.7, gt=0, description="Sampling temperature of the candidates.")
     max_new_tokens: int = Field(default=512, ge=16, description="Tokens per reflection candidate.")
     max_trajectory_chars: int = Field(
-        default=6000, ge=200, description="Longest trajectory text shown to the policy (its middle is cut)."
+        default=6000,
+        ge=200,
+        description="Longest trajectory text shown to the policy (its middle is cut); unused when "
+        "max_trajectory_tokens is set.",
+    )
+    max_trajectory_tokens: int | None = Field(
+        default=None,
+        ge=64,
+        description="Longest trajectory shown to the policy, in tokens of the policy's tokenizer (its middle "
+        "is cut; the omission line counts against it). Set, it replaces max_trajectory_chars for the reflection "
+        "prompt everywhere the policy sees it: RL candidates, the teacher's SFT reflections, evaluation. "
+        "None: max_trajectory_chars. The prompt (this + the system text and question) plus "
+        "reflection.max_new_tokens must fit rollout.max_total_tokens.",
     )
     schedule: Literal["deferred", "sync"] = Field(
         default="deferred",

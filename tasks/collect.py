@@ -322,6 +322,17 @@ def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[s
     }
 
 
+def _policy_tokenizer(run_dir: str, cfg: RunConfig, log: Any) -> Any:
+    """The policy's tokenizer when the reflection prompt is bounded in its tokens (reflection.max_trajectory_tokens),
+    else None: the teacher is asked exactly what RL asks the policy, and SFT trains the policy on that prompt."""
+    if cfg.reflection.max_trajectory_tokens is None:
+        return None
+    from rubricem_core.policy.loading import load_policy_tokenizer  # pulls in torch and transformers
+    from tasks.sft import base_policy
+
+    return load_policy_tokenizer(base_policy(run_dir, cfg, log))
+
+
 @task(name="teacher-reflections", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     """The teacher's reflection on every accepted trajectory → `teacher_reflections` (one round through
@@ -345,6 +356,8 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
         tcfg.max_tokens,
         tcfg.temperature,
         cfg.reflection.max_trajectory_chars,
+        cfg.reflection.max_trajectory_tokens,
+        _policy_tokenizer(run_dir, cfg, log),
     )
     requests = [req for req in every if req.custom_id not in old or old[req.custom_id]["status"] != "ok"]
     if not requests:

@@ -149,7 +149,17 @@ def sequential_options(cfg: RunConfig) -> SequentialOptions:
         temperature=cfg.reflection.temperature,
         max_new_tokens=cfg.reflection.max_new_tokens,
         max_trajectory_chars=cfg.reflection.max_trajectory_chars,
+        max_trajectory_tokens=cfg.reflection.max_trajectory_tokens,
     )
+
+
+def sequential_settings(sequential: SequentialOptions) -> dict[str, Any]:
+    """The sequential options an eval part is keyed by. A token bound is added only when set, so the
+    digests of parts evaluated before reflection.max_trajectory_tokens existed stay as they were."""
+    settings = dataclasses.asdict(sequential)
+    if settings["max_trajectory_tokens"] is None:
+        del settings["max_trajectory_tokens"]
+    return settings
 
 
 def sample_seed(cfg: RunConfig) -> int:
@@ -232,7 +242,7 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
         produced_by["ungraded"] = ungraded
     sequential = sequential_options(cfg) if retrieval == SEQUENTIAL else None
     if sequential is not None:
-        produced_by["sequential"] = dataclasses.asdict(sequential)
+        produced_by["sequential"] = sequential_settings(sequential)
     settings = settings_digest(produced_by)
     if store.has(TABLE, {}, part):
         rows = store.read_table(TABLE, {}, part).to_pylist()
@@ -316,6 +326,7 @@ def _reflection_validity(
             sampling,
             cfg.reflection.max_trajectory_chars,
             search_env(run_dir, cfg),
+            cfg.reflection.max_trajectory_tokens,
         )
         out = [
             {

@@ -99,6 +99,7 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         cfg.reflection.n_candidates,
         sampling,
         cfg.reflection.max_trajectory_chars,
+        cfg.reflection.max_trajectory_tokens,
     )
     t0 = time.perf_counter()
     with session.lock:  # the engine is not re-entrant; the weights are those the step's rollouts used

@@ -27,10 +27,10 @@ def sft_checkpoint_root(run_dir: str) -> Path:
     return RunLayout(run_dir).sft_checkpoints_dir
 
 
-@task(name="prepare-policy", cache_policy=NO_CACHE)
-def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
-    """The tiny policy is built once per run directory from its corpus; real models are used as named."""
-    log = get_run_logger()
+def base_policy(run_dir: str, cfg: RunConfig, log: Any) -> Path:
+    """The run's base policy directory (or hub name): the tiny policy is built once per run directory
+    from its corpus (by whichever task needs it first: SFT, or the teacher's reflections when their
+    prompt is bounded in the policy's tokens); real models are used as named."""
     out = policy_base_dir(run_dir)
     if cfg.policy.name_or_path == "tiny" and not (out / "config.json").exists():
         corpus = RunStore(run_dir).read_table("corpus")
@@ -39,7 +39,14 @@ def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
         log.info("building the tiny policy (tokenizer trained on %d documents) in %s", len(texts), out)
     else:
         texts, doc_ids = [], []
-    path = prepare_policy(cfg.policy, out, texts, cfg.seed, doc_ids=doc_ids)
+    return prepare_policy(cfg.policy, out, texts, cfg.seed, doc_ids=doc_ids)
+
+
+@task(name="prepare-policy", cache_policy=NO_CACHE)
+def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
+    """The tiny policy is built once per run directory from its corpus; real models are used as named."""
+    log = get_run_logger()
+    path = base_policy(run_dir, cfg, log)
     log.info("base policy: %s", path)
     return str(path)
 

@@ -96,6 +96,10 @@ class SequentialOptions:
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature of the reflection."})
     max_new_tokens: int = field(default=512, metadata={"help": "Tokens of the reflection."})
     max_trajectory_chars: int = field(default=6000, metadata={"help": "Longest trial-1 text shown (middle cut)."})
+    max_trajectory_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Longest trial-1 text shown in the policy's tokens (middle cut; replaces the characters)."},
+    )
     valid_only: bool = field(
         default=True,
         metadata={
@@ -280,6 +284,7 @@ def reflect_on_trials(
         sampling,
         sequential.max_trajectory_chars,
         env,
+        sequential.max_trajectory_tokens,
     )
     return [{**r, "sample": by_source[r["source"]]["sample"]} for r in rows]
 

@@ -151,6 +151,26 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> PreTrainedTokenizerBase
     return tokenizer
 
 
+def load_policy_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer alone of a policy named as ``load_policy`` takes it: a local policy directory
+    (``load_tokenizer``), or a hub name (from the Hugging Face cache only when ``HF_HUB_OFFLINE`` is set)."""
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.exists() or not _is_hub_name(name):
+        return load_tokenizer(path)
+    offline = hub_offline()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
+    except OSError as error:
+        hint = " (not in the Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it)" if offline else ""
+        raise PolicyLoadError(f"cannot load the tokenizer of hub model {name!r}{hint}: {error}") from error
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise PolicyLoadError(f"the tokenizer of hub model {name!r} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _ensure_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from rubricem_core.scaffold import TAG_NAMES, CodeTable, neutralize_tags
 
@@ -92,6 +93,11 @@ class Reflection:
         return self.rubrics + self.takeaways
 
 
+def _omission_marker(omitted: int, unit: str) -> str:
+    """The line that stands where the middle of the attempt was cut (``unit``: characters or tokens)."""
+    return f"\n[... {omitted} {unit} of the attempt omitted here ...]\n"
+
+
 def clip_middle(text: str, max_chars: int | None) -> tuple[str, int]:
     """``text`` cut to about ``max_chars`` by dropping its middle (plan and answer are kept), and how
     many characters were dropped."""
@@ -102,25 +108,82 @@ def clip_middle(text: str, max_chars: int | None) -> tuple[str, int]:
     omitted = len(text) - max_chars
     head = max_chars // 2
     tail = max_chars - head
-    return f"{text[:head]}\n[... {omitted} characters of the attempt omitted here ...]\n{text[-tail:]}", omitted
+    return f"{text[:head]}{_omission_marker(omitted, 'characters')}{text[-tail:]}", omitted
+
+
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` alone under ``tokenizer`` (no special tokens added): what a token bound counts."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def clip_middle_tokens(text: str, max_tokens: int | None, tokenizer: Any) -> tuple[str, int]:
+    """``text`` cut to at most ``max_tokens`` tokens of ``tokenizer`` by dropping its middle, and how many
+    of its tokens were dropped.
+
+    The head and tail token halves are decoded back to text; the omission line counts against the bound,
+    so the whole result (head, the line, tail) re-encodes to at most ``max_tokens`` tokens.
+    """
+    if max_tokens is None:
+        return text, 0
+    ids = token_ids(tokenizer, text)
+    if len(ids) <= max_tokens:
+        return text, 0
+    # the line with the largest count it can state, so a smaller one never takes more tokens
+    keep = max_tokens - len(token_ids(tokenizer, _omission_marker(len(ids), "tokens")))
+    while keep >= 2:
+        head_n = keep // 2
+        tail_n = keep - head_n
+        omitted = len(ids) - keep
+        # a head or tail cut inside a multi-byte character decodes to U+FFFD there: drop it
+        head = _decode(tokenizer, ids[:head_n]).rstrip("\ufffd")
+        tail = _decode(tokenizer, ids[len(ids) - tail_n :]).lstrip("\ufffd")
+        shown = f"{head}{_omission_marker(omitted, 'tokens')}{tail}"
+        excess = len(token_ids(tokenizer, shown)) - max_tokens
+        if excess <= 0:
+            return shown, omitted
+        keep -= excess  # re-encoding merged differently at a cut: shrink by what it overran
+    raise ValueError(f"max_tokens={max_tokens} leaves no room for a head and a tail beside the omission line")
+
+
+def _escape_delimiters(text: str) -> str:
+    return text.replace("<<<", "<< <")  # the attempt cannot close its own delimiters
 
 
 def reflection_messages(
-    question: str, trajectory_text: str, max_chars: int | None = DEFAULT_MAX_TRAJECTORY_CHARS
+    question: str,
+    trajectory_text: str,
+    max_chars: int | None = DEFAULT_MAX_TRAJECTORY_CHARS,
+    *,
+    max_tokens: int | None = None,
+    tokenizer: Any = None,
 ) -> list[dict[str, str]]:
     """Chat messages asking the policy for a reflection on ``trajectory_text``.
 
+    The attempt is shown whole or middle-cut: to ``max_tokens`` tokens of ``tokenizer`` (the policy's)
+    when ``max_tokens`` is set (``max_chars`` is then ignored), else to ``max_chars`` characters.
     Deliberately takes no rubrics or scores: the policy must not see privileged judge inputs.
     """
     if not isinstance(question, str) or not question.strip():
         raise ValueError("reflection_messages: question must be a non-empty string")
     if not isinstance(trajectory_text, str) or not trajectory_text.strip():
         raise ValueError("reflection_messages: trajectory_text must be a non-empty string")
-    shown, omitted = clip_middle(trajectory_text.strip(), max_chars)
-    shown = shown.replace("<<<", "<< <")  # the attempt cannot close its own delimiters
+    text = trajectory_text.strip()
+    if max_tokens is not None:
+        if tokenizer is None:
+            raise ValueError("reflection_messages: max_tokens needs the policy's tokenizer")
+        text = _escape_delimiters(text)  # before the cut, so the bound holds for what is shown
+        total, unit = len(token_ids(tokenizer, text)), "tokens"
+        shown, omitted = clip_middle_tokens(text, max_tokens, tokenizer)
+    else:
+        total, unit = len(text), "characters"
+        shown, omitted = clip_middle(text, max_chars)
+        shown = _escape_delimiters(shown)
     note = (
-        f"\n(The attempt is {len(trajectory_text.strip())} characters long; {omitted} characters from "
-        "its middle are omitted below.)"
+        f"\n(The attempt is {total} {unit} long; {omitted} {unit} from its middle are omitted below.)"
         if omitted
         else ""
     )

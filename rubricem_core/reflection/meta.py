@@ -63,12 +63,23 @@ def candidate_requests(
     n: int,
     sampling: SamplingParams,
     max_trajectory_chars: int,
+    max_trajectory_tokens: int | None = None,
 ) -> list[RolloutRequest]:
-    """One request per source rollout, ``n`` samples each; no tool calls are allowed."""
+    """One request per source rollout, ``n`` samples each; no tool calls are allowed. The trajectory is
+    middle-cut to ``max_trajectory_tokens`` tokens of ``tokenizer`` when set, else to ``max_trajectory_chars``."""
     return [
         RolloutRequest(
             request_id=src["rollout_id"],
-            prompt_ids=encode_prompt(tokenizer, reflection_messages(questions[qid], src["text"], max_trajectory_chars)),
+            prompt_ids=encode_prompt(
+                tokenizer,
+                reflection_messages(
+                    questions[qid],
+                    src["text"],
+                    max_trajectory_chars,
+                    max_tokens=max_trajectory_tokens,
+                    tokenizer=tokenizer,
+                ),
+            ),
             n=n,
             sampling=reflection_sampling(sampling),
             max_tool_calls=0,
@@ -100,10 +111,12 @@ def sample_reflections(
     sampling: SamplingParams,
     max_trajectory_chars: int,
     tools: Any,
+    max_trajectory_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """One reflection per source trajectory (dicts with ``query_id``, ``text`` and an id ``source``),
     unforced, each checked with the meta-policy's validator: the valid-reflection rate of a policy.
-    ``tools`` is the engine's ToolEnv (no call is allowed: max_tool_calls 0)."""
+    ``tools`` is the engine's ToolEnv (no call is allowed: max_tool_calls 0); the trajectory bound is that of
+    ``candidate_requests``."""
     sources = [s for s in sources if s["text"] and s["text"].strip()]
     requests = [
         RolloutRequest(
@@ -113,7 +126,14 @@ def sample_reflections(
             max_tool_calls=0,
             scaffold=False,
             prompt_ids=encode_prompt(
-                tokenizer, reflection_messages(questions[s["query_id"]], s["text"], max_trajectory_chars)
+                tokenizer,
+                reflection_messages(
+                    questions[s["query_id"]],
+                    s["text"],
+                    max_trajectory_chars,
+                    max_tokens=max_trajectory_tokens,
+                    tokenizer=tokenizer,
+                ),
             ),
         )
         for s in sources

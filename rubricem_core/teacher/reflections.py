@@ -49,13 +49,23 @@ def reflection_requests(
     max_tokens: int,
     temperature: float,
     max_trajectory_chars: int,
+    max_trajectory_tokens: int | None = None,
+    tokenizer: Any = None,
 ) -> list[ChatRequest]:
-    """One request per source (``reflection_sources``), with its own seed."""
+    """One request per source (``reflection_sources``), with its own seed. The prompt is the policy's
+    (``reflection.meta.candidate_requests``): with ``max_trajectory_tokens`` the trajectory is cut in
+    tokens of ``tokenizer``, the policy's, not the teacher's."""
     return [
         ChatRequest(
             custom_id=reflection_request_id(src["trajectory_id"], src["variant"]),
             model=model,
-            messages=reflection_messages(questions[src["query_id"]], src["text"], max_trajectory_chars),
+            messages=reflection_messages(
+                questions[src["query_id"]],
+                src["text"],
+                max_trajectory_chars,
+                max_tokens=max_trajectory_tokens,
+                tokenizer=tokenizer,
+            ),
             stop=[REFLECTION_STOP],
             max_tokens=max_tokens,
             temperature=temperature,
