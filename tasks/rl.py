@@ -170,10 +170,11 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
 
 def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool) -> JudgeOptions:
     """The stagewise judge's options for this run's recipe and judge."""
-    # Baseline-RL is DR Tulu's evolving-answer objective: its judge reads the question and the final
-    # answer only. The built-in judge keeps the whole trajectory: its answer checks verify citations
-    # against the snippets the research retrieved (without them every citation reads as invented).
-    answer_only = cfg.rl.recipe == "baseline" and not builtin
+    # A recipe that judges the answer alone (baseline: DR Tulu's evolving-answer objective; meta_policy:
+    # the same plus reflections) has its judge read the question and the final answer only. The built-in
+    # judge keeps the whole trajectory: its answer checks verify citations against the snippets the
+    # research retrieved (without them every citation reads as invented).
+    answer_only = tuple(judged_stages) == ("answer",) and not builtin
     return JudgeOptions.from_config(
         cfg.judge,
         seed=cfg.seed,

@@ -191,6 +191,32 @@ def test_too_few_rubrics_go_through_the_repair():
     assert judge.usage.repairs["generate"] == 1
 
 
+@pytest.mark.parametrize("repair_reply", ["short", "broken", "none"])
+def test_a_repair_still_short_keeps_its_rubrics_and_a_broken_one_fails(repair_reply):
+    """One stage short after the repair: the query keeps the rubrics it got (noted); a reply that is
+    broken beyond the count fails the generation as before."""
+
+    def model(body: dict[str, Any]) -> str:
+        user = body["messages"][1]["content"]
+        if not user.startswith("TASK: write new rubrics"):
+            return good_reply(body)
+        if is_repair(body) and repair_reply == "broken":
+            return '{"plan": ['
+        if is_repair(body) and repair_reply == "none":
+            return rubrics_reply(plan=0, research=0, review=0, answer=0)
+        return rubrics_reply(plan=1, research=1, review=1, answer=1)
+
+    with FakeOpenAIServer(model, api_key=API_KEY) as server:
+        judge = LLMJudge(settings(server), JudgeOptions(require_min_rubrics=True))
+        [outcome] = judge.generate([GenerationInput(QUERY, ROLLOUTS, [])])
+    if repair_reply == "broken":
+        assert outcome.failed and not outcome.rubrics
+        return
+    assert not outcome.failed
+    assert len(outcome.rubrics) == (4 if repair_reply == "short" else 0)
+    assert any("kept though too few new rubrics" in note for note in outcome.dropped)
+
+
 # ---- 3. Baseline-RL judges the answer only ------------------------------------------------------------------
 
 
@@ -202,8 +228,9 @@ def options_for(recipe: str, model: str = "openai/judge-model") -> JudgeOptions:
     return judge_options(cfg, recipe_settings(cfg).judged_stages, model.startswith("rubricem-judge/"))
 
 
-def test_baseline_judge_sees_the_question_and_the_answer_only():
-    options = options_for("baseline")
+@pytest.mark.parametrize("recipe", ["baseline", "meta_policy"])
+def test_answer_only_recipes_judge_the_question_and_the_answer_only(recipe):
+    options = options_for(recipe)
     assert options.view == "answer" and options.rubric_stages == ("answer",) and options.require_min_rubrics
     generate, score = calls_with(options)
     for body in (generate, score):
@@ -220,8 +247,8 @@ def test_baseline_judge_sees_the_question_and_the_answer_only():
     assert "- plan:" not in generate["messages"][0]["content"]
 
 
-@pytest.mark.parametrize("recipe", ["ss_grpo", "meta_policy", "full"])
-def test_other_recipes_keep_the_whole_trajectory(recipe):
+@pytest.mark.parametrize("recipe", ["ss_grpo", "full"])
+def test_stagewise_recipes_keep_the_whole_trajectory(recipe):
     options = options_for(recipe)
     assert options.view == "trajectory"
     text = sent_text(calls_with(options))

@@ -38,15 +38,7 @@ def citation_grounding(text: str) -> dict[str, Any]:
 
 
 def _rubric_record(rubric: Rubric) -> dict[str, Any]:
-    return {
-        "id": rubric.rubric_id,
-        "stage": rubric.stage,
-        "polarity": rubric.polarity,
-        "weight": rubric.weight,
-        "title": rubric.title,
-        "description": rubric.description,
-        "check": rubric.check,
-    }
+    return {**rubric.shown(), "check": rubric.check}
 
 
 def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) -> GradeResult:

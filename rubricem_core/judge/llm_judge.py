@@ -50,6 +50,7 @@ from rubricem_core.judge.types import (
     RubricScore,
     TrajectoryJudgment,
 )
+from rubricem_core.llm.replies import ReplyError
 from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.scaffold import STAGES
@@ -194,6 +195,8 @@ class LLMJudge:
         self.ask(GENERATE, pending)
         outcomes = []
         for item, call in zip(inputs, pending):
+            if call.error is not None and require_min:
+                self._keep_short_reply(call, limit, stages)
             if call.error is not None:
                 self.usage.fail(GENERATE)
                 log.warning("rubric generation for query %r failed: %s", item.query.query_id, call.error)
@@ -202,6 +205,16 @@ class LLMJudge:
             rubrics, dropped = call.value
             outcomes.append(GenerationOutcome(item.query.query_id, rubrics, dropped))
         return outcomes
+
+    @staticmethod
+    def _keep_short_reply(call: PendingCall, limit: int, stages: Sequence[str]) -> None:
+        """A repaired reply whose only fault is too few rubrics in some stage keeps the rubrics it has:
+        losing every new rubric of the query would cost more than a stage one short of the paper's count."""
+        try:
+            rubrics, dropped = parse_generation(call.last_text, limit, stages=stages)
+        except ReplyError:
+            return  # broken beyond the count: the generation fails
+        call.value, call.error = (rubrics, [*dropped, f"kept though {call.error}"]), None
 
     # ---- scoring -------------------------------------------------------------------------------
     def score(self, inputs: Sequence[ScoringInput]) -> list[TrajectoryJudgment]:

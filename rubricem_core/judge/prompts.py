@@ -130,14 +130,7 @@ def _query_sections(query: JudgeQuery, show_reference: bool = True) -> list[str]
 
 
 def rubric_line(rubric: Rubric) -> str:
-    record: dict[str, Any] = {
-        "id": rubric.rubric_id,
-        "stage": rubric.stage,
-        "polarity": rubric.polarity,
-        "weight": rubric.weight,
-        "title": rubric.title,
-        "description": rubric.description,
-    }
+    record = rubric.shown()
     if rubric.check is not None:
         record["check"] = rubric.check
     return escape_section_markers(json.dumps(record, ensure_ascii=False, sort_keys=True))

@@ -99,6 +99,17 @@ class Rubric:
             raise JudgeError(f"{where}: check must be a dict or None, got {type(self.check).__name__}")
         self.weight = float(self.weight)
 
+    def shown(self) -> dict[str, Any]:
+        """The fields a judge or grader is shown (ids and text, no bookkeeping), keyed as in its prompts."""
+        return {
+            "id": self.rubric_id,
+            "stage": self.stage,
+            "polarity": self.polarity,
+            "weight": self.weight,
+            "title": self.title,
+            "description": self.description,
+        }
+
     @classmethod
     def create(
         cls,

@@ -211,12 +211,7 @@ def rubric_score_lines(rubrics: Sequence[Rubric], judgment: TrajectoryJudgment) 
     for rubric in rubrics:
         scored = by_id.get(rubric.rubric_id)
         record = {
-            "id": rubric.rubric_id,
-            "stage": rubric.stage,
-            "polarity": rubric.polarity,
-            "weight": rubric.weight,
-            "title": rubric.title,
-            "description": rubric.description,
+            **rubric.shown(),
             "score": None if scored is None else scored.score,
             "credit": None if scored is None else credit(rubric.polarity, scored.score),
             "justification": None if scored is None else scored.justification,
