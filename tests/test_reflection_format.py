@@ -152,6 +152,21 @@ def test_short_shared_phrases_are_not_copies():
     assert COPIES_TRAJECTORY not in validate_reflection(text)  # no trajectory: no copy check
 
 
+def test_restating_the_question_is_not_copying_the_attempt():
+    # a first search is often the question verbatim; a reflection that names the question again is fine,
+    # while the same run of words taken from the attempt's own text still counts as a copy
+    question = "Which company founded in the northern harbour by a group of physicists makes instruments today?"
+    trajectory = f'<call_tool name="search">{question}</call_tool>' + TRAJECTORY
+    restated = _wrap(takeaways=f"- search for {question.lower()} and then browse both documents")
+    assert COPIES_TRAJECTORY not in validate_reflection(restated, trajectory, question)
+    assert COPIES_TRAJECTORY in validate_reflection(restated, trajectory, "another question")
+    copied = _wrap(
+        takeaways="- the instrument maker Voralis Labs was founded in 1950 by a group of physicists in the "
+        "northern harbour"
+    )
+    assert COPIES_TRAJECTORY in validate_reflection(copied, TRAJECTORY, question)
+
+
 # ---- the prompt -----------------------------------------------------------------------------------
 
 

@@ -288,12 +288,16 @@ def _word_ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def copies_text(candidate: str, source: str, min_words: int = COPY_MIN_WORDS) -> bool:
-    """True when ``candidate`` repeats ``min_words`` consecutive words of ``source`` (case-insensitive)."""
+def copies_text(candidate: str, source: str, min_words: int = COPY_MIN_WORDS, allowed: str | None = None) -> bool:
+    """True when ``candidate`` repeats ``min_words`` consecutive words of ``source`` (case-insensitive)
+    that are not also words of ``allowed`` (the question: restating it, as a first search often does
+    verbatim, is not copying the attempt)."""
     words = [w.lower() for w in _WORD.findall(candidate)]
     if len(words) < min_words:
         return False
     source_grams = _word_ngrams([w.lower() for w in _WORD.findall(source)], min_words)
+    if allowed:
+        source_grams -= _word_ngrams([w.lower() for w in _WORD.findall(allowed)], min_words)
     return any(gram in source_grams for gram in _word_ngrams(words, min_words))
 
 
@@ -328,7 +332,7 @@ def validate_reflection(
         codes.append(SCAFFOLD_TAGS)
     if _mentions_scores(text, question):
         codes.append(MENTIONS_SCORES)
-    if trajectory_text and copies_text(text, trajectory_text):
+    if trajectory_text and copies_text(text, trajectory_text, allowed=question):
         codes.append(COPIES_TRAJECTORY)
     return codes
 
