@@ -25,7 +25,6 @@ from rubricem_core.faults import fault_point
 from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
-from rubricem_core.policy.loading import load_policy
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.progress import Progress
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
@@ -33,7 +32,7 @@ from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
 from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.training import TrainerConfig, make_trainer
+from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
 from rubricem_core.training.checkpoint import latest_checkpoint
 from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 
@@ -244,7 +243,9 @@ def run_sft(
     are collective (rank 0 writes the HF weights). Give ``log_metrics`` on rank 0 only."""
     final_dir = final_checkpoint_dir(checkpoint_root)
     random.seed(seed)
-    model, tokenizer = load_policy(str(policy_dir), dtype=policy.dtype)
+    # ZeRO-3 ranks load straight into their partitions; the step count (not known before the data is
+    # encoded) does not shape them
+    model, tokenizer = load_for_training(policy_dir, policy.dtype, trainer_config(sft, 1, seed))
     data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
     n_research = len(data.trajectories)
     n_reflections = add_reflections(

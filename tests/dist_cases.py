@@ -38,10 +38,12 @@ def lm_loss(model, micro_batch):
     return loss, {"n_tokens": ids[:, 1:].numel(), "nll": loss.detach(), "nll_max": loss.detach()}
 
 
-def trainer_steps(cfg: dict, n_steps: int = 2, sizes=(2, 3, 1, 2, 3)) -> tuple[dict, list[dict], list[list[int]]]:
+def trainer_steps(
+    cfg: dict, n_steps: int = 2, sizes=(2, 3, 1, 2, 3), model: torch.nn.Module | None = None
+) -> tuple[dict, list[dict], list[list[int]]]:
     """Steps of 5 micro-batches (an odd count: a 2-rank run pads one) weighted by their tokens."""
     torch.set_num_threads(1)
-    trainer = make_trainer(tiny_model(), TrainerConfig(**cfg))
+    trainer = make_trainer(tiny_model() if model is None else model, TrainerConfig(**cfg))
     history, seen = [], []
     for s in range(n_steps):
         micro = [lm_batch(10 * s + i, n) for i, n in enumerate(sizes)]
@@ -55,14 +57,45 @@ def trainer_steps(cfg: dict, n_steps: int = 2, sizes=(2, 3, 1, 2, 3)) -> tuple[d
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     arg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    extra: dict = {}
     if case == "trainer":
         weights, history, seen = trainer_steps(arg)
+    elif case == "zero_init":
+        # the tiny model saved by the test, loaded straight into ZeRO-3 partitions, then trained
+        from transformers import AutoModelForCausalLM
+
+        from rubricem_core.training.zero_init import full_numel, is_partitioned, partitioned_loading, policy_ds_config
+
+        model_dir = arg.pop("model_dir")
+        with partitioned_loading(policy_ds_config(model_dir, TrainerConfig(**arg))):
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+        whole = AutoModelForCausalLM.from_pretrained(model_dir)  # after the block: loaded whole again
+        params = list(model.parameters())
+        extra = {
+            "partitioned": is_partitioned(model),
+            "placeholder_numel": sum(p.numel() for p in params),  # what the module itself holds: nothing
+            "partition_numel": sum(p.ds_tensor.numel() for p in params),  # this rank's share
+            "full_numel": sum(full_numel(p) for p in params),
+            "after_block_partitioned": is_partitioned(whole),
+        }
+        weights, history, seen = trainer_steps(arg, model=model)
     else:
         raise SystemExit(f"unknown case {case!r}")
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, seen)
+    loads: list = [None] * dist.get_world_size()
+    dist.all_gather_object(loads, extra)
     if dist.get_rank() == 0:
-        torch.save({"weights": weights, "history": history, "seen": parts, "world_size": dist.get_world_size()}, out)
+        torch.save(
+            {
+                "weights": weights,
+                "history": history,
+                "seen": parts,
+                "world_size": dist.get_world_size(),
+                "loads": loads,
+            },
+            out,
+        )
     shutdown()
 
 

@@ -142,6 +142,26 @@ def test_two_ranks_train_like_one_on_disjoint_micro_batches(tmp_path, one_rank_r
     assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol
 
 
+@pytest.mark.slow
+def test_zero3_ranks_load_straight_into_their_partitions_and_train_like_one(tmp_path, one_rank_reference):
+    """deepspeed.zero.Init loading: no rank ever holds the whole model (placeholders from the start, half
+    the values each), and training from there is the 1-rank run, as loading whole then partitioning is."""
+    ref_weights, ref_history, _ = one_rank_reference
+    model_dir = tmp_path / "model"
+    dist_cases.tiny_model().save_pretrained(model_dir)
+    got = two_ranks(
+        tmp_path, "zero_init", {**EQUIV, "backend": "deepspeed", "zero_stage": 3, "model_dir": str(model_dir)}
+    )
+    full = sum(p.numel() for p in dist_cases.tiny_model().parameters())
+    for load in got["loads"]:
+        assert load["partitioned"] and load["placeholder_numel"] == 0 and load["full_numel"] == full
+        assert not load["after_block_partitioned"]
+        assert load["partition_numel"] <= full // 2 + 64  # its share (ZeRO pads each partition a little)
+    assert sum(load["partition_numel"] for load in got["loads"]) >= full
+    assert [h["loss"] for h in got["history"]] == pytest.approx([h["loss"] for h in ref_history], abs=1e-5)
+    assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < 1e-4
+
+
 # ------------------------------------------------------------------------------------ memory plan
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_plan_counts_the_parameters_of_a_real_qwen3(tie):

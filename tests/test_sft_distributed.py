@@ -69,6 +69,27 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
     assert torch.isfinite(torch.tensor([r["value"] for r in losses])).all()
 
 
+def test_two_zero3_ranks_load_the_policy_partitioned_and_train_like_one_rank(collected_run, tmp_path):
+    """ZeRO-3 over 2 ranks builds the base policy straight into its partitions (zero.Init) and ends
+    where one plain rank ends (within ZeRO-3's summation-order rounding)."""
+    from flows.sft import sft
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
+    zero3 = {**DIST, "sft.backend": "deepspeed", "sft.zero_stage": 3, "distributed.nproc_per_node": 2}
+    result = sft(run_dir=str(run_dir), profile="tiny", overrides=zero3)
+    cfg = load_config("tiny", DIST)
+    rows, reflections = sft_inputs(run_dir)
+    ref = run_sft(
+        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
+    )
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
+    a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+
+
 def test_sft_on_two_nodes_joined_by_the_ranks_command(collected_run, tmp_path):
     """Two "nodes" on this machine (1 rank each, static rendezvous): node 0 is the flow, node 1 runs
     `rubricem ranks sft`; the weights are those of one rank on the same batches."""

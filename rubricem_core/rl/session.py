@@ -42,7 +42,7 @@ from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore
-from rubricem_core.training import TrainerConfig, make_trainer
+from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
 log = logging.getLogger(__name__)
@@ -150,26 +150,30 @@ def load_reference(base: Path, cfg: RunConfig, device: torch.device) -> torch.nn
     """The frozen KL reference, placed as ``rl.reference`` says: on the trainer's device (a GPU when
     there is one), in host memory, or partitioned over the trainer ranks by ZeRO-3 inference (its
     forward is then collective, which the update's per-rank shards keep in step)."""
-    where = device if cfg.rl.reference == "replicated" else "cpu"
-    ref, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=where)
-    ref.requires_grad_(False)
     if cfg.rl.reference != "sharded":
-        return ref
+        where = device if cfg.rl.reference == "replicated" else "cpu"
+        ref, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=where)
+        return ref.requires_grad_(False)
     from rubricem_core.training.deepspeed_trainer import import_deepspeed
+    from rubricem_core.training.zero_init import partitioned_loading
 
     deepspeed = import_deepspeed()
     zero: dict[str, Any] = {"stage": 3}
     if cfg.rl.offload_params:
         zero["offload_param"] = {"device": "cpu"}
-    engine, *_ = deepspeed.initialize(
-        model=ref,
-        config={
-            "train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": zero,
-            "bf16": {"enabled": cfg.rl.precision == "bf16"},
-            "steps_per_print": 2**31 - 1,
-        },
-    )
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.rl.precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+    }
+    if cfg.distributed.world_size > 1:
+        with partitioned_loading(config):  # never whole on a rank: built in its partitions
+            ref, _ = load_policy(str(base), dtype=cfg.policy.dtype)
+    else:
+        ref, _ = load_policy(str(base), dtype=cfg.policy.dtype)
+    ref.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=ref, config=config)
     engine.eval()
     return engine.module
 
@@ -178,8 +182,9 @@ class LocalPolicy:
     """Trainer and frozen reference in this process (also what every trainer rank builds)."""
 
     def __init__(self, base: Path, cfg: RunConfig) -> None:
-        model, self.tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
-        self.trainer = make_trainer(model, rl_trainer_config(cfg))
+        trainer_cfg = rl_trainer_config(cfg)
+        model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg)
+        self.trainer = make_trainer(model, trainer_cfg)
         self.ref_model = load_reference(base, cfg, self.trainer.device)
 
     @property

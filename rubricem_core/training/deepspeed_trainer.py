@@ -67,6 +67,7 @@ from rubricem_core.training.torch_trainer import (
     local_micro_batches,
     seed_everything,
 )
+from rubricem_core.training.zero_init import full_numel
 
 DS_DIR = "deepspeed"  # DeepSpeed's own checkpoint (module + optimizer shards) inside ours
 DS_TAG = "state"
@@ -155,7 +156,7 @@ class DeepSpeedTrainer:
         seed_everything(cfg.seed)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(full_numel(p) for p in model.parameters())  # a zero.Init-built model has placeholders
         self.ds_config = build_ds_config(cfg, n_params)
         optimizer = build_optimizer(model, cfg)
         scheduler = partial(

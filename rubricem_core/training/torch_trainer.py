@@ -50,6 +50,7 @@ from rubricem_core.training.checkpoint import (
 )
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
+from rubricem_core.training.zero_init import full_ndim
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if full_ndim(p) >= 2 else no_decay).append(p)  # a ZeRO-3 placeholder is 1-D
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
