@@ -32,20 +32,7 @@ from rubricem_core.store import RunStore  # noqa: E402
 
 GOAL_S = 0.5
 
-# judge_scores columns per DESIGN.md, with the types the judge task writes
-JUDGE_SCORES_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("query_id", pa.string()),
-        ("rollout_id", pa.string()),
-        ("rubric_id", pa.string()),
-        ("stage", pa.string()),
-        ("polarity", pa.string()),
-        ("weight", pa.float64()),
-        ("score", pa.int64()),
-        ("justification", pa.string()),
-    ]
-)
+from rubricem_core.schemas import JUDGE_SCORES_SCHEMA  # noqa: E402  (the judge task's own schema)
 
 QUERIES = {
     "stage_means": "SELECT step, stage, avg(score) AS mean_score, count(*) AS n FROM judge_scores "

@@ -55,11 +55,11 @@ def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | N
     rolled, updated_reflections = _alongside(
         overlap,
         (rollout_task, run_dir, cfg, plan),
-        pending and (reflection_update_task, run_dir, cfg, pending, plan.step),
+        (reflection_update_task, run_dir, cfg, pending, plan.step) if pending else None,
     )
     judged = judge_task(run_dir, cfg, plan)
     updated, reflected = _alongside(
-        overlap, (update_task, run_dir, cfg, plan), reflecting_now and (reflect_task, run_dir, cfg, plan)
+        overlap, (update_task, run_dir, cfg, plan), (reflect_task, run_dir, cfg, plan) if reflecting_now else None
     )
     metrics: dict[str, float] = {}
     for part in (rolled, judged, updated, updated_reflections, reflected):
@@ -77,7 +77,7 @@ def _reflections_to_train(run_dir: str, cfg: RunConfig, previous: StepPlan | Non
     return previous
 
 
-def _alongside(overlap: bool, main: tuple, side: tuple | None | bool) -> tuple[Any, Any]:
+def _alongside(overlap: bool, main: tuple, side: tuple | None) -> tuple[Any, Any]:
     """Run ``main`` (a task and its arguments), and ``side`` with it: submitted to run concurrently when
     ``overlap`` (reflection.schedule: deferred), else after ``main`` — the same order of weight
     changes either way, so both schedules give the same numbers."""

@@ -40,10 +40,10 @@ from rubricem_core.reflection.meta import (
 )
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rollout import SamplingParams
-from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA, nan_to_none, none_to_nan
+from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA, nan_to_none
 from rubricem_core.seeds import REFLECTION_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.trajectory import TokenTrajectory
+from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
     cached_task_metrics,
@@ -204,14 +204,14 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
         for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
             if row["judge_failed"] or not row["token_ids"]:
                 continue  # no reward: left out of the update, never treated as a zero
-            trajs.append(
-                TokenTrajectory(
-                    token_ids=row["token_ids"],
-                    loss_mask=row["loss_mask"],
-                    stage_ids=[-1] * len(row["token_ids"]),
-                    logprobs=[none_to_nan(x) for x in row["logprobs"]],
-                )
-            )
+            # a reflection belongs to no research stage
+            stageless = {
+                "token_ids": row["token_ids"],
+                "loss_mask": row["loss_mask"],
+                "logprobs": row["logprobs"],
+                "stage_ids": [NO_STAGE] * len(row["token_ids"]),
+            }
+            trajs.append(TokenTrajectory.from_row(stageless))
             advs.append(reflection_token_advantages(row["loss_mask"], adv))
             nonzero += adv != 0.0
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ from typing import Any
 
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.scaffold import validate
-from rubricem_core.schemas import nan_to_none, none_to_nan
+from rubricem_core.schemas import nan_to_none
 from rubricem_core.trajectory import TokenTrajectory
 
 
@@ -44,9 +44,4 @@ def rollout_row(
 
 def rollout_trajectory(row: dict[str, Any]) -> TokenTrajectory:
     """A `rollouts` row as the token trajectory it was sampled as (NULL logprobs: never sampled)."""
-    return TokenTrajectory(
-        token_ids=row["token_ids"],
-        loss_mask=row["loss_mask"],
-        stage_ids=row["stage_ids"],
-        logprobs=[none_to_nan(x) for x in row["logprobs"]],
-    )
+    return TokenTrajectory.from_row({k: row[k] for k in ("token_ids", "loss_mask", "stage_ids", "logprobs")})

@@ -11,7 +11,6 @@ from them, are the same as loading whole and partitioning afterwards.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +24,9 @@ from rubricem_core.training.config import TrainerConfig
 def loads_partitioned(cfg: TrainerConfig) -> bool:
     """Whether a policy for ``cfg`` is loaded into ZeRO-3 partitions: DeepSpeed ZeRO-3 on several ranks
     (on one rank there is nothing to partition, and the plain load keeps one-process runs as they are)."""
-    return cfg.backend == "deepspeed" and cfg.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    from rubricem_core.distributed.ranks import world_size
+
+    return cfg.backend == "deepspeed" and cfg.zero_stage == 3 and world_size() > 1
 
 
 def parameter_count(model_dir: str | Path) -> int:
