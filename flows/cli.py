@@ -120,10 +120,11 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
 def cmd_ranks(args: argparse.Namespace) -> int:
     from rubricem_core.distributed.launch import RankFailure
-    from rubricem_core.distributed.nodes import join_launch
+    from rubricem_core.distributed.nodes import join_launch, launch_id_from_env
 
+    launch_id = launch_id_from_env() if args.launch_id is None else args.launch_id
     try:
-        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s, started=STARTED)
+        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s, started=STARTED, launch_id=launch_id)
     except (RankFailure, TimeoutError) as exc:
         print(f"rubricem: error: {exc}", file=sys.stderr)
         return 1
@@ -263,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="the run directory node 0's flow uses (a shared file system)")
     p.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..distributed.nnodes-1")
     p.add_argument("--wait-s", type=float, default=3600.0, help="how long to wait for node 0's launch file")
+    p.add_argument(
+        "--launch-id",
+        default=None,
+        help="take only the launch file node 0 wrote with this id, however old (default: $RUBRICEM_LAUNCH_ID; "
+        "with neither, a launch file counts if written at most a minute before this command started)",
+    )
     _debug(p)
     p.set_defaults(func=cmd_ranks)
 

@@ -173,6 +173,11 @@ def test_multinode_job_template_starts_one_pod_per_node(monkeypatch, tmp_path):
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert all(isinstance(v, str) for v in env.values())  # Kubernetes takes string values only
     assert env["RUBRICEM_RANKS_RUN_DIR"] == d["parameters"]["run_dir"]
+    # every pod (one container template for all indexes) knows its Job's uid: the launch id of the launch
+    # files pod 0 writes and pods 1..N-1 wait for, so a pod that starts late still takes them
+    uid = {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
+    for each in pod["containers"]:
+        assert [e.get("valueFrom") for e in each["env"] if e["name"] == "RUBRICEM_LAUNCH_ID"] == [uid]
 
     # run the pod's shell wrapper for index 0 and 1 with stand-ins for prefect and rubricem
     bin_dir = tmp_path / "bin"

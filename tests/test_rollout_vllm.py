@@ -576,6 +576,30 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
 
 
 # ---- vLLM as its own process ---------------------------------------------------------------------
+def _server_sampling_check(engine, tok, env, world):
+    """A function of a reference model: the tokens the server samples for two queries × 2 and the worst
+    difference between its sampling logprobs and a transformers recompute with the reference's weights."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=700, seed=4)
+    requests = [
+        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params, max_tool_calls=2)
+        for i in range(2)
+    ]
+
+    def worst_error(reference) -> tuple[list[list[int]], float]:
+        trajs = [t for g in engine.generate(requests, env) for t in g]
+        errors = [
+            abs(t.logprobs[i] - float(w[i]))
+            for t in trajs
+            for w in [_reference_logprobs(reference, t, params)]
+            for i, bit in enumerate(t.loss_mask)
+            if bit
+        ]
+        assert errors and sum(t.n_policy_tokens for t in trajs) > 20
+        return [t.token_ids for t in trajs], max(errors)
+
+    return worst_error
+
+
 def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, world, tmp_path):
     """`vllm serve` in its own process: its sampling logprobs equal a transformers recompute, before and
     after new weights are pushed from a checkpoint directory (a tied-embedding model: the lm_head too)."""
@@ -591,23 +615,7 @@ def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, worl
     )
     engine = VLLMServerEngine(server, tok, max_model_len=2048)
     try:
-        params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=700, seed=4)
-        requests = [
-            RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params, max_tool_calls=2)
-            for i in range(2)
-        ]
-
-        def worst_error(reference) -> tuple[list[list[int]], float]:
-            trajs = [t for g in engine.generate(requests, env) for t in g]
-            errors = [
-                abs(t.logprobs[i] - float(w[i]))
-                for t in trajs
-                for w in [_reference_logprobs(reference, t, params)]
-                for i, bit in enumerate(t.loss_mask)
-                if bit
-            ]
-            assert errors and sum(t.n_policy_tokens for t in trajs) > 20
-            return [t.token_ids for t in trajs], max(errors)
+        worst_error = _server_sampling_check(engine, tok, env, world)
 
         before, error = worst_error(model)
         assert error < 1e-4
@@ -621,3 +629,64 @@ def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, worl
     finally:
         engine.close()
     assert server.proc.poll() is not None  # closed with the engine
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embeddings", "separate-head"])
+def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env, world, tmp_path, tied):
+    """vLLM's weight-transfer API with the `gloo` backend (the CPU twin of `nccl`, registered by this
+    project's vLLM plugin): the trainer broadcasts its parameters tensor by tensor into the server's
+    workers, and the server then samples with exactly those weights; a second push (the group kept open)
+    moves it again; a model whose parameters do not fit the server's fails the push with the server's
+    answer (not after the transfer group's timeout)."""
+    pytest.importorskip("vllm")
+    from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+    from rubricem_core.rollout.weight_transfer import WeightPusher, WeightTransferError
+
+    start = model_dir
+    if not tied:  # the same tiny model with an lm_head of its own
+        config = model.config.__class__.from_dict({**model.config.to_dict(), "tie_word_embeddings": False})
+        start = tmp_path / "untied"
+        init_tiny_model(config, seed=3).save_pretrained(start)
+        tok.save_pretrained(start)
+    first = AutoModelForCausalLM.from_pretrained(start, torch_dtype=torch.float32)
+    assert first.config.tie_word_embeddings == tied
+    server = VLLMServer(
+        start,
+        dtype="float32",
+        max_model_len=2048,
+        log_path=tmp_path / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+        weight_transfer="gloo",
+    )
+    engine = VLLMServerEngine(server, tok, max_model_len=2048)
+
+    class Trainer:  # the Policy side a pushing engine calls: this process holds the weights
+        def __init__(self, module):
+            self.pusher = WeightPusher(module, "gloo", timeout_s=120)
+
+        def push_weights(self, url, backend, n_workers):
+            assert backend == "gloo"
+            return self.pusher.push(url, n_workers, is_sender=True)
+
+    try:
+        worst_error = _server_sampling_check(engine, tok, env, world)
+
+        before, error = worst_error(first)
+        assert error < 1e-4
+        trained = init_tiny_model(first.config, seed=11)  # the trainer's module, changed in place below
+        trainer = Trainer(trained)
+        for seed in (11, 12):  # the second push goes through the transfer group the first one opened
+            with torch.no_grad():
+                trained.load_state_dict(init_tiny_model(first.config, seed=seed).state_dict())
+            engine.push_weights(trainer)
+            assert engine.stats["weight_push_s"] > 0
+            after, error = worst_error(trained)
+            assert after != before and error < 1e-4, (seed, error)
+            before = after
+        wrong = init_tiny_model(
+            first.config.__class__.from_dict({**first.config.to_dict(), "intermediate_size": 48}), seed=0
+        )
+        with pytest.raises(WeightTransferError, match="update_weights"):  # the server's own refusal, at once
+            WeightPusher(wrong, "gloo", timeout_s=300).push(server.base_url, server.n_workers, is_sender=True)
+    finally:
+        engine.close()

@@ -219,24 +219,36 @@ def end_launch_file(path: Path) -> None:
     atomic_write_text(path, json.dumps({**data, "ended": True}))
 
 
-def wait_for_launch_file(path: Path, newer_than: float, wait_s: float) -> dict:
-    """The launch file node 0's flow writes for a launch it is starting (one that has ended, or is older
-    than ``newer_than``, is a past launch's); TimeoutError naming the file after ``wait_s`` seconds."""
+def wait_for_launch_file(path: Path, newer_than: float, wait_s: float, launch_id: str | None = None) -> dict:
+    """The launch file node 0's flow writes for a launch it is starting; TimeoutError naming the file after
+    ``wait_s`` seconds. One that has ended is a past launch's. With ``launch_id`` a file counts if and only
+    if it carries that id, whatever its age; without, if it is no older than ``newer_than``."""
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            if path.stat().st_mtime >= newer_than:
-                data = json.loads(path.read_text())
-                if not data.get("ended"):
-                    return data
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
+        data = _current_launch(path, newer_than, launch_id)
+        if data is not None:
+            return data
         if time.monotonic() > deadline:
+            which = f"of launch id {launch_id!r}" if launch_id is not None else "newer than this command"
             raise TimeoutError(
-                f"no launch file {path} newer than this command appeared within {wait_s:.0f}s: "
+                f"no launch file {path} {which} appeared within {wait_s:.0f}s: "
                 "start the flow on node 0 (distributed.node_rank 0)"
             )
         time.sleep(0.5)
+
+
+def _current_launch(path: Path, newer_than: float, launch_id: str | None) -> dict | None:
+    """The launch file's content if it is the awaited launch's and has not ended, else None."""
+    try:
+        # the time rule reads the mtime first: an old file is not even parsed
+        if launch_id is None and path.stat().st_mtime < newer_than:
+            return None
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None  # not written yet
+    if launch_id is not None and data.get("launch_id") != launch_id:
+        return None  # another Job's launch (or one written without an id)
+    return None if data.get("ended") else data
 
 
 def run_ranks(

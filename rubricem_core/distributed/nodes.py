@@ -6,15 +6,22 @@ every node sees); each other node waits for that file, then starts its own ``npr
 the same torchrun rendezvous (``distributed.master_addr``/``master_port``) and node rank K. A node's
 command ends when the launch does, with torchrun's exit code. When node 0 has nothing to train (SFT
 already finished, every RL step done) it writes a launch file that says so (``announce_no_launch``), and
-the other nodes' commands end with exit code 0 instead of waiting for a launch that never comes. A
-launch file is marked ended when its ranks exit, and one written more than a minute before the command
-started is ignored: both belong to past launches.
+the other nodes' commands end with exit code 0 instead of waiting for a launch that never comes.
+
+Which launch file is this launch's: node 0 records its launch id (``RUBRICEM_LAUNCH_ID``, shared by all
+pods of one Kubernetes Job: the Job's uid) in every launch file it writes. Given a launch id (``--launch-id``,
+default that variable), a node takes a launch file if and only if it carries the same id, however old;
+one with another id, or none, is a past launch's. Without a launch id, a launch file written more than a
+minute before the command started is a past launch's. Either way a launch file marked ended (its ranks
+have exited) is never joined.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from typing import Any
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
@@ -26,18 +33,38 @@ LAUNCHES = {
 }
 
 
-STALE_SLACK_S = 60.0  # a launch file written up to this long before the command started still counts
+STALE_SLACK_S = 60.0  # without a launch id: a launch file written up to this long before the command counts
+LAUNCH_ID_ENV = "RUBRICEM_LAUNCH_ID"  # the launch id of node 0's launch files and the nodes that join them
 
 
-def join_launch(run_dir: str, kind: str, node_rank: int, wait_s: float = 3600.0, started: float | None = None) -> None:
-    """Start this node's ranks of node 0's next ``kind`` launch (sft or rl) and wait for them. A launch
-    file older than ``started`` (the command's start, default now) minus a minute is a past launch's."""
+def launch_id_from_env() -> str | None:
+    """This process's launch id (``RUBRICEM_LAUNCH_ID``); None when unset or empty."""
+    return os.environ.get(LAUNCH_ID_ENV) or None
+
+
+def with_launch_id(payload: dict[str, Any]) -> dict[str, Any]:
+    """Node 0: a launch file's content with this process's launch id (unchanged without one)."""
+    launch_id = launch_id_from_env()
+    return payload if launch_id is None else {**payload, "launch_id": launch_id}
+
+
+def join_launch(
+    run_dir: str,
+    kind: str,
+    node_rank: int,
+    wait_s: float = 3600.0,
+    started: float | None = None,
+    launch_id: str | None = None,
+) -> None:
+    """Start this node's ranks of node 0's next ``kind`` launch (sft or rl) and wait for them. With
+    ``launch_id`` the launch file must carry that id; without, a launch file older than ``started`` (the
+    command's start, default now) minus a minute is a past launch's."""
     if kind not in LAUNCHES:
         raise ValueError(f"unknown launch {kind!r}; expected one of {sorted(LAUNCHES)}")
     name, module = LAUNCHES[kind]
     path = launch_path(run_dir, name)
     started = time.time() if started is None else started
-    spec = wait_for_launch_file(path, newer_than=started - STALE_SLACK_S, wait_s=wait_s)
+    spec = wait_for_launch_file(path, newer_than=started - STALE_SLACK_S, wait_s=wait_s, launch_id=launch_id or None)
     if spec.get("nothing_to_do"):
         print(f"node 0 has nothing to train for {kind} ({spec['nothing_to_do']}): no ranks started", flush=True)
         return
@@ -60,4 +87,4 @@ def announce_no_launch(run_dir: str, kind: str, why: str) -> None:
     """Node 0: this run has no ``kind`` launch to join (written only when several nodes take part)."""
     from rubricem_core.store import atomic_write_text
 
-    atomic_write_text(launch_path(run_dir, LAUNCHES[kind][0]), json.dumps({"nothing_to_do": why}))
+    atomic_write_text(launch_path(run_dir, LAUNCHES[kind][0]), json.dumps(with_launch_id({"nothing_to_do": why})))

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
+from rubricem_core.distributed.nodes import with_launch_id
 from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
@@ -71,7 +72,11 @@ class RankPolicy:
         control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
         atomic_write_text(
             spec_file,
-            json.dumps({"config": cfg.model_dump(mode="json"), "base": str(Path(base).resolve()), "env": control}),
+            json.dumps(
+                with_launch_id(
+                    {"config": cfg.model_dump(mode="json"), "base": str(Path(base).resolve()), "env": control}
+                )
+            ),
         )
         self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], env=control)
         try:

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.launch import emit_metrics, end_launch_file, run_ranks
+from rubricem_core.distributed.nodes import with_launch_id
 from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.store import RunStore, atomic_write_text
@@ -41,13 +42,15 @@ def launch_sft(
     atomic_write_text(
         spec_file,
         json.dumps(
-            {
-                "run_dir": str(Path(run_dir).resolve()),
-                "config": cfg.model_dump(mode="json"),
-                "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
-                "checkpoint_root": str(checkpoint_root.resolve()),
-                "result": str(result_file.resolve()),
-            }
+            with_launch_id(
+                {
+                    "run_dir": str(Path(run_dir).resolve()),
+                    "config": cfg.model_dump(mode="json"),
+                    "policy_dir": str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir,
+                    "checkpoint_root": str(checkpoint_root.resolve()),
+                    "result": str(result_file.resolve()),
+                }
+            )
         ),
     )
     try:

@@ -61,8 +61,11 @@ class VLLMServer:
         request_timeout_s: float = 600.0,
         log_path: str | Path | None = None,
         max_concurrency: int = 64,
+        weight_transfer: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
+        self.weight_transfer = weight_transfer
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.max_concurrency = max_concurrency
@@ -92,6 +95,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(max_model_len)]
         if dtype is not None:
             cmd += ["--dtype", dtype]
+        if weight_transfer is not None:  # the workers join a trainer's transfer group on request
+            cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
         cmd += list(extra_args)
         full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
         if devices is not None:
@@ -191,8 +196,12 @@ class VLLMServer:
         started = time.perf_counter()
         source = self._reload_source(Path(directory).resolve())
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
-        self._post("/reset_prefix_cache")
+        self.reset_prefix_cache()
         return time.perf_counter() - started
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached KV block: none computed with old weights may be reused."""
+        self._post("/reset_prefix_cache")
 
     def _reload_source(self, directory: Path) -> Path:
         config = json.loads((directory / "config.json").read_text())
@@ -250,6 +259,18 @@ class VLLMServerEngine(VLLMRolloutEngine):
 
     def load_weights_from_dir(self, directory: str | Path) -> None:
         self.stats["update_weights_s"] = self.server.load_weights_from_dir(directory)
+
+    def push_weights(self, policy: Any) -> None:
+        """The trainer's current weights, pushed by ``policy`` through vLLM's weight-transfer API
+        (rubricem_core.rollout.weight_transfer), then the prefix cache dropped."""
+        if self.server.weight_transfer is None:
+            raise RolloutError("this vLLM server was started without a weight-transfer backend")
+        started = time.perf_counter()
+        self.stats["weight_push_s"] = policy.push_weights(
+            self.server.base_url, self.server.weight_transfer, self.server.n_workers
+        )
+        self.server.reset_prefix_cache()
+        self.stats["update_weights_s"] = time.perf_counter() - started
 
     def update_weights(self, state_dict: Any) -> None:
         raise RolloutError(

@@ -1,0 +1,257 @@
+"""The trainer side of vLLM's weight-transfer API: push the trainer's weights into a `vllm serve` process.
+
+    pusher = WeightPusher(trainer.model, backend="nccl", timeout_s=600)
+    seconds = pusher.push("http://127.0.0.1:8000", n_workers=2, is_sender=rank == 0)   # on every trainer rank
+
+Every trainer rank iterates the model's parameters in the same order; a ZeRO-3 parameter is gathered on
+its own (``deepspeed.zero.GatheredParameters``), sent, and partitioned again, so no rank ever holds more
+than one whole tensor beyond its shard and nothing sent is a 0-size placeholder. Rank 0 alone talks to
+the server: ``/init_weight_transfer_engine`` once (the server's workers join a process group with it),
+then per push ``/start_weight_update``, ``/update_weights`` (answered once the workers have received
+every tensor of the broadcast that rank 0 runs meanwhile) and ``/finish_weight_update`` (vLLM's
+layerwise reload applies its post-processing). The caller then drops the server's prefix cache.
+
+Backends: ``nccl`` is vLLM's own trainer engine (NCCLTrainerWeightTransferEngine, imported from vLLM,
+which the trainer's environment must have: the ``gpu`` extra); ``gloo`` is the same protocol over a gloo
+group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from rubricem_core.distributed.launch import free_port
+from rubricem_core.rollout.types import RolloutError
+from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
+
+BACKENDS = ("nccl", "gloo")
+
+
+class WeightTransferError(RolloutError):
+    """A weight push to the vLLM server failed (the server's reply or the transfer group says why)."""
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """One parameter as the server will receive it: vLLM's ParamMeta fields."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _zero3(param: nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")  # DeepSpeed ZeRO-3 marks its partitioned parameters so
+
+
+class ModelWeights:
+    """vLLM's WeightSource over a trainer's module: whole tensors in ``named_parameters`` order. A tied
+    ``lm_head.weight`` is sent too, under its own name: vLLM's layerwise reload counts a layer as loaded
+    only when its own names arrive, and puts the old tensors back into one that got nothing (the tied
+    head would keep the old embedding). Iterating is collective under ZeRO-3: every rank must do it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(name, p.dtype, tuple(p.ds_shape) if _zero3(p) else tuple(p.shape))
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if _zero3(param):
+                import deepspeed
+
+                # gathered while the consumer sends it, partitioned again when the loop moves on
+                with deepspeed.zero.GatheredParameters([param]):
+                    yield name, param.data
+            else:
+                yield name, param.detach()
+
+
+class ServerWeightSync:
+    """vLLM's weight-sync control plane over its HTTP routes (served with ``VLLM_SERVER_DEV_MODE=1``)."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
+        response = self.http.post(path, json=body)
+        if response.status_code != 200:
+            raise WeightTransferError(
+                f"vLLM server {self.base_url} answered {path} with HTTP {response.status_code}: {response.text[:1000]}"
+            )
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("/finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def update_info(meta: list[ParamMeta]) -> dict[str, Any]:
+    """The per-push update info both backends' workers read: what to receive, in order."""
+    return {
+        "names": [m.name for m in meta],
+        "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
+        "shapes": [list(m.shape) for m in meta],
+    }
+
+
+def checked(source: ModelWeights, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors, each checked against the metadata the workers were sent (a mismatch would
+    split the stream differently on the two sides: a hang or garbage weights)."""
+    n = 0
+    for name, tensor in source:
+        want = meta[n] if n < len(meta) else None
+        if want is None or (name, tensor.dtype, tuple(tensor.shape)) != (want.name, want.dtype, want.shape):
+            raise WeightTransferError(
+                f"parameter {n} is {name} {tensor.dtype} {tuple(tensor.shape)}, but the server was told "
+                f"{want.name + ' ' + str(want.dtype) + ' ' + str(want.shape) if want else 'there are only ' + str(n)}"
+            )
+        n += 1
+        yield name, tensor
+    if n != len(meta):
+        raise WeightTransferError(f"sent {n} parameters, but the server waits for {len(meta)}")
+
+
+class GlooSender:
+    """Rank 0 of a gloo group with the server's workers (ranks 1..n), vLLM's NCCL trainer engine's
+    protocol over gloo. Non-sender trainer ranks only iterate the source (ZeRO-3's gathers)."""
+
+    def __init__(self, client: ServerWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
+        self.client, self.source, self.group = client, source, group
+        self.store = store  # the workers' rendezvous store lives as long as the group
+
+    @classmethod
+    def trainer_init(
+        cls, client: ServerWeightSync | None, source: ModelWeights, world_size: int, timeout_s: float
+    ) -> GlooSender:
+        if client is None:
+            return cls(None, source, None)
+        import torch.distributed as dist
+
+        port, timeout = free_port(), timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        init = {
+            "master_address": "127.0.0.1",  # the server runs beside rank 0, on node 0
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "timeout_s": timeout_s,
+        }
+        # the workers block in the rendezvous until this rank joins: ask them from a side thread
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(client.init_weight_transfer_engine, init)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world_size, timeout)
+            joined.result()
+        return cls(client, source, group, store)
+
+    def send_weights(self) -> None:
+        if self.client is None:
+            for _ in self.source:  # this rank's part of each gather
+                pass
+            return
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            received = pool.submit(self.client.update_weights, update_info(meta))
+            for _name, tensor in checked(self.source, meta):
+                _wait(self.group.broadcast(tensor.contiguous(), 0), received)
+            received.result()
+        finally:
+            pool.shutdown(wait=False)  # a worker stuck in a broadcast must not hang this rank too
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self.group = self.store = None
+
+
+def _wait(work: Any, received: Future[None]) -> None:
+    """Wait for one broadcast; if the server's /update_weights has failed meanwhile (a worker that could
+    not load a tensor stops receiving), raise its answer now instead of waiting out the group's timeout."""
+    while not work.is_completed():
+        if received.done():
+            received.result()  # raises the server's error; a success means the workers have it all
+        time.sleep(0.0002)
+    work.wait()
+
+
+def _nccl_sender(client: ServerWeightSync | None, source: ModelWeights, world_size: int, is_sender: bool) -> Any:
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+    except ImportError as exc:
+        raise WeightTransferError(
+            "rollout.weight_transfer: nccl pushes with vLLM's NCCL trainer engine, which the trainer ranks "
+            f"import, and vLLM does not import here ({exc}); install the gpu extra in the trainer's environment "
+            "or use rollout.weight_transfer: checkpoint"
+        ) from exc
+    init = NCCLTrainerInitInfo(
+        master_address="127.0.0.1", master_port=free_port(), world_size=world_size, rank=0 if is_sender else 1
+    )
+    return NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=source)
+
+
+class WeightPusher:
+    """One trainer rank's side of the transfer to one vLLM server, opened on the first push and kept
+    (the server's workers stay in the group) until ``close``."""
+
+    def __init__(self, model: nn.Module, backend: str, timeout_s: float) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"rollout.weight_transfer: unknown backend {backend!r}; expected one of {BACKENDS}")
+        self.source = ModelWeights(model)
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._client: ServerWeightSync | None = None
+        self._sender: Any = None
+        self._url: str | None = None
+
+    def push(self, server_url: str, n_workers: int, is_sender: bool) -> float:
+        """Send every weight to the server's ``n_workers`` workers; the seconds it took (every rank
+        calls this; only the sender talks to the server)."""
+        started = time.perf_counter()
+        if self._sender is None or self._url != server_url:
+            self.close()
+            self._url = server_url
+            self._client = ServerWeightSync(server_url, self.timeout_s) if is_sender else None
+            world_size = 1 + n_workers
+            if self.backend == "nccl":
+                self._sender = _nccl_sender(self._client, self.source, world_size, is_sender)
+            else:
+                self._sender = GlooSender.trainer_init(self._client, self.source, world_size, self.timeout_s)
+        self._sender.send_weights()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
