@@ -299,6 +299,41 @@ class RolloutConfig(_Strict):
         description="vllm_server: the Python that runs `vllm serve` (None: this one), e.g. another venv's.",
     )
     server_startup_timeout_s: float = Field(default=900.0, gt=0, description="vllm_server: seconds to start.")
+    weight_transfer: Literal["checkpoint", "nccl", "gloo"] = Field(
+        default="checkpoint",
+        description="vllm_server: how the trainer's new weights reach the server before each step's rollouts. "
+        "checkpoint: the server reloads the step checkpoint rank 0 wrote; nccl: trainer rank 0 broadcasts the "
+        "gathered weights tensor by tensor into the server's workers through vLLM's weight-transfer API (GPUs; "
+        "the trainer's environment needs vLLM); gloo: the same over gloo (CPUs, tests; the server's environment "
+        "needs this project installed, whose vLLM plugin adds the backend).",
+    )
+
+    colocate: bool = Field(
+        default=False,
+        description="vllm_server: the server shares the trainer ranks' GPUs (list them in rollout.devices too). It "
+        "is started with sleep mode and sleeps (level 1: weights to host memory, KV cache freed) during every "
+        "trainer update, waking before it samples; single-node runs. With the reflection recipes it needs "
+        "reflection.schedule: sync (deferred samples while the trainer updates). On a CPU vLLM ignores sleep.",
+    )
+
+    @model_validator(mode="after")
+    def _transfer_needs_server(self) -> Any:
+        for name, on in (("weight_transfer", self.weight_transfer != "checkpoint"), ("colocate", self.colocate)):
+            if on and self.engine != "vllm_server":
+                raise ValueError(
+                    f"{name}: {getattr(self, name)} is for a vLLM server process; it needs engine: vllm_server "
+                    f"(got engine: {self.engine})"
+                )
+        if self.colocate and self.weight_transfer == "nccl":
+            # trainer rank 0 and a vLLM worker would be two ranks of one NCCL group on one GPU
+            raise ValueError(
+                "colocate: true with weight_transfer: nccl would put trainer rank 0 and a vLLM worker on one "
+                "GPU in one NCCL group, which NCCL refuses; use weight_transfer: checkpoint when colocated"
+            )
+        return self
+
+
+REFLECTION_RECIPES = ("meta_policy", "full")  # recipes.py's with reflection=True (config loads without torch)
 
 
 class RLConfig(_Strict):
@@ -615,6 +650,18 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _colocation_fits(self) -> Any:
+        if self.rollout.colocate and self.distributed.nnodes > 1:
+            raise ValueError("rollout.colocate shares one node's GPUs; it needs distributed.nnodes: 1")
+        if self.rollout.colocate and self.reflection.schedule == "deferred" and self.rl.recipe in REFLECTION_RECIPES:
+            raise ValueError(
+                f"rollout.colocate puts vLLM to sleep during trainer updates, but rl.recipe {self.rl.recipe} with "
+                "reflection.schedule: deferred samples reflections while the trainer updates; set "
+                "reflection.schedule: sync"
+            )
+        return self
 
 
 # ---- loading ---------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ _SAFE_PREFIXES = (
     "rollout.server_startup_timeout_s",
     "rollout.gpu_memory_utilization",
     "rollout.max_batch_rows",
+    "rollout.weight_transfer",  # the same weights by another road
+    "rollout.colocate",
 )
 
 

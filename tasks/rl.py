@@ -32,6 +32,7 @@ from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows
     completed_step,
     current_session,
     drop_sessions,
+    engine_asleep,
     ensure_engine_weights,
     get_session,
     load_bank_steps,
@@ -294,9 +295,10 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     )
     t0 = time.perf_counter()
     session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
-    metrics = session.policy.update(
-        batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature)
-    )
+    with engine_asleep(session, cfg):
+        metrics = session.policy.update(
+            batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature)
+        )
     metrics["update_seconds"] = time.perf_counter() - t0
     # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
     # this step's reflections may still be sampling with the old ones.

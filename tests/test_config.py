@@ -171,3 +171,56 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
     fewer = load_config("research", {"tools.specs": moved.tools.specs[:1]})
     with pytest.raises(ConfigError, match=r"tools\.specs: \['search', 'paper_search', 'browse'\] → \['search'\]"):
         record_config(run, fewer, "evaluate")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"rollout.weight_transfer": "gloo"}, r"rollout[\s\S]*weight_transfer: gloo[\s\S]*engine: vllm_server"),
+        ({"rollout.colocate": True}, r"rollout[\s\S]*colocate[\s\S]*engine: vllm_server"),
+        (
+            {"rollout.engine": "vllm_server", "rollout.colocate": True, "rl.recipe": "full"},
+            r"reflection\.schedule: sync",
+        ),
+        (
+            {
+                "rollout.engine": "vllm_server",
+                "rollout.colocate": True,
+                "distributed.nnodes": 2,
+                "distributed.master_port": 29500,
+            },
+            r"distributed\.nnodes: 1",
+        ),
+        (
+            {"rollout.engine": "vllm_server", "rollout.colocate": True, "rollout.weight_transfer": "nccl"},
+            r"weight_transfer: checkpoint when colocated",
+        ),
+    ],
+    ids=["push-needs-server", "colocate-needs-server", "colocate-not-deferred", "colocate-one-node", "colocate-nccl"],
+)
+def test_engine_placement_settings_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides=overrides)
+
+
+def test_colocation_and_weight_push_load_where_they_fit():
+    cfg = load_config(
+        "tiny",
+        overrides={
+            "rollout.engine": "vllm_server",
+            "rollout.weight_transfer": "gloo",
+            "rollout.colocate": True,
+            "rl.recipe": "full",
+            "reflection.schedule": "sync",
+        },
+    )
+    assert cfg.rollout.colocate and cfg.rollout.weight_transfer == "gloo"
+    separate = load_config("tiny", overrides={"rollout.engine": "vllm_server", "rollout.weight_transfer": "nccl"})
+    assert separate.rollout.weight_transfer == "nccl" and not separate.rollout.colocate
+
+
+def test_reflection_recipes_listed_in_the_config_are_the_recipes_with_reflection():
+    from rubricem_core.config import REFLECTION_RECIPES
+    from rubricem_core.recipes import RECIPES
+
+    assert set(REFLECTION_RECIPES) == {name for name, r in RECIPES.items() if r.reflection}

@@ -179,36 +179,57 @@ SERVER_FLOW = {**FLOW, "policy.hidden_size": 128, "policy.n_heads": 2, "policy.n
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
 def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefect_harness, monkeypatch):
+    """The rl flow with `vllm serve` as its own process beside 2 ZeRO-3 trainer ranks, the weights reaching
+    it both ways: reloaded from the checkpoint rank 0 wrote, and pushed by the ranks through vLLM's
+    weight-transfer API (gloo: each rank gathers every parameter in turn, rank 0 broadcasts it) into a
+    colocated server that sleeps through each update. Same weights, so the two runs sample the same
+    rollouts token for token."""
     from flows.collect_sft_data import collect_sft_data
     from flows.rl import rl
     from flows.sft import sft
 
-    run_dir = str(tmp_path_factory.mktemp("rl-server") / "run")
-    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
-    sft(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    root = tmp_path_factory.mktemp("rl-server")
+    sft_dir = str(root / "sft")
+    collect_sft_data(run_dir=sft_dir, profile="tiny", overrides=SERVER_FLOW)
+    sft(run_dir=sft_dir, profile="tiny", overrides=SERVER_FLOW)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU build
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
-    rl(
-        run_dir=run_dir,
-        profile="tiny",
-        overrides={
-            **SERVER_FLOW,
-            "rl.backend": "deepspeed",
-            "rl.zero_stage": 3,
-            "distributed.nproc_per_node": 2,
-            "rollout.engine": "vllm_server",
-            "rollout.server_python": str(VLLM_PYTHON),
-        },
-    )
-    assert not rl_session._SESSIONS  # ranks and server ended with the flow run
-    rows = RunStore(run_dir).read_rows("rollouts")
-    assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
-    gaps = _gaps(run_dir)
-    # the server samples (step 1: after the push of step 0's checkpoint) with the trainer ranks' logprobs;
-    # that a push changes the server's weights exactly is tests/test_rollout_vllm.py's server test
-    assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), gaps
-    log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
-    assert "reload" in log.lower()
+    rollouts = {}
+    for transfer in ("checkpoint", "gloo"):
+        run_dir = str(root / transfer)
+        shutil.copytree(sft_dir, run_dir)
+        rl(
+            run_dir=run_dir,
+            profile="tiny",
+            overrides={
+                **SERVER_FLOW,
+                "rl.backend": "deepspeed",
+                "rl.zero_stage": 3,
+                "distributed.nproc_per_node": 2,
+                "rollout.engine": "vllm_server",
+                "rollout.server_python": str(VLLM_PYTHON),
+                "rollout.weight_transfer": transfer,
+                # pushed into a colocated server: asleep during each update (a no-op for vLLM on a CPU)
+                "rollout.colocate": transfer == "gloo",
+            },
+        )
+        assert not rl_session._SESSIONS  # ranks and server ended with the flow run
+        rows = RunStore(run_dir).read_rows("rollouts")
+        assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
+        rollouts[transfer] = sorted((r["rollout_id"], list(r["token_ids"])) for r in rows)
+        gaps = _gaps(run_dir)
+        # the server samples (step 1: after step 0's weights reached it) with the trainer ranks' logprobs;
+        # that new weights change the server's exactly is tests/test_rollout_vllm.py's server tests
+        assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), (transfer, gaps)
+        log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
+        calls = {
+            path: log.count(f'"POST {path} HTTP/1.1" 200')
+            for path in ("/update_weights", "/collective_rpc", "/sleep?level=1", "/wake_up")
+        }
+        # step 1's rollouts: the server (woken from the sleep of step 0's update) gets step 0's weights
+        expected = [0, 1, 0, 0] if transfer == "checkpoint" else [1, 0, 2, 1]
+        assert list(calls.values()) == expected, (transfer, calls)
+    assert rollouts["gloo"] == rollouts["checkpoint"]
 
 
 def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:

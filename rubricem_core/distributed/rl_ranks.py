@@ -5,13 +5,15 @@ starts ``distributed.nproc_per_node`` ranks with torchrun. Every rank builds the
 (trainer + frozen reference; the trainer's process group is the ranks' own) and then waits for
 commands; the channel is two kinds of keys:
 
-    cmd/<n>    {"op": "update" | "save" | "load" | "stop", ...}   set by the flow process, read by every rank
-    reply/<n>  {...}                                               set by rank 0 once every rank is done
+    cmd/<n>    {"op": "update" | "save" | "load" | "push" | "stop", ...}  set by the flow process, read by every rank
+    reply/<n>  {...}                                                      set by rank 0 once every rank is done
 
 ``update`` names a payload file (the step's trajectories and token advantages, written by the flow
 process under ``state/launch/``), which every rank reads and trains on its shard of; ``save`` is the
 collective checkpoint whose HF weights rank 0 writes gathered, and from which the engine takes the new
-weights; ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
+weights unless they are pushed: ``push`` sends them into a vLLM server's workers through vLLM's
+weight-transfer API (every rank gathers each ZeRO-3 parameter in turn, rank 0 broadcasts it;
+rubricem_core.rollout.weight_transfer); ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
 raises RankFailure with the traceback. Checkpoints and payloads must sit on a file system every node sees.
 """
 
@@ -133,6 +135,10 @@ class RankPolicy:
     def weights(self) -> None:
         return None  # the ranks' weights reach this process through the checkpoint rank 0 writes
 
+    def push_weights(self, server_url: str, backend: str, n_workers: int) -> float:
+        # rank 0 must reach the server at server_url: it runs on node 0, beside this process
+        return self._call("push", url=server_url, backend=backend, workers=n_workers)["seconds"]
+
     def close(self) -> None:
         if self._ranks.poll() is None:
             try:
@@ -173,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
             policy.save(Path(cmd["directory"]), cmd["extra"])
         elif op == "load":
             reply["extra"] = policy.load(Path(cmd["directory"]))
+        elif op == "push":
+            reply["seconds"] = policy.push_weights(cmd["url"], cmd["backend"], cmd["workers"], is_sender=is_main())
         elif op not in ("ready", "stop"):
             raise ValueError(f"unknown trainer-rank command {op!r}")
         dist.barrier()  # every rank is done before rank 0 says so
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         if op == "stop":
             break
         seq += 1
+    policy.close()
     shutdown()
 
 

@@ -24,6 +24,8 @@ import json
 import logging
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -40,6 +42,7 @@ from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine
+from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore
 from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
@@ -140,6 +143,10 @@ class Policy(Protocol):
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full current weights for an engine in this process; None: read them from the saved checkpoint."""
 
+    def push_weights(self, server_url: str, backend: str, n_workers: int) -> float:
+        """Push the current weights into a vLLM server's workers (vLLM's weight-transfer API, from the
+        process or ranks that hold them); the seconds it took."""
+
     def close(self) -> None: ...
 
     def log_to(self, on_line: Any) -> None:
@@ -186,6 +193,8 @@ class LocalPolicy:
         model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg)
         self.trainer = make_trainer(model, trainer_cfg)
         self.ref_model = load_reference(base, cfg, self.trainer.device)
+        self._transfer_timeout_s = cfg.distributed.timeout_s
+        self._pusher: WeightPusher | None = None
 
     @property
     def device(self) -> torch.device:
@@ -208,8 +217,19 @@ class LocalPolicy:
         # gathered under ZeRO-3 (the module's own parameters are 0-size placeholders there)
         return self.trainer.state_dict_for_sync()
 
+    def push_weights(self, server_url: str, backend: str, n_workers: int, is_sender: bool = True) -> float:
+        """On every trainer rank (each takes part in ZeRO-3's gathers; the sender, rank 0, talks to the
+        server); the transfer group opened by the first push is kept for the next ones."""
+        if self._pusher is None or self._pusher.backend != backend:
+            if self._pusher is not None:
+                self._pusher.close()
+            self._pusher = WeightPusher(self.trainer.model, backend, self._transfer_timeout_s)
+        return self._pusher.push(server_url, n_workers, is_sender)
+
     def close(self) -> None:
-        pass
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
 
     def log_to(self, on_line: Any) -> None:
         pass  # this process logs for itself
@@ -309,6 +329,10 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                     dtype=cfg.policy.dtype,
                     startup_timeout_s=cfg.rollout.server_startup_timeout_s,
                     log_path=RunStore(run_dir).state_dir / "vllm-server.log",
+                    weight_transfer=None
+                    if cfg.rollout.weight_transfer == "checkpoint"
+                    else cfg.rollout.weight_transfer,
+                    sleep_mode=cfg.rollout.colocate and torch.cuda.is_available(),
                 )
                 engine = VLLMServerEngine(server, tokenizer, max_model_len=cfg.rollout.max_total_tokens)
                 separate, engine_step = True, -1
@@ -403,11 +427,32 @@ def drop_sessions() -> None:
         _close_all()
 
 
+@contextmanager
+def engine_asleep(session: RLSession, cfg: RunConfig) -> Iterator[None]:
+    """With ``rollout.colocate``: the vLLM server sleeps while the trainer updates on the GPUs it shares,
+    and wakes before it next samples (ensure_engine_weights), not here: a step's rollouts may need newer
+    weights first, pushed or reloaded into the woken server."""
+    server = getattr(session.engine, "server", None)
+    if cfg.rollout.colocate and server is not None:
+        with session.lock:
+            server.sleep()
+    yield
+
+
+def trainer_holds(session: RLSession, step: int) -> bool:
+    """The trainer's weights are checkpoint ``step``'s: its update is the last one applied, and the
+    reflection update that the next step applies before its own update is not (yet)."""
+    return step == session.step and step + 1 not in session.reflection_updates
+
+
 def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
     """Make the engine sample with the weights of checkpoint ``step`` (-1: SFT). The trainer holds them
     when ``step`` is the session's step; otherwise (trainer ranks, or a resumed run regenerating
     reflections at an older step) they are read from the checkpoint directory."""
     with session.lock:
+        server = getattr(session.engine, "server", None)
+        if server is not None and server.asleep:  # colocated: the trainer's update is over
+            server.wake_up()
         if session.engine_step == step:
             return
         if not session.separate_engine:
@@ -418,11 +463,14 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
             session.engine_step = step
             return
         source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
-        if hasattr(session.engine, "load_weights_from_dir"):  # a server process reads the checkpoint itself
-            session.engine.load_weights_from_dir(source)
+        if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
+            if cfg.rollout.weight_transfer != "checkpoint" and trainer_holds(session, step):
+                session.engine.push_weights(session.policy)  # straight from the trainer, tensor by tensor
+            else:  # the server reads the checkpoint itself
+                session.engine.load_weights_from_dir(source)
             session.engine_step = step
             return
-        weights = session.policy.weights() if step == session.step else None
+        weights = session.policy.weights() if trainer_holds(session, step) else None
         if weights is not None:
             session.engine.update_weights(weights)
         else:

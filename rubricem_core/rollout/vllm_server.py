@@ -62,6 +62,7 @@ class VLLMServer:
         log_path: str | Path | None = None,
         max_concurrency: int = 64,
         weight_transfer: str | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
@@ -97,6 +98,9 @@ class VLLMServer:
             cmd += ["--dtype", dtype]
         if weight_transfer is not None:  # the workers join a trainer's transfer group on request
             cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+        if sleep_mode:  # CUDA only: vLLM refuses it on a CPU, where /sleep is accepted and does nothing
+            cmd += ["--enable-sleep-mode"]
+        self.asleep = False
         cmd += list(extra_args)
         full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
         if devices is not None:
@@ -198,6 +202,20 @@ class VLLMServer:
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
         self.reset_prefix_cache()
         return time.perf_counter() - started
+
+    def sleep(self) -> None:
+        """Free the GPUs for the trainer: weights to host memory, KV cache dropped (level 1; the weights
+        come back on wake-up, so a server that needs no new weights samples with the old ones)."""
+        self._post("/sleep?level=1")
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        self._post("/wake_up")
+        self.asleep = False
+
+    def is_sleeping(self) -> bool:
+        response = self.http.get("/is_sleeping")
+        return bool(response.json()["is_sleeping"])
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached KV block: none computed with old weights may be reused."""
