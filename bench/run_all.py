@@ -112,6 +112,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("sft_scaffold_validity", quick_args=("--max-queries", "4", "--samples", "1"), needs_run_dir=True),
     Script("peak_memory", quick_args=("--quick",)),
     Script("distributed_scaling", quick_args=("--quick",)),
+    Script("weight_sync", quick_args=("--quick",)),
     Script("fault_matrix", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),
 )

@@ -182,8 +182,8 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     """The rl flow with `vllm serve` as its own process beside 2 ZeRO-3 trainer ranks, the weights reaching
     it both ways: reloaded from the checkpoint rank 0 wrote, and pushed by the ranks through vLLM's
     weight-transfer API (gloo: each rank gathers every parameter in turn, rank 0 broadcasts it) into a
-    colocated server that sleeps through each update. Same weights, so the two runs sample the same
-    rollouts token for token."""
+    colocated server that sleeps through each update, and pushed by one trainer in the flow process. Same
+    weights, so the three runs sample the same rollouts token for token."""
     from flows.collect_sft_data import collect_sft_data
     from flows.rl import rl
     from flows.sft import sft
@@ -195,8 +195,11 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU build
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     rollouts = {}
-    for transfer in ("checkpoint", "gloo"):
-        run_dir = str(root / transfer)
+    # (name, weight transfer, trainer ranks, colocated): 2 ranks push through the `push` command of the
+    # ranks' channel, 1 rank from the flow process itself (a ZeRO-3 engine of one rank: gathered all the same)
+    runs = [("checkpoint", "checkpoint", 2, False), ("gloo", "gloo", 2, True), ("gloo-1-rank", "gloo", 1, False)]
+    for name, transfer, ranks, colocate in runs:
+        run_dir = str(root / name)
         shutil.copytree(sft_dir, run_dir)
         rl(
             run_dir=run_dir,
@@ -205,31 +208,30 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
                 **SERVER_FLOW,
                 "rl.backend": "deepspeed",
                 "rl.zero_stage": 3,
-                "distributed.nproc_per_node": 2,
+                "distributed.nproc_per_node": ranks,
                 "rollout.engine": "vllm_server",
                 "rollout.server_python": str(VLLM_PYTHON),
                 "rollout.weight_transfer": transfer,
-                # pushed into a colocated server: asleep during each update (a no-op for vLLM on a CPU)
-                "rollout.colocate": transfer == "gloo",
+                "rollout.colocate": colocate,  # asleep during each update (vLLM on a CPU accepts it, frees nothing)
             },
         )
         assert not rl_session._SESSIONS  # ranks and server ended with the flow run
         rows = RunStore(run_dir).read_rows("rollouts")
         assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
-        rollouts[transfer] = sorted((r["rollout_id"], list(r["token_ids"])) for r in rows)
+        rollouts[name] = sorted((r["rollout_id"], list(r["token_ids"])) for r in rows)
         gaps = _gaps(run_dir)
-        # the server samples (step 1: after step 0's weights reached it) with the trainer ranks' logprobs;
+        # the server samples (step 1: after step 0's weights reached it) with the trainer's logprobs;
         # that new weights change the server's exactly is tests/test_rollout_vllm.py's server tests
-        assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), (transfer, gaps)
+        assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), (name, gaps)
         log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
         calls = {
             path: log.count(f'"POST {path} HTTP/1.1" 200')
             for path in ("/update_weights", "/collective_rpc", "/sleep?level=1", "/wake_up")
         }
         # step 1's rollouts: the server (woken from the sleep of step 0's update) gets step 0's weights
-        expected = [0, 1, 0, 0] if transfer == "checkpoint" else [1, 0, 2, 1]
-        assert list(calls.values()) == expected, (transfer, calls)
-    assert rollouts["gloo"] == rollouts["checkpoint"]
+        pushed, reloaded = (1, 0) if transfer == "gloo" else (0, 1)
+        assert list(calls.values()) == [pushed, reloaded, 2 * colocate, 1 * colocate], (name, calls)
+    assert rollouts["gloo"] == rollouts["checkpoint"] == rollouts["gloo-1-rank"]
 
 
 def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:

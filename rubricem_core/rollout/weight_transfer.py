@@ -72,9 +72,12 @@ class ModelWeights:
             if _zero3(param):
                 import deepspeed
 
-                # gathered while the consumer sends it, partitioned again when the loop moves on
+                # a copy of the gathered tensor: the parameter is partitioned again when the loop moves on,
+                # and vLLM's NCCL sender may still hold what it was given (packing several into one buffer,
+                # or a broadcast enqueued on a stream)
                 with deepspeed.zero.GatheredParameters([param]):
-                    yield name, param.data
+                    whole = param.data.clone()
+                yield name, whole
             else:
                 yield name, param.detach()
 
