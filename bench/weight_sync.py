@@ -65,7 +65,7 @@ def main() -> None:
     hidden, layers = (128, 2) if args.quick else (args.hidden_size, args.layers)
     spec = TinyPolicySpec(
         vocab_size=8192, hidden_size=hidden, n_layers=layers, n_heads=max(2, hidden // 64), n_kv_heads=2,
-        intermediate_size=3 * hidden, max_position_embeddings=1024,
+        intermediate_size=3 * hidden,
     )  # fmt: skip
     world = generate_world(WorldConfig(seed=0, n_documents=200, n_queries=4))
     torch.manual_seed(0)

@@ -248,7 +248,11 @@ class WeightPusher:
                 self._sender = _nccl_sender(self._client, self.source, world_size, is_sender)
             else:
                 self._sender = GlooSender.trainer_init(self._client, self.source, world_size, self.timeout_s)
-        self._sender.send_weights()
+        try:
+            self._sender.send_weights()
+        except BaseException:
+            self.close()  # the group is out of step now: the next push opens a new one
+            raise
         return time.perf_counter() - started
 
     def close(self) -> None:
