@@ -102,10 +102,17 @@ def gloo_engine_class() -> type:
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             if self.group is None:
                 raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+            failure: Exception | None = None
             for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
                 weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device)
                 self.group.broadcast(weight, 0).wait()
-                self.model.load_weights([(name, weight)])
+                if failure is None:
+                    try:
+                        self.model.load_weights([(name, weight)])
+                    except Exception as exc:  # receive the rest all the same: the trainer's broadcasts complete
+                        failure = exc  # and the group stays in step; the update fails with the first error
+            if failure is not None:
+                raise failure
 
         def shutdown(self) -> None:
             self.group = None

@@ -147,6 +147,7 @@ class GlooSender:
     def __init__(self, client: ServerWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
         self.client, self.source, self.group = client, source, group
         self.store = store  # the workers' rendezvous store lives as long as the group
+        self.pending: Any = None  # the broadcast under way
 
     @classmethod
     def trainer_init(
@@ -183,14 +184,21 @@ class GlooSender:
         try:
             received = pool.submit(self.client.update_weights, update_info(meta))
             for _name, tensor in checked(self.source, meta):
-                _wait(self.group.broadcast(tensor.contiguous(), 0), received)
+                self.pending = self.group.broadcast(tensor.contiguous(), 0)
+                _wait(self.pending, received)
             received.result()
         finally:
             pool.shutdown(wait=False)  # a worker stuck in a broadcast must not hang this rank too
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        self.group = self.store = None
+        if self.pending is not None and not self.pending.is_completed():
+            # destroying a gloo group waits for its unfinished work (up to the group's timeout): keep it
+            _ABANDONED.append((self.group, self.store, self.pending))
+        self.group = self.store = self.pending = None
+
+
+_ABANDONED: list[tuple[Any, Any, Any]] = []  # groups left with a broadcast no worker will receive
 
 
 def _wait(work: Any, received: Future[None]) -> None:
