@@ -26,8 +26,10 @@ GROUP_PREFIX = "rubricem-weight-transfer"  # the transfer group's keys in the tr
 def register() -> None:
     """vLLM general plugin: make ``backend: gloo`` a weight-transfer engine (idempotent: vLLM may load
     plugins more than once in a process)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without the weight-transfer API: nothing to add, and vLLM must still start
+        return
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, gloo_engine_class())
     except ValueError:  # already registered in this process
