@@ -442,6 +442,17 @@ def vllm_engine(model_dir, tok):
     )
 
 
+def _logprob_errors(trajs: list[TokenTrajectory], reference, params: SamplingParams) -> list[float]:
+    """|sampled logprob − a transformers recompute with ``reference``'s weights| for every policy token."""
+    return [
+        abs(t.logprobs[i] - float(w[i]))
+        for t in trajs
+        for w in [_reference_logprobs(reference, t, params)]
+        for i, bit in enumerate(t.loss_mask)
+        if bit
+    ]
+
+
 def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) -> torch.Tensor:
     """Cache-free recompute of each token's logprob under the distribution it was sampled from."""
     with torch.no_grad():
@@ -541,14 +552,7 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
         return vllm_engine.generate(requests, env)[0]
 
     def worst_error(trajs: list[TokenTrajectory], reference) -> float:
-        errors = [
-            abs(t.logprobs[i] - float(w[i]))
-            for t in trajs
-            for w in [_reference_logprobs(reference, t, params)]
-            for i, bit in enumerate(t.loss_mask)
-            if bit
-        ]
-        return max(errors)
+        return max(_logprob_errors(trajs, reference, params))
 
     before = run()
     assert worst_error(run(), model) < 1e-4  # served from the prefix cache, still exact
@@ -576,6 +580,19 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
 
 
 # ---- vLLM as its own process ---------------------------------------------------------------------
+def _cpu_server(model_dir, tmp_path, **kwargs):
+    from rubricem_core.rollout.vllm_server import VLLMServer
+
+    return VLLMServer(
+        model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        log_path=tmp_path / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+        **kwargs,
+    )
+
+
 def _server_sampling_check(engine, tok, env, world):
     """A function of a reference model: the tokens the server samples for two queries × 2 and the worst
     difference between its sampling logprobs and a transformers recompute with the reference's weights."""
@@ -587,13 +604,7 @@ def _server_sampling_check(engine, tok, env, world):
 
     def worst_error(reference) -> tuple[list[list[int]], float]:
         trajs = [t for g in engine.generate(requests, env) for t in g]
-        errors = [
-            abs(t.logprobs[i] - float(w[i]))
-            for t in trajs
-            for w in [_reference_logprobs(reference, t, params)]
-            for i, bit in enumerate(t.loss_mask)
-            if bit
-        ]
+        errors = _logprob_errors(trajs, reference, params)
         assert errors and sum(t.n_policy_tokens for t in trajs) > 20
         return [t.token_ids for t in trajs], max(errors)
 
@@ -604,15 +615,9 @@ def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, worl
     """`vllm serve` in its own process: its sampling logprobs equal a transformers recompute, before and
     after new weights are pushed from a checkpoint directory (a tied-embedding model: the lm_head too)."""
     pytest.importorskip("vllm")
-    from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine
 
-    server = VLLMServer(
-        model_dir,
-        dtype="float32",
-        max_model_len=2048,
-        log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
-    )
+    server = _cpu_server(model_dir, tmp_path)
     engine = VLLMServerEngine(server, tok, max_model_len=2048)
     try:
         worst_error = _server_sampling_check(engine, tok, env, world)
@@ -639,7 +644,7 @@ def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env
     moves it again; a model whose parameters do not fit the server's fails the push with the server's
     answer (not after the transfer group's timeout)."""
     pytest.importorskip("vllm")
-    from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine
     from rubricem_core.rollout.weight_transfer import WeightPusher, WeightTransferError
 
     start = model_dir
@@ -650,14 +655,7 @@ def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env
         tok.save_pretrained(start)
     first = AutoModelForCausalLM.from_pretrained(start, torch_dtype=torch.float32)
     assert first.config.tie_word_embeddings == tied
-    server = VLLMServer(
-        start,
-        dtype="float32",
-        max_model_len=2048,
-        log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
-        weight_transfer="gloo",
-    )
+    server = _cpu_server(start, tmp_path, weight_transfer="gloo")
     engine = VLLMServerEngine(server, tok, max_model_len=2048)
 
     class Trainer:  # the Policy side a pushing engine calls: this process holds the weights

@@ -220,9 +220,7 @@ class LocalPolicy:
     def push_weights(self, server_url: str, backend: str, n_workers: int, is_sender: bool = True) -> float:
         """On every trainer rank (each takes part in ZeRO-3's gathers; the sender, rank 0, talks to the
         server); the transfer group opened by the first push is kept for the next ones."""
-        if self._pusher is None or self._pusher.backend != backend:
-            if self._pusher is not None:
-                self._pusher.close()
+        if self._pusher is None:  # one server, one backend per session
             self._pusher = WeightPusher(self.trainer.model, backend, self._transfer_timeout_s)
         return self._pusher.push(server_url, n_workers, is_sender)
 

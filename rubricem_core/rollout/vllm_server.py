@@ -213,10 +213,6 @@ class VLLMServer:
         self._post("/wake_up")
         self.asleep = False
 
-    def is_sleeping(self) -> bool:
-        response = self.http.get("/is_sleeping")
-        return bool(response.json()["is_sleeping"])
-
     def reset_prefix_cache(self) -> None:
         """Drop every cached KV block: none computed with old weights may be reused."""
         self._post("/reset_prefix_cache")
