@@ -2,9 +2,13 @@
 
 Rollouts: HFRolloutEngine samples ``--queries`` × ``--group`` trajectories on a synthetic world with
 the real local tools (as the `rollout` task does). Update: ``rl.update.ss_grpo_update`` on those
-trajectories with the trainer's old-logprob recompute, the frozen reference's logprobs and one
-optimizer step (advantages are random: the cost does not depend on them). Prints seconds, tokens/s
-and, on a GPU, peak memory: what one step of `rubricem rl` costs with this model here.
+trajectories as `rubricem rl` runs it by default (one optimizer step, the old policy the current one:
+no extra forward), the frozen reference's logprobs included (advantages are random: the cost does not
+depend on them). ``--compare-recompute`` times, on the same trajectories, the update that first
+recomputes the old logprobs (what every update did before, and what PPO reuse needs) and prints the
+ratio, and each one's MFU (6·N·tokens of the training pass over the update's seconds, against
+``--peak-tflops``). Prints seconds, tokens/s and, on a GPU, peak memory: what one step of `rubricem rl`
+costs with this model here.
 
     .venv/bin/python bench/rl_step_time.py --run-dir runs/small          # its SFT policy
     python bench/rl_step_time.py --policy DIR --random-init --device cuda   # speed only: weights from config.json
@@ -81,6 +85,14 @@ def main() -> None:
     )
     parser.add_argument("--sft-steps", type=int, default=0, help="SFT steps on the first rollouts before RL")
     parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 64 tokens per turn")
+    parser.add_argument(
+        "--compare-recompute",
+        action="store_true",
+        help="also time each step's update with the old-logprob recompute (an extra forward) and print the ratio",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the device's dense peak, for MFU (H200 bf16: 989)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.queries, args.group, args.max_new_tokens = 2, 2, 64
@@ -142,7 +154,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    rollout_s = update_s = sft_s = sync_s = 0.0
+    rollout_s = update_s = recompute_s = sft_s = sync_s = 0.0
     generated = trained = sft_tokens = 0
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -192,6 +204,19 @@ def main() -> None:
         update_s += time.perf_counter() - t0
         trained += total
         print(f"step {step} update: loss {metrics['loss']:.4f}, logprob gap mean {metrics['logprob_gap_mean']:.2e}")
+        if args.compare_recompute:  # the same trajectories once more, old logprobs recomputed first
+            sync()
+            t0 = time.perf_counter()
+            ss_grpo_update(
+                trainer,
+                ref_model,
+                trajs,
+                advs,
+                tokenizer.pad_token_id,
+                UpdateConfig(max_tokens_per_batch=args.max_tokens_per_batch, recompute_old=True),
+            )
+            sync()
+            recompute_s += time.perf_counter() - t0
         if separate:
             t0 = time.perf_counter()
             engine.update_weights(trainer.state_dict_for_sync())  # gathered under ZeRO-3
@@ -200,6 +225,14 @@ def main() -> None:
 
     print(f"rollout_tokens_per_s: {generated / max(rollout_s, 1e-9):.0f} generated tok/s ({rollout_s:.1f} s)")
     print(f"update_tokens_per_s: {trained / max(update_s, 1e-9):.0f} tok/s ({update_s:.1f} s)")
+    if args.compare_recompute:
+        print(f"update_recompute_tokens_per_s: {trained / max(recompute_s, 1e-9):.0f} tok/s ({recompute_s:.1f} s)")
+        print(f"update_time_ratio: {update_s / max(recompute_s, 1e-9):.3f} (no extra forward / with the recompute)")
+    if args.peak_tflops:
+        flops = 6.0 * n_params * trained  # forward + backward of the training pass
+        print(f"update_mfu: {flops / max(update_s, 1e-9) / (args.peak_tflops * 1e12):.3f}")
+        if args.compare_recompute:
+            print(f"update_recompute_mfu: {flops / max(recompute_s, 1e-9) / (args.peak_tflops * 1e12):.3f}")
     if args.sft_steps:
         print(f"sft_tokens_per_s: {sft_tokens / max(sft_s, 1e-9):.0f} tok/s ({sft_s:.1f} s)")
     if separate:

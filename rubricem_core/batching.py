@@ -32,7 +32,8 @@ class TokenBatch:
     advantages: torch.Tensor | None = None  # float32, RL only
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
-    sampled_logprobs: torch.Tensor | None = None  # the rollout engine's, kept to measure its gap to old_logprobs
+    sampled_logprobs: torch.Tensor | None = None  # the rollout engine's (NaN: unknown): gap metric, TIS weights
+    uid: int | None = None  # the micro-batch's position in an update that caches logprobs for it
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +106,9 @@ def _pad_extra(name: str, values: list[list[float]], trajs: Sequence[TokenTrajec
         for pos, (v, m) in enumerate(zip(vals, traj.loss_mask)):
             if v is None or math.isnan(v):
                 # Sampling logprobs are NaN on prompt/tool tokens; NaN × 0 is still NaN in a loss.
+                if m and name == "sampled_logprobs":
+                    clean.append(math.nan)  # a trained token the sampler gave no logprob: kept unknown
+                    continue
                 if m:
                     raise ValueError(f"extras[{name!r}][{row}] is NaN at trained token {pos}")
                 v = 0.0

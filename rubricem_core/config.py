@@ -370,6 +370,21 @@ class RLConfig(_Strict):
     clip_high: float = Field(
         default=0.2, ge=0, description="PPO ratio clip above: 1 + clip_high (DAPO's clip-higher uses ~0.28)."
     )
+    minibatches: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer steps per pass over a step's trajectories, each on its contiguous share. With "
+        "minibatches × epochs = 1 (the paper's on-policy GRPO) the old policy is the current one and no extra "
+        "forward runs; more reuse the samples (PPO) and recompute the old logprobs first.",
+    )
+    epochs: int = Field(default=1, ge=1, description="Passes over a step's trajectories (PPO sample reuse).")
+    importance_correction: Literal["none", "tis"] = Field(
+        default="none",
+        description="tis: weight every token's surrogate by min(π_old/π_sampler, tis_cap), taking the engine's "
+        "sampling logprobs as the behaviour policy: corrects samples drawn before the deferred reflection update "
+        "moved the weights, and engine/trainer numeric mismatch. none: no correction.",
+    )
+    tis_cap: float = Field(default=2.0, gt=0, description="Cap of the truncated importance weights (tis).")
 
     @field_validator("kl_coef", mode="before")
     @classmethod

@@ -226,16 +226,21 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     kl_coef: float = 0.001,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clipped token loss with a k3 KL penalty, token-level aggregation over the whole batch.
 
     All tensors are (n×T) and aligned per token. Values at masked positions are ignored (they may be
     NaN) and receive exactly zero gradient. With no masked-in token the loss is a graph-connected 0,
-    so every data-parallel rank can still call backward.
+    so every data-parallel rank can still call backward. ``is_weights`` (n×T, no gradient) multiply
+    each token's clipped surrogate: the truncated importance weights π_old/π_sampler of samples drawn
+    by another policy than the old one (``rl.importance_correction: tis``); the KL term is not weighted.
     """
     shapes = {"logp": logp.shape, "old_logp": old_logp.shape, "advantages": advantages.shape, "mask": mask.shape}
     if ref_logp is not None:
         shapes["ref_logp"] = ref_logp.shape
+    if is_weights is not None:
+        shapes["is_weights"] = is_weights.shape
     if len(set(shapes.values())) != 1:
         raise ValueError(f"policy_loss inputs must share one shape; got { {k: tuple(v) for k, v in shapes.items()} }")
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
@@ -257,6 +262,8 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     pg_per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        pg_per_token = pg_per_token * torch.where(keep, is_weights.detach().to(logp.dtype), zeros)
 
     if ref_logp is not None:
         ref_diff = torch.where(keep, ref_logp.to(logp.dtype) - logp, zeros).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)

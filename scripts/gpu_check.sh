@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue #17: one run on a lent GPU answers what the CPU cannot, one figure per line
+# The GPU check of issues #17 and #29: one run on a lent GPU answers what the CPU cannot, one figure per line
 # ("gpu_check: name=value unit"), in about 5 minutes on one H200 with no internet.
 #
 #   bash scripts/gpu_wheels.sh                      # here: DeepSpeed, pydantic, bm25s into .whl/
@@ -53,9 +53,11 @@ PY
 DTYPE=(--dtype bfloat16 --precision bf16)
 [ "$DEVICE" = cpu ] && DTYPE=(--dtype float32 --precision fp32)
 $PY bench/rl_step_time.py --policy "$POLICY" --random-init --device "$DEVICE" "${DTYPE[@]}" "${SHAPE[@]}" \
-    --backend deepspeed --zero-stage 3 --gradient-checkpointing --steps 2 --sft-steps 2 2>&1 \
+    --backend deepspeed --zero-stage 3 --gradient-checkpointing --steps 2 --sft-steps 2 \
+    --compare-recompute --peak-tflops "${GPU_PEAK_TFLOPS:-989}" 2>&1 \
     | grep -v -i "warn\|return func" | tee /tmp/gpu-check-rl.log \
-    | sed -E 's/^(rollout_tokens_per_s|update_tokens_per_s|sft_tokens_per_s|weight_sync_s|peak_gpu_memory): /gpu_check: \1=/'
+    | sed -E 's/^(rollout_tokens_per_s|update_tokens_per_s|update_recompute_tokens_per_s|update_time_ratio|sft_tokens_per_s|weight_sync_s|peak_gpu_memory): /gpu_check: \1=/' \
+    | sed -E 's/^(update_mfu|update_recompute_mfu): (.*)$/gpu_check: \1=\2 (goal >= 0.35)/'
 
 echo "== 3. the memory plan for this model (ZeRO-3 on 1 GPU, checkpointing, 16k-token micro-batches)"
 $PY - "$POLICY" <<'PY'

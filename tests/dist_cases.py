@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rubricem_core.distributed import shutdown
 from rubricem_core.training import TrainerConfig, make_trainer
-from tiny_models import VOCAB, tiny_model
+from tiny_models import PAD, VOCAB, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 
 
 def lm_batch(i: int, n_seqs: int, seq_len: int = 16) -> dict[str, torch.Tensor]:
@@ -54,6 +54,23 @@ def trainer_steps(
     return weights, history, seen
 
 
+def ppo_update(cfg: dict, update: dict) -> tuple[dict, list[dict], list[list[int]]]:
+    """One SS-GRPO update with sample reuse (minibatches × epochs), the reference a copy of the start."""
+    import copy
+
+    from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
+
+    torch.set_num_threads(1)
+    model = tiny_model()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    trajs = rl_trajectories(7)
+    with_sampled_logprobs(trajs, model, shift=0.1)
+    trainer = make_trainer(model, TrainerConfig(**cfg))
+    metrics = ss_grpo_update(trainer, ref, trajs, rl_advantages(trajs), PAD, UpdateConfig(**update))
+    weights = {k: v.detach().float().clone() for k, v in trainer.state_dict_for_sync().items()}
+    return weights, [metrics], []
+
+
 def main() -> None:
     case, out = sys.argv[1], sys.argv[2]
     arg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
@@ -79,6 +96,8 @@ def main() -> None:
             "after_block_partitioned": is_partitioned(whole),
         }
         weights, history, seen = trainer_steps(arg, model=model)
+    elif case == "ppo_update":
+        weights, history, seen = ppo_update(arg["trainer"], arg["update"])
     else:
         raise SystemExit(f"unknown case {case!r}")
     parts: list = [None] * dist.get_world_size()

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from rubricem_core.batching import collate
+from rubricem_core.logprobs import token_logprobs
 from rubricem_core.policy.tokenizer import train_bpe_tokenizer
 from rubricem_core.scaffold import EXAMPLE_TRACE
+from rubricem_core.trajectory import TokenTrajectory
 
 VOCAB = 512
+PAD = 0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,3 +69,30 @@ def tool_policy(tok, seed: int = 0, attn: str = "sdpa", max_positions: int = 409
     )
     config._attn_implementation = attn
     return Qwen3ForCausalLM(config).eval()
+
+
+# ---- trajectories for update tests: random ids, stages 0..3, a prompt and a tool output untrained
+def rl_trajectories(n: int = 6, seed: int = 3) -> list[TokenTrajectory]:
+    """Prompt tokens (untrained), then policy tokens of stages 0..3, some tool output in between."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(20, 40)
+        ids = [rng.randrange(1, VOCAB) for _ in range(length)]
+        mask = [0] * 5 + [1 if not 15 <= t < 19 else 0 for t in range(5, length)]
+        stages = [-1] * 5 + [min(3, (t - 5) * 4 // (length - 5)) for t in range(5, length)]
+        out.append(TokenTrajectory(ids, mask, stages, [math.nan] * length, n_tool_calls=i % 2))
+    return out
+
+
+def rl_advantages(trajs: list[TokenTrajectory]) -> list[list[float]]:
+    return [[(0.5 + i / 4) * (1 if i % 2 else -1) * m for m in t.loss_mask] for i, t in enumerate(trajs)]
+
+
+def with_sampled_logprobs(trajs: list[TokenTrajectory], model: torch.nn.Module, shift: float = 0.0) -> None:
+    """The sampler's logprobs: the model's own (an on-policy engine), shifted by ``shift`` per token."""
+    batch = collate(trajs, PAD)
+    with torch.no_grad():
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    for row, t in enumerate(trajs):
+        t.logprobs = [float(logp[row, j]) + shift if m else math.nan for j, m in enumerate(t.loss_mask)]

@@ -99,8 +99,11 @@ def reflection_on(cfg: RunConfig) -> bool:
 
 
 def total_updates(cfg: RunConfig) -> int:
+    """Optimizer steps of the whole run (the LR schedule's length): every task and reflection update
+    takes minibatches × epochs of them."""
     task_updates = 2 * cfg.rl.window * cfg.rl.n_windows
-    return task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
+    updates = task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
+    return updates * cfg.rl.minibatches * cfg.rl.epochs
 
 
 def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:

@@ -6,10 +6,14 @@
     metrics = ss_grpo_update(trainer, ref_model, batch.trajectories, batch.token_advantages, pad_id, config)
 
 The judge task writes ``reward_rows`` once; the update task trains on exactly those A values, so what
-SQL shows is what was trained on. The update is one optimizer step over length-bucketed micro-batches
-weighted by their policy tokens; each rank first recomputes the old logprobs with the trainer's model
-(the gap to the engine's sampling logprobs is a metric) and the reference logprobs with the frozen
-reference model for its own micro-batches.
+SQL shows is what was trained on. By default the update is one optimizer step over length-bucketed
+micro-batches weighted by their policy tokens: the old policy is then the current one, so the loss
+takes its own logprobs detached as the old ones (ratio 1) and no extra forward runs; each rank computes
+the reference logprobs of its own micro-batches. ``rl.minibatches``/``rl.epochs`` reuse the samples
+for several steps (PPO): the old logprobs are then recomputed for every micro-batch before the first
+step. ``rl.importance_correction: tis`` weights each token by min(π_old/π_sampler, cap), with the
+engine's sampling logprobs as the behaviour policy (samples drawn before the deferred reflection
+update moved the weights, or by an engine whose numerics differ).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ class UpdateConfig:
     clip_high: float = 0.2  # ratios above 1 + clip_high (for a > 0) get no gradient
     kl_coef: float = 0.001  # β of the k3 KL to the reference
     max_tokens_per_batch: int = 16384  # padded tokens per micro-batch
+    minibatches: int = 1  # optimizer steps per pass, each on its share of the trajectories
+    epochs: int = 1  # passes over the trajectories (more than one step in all: PPO reuse)
+    importance_correction: str = "none"  # "tis": truncated importance weights π_old/π_sampler
+    tis_cap: float = 2.0  # the truncation of those weights
+    recompute_old: bool = False  # recompute old logprobs even for one step (equivalence tests, benches)
 
     @classmethod
     def from_rl(cls, rl: RLConfig, temperature: float) -> UpdateConfig:
@@ -51,6 +60,10 @@ class UpdateConfig:
             clip_high=rl.clip_high,
             kl_coef=rl.kl_coef,
             max_tokens_per_batch=rl.max_tokens_per_batch,
+            minibatches=rl.minibatches,
+            epochs=rl.epochs,
+            importance_correction=rl.importance_correction,
+            tis_cap=rl.tis_cap,
         )
 
 
@@ -120,25 +133,47 @@ def training_batch(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]
 
 
 # ---- the loss and the optimizer step --------------------------------------------------------------
+def importance_weights(old_logp: torch.Tensor, sampled_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(π_old/π_sampler, cap) per token, from log-probabilities; 1 where
+    the sampler's logprob is unknown (NaN). No gradient flows through them."""
+    known = torch.isfinite(sampled_logp)
+    diff = torch.where(known, old_logp.detach() - sampled_logp, torch.zeros_like(old_logp))
+    return torch.exp(diff.clamp(max=math.log(cap)))
+
+
 def make_loss_fn(config: UpdateConfig):
+    """logp → (old: the batch's recomputed logprobs, else these detached) → ratio → clip → aggregate."""
+
     def loss_fn(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=config.temperature)
+        # One optimizer pass over fresh samples: the old policy is the current one, so its logprobs
+        # are ours detached (ratio 1, the plain policy gradient) and no extra forward is needed.
+        old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
+        mask = batch.loss_mask.bool()
+        weights = None
+        if config.importance_correction == "tis" and batch.sampled_logprobs is not None:
+            weights = importance_weights(old, batch.sampled_logprobs, config.tis_cap)
         loss, metrics = policy_loss(
             logp,
-            batch.old_logprobs,
+            old,
             batch.ref_logprobs,
             batch.advantages,
             batch.loss_mask.to(logp.dtype),
             clip_low=config.clip_low,
             clip_high=config.clip_high,
             kl_coef=config.kl_coef,
+            is_weights=weights,
         )
         if batch.sampled_logprobs is not None:
-            # engine vs trainer on the same weights: how far the sampler's numbers are from ours
-            mask = batch.loss_mask.bool()
-            gap = (batch.old_logprobs - batch.sampled_logprobs).abs()[mask]
+            # engine vs trainer on the sampling weights: how far the sampler's numbers are from ours
+            known = mask & torch.isfinite(batch.sampled_logprobs)
+            gap = (old - batch.sampled_logprobs).abs()[known]
             metrics["logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
             metrics["logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        if weights is not None:
+            w = weights[mask]
+            metrics["tis_weight_mean"] = float(w.mean()) if w.numel() else 1.0
+            metrics["tis_capped_fraction"] = float((w >= config.tis_cap).float().mean()) if w.numel() else 0.0
         return loss, metrics
 
     return loss_fn
@@ -150,22 +185,64 @@ def _logprobs_on_model_device(model: torch.nn.Module, batch: TokenBatch, tempera
     return token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), temperature=temperature)
 
 
-def make_prepare_fn(ref_model: torch.nn.Module | None, temperature: float):
-    """Old logprobs recomputed by the trainer's model (in eval mode) and reference logprobs by the
-    frozen reference, for the micro-batches of this rank, with the weights of before the step."""
+def old_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
+    """The trainer's logprobs of ``batch`` in eval mode (no dropout), as the old policy of a PPO step."""
+    was_training = model.training
+    model.eval()
+    try:
+        return token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature).float()
+    finally:
+        model.train(was_training)
+
+
+def make_prepare_fn(ref_model: torch.nn.Module | None, temperature: float, recompute_old: bool):
+    """Reference logprobs by the frozen reference (and, when asked, old logprobs recomputed by the
+    trainer's model) for the micro-batches of this rank, with the weights of before the step."""
 
     def prepare(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
-        was_training = model.training
-        model.eval()
-        old = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
-        model.train(was_training)
-        batch.old_logprobs = old.float()
+        if recompute_old:
+            batch.old_logprobs = old_logprobs(model, batch, temperature)
         if ref_model is not None:
-            ref = _logprobs_on_model_device(ref_model, batch, temperature)
-            batch.ref_logprobs = ref.to(old.device).float()
+            batch.ref_logprobs = _logprobs_on_model_device(ref_model, batch, temperature).to(batch.input_ids.device)
+            batch.ref_logprobs = batch.ref_logprobs.float()
         return batch
 
     return prepare
+
+
+def _cached_prepare(cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
+    """A prepare that attaches the logprobs the pre-pass computed for a micro-batch (keyed by its uid)."""
+
+    def prepare(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
+        old, ref = cache[batch.uid]
+        batch.old_logprobs = old.to(batch.input_ids.device)
+        batch.ref_logprobs = ref.to(batch.input_ids.device) if ref is not None else None
+        return batch
+
+    return prepare
+
+
+def minibatch_split(n: int, minibatches: int) -> list[list[int]]:
+    """Indices 0..n−1 in table order cut into ``minibatches`` contiguous parts of sizes differing by at
+    most one (fewer parts when there are fewer trajectories)."""
+    parts = min(minibatches, n)
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def _micro_batches(
+    trajectories: list[TokenTrajectory], token_advs: list[list[float]], idx: list[int], pad_id: int, max_tokens: int
+) -> list[TokenBatch]:
+    micro: list[TokenBatch] = []
+    for bucket in bucket_batches([len(trajectories[i]) for i in idx], max_tokens):
+        picked = [idx[j] for j in bucket]
+        trajs = [trajectories[i] for i in picked]
+        # the sampler's logprob on every trained token (NaN where it gave none: no importance weight)
+        sampled = [list(t.logprobs) for t in trajs]
+        micro.append(
+            collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in picked], "sampled_logprobs": sampled})
+        )
+    return micro
 
 
 def ss_grpo_update(
@@ -176,23 +253,56 @@ def ss_grpo_update(
     pad_id: int,
     config: UpdateConfig,
 ) -> dict[str, float]:
-    """One optimizer step on the given (judged, non-failed) trajectories. On several ranks every rank
-    passes the same trajectories; each computes old/reference logprobs and gradients for its shard."""
+    """``config.epochs`` passes over the given (judged, non-failed) trajectories, one optimizer step per
+    minibatch of each pass. On several ranks every rank passes the same trajectories; each computes
+    the logprobs and gradients of its shard.
+
+    One step in all (the default): the old policy is the current one (no extra forward). Several steps
+    reuse the samples, so the old logprobs (and the reference's) are computed first for every
+    micro-batch, before any step changes the weights, under the loss's autocast."""
     if not trajectories:
         return {"skipped": 1.0}
-    lengths = [len(t) for t in trajectories]
-    micro: list[TokenBatch] = []
-    for idx in bucket_batches(lengths, config.max_tokens_per_batch):
-        trajs = [trajectories[i] for i in idx]
-        sampled = [[0.0 if (m == 0 or math.isnan(lp)) else lp for m, lp in zip(t.loss_mask, t.logprobs)] for t in trajs]
-        micro.append(
-            collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in idx], "sampled_logprobs": sampled})
-        )
-    metrics = trainer.step(
-        micro,
-        make_loss_fn(config),
-        weights=[float(b.loss_mask.sum()) for b in micro],
-        prepare=make_prepare_fn(ref_model, config.temperature),
-    )
-    metrics["policy_tokens"] = float(sum(int(b.loss_mask.sum()) for b in micro))
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    parts = [
+        _micro_batches(trajectories, token_advs, idx, pad_id, config.max_tokens_per_batch)
+        for idx in minibatch_split(len(trajectories), config.minibatches)
+    ]
+    weights = [[float(b.loss_mask.sum()) for b in micro] for micro in parts]
+    reuse = len(parts) * config.epochs > 1
+    if reuse:
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        uid = 0
+        for micro in parts:
+            for b in micro:
+                b.uid, uid = uid, uid + 1
+        first_pass = make_prepare_fn(ref_model, config.temperature, recompute_old=True)
+
+        def remember(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
+            done = first_pass(model, batch)
+            ref = done.ref_logprobs.cpu() if done.ref_logprobs is not None else None
+            cache[batch.uid] = (done.old_logprobs.cpu(), ref)
+            return done
+
+        for micro, w in zip(parts, weights):
+            trainer.forward_only(micro, w, remember)
+        prepare = _cached_prepare(cache)
+    else:
+        prepare = make_prepare_fn(ref_model, config.temperature, recompute_old=config.recompute_old)
+    steps: list[dict[str, Any]] = []
+    for _ in range(config.epochs):
+        for micro, w in zip(parts, weights):
+            steps.append(trainer.step(micro, make_loss_fn(config), weights=w, prepare=prepare))
+    metrics = _mean_over_steps(steps)
+    metrics["policy_tokens"] = float(sum(sum(w) for w in weights))
+    metrics["optimizer_steps"] = float(len(steps))
+    return metrics
+
+
+def _mean_over_steps(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """One step's metrics as they are; several: their mean, with the counters of the last one."""
+    numeric = [{k: float(v) for k, v in m.items() if isinstance(v, (int, float))} for m in steps]
+    if len(numeric) == 1:
+        return numeric[0]
+    out = {k: float(np.mean([m[k] for m in numeric if k in m])) for k in numeric[-1]}
+    out["step"] = numeric[-1].get("step", out.get("step", 0.0))
+    out["lr"] = numeric[0].get("lr", out.get("lr", 0.0))  # the rate the first of them used
+    return out

@@ -34,8 +34,14 @@ class Trainer(Protocol):
     device: torch.device
 
     def step(
-        self, micro_batches: list[Any], loss_fn: LossFn, weights: Sequence[float] | None = None
+        self,
+        micro_batches: list[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float] | None = None,
+        prepare: Any = None,
     ) -> dict[str, float]: ...
+
+    def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: Any) -> None: ...
 
     def save(self, directory: str | Path, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path: ...
 

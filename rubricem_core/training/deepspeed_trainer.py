@@ -207,6 +207,11 @@ class DeepSpeedTrainer:
             check_finite(grad_norm, acc.loss, self.global_step - 1, applied=True)
         return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - t0)
 
+    def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: Any) -> None:
+        """As TorchTrainer.forward_only (the engine's own bf16 module needs no autocast). Collective
+        under ZeRO-3: every rank runs as many forwards (shards are padded to one length)."""
+        local_micro_batches(micro_batches, weights, self.device, self.engine, fn)
+
     def _grad_norm_of_module(self) -> float | None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:

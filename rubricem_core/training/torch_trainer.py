@@ -74,15 +74,17 @@ def local_micro_batches(
     device: torch.device,
     model: Any,
     prepare: PrepareFn | None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[list[ShardItem], list[Any]]:
     """This rank's shard of the step, on ``device``; ``prepare`` fills what needs the weights of
-    before the step (e.g. old and reference logprobs) for every one of them before any backward."""
+    before the step (e.g. old and reference logprobs) for every one of them before any backward,
+    under the same ``autocast`` as the loss (so a recomputed old logprob matches the loss's own)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     items = shard_micro_batches(len(micro_batches), weights, rank, world)
     batches = [to_device(micro_batches[item.index], device) for item in items]
     if prepare is not None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             batches = [prepare(model, b) for b in batches]
     return items, batches
 
@@ -252,7 +254,9 @@ class TorchTrainer:
         acc = MetricsAccumulator()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        items, batches = local_micro_batches(micro_batches, weights, self.device, self.model, prepare)
+        items, batches = local_micro_batches(
+            micro_batches, weights, self.device, self.model, prepare, autocast=self._autocast
+        )
         for item, micro_batch in zip(items, batches):
             with self._autocast():
                 loss, metrics = loss_fn(self.model, micro_batch)
@@ -271,6 +275,12 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - t0)
+
+    def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: PrepareFn) -> None:
+        """``fn(model, micro_batch)`` without gradients, under the step's autocast, on this rank's
+        shard of ``micro_batches`` — the shard ``step`` gives it for the same list and weights. For
+        what must see the weights of before several optimizer steps (PPO's old logprobs)."""
+        local_micro_batches(micro_batches, weights, self.device, self.model, fn, autocast=self._autocast)
 
     def _all_reduce_gradients(self) -> None:
         # The scales are shares of the global step, so the sum over ranks is the full gradient.
