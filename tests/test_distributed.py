@@ -195,3 +195,43 @@ def test_memory_plan_partitions_like_zero_by_hand():
         for g in (False, True)
     )
     assert full.activations > gc.activations  # checkpointing keeps the layer inputs (and recomputes one layer)
+
+
+def test_kv_cache_and_replica_plan_by_hand():
+    from rubricem_core.distributed.memory import ModelShape, RolloutSetup, kv_bytes_per_token, replica_plan
+
+    # Qwen3-8B: 36 layers, 8 KV heads of 128
+    qwen8b = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+    assert kv_bytes_per_token(qwen8b, 2, 1) == 2 * 36 * 8 * 128 * 2 == 147456  # 144 KiB a token
+    assert kv_bytes_per_token(qwen8b, 2, 2) == 147456 // 2
+    assert kv_bytes_per_token(qwen8b, 2, 16) == 2 * 36 * 1 * 128 * 2  # a KV head per GPU at least
+    setup = RolloutSetup(tensor_parallel_size=1, gpu_memory_utilization=0.9, max_model_len=16384)
+    plan = replica_plan(qwen8b, setup)
+    assert plan.weights == qwen8b.params * 2
+    assert plan.kv_cache == int(0.9 * 80 * 2**30) - qwen8b.params * 2 - 2 * 2**30
+    assert plan.kv_tokens == plan.kv_cache // 147456 and plan.full_sequences == plan.kv_tokens // 16384
+    assert plan.fits and 20 <= plan.full_sequences <= 30  # ~55 GB of KV for 16k-token rows
+    two = replica_plan(qwen8b, RolloutSetup(tensor_parallel_size=2, max_model_len=16384))
+    assert two.full_sequences > 2 * plan.full_sequences  # half the weights per GPU leaves more than twice the KV
+    tight = replica_plan(qwen8b, RolloutSetup(gpu_memory_utilization=0.22, max_model_len=16384))
+    assert not tight.fits  # 17.6 GiB: the weights take 15.3 and the runtime 2, no room for one 16k-token row
+
+
+def test_fleet_plan_splits_or_colocates_the_gpus():
+    from rubricem_core.distributed.memory import ModelShape, RolloutSetup, TrainSetup, fleet_plan
+
+    qwen8b = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+    train = TrainSetup(n_gpus=0, zero_stage=3, reference="sharded", micro_batch_tokens=16384, seq_len=16384)
+    separate = fleet_plan(qwen8b, train, RolloutSetup(max_model_len=16384), total_gpus=16, replicas=8, colocate=False)
+    assert (separate.trainer_gpus, separate.replicas) == (8, 8) and separate.fits
+    colocated = fleet_plan(
+        qwen8b, train, RolloutSetup(gpu_memory_utilization=0.35, max_model_len=16384), 16, 0, colocate=True
+    )
+    assert (colocated.trainer_gpus, colocated.replicas) == (16, 16)
+    t = colocated.trainer
+    assert colocated.sampling_peak == t.weights + t.optimizer + t.reference + int(0.35 * 80 * 2**30)
+    assert colocated.update_peak == t.total
+    greedy = fleet_plan(qwen8b, train, RolloutSetup(gpu_memory_utilization=0.9), 16, 0, colocate=True)
+    assert not greedy.fits  # the engine's 90% on top of the trainer's resident state
+    with pytest.raises(ValueError, match="leave none of 16"):
+        fleet_plan(qwen8b, train, RolloutSetup(tensor_parallel_size=2), 16, 8, colocate=False)

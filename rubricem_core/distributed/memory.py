@@ -159,3 +159,105 @@ def memory_plan(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
     reference = {"replicated": p * w, "sharded": p * w // n, "cpu": 0, "none": 0}[setup.reference]
     engine = int(setup.engine_fraction * setup.gpu_bytes)
     return MemoryPlan(weights, gradients, optimizer, activations, reference, engine, setup.gpu_bytes)
+
+
+# ---- the rollout fleet: vLLM replicas beside the trainer, or colocated with it ----------------------
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int, tensor_parallel_size: int) -> int:
+    """KV-cache bytes one token takes on each GPU of a tensor-parallel replica: K and V of every layer
+    for this GPU's share of the KV heads (a KV head is replicated when there are more GPUs than heads)."""
+    heads_per_gpu = -(-shape.kv_heads // tensor_parallel_size)
+    return 2 * shape.layers * heads_per_gpu * shape.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    tensor_parallel_size: int = 1  # GPUs of one replica (rollout.tensor_parallel_size)
+    gpu_memory_utilization: float = 0.9  # vLLM's share of each of its GPUs (rollout.gpu_memory_utilization)
+    max_model_len: int = 16384  # rollout.max_total_tokens
+    dtype: str = "bf16"
+    gpu_bytes: int = 80 * 2**30
+    runtime_bytes: int = 2 * 2**30  # vLLM's activation peak, CUDA graphs and sampler buffers (not modelled)
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    weights: int  # per GPU of the replica
+    kv_cache: int  # per GPU: what vLLM's budget leaves for the KV cache
+    kv_bytes_per_token: int  # per GPU
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the replica's KV cache holds at once (all sequences together)."""
+        return max(0, self.kv_cache) // self.kv_bytes_per_token
+
+    @property
+    def full_sequences(self) -> int:
+        """Sequences of ``max_model_len`` tokens the replica can hold at once (rows in flight at worst)."""
+        return self.kv_tokens // self.max_model_len
+
+    @property
+    def fits(self) -> bool:
+        return self.full_sequences >= 1  # vLLM refuses to start without room for one longest sequence
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "kv_cache": self.kv_cache,
+            "kv_tokens": self.kv_tokens,
+            "full_sequences": self.full_sequences,
+        }
+
+
+def replica_plan(shape: ModelShape, setup: RolloutSetup, budget_bytes: int | None = None) -> ReplicaPlan:
+    """One vLLM replica: its weights split over its GPUs, and the KV cache the rest of its budget (``budget_bytes``
+    per GPU, default gpu_memory_utilization × the GPU) holds after the weights and vLLM's runtime."""
+    w = BYTES[setup.dtype]
+    budget = int(setup.gpu_memory_utilization * setup.gpu_bytes) if budget_bytes is None else budget_bytes
+    weights = shape.params * w // setup.tensor_parallel_size
+    kv = budget - weights - setup.runtime_bytes
+    per_token = kv_bytes_per_token(shape, w, setup.tensor_parallel_size)
+    return ReplicaPlan(weights, kv, per_token, setup.max_model_len)
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    trainer_gpus: int
+    replicas: int
+    trainer: MemoryPlan  # per trainer GPU (while it updates)
+    replica: ReplicaPlan  # per replica GPU (while it samples)
+    colocated: bool
+    # colocated: a GPU while the engine samples (the trainer's resident state + the engine) and while the
+    # trainer updates (its whole plan; the engine asleep, level 1: weights in host memory, no KV cache)
+    sampling_peak: int
+    update_peak: int
+
+    @property
+    def fits(self) -> bool:
+        limit = 0.9 * self.trainer.gpu_bytes
+        return self.replica.fits and self.trainer.fits and max(self.sampling_peak, self.update_peak) <= limit
+
+
+def fleet_plan(
+    shape: ModelShape, train: TrainSetup, rollout: RolloutSetup, total_gpus: int, replicas: int, colocate: bool
+) -> FleetPlan:
+    """Where a step's GPUs go. Separate: ``replicas`` × tensor_parallel_size GPUs sample, the rest train
+    (``train.n_gpus`` is ignored). Colocated (TRL's colocate layout): every GPU trains, and one replica per
+    tensor_parallel_size GPUs samples on the same GPUs, its budget gpu_memory_utilization × the GPU while the
+    trainer's weights and optimizer state stay resident."""
+    tp = rollout.tensor_parallel_size
+    if colocate:
+        trainer_gpus, replicas = total_gpus, total_gpus // tp
+    else:
+        trainer_gpus = total_gpus - replicas * tp
+        if trainer_gpus < 1:
+            raise ValueError(
+                f"{replicas} replicas × tensor_parallel_size {tp} = {replicas * tp} GPUs leave none of {total_gpus} "
+                "to the trainer"
+            )
+    trainer = memory_plan(shape, TrainSetup(**{**asdict(train), "n_gpus": trainer_gpus, "engine_fraction": 0.0}))
+    replica = replica_plan(shape, rollout)
+    resident = trainer.weights + trainer.optimizer + trainer.reference  # gradients are freed after the step
+    budget = int(rollout.gpu_memory_utilization * rollout.gpu_bytes)
+    sampling = resident + budget if colocate else budget
+    return FleetPlan(trainer_gpus, replicas, trainer, replica, colocate, sampling, trainer.total)
