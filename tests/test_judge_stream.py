@@ -210,6 +210,32 @@ def test_engine_fires_every_group_once_with_its_trajectories(engine, tok, querie
     assert "answered" in kinds and len(set(kinds)) > 1, kinds  # the judge gets groups that differ
 
 
+def test_vllm_engine_fires_each_group_once_when_its_last_row_ends(tok, env):
+    """The vLLM engines (in-process, server) share RowBatch: a request fires after its slowest row."""
+    from rubricem_core.rollout.vllm_engine import TurnSample, VLLMRolloutEngine
+
+    calls_needed = {("a", 0): 1, ("a", 1): 4, ("b", 0): 2, ("b", 1): 2, ("c", 0): 3, ("c", 1): 1}
+    seen: dict[tuple[str, int], int] = {}
+    word = tok.encode(" x", add_special_tokens=False)[0]
+
+    def sampler(calls):
+        out = []
+        for call in calls:
+            key = (call.request_id, call.sample_index)
+            seen[key] = seen.get(key, 0) + 1
+            out.append(TurnSample([word, tok.eos_token_id] if seen[key] >= calls_needed[key] else [word], [-1.0] * 2))
+        return [TurnSample(s.token_ids, s.logprobs[: len(s.token_ids)]) for s in out]
+
+    engine = VLLMRolloutEngine(None, tok, sampler=sampler)
+    fired = []
+    engine.on_group_done = lambda index, group: fired.append((index, group))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=50, max_total_tokens=200, seed=1)
+    requests = [RolloutRequest(rid, [5, 6, 7], n=2, sampling=sampling) for rid in "abc"]
+    groups = engine.generate(requests, env)
+    assert [i for i, _ in fired] == [1, 2, 0]  # b ends after 2 calls, c after 3, a after 4
+    assert all(t is u for i, group in fired for t, u in zip(group, groups[i]))  # the very trajectories returned
+
+
 # ---- streaming ≡ batch ----------------------------------------------------------------------------
 
 
@@ -302,16 +328,19 @@ def test_streaming_llm_judge_overlaps_rollouts_and_equals_batch(engine, tok, que
         t0 = time.monotonic()
         groups, _, rollouts_done = stream_rollouts(engine, tok, queries, env, stream)
         streamed = stream.collect(qids)
+        streamed_wait = time.monotonic() - rollouts_done  # the judging left once the last rollout ended
         streamed_calls = sorted(starts)
         starts.clear()
         batch_buffers = fresh_buffers(queries)
         batch_judge = LLMJudge(settings, options)
+        t1 = time.monotonic()
         batch = judge_step(
             batch_judge,
             [(judge_query(q), group_rollouts(q["query_id"], g)) for q, g in zip(queries, groups)],
             batch_buffers,
             0,
         )
+        batch_wait = time.monotonic() - t1
     _same(tables(0, streamed, streamed_buffers), tables(0, batch, batch_buffers))
     assert judge.usage == batch_judge.usage and judge.usage.cost_usd > 0
     errors = tables(0, streamed, streamed_buffers)[3]
@@ -320,7 +349,8 @@ def test_streaming_llm_judge_overlaps_rollouts_and_equals_batch(engine, tok, que
     early = [t for t in streamed_calls if t < rollouts_done]
     print(
         f"rollouts {rollouts_done - t0:.2f}s; {len(early)} of {len(streamed_calls)} judge calls started before "
-        f"the last rollout ended, the first {streamed_calls[0] - t0:.2f}s in"
+        f"the last rollout ended, the first {streamed_calls[0] - t0:.2f}s in; judging after the rollouts: "
+        f"{streamed_wait:.2f}s streamed, {batch_wait:.2f}s batch"
     )
     assert len(early) >= 2, "the first groups' generation and scoring calls run while later groups sample"
 
