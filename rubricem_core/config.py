@@ -262,6 +262,13 @@ class JudgeConfig(EndpointConfig):
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
     )
+    stream: bool = Field(
+        default=True,
+        description="Judge each query's group as soon as it has finished sampling, while the other groups still "
+        "sample (rubric generation, then its scoring calls). The judge tables are the same as with false (the "
+        "judge task then judges every group after the last rollout); a rerun whose rollouts are already written "
+        "judges after them.",
+    )
 
     @model_validator(mode="after")
     def _builtin_needs_reference(self) -> Any:

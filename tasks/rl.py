@@ -19,13 +19,14 @@ from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
+from rubricem_core.judge.llm_judge import GroupJudgment, JudgeOptions, LLMJudge, judge_step
+from rubricem_core.judge.stream import StreamingJudge
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout
 from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
 from rubricem_core.progress import Progress
 from rubricem_core.reflection.meta import retrieve_guidance
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.records import rollout_row
+from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
     RLSession,
     buffers_at,
@@ -52,6 +53,7 @@ from rubricem_core.scaffold import STAGES
 from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA  # noqa: F401
 from rubricem_core.seeds import ROLLOUT, derive_seed
 from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.secrets import resolve_api_key
 
@@ -141,16 +143,23 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log.info, every_s=30.0
     )
     session.engine.on_progress = lambda done, _total: progress.update(done)
+    stream = _start_streaming_judge(session, cfg, plan, queries) if cfg.judge.stream else None
     t0 = time.perf_counter()
     try:
         groups = session.engine.generate(requests, search_env(run_dir, cfg))
+    except BaseException:
+        if stream is not None:
+            stream.close()  # the buffers it changed are rebuilt from the tables (buffers_step is None)
+        raise
     finally:
         session.engine.on_progress = None
+        session.engine.on_group_done = None
     seconds = time.perf_counter() - t0
+    session.pending_judge = stream  # the judge task collects it
     rows = []
     for qid, text, group in zip(plan.query_ids, guidance, groups):
         for i, traj in enumerate(group):
-            rows.append(rollout_row(plan, qid, f"{qid}-s{plan.step:04d}-r{i}", traj, cfg.tools.max_tool_calls, text))
+            rows.append(rollout_row(plan, qid, rollout_id(plan, qid, i), traj, cfg.tools.max_tool_calls, text))
     generated = sum(r["n_policy_tokens"] for r in rows)
     metrics["rollout/seconds"] = seconds
     metrics["rollout/tokens_per_s"] = generated / max(seconds, 1e-9)
@@ -167,6 +176,69 @@ def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         sum(r["valid_scaffold"] for r in rows),
     )
     return {"cached": False, "metrics": metrics}
+
+
+def rollout_id(plan: StepPlan, query_id: str, index: int) -> str:
+    return f"{query_id}-s{plan.step:04d}-r{index}"
+
+
+def judge_query(q: dict[str, Any]) -> JudgeQuery:
+    """What the judge is told of a `queries` row."""
+    spec = json.loads(q["spec"]) if q.get("spec") else None
+    return JudgeQuery(q["query_id"], q["question"], spec=spec, reference_answer=q.get("reference_answer"))
+
+
+def step_judge(
+    session: RLSession, cfg: RunConfig, plan: StepPlan, queries: dict[str, dict[str, Any]]
+) -> tuple[LLMJudge, dict[str, RubricBuffer]]:
+    """The judge of a step and the buffers it changes: those after the step before, plus a new buffer
+    (its persistent rubrics) for each query judged the first time. ``session.buffers_step`` becomes None:
+    the buffers are changed in place from here on, unknown until the step's judge tables are written
+    (a failed or killed judge leaves them to be rebuilt from `judge_rubrics`)."""
+    buffers = buffers_at(session, plan.step - 1, cfg)
+    session.buffers_step = None
+    for qid in plan.query_ids:
+        if qid not in buffers:
+            buffers[qid] = RubricBuffer.from_query(
+                qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step
+            )
+    builtin = builtin_provider(cfg.judge.model) == "rubricem-judge"
+    settings = endpoint_for(cfg.judge, api_key=resolve_api_key(cfg.judge))
+    return LLMJudge(settings, judge_options(cfg, recipe_settings(cfg).judged_stages, builtin)), buffers
+
+
+def _start_streaming_judge(
+    session: RLSession, cfg: RunConfig, plan: StepPlan, queries: dict[str, dict[str, Any]]
+) -> StreamingJudge:
+    """A StreamingJudge over the step's buffers, fed by the engine as each query's group ends: each
+    trajectory as the judge task would read its `rollouts` row (same id, same text)."""
+    if session.pending_judge is not None:  # a stale one (a failed step before): nobody will collect it
+        session.pending_judge.close()
+        session.pending_judge = None
+    judge, buffers = step_judge(session, cfg, plan, queries)
+    stream = StreamingJudge(judge, buffers, plan.step)
+    targets = [judge_query(queries[qid]) for qid in plan.query_ids]
+
+    def on_group_done(index: int, group: list[TokenTrajectory]) -> None:
+        query = targets[index]
+        rollouts = [JudgeRollout(rollout_id(plan, query.query_id, i), rollout_text(t)) for i, t in enumerate(group)]
+        # every group has group_size rollouts: the offset is the batch judge's, whichever group ends first
+        stream.submit(query, rollouts, index=index, offset=index * cfg.rollout.group_size)
+
+    session.engine.on_group_done = on_group_done
+    return stream
+
+
+def _take_streamed(session: RLSession, plan: StepPlan) -> StreamingJudge | None:
+    """The rollout task's StreamingJudge when it judged this step over the session's buffers as they
+    still are; None (closing a stale one) otherwise: the judge task then judges from the tables."""
+    stream, session.pending_judge = session.pending_judge, None
+    if stream is None:
+        return None
+    if stream.step == plan.step and stream.buffers is session.buffers and session.buffers_step is None:
+        return stream
+    stream.close()
+    return None
 
 
 def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool) -> JudgeOptions:
@@ -200,40 +272,28 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     rs = recipe_settings(cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     rollouts = store.read_rows("rollouts", _key(plan.step))
-    buffers = buffers_at(session, plan.step - 1, cfg)
-    session.buffers_step = None  # changed in place from here on: unknown until this step's tables are written
-    for qid in plan.query_ids:
-        if qid not in buffers:
-            buffers[qid] = RubricBuffer.from_query(
-                qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step
-            )
-    builtin = builtin_provider(cfg.judge.model) == "rubricem-judge"
-    settings = endpoint_for(cfg.judge, api_key=resolve_api_key(cfg.judge))
-    judge = LLMJudge(settings, judge_options(cfg, rs.judged_stages, builtin))
-    groups = []
-    for qid in plan.query_ids:
-        q = queries[qid]
-        jq = JudgeQuery(
-            qid,
-            q["question"],
-            spec=json.loads(q["spec"]) if q.get("spec") else None,
-            reference_answer=q.get("reference_answer"),
-        )
-        groups.append((jq, [JudgeRollout(r["rollout_id"], r["text"]) for r in rollouts if r["query_id"] == qid]))
     t0 = time.perf_counter()
-    results = judge_step(judge, groups, buffers, plan.step)
-    seconds = time.perf_counter() - t0
+    stream = _take_streamed(session, plan)
+    results: list[GroupJudgment]
+    if stream is not None:  # judged while the rollouts sampled (judge.stream): wait for the last groups
+        judge, buffers = stream.judge, stream.buffers
+        results = stream.collect(plan.query_ids)
+        _check_streamed(results, rollouts)
+        seconds = stream.seconds
+    else:
+        judge, buffers = step_judge(session, cfg, plan, queries)
+        groups = [
+            (
+                judge_query(queries[qid]),
+                [JudgeRollout(r["rollout_id"], r["text"]) for r in rollouts if r["query_id"] == qid],
+            )
+            for qid in plan.query_ids
+        ]
+        results = judge_step(judge, groups, buffers, plan.step)
+        seconds = time.perf_counter() - t0
+    wait_seconds = time.perf_counter() - t0  # how long this task held the step up
 
-    rubric_rows, score_rows, reward_rows, errors = [], [], [], {}
-    for g in results:
-        rubric_rows.extend(buffers[g.query_id].rows(plan.step))
-        for j in g.judgments:
-            if j.failed:
-                errors[j.rollout_id] = j.error or "judgment failed"
-            else:
-                score_rows.extend(j.rows(plan.step, g.query_id))
-        failed = [rid in errors for rid in g.rollout_ids]
-        reward_rows.extend(reward_rows_of(plan.step, g.query_id, g.rollout_ids, group_advantages(g.R, rs.lam, failed)))
+    rubric_rows, score_rows, reward_rows, errors = judge_tables(plan.step, results, buffers, rs.lam)
     # The judge's verdict on each rollout, kept even when the step cannot train. Rewritten only when it
     # differs from what the rollout task (or a failed attempt's judge) wrote: with every judgment in,
     # the rollouts partition stays as sampled.
@@ -261,7 +321,8 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     store.write_table("judge_scores", score_rows, _key(plan.step), schema=JUDGE_SCORES_SCHEMA)
     metrics = judge.usage.metrics()
     metrics["judge/failed_trajectories"] = float(len(errors))
-    metrics["judge/seconds"] = seconds
+    metrics["judge/seconds"] = seconds  # from the first call to the last (streamed: from the first group)
+    metrics["judge/wait_seconds"] = wait_seconds
     for stage in STAGES:
         metrics[f"buffer/{stage}_active"] = float(sum(len(buffers[q].active(stage)) for q in plan.query_ids))
     save_task_metrics(store, "judge", plan.step, metrics)  # before stage_rewards, which marks the task done
@@ -273,11 +334,36 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
         "step %d: judged %d rollouts of %d queries in %.1fs, %d failed",
         plan.step,
         len(rollouts),
-        len(groups),
+        len(results),
         seconds,
         len(errors),
     )
     return {"cached": False, "metrics": metrics}
+
+
+def judge_tables(
+    step: int, results: list[GroupJudgment], buffers: dict[str, RubricBuffer], lam: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
+    """A step's `judge_rubrics`, `judge_scores` and `stage_rewards` rows (groups in ``results`` order)
+    and the error of each failed judgment by rollout id."""
+    rubric_rows, score_rows, reward_rows, errors = [], [], [], {}
+    for g in results:
+        rubric_rows.extend(buffers[g.query_id].rows(step))
+        for j in g.judgments:
+            if j.failed:
+                errors[j.rollout_id] = j.error or "judgment failed"
+            else:
+                score_rows.extend(j.rows(step, g.query_id))
+        failed = [rid in errors for rid in g.rollout_ids]
+        reward_rows.extend(reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(g.R, lam, failed)))
+    return rubric_rows, score_rows, reward_rows, errors
+
+
+def _check_streamed(results: list[GroupJudgment], rollouts: list[dict[str, Any]]) -> None:
+    """The streamed groups judged exactly the rollouts the table holds (ids and texts were made by one path)."""
+    judged = [rid for g in results for rid in g.rollout_ids]
+    if judged != [r["rollout_id"] for r in rollouts]:
+        raise RuntimeError(f"the streamed judge judged rollouts {judged[:4]}..., the table holds others")
 
 
 @task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}", cache_policy=NO_CACHE)

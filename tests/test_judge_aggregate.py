@@ -227,7 +227,7 @@ def test_silence_earns_no_credit_from_inverted_negative_rubrics():
 def test_judge_step_zeroes_the_unanswered_rollouts_answer_reward(monkeypatch):
     from rubricem_core.judge.buffer import RubricBuffer
     from rubricem_core.judge.llm_judge import judge_step
-    from rubricem_core.judge.types import JudgeQuery, JudgeRollout
+    from rubricem_core.judge.types import JudgeQuery, JudgeRollout, JudgeUsage
 
     negative = rubric("no wrong value", "answer", "negative", 1)
 
@@ -235,12 +235,17 @@ def test_judge_step_zeroes_the_unanswered_rollouts_answer_reward(monkeypatch):
         class options:
             rubric_stages = STAGES
 
-        def generate(self, inputs):
+        class settings:
+            max_concurrency = 1
+
+        usage = JudgeUsage()
+
+        async def agenerate(self, inputs, **_):
             from rubricem_core.judge.llm_judge import GenerationOutcome
 
             return [GenerationOutcome(i.query.query_id) for i in inputs]
 
-        def score(self, inputs):
+        async def ascore(self, inputs, **_):
             return [judged(i.rollout.rollout_id, list(i.rubrics), [0] * len(i.rubrics)) for i in inputs]
 
     buffer = RubricBuffer("q1", cap_per_stage=5)

@@ -246,3 +246,85 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     ra = RunStore(straight).read_rows("rollouts", {"step": 1})
     rb = RunStore(resumed).read_rows("rollouts", {"step": 1})
     assert [r["token_ids"] for r in ra] == [r["token_ids"] for r in rb]
+
+
+JUDGE_TABLES = {
+    "rollouts": ("step", "rollout_id"),
+    "judge_rubrics": ("step", "query_id", "rubric_id"),
+    "judge_scores": ("step", "rollout_id", "rubric_id"),
+    "stage_rewards": ("step", "rollout_id", "stage"),
+}
+
+
+def _judge_view(run_dir: str) -> dict:
+    """The judge tables row for row (in written order), the judge's metrics but its timings, the weights."""
+    from safetensors.torch import load_file
+
+    store = RunStore(run_dir)
+    out: dict = {table: store.read_rows(table) for table in JUDGE_TABLES}
+    out["metrics"] = {
+        (r["step"], r["name"]): r["value"]
+        for r in store.read_rows("metrics")
+        if r["flow"] == "rl" and r["name"].startswith(("judge/", "buffer/", "reward/")) and "seconds" not in r["name"]
+    }
+    out["weights"] = load_file(f"{run_dir}/checkpoints/rl/step-000001/model.safetensors")
+    return out
+
+
+def _assert_same_judging(a: dict, b: dict) -> None:
+    for table in JUDGE_TABLES:
+        assert len(a[table]) == len(b[table]), table
+        for x, y in zip(a[table], b[table]):
+            assert x == y, f"{table}: {[x.get(k) for k in JUDGE_TABLES[table]]} differs"
+    assert a["metrics"] == b["metrics"] and a["metrics"]
+    for k in a["weights"]:
+        torch.testing.assert_close(a["weights"][k], b["weights"][k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkeypatch):
+    """judge.stream (the default) ≡ judge.stream: false in every judge table, metric and weight; and a
+    streamed step whose judge task fails (judge.min_judged_fraction) reruns in the same process, its
+    buffers rebuilt from the tables, to the same tables."""
+    import tasks.rl as rl_tasks
+    from flows.rl import rl
+    from rubricem_core.judge.llm_judge import LLMJudge
+    from rubricem_core.judge.types import TrajectoryJudgment
+
+    batch_calls = []
+    real_judge_step = rl_tasks.judge_step
+
+    def counting_judge_step(*args, **kwargs):
+        batch_calls.append(args[3])
+        return real_judge_step(*args, **kwargs)
+
+    monkeypatch.setattr(rl_tasks, "judge_step", counting_judge_step)
+    rl_tasks.drop_sessions()
+    streamed = _copy_run(sft_run, tmp_path / "streamed")
+    rl(run_dir=streamed, profile="tiny", overrides=SMALL)
+    assert batch_calls == []  # every step judged while its rollouts sampled
+    rl_tasks.drop_sessions()
+    batch = _copy_run(sft_run, tmp_path / "batch")
+    rl(run_dir=batch, profile="tiny", overrides={**SMALL, "judge.stream": False})
+    assert batch_calls == [0, 1]
+    reference = _judge_view(batch)
+    _assert_same_judging(_judge_view(streamed), reference)
+
+    # step 0's streamed judgments all fail: the judge task raises, having changed the session's buffers
+    rl_tasks.drop_sessions()
+    batch_calls.clear()
+    failing = _copy_run(sft_run, tmp_path / "failing")
+    real_ascore = LLMJudge.ascore
+
+    async def all_failed(self, inputs, **kwargs):
+        out = await real_ascore(self, inputs, **kwargs)
+        return [TrajectoryJudgment(j.rollout_id, failed=True, error="injected outage") for j in out]
+
+    monkeypatch.setattr(LLMJudge, "ascore", all_failed)
+    with pytest.raises(rl_tasks.JudgeStepError, match="2 of 4 judgments failed|4 of 4 judgments failed"):
+        rl(run_dir=failing, profile="tiny", overrides=SMALL)
+    assert all(r["judge_failed"] for r in RunStore(failing).read_rows("rollouts", {"step": 0}))
+    monkeypatch.setattr(LLMJudge, "ascore", real_ascore)
+    rl(run_dir=failing, profile="tiny", overrides=SMALL)  # same process, same session
+    assert batch_calls == [0]  # step 0 re-judged from the tables, step 1 streamed
+    _assert_same_judging(_judge_view(failing), reference)

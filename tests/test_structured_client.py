@@ -127,13 +127,13 @@ def test_verdict_list_schema_and_its_prompt_shape():
 def test_all_three_callers_send_through_the_one_client(monkeypatch):
     """The task judge, the reflection judge and the grader: every request goes out through llm.structured."""
     sent: list[str] = []
-    real = structured.run_concurrent
+    real = structured.arun_concurrent
 
-    def spy(requests, settings):
+    async def spy(requests, settings, **kwargs):
         sent.extend(r.custom_id for r in requests)
-        return real(requests, settings)
+        return await real(requests, settings, **kwargs)
 
-    monkeypatch.setattr(structured, "run_concurrent", spy)
+    monkeypatch.setattr(structured, "arun_concurrent", spy)
     judge_model, reflection_model, grader_model = (
         endpoint_for(section).model
         for section in (_section("judge"), _section("reflection.judge"), _section("eval.grader"))

@@ -2,7 +2,9 @@
 
 - ``types``: Rubric, RubricScore, TrajectoryJudgment, JudgeUsage, JudgeQuery, JudgeRollout
 - ``prompts``: the two calls' prompts, JSON schemas and reply validation
-- ``llm_judge``: LLMJudge (generation + scoring through litellm, repair, failure handling), judge_step
+- ``llm_judge``: LLMJudge (generation + scoring through litellm, repair, failure handling), judge_group
+  (one query's group), judge_step (a step's groups at once)
+- ``stream``: StreamingJudge, judge_group on each group as soon as it has finished sampling
 - ``builtin``: the offline judge, a litellm provider answering the same prompts deterministically
 - ``buffer``: RubricBuffer, the evolving per-query rubric set
 - ``aggregate``: stage_scores, R[i, k] = Σ w·s′ / (2 Σ w)
@@ -29,7 +31,9 @@ _LAZY = {
     "GenerationInput": "rubricem_core.judge.llm_judge",
     "ScoringInput": "rubricem_core.judge.llm_judge",
     "GroupJudgment": "rubricem_core.judge.llm_judge",
+    "judge_group": "rubricem_core.judge.llm_judge",
     "judge_step": "rubricem_core.judge.llm_judge",
+    "StreamingJudge": "rubricem_core.judge.stream",
     "register_builtin_judge": "rubricem_core.judge.builtin",
     "BUILTIN_JUDGE_MODEL": "rubricem_core.judge.builtin",
 }

@@ -11,12 +11,15 @@ Baseline-RL; ``show_reference``: the query's answer key or not) and how many new
 gets (the paper's ranges, capped by ``max_new_rubrics_per_stage``; extra ones are cut, too few are
 repaired when ``require_min_rubrics``).
 
-``judge_step`` runs one RL step's judging for many queries: all generation calls at once, the
-buffers updated, all scoring calls at once, stage rewards, then pruning.
+``judge_group`` judges one query's rollout group: its generation call, its buffer updated, its scoring
+calls, stage rewards, then pruning. ``judge_step`` runs it for every group of an RL step at once (one
+concurrency limit over all calls); ``rubricem_core.judge.stream.StreamingJudge`` runs it for each group
+as soon as the group has finished sampling. Both give the same calls with the same inputs and ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from rubricem_core.judge.types import (
     RubricScore,
     TrajectoryJudgment,
 )
+from rubricem_core.llm.concurrent import run_sync
 from rubricem_core.llm.replies import ReplyError
 from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
 from rubricem_core.llm.types import EndpointSettings
@@ -167,17 +171,31 @@ class LLMJudge:
     # ---- rubric generation ---------------------------------------------------------------------
     def generate(self, inputs: Sequence[GenerationInput]) -> list[GenerationOutcome]:
         """One call per query: new rubrics (not yet in any buffer), in input order."""
+        return run_sync(self.agenerate(inputs))
+
+    async def agenerate(
+        self,
+        inputs: Sequence[GenerationInput],
+        *,
+        first_index: int = 0,
+        usage: JudgeUsage | None = None,
+        limit: asyncio.Semaphore | None = None,
+    ) -> list[GenerationOutcome]:
+        """``generate`` on the running loop. Call ids count from ``first_index`` (a group judged alone
+        keeps the id it has in its step); calls are counted in ``usage`` (default: ``self.usage``);
+        ``limit`` bounds the calls in flight with others sharing it."""
+        usage = self.usage if usage is None else usage
         options = self.options
-        limit, stages = options.max_new_rubrics_per_stage, options.rubric_stages
+        limit_n, stages = options.max_new_rubrics_per_stage, options.rubric_stages
         require_min = options.require_min_rubrics
-        schema = generation_schema(rubric_counts(limit, stages), require_min)
+        schema = generation_schema(rubric_counts(limit_n, stages), require_min)
         pending = []
-        for index, item in enumerate(inputs):
+        for index, item in enumerate(inputs, start=first_index):
             messages = generation_messages(
                 item.query,
                 item.rollouts,
                 item.existing,
-                limit,
+                limit_n,
                 options.max_block_chars,
                 stages=stages,
                 require_min=require_min,
@@ -189,16 +207,16 @@ class LLMJudge:
                     messages,
                     "new_rubrics",
                     schema,
-                    lambda text: parse_generation(text, limit, stages=stages, require_min=require_min),
+                    lambda text: parse_generation(text, limit_n, stages=stages, require_min=require_min),
                 )
             )
-        self.ask(GENERATE, pending)
+        await self.client.aask(pending, partial(usage.add_call, GENERATE), limit)
         outcomes = []
         for item, call in zip(inputs, pending):
             if call.error is not None and require_min:
-                self._keep_short_reply(call, limit, stages)
+                self._keep_short_reply(call, limit_n, stages)
             if call.error is not None:
-                self.usage.fail(GENERATE)
+                usage.fail(GENERATE)
                 log.warning("rubric generation for query %r failed: %s", item.query.query_id, call.error)
                 outcomes.append(GenerationOutcome(item.query.query_id, failed=True, error=call.error))
                 continue
@@ -219,8 +237,20 @@ class LLMJudge:
     # ---- scoring -------------------------------------------------------------------------------
     def score(self, inputs: Sequence[ScoringInput]) -> list[TrajectoryJudgment]:
         """One call per trajectory scoring all its rubrics; failed judgments carry the reason."""
+        return run_sync(self.ascore(inputs))
+
+    async def ascore(
+        self,
+        inputs: Sequence[ScoringInput],
+        *,
+        first_index: int = 0,
+        usage: JudgeUsage | None = None,
+        limit: asyncio.Semaphore | None = None,
+    ) -> list[TrajectoryJudgment]:
+        """``score`` on the running loop; ``first_index``, ``usage`` and ``limit`` as in ``agenerate``."""
+        usage = self.usage if usage is None else usage
         pending: list[PendingCall | None] = []
-        for index, item in enumerate(inputs):
+        for index, item in enumerate(inputs, start=first_index):
             ids = [r.rubric_id for r in item.rubrics]
             if len(set(ids)) != len(ids):
                 raise JudgeError(f"rollout {item.rollout.rollout_id!r}: the rubric list repeats an id")
@@ -239,14 +269,14 @@ class LLMJudge:
                     partial(parse_scores, rubric_ids=ids),
                 )
             )
-        self.ask(SCORE, [p for p in pending if p is not None])
+        await self.client.aask([p for p in pending if p is not None], partial(usage.add_call, SCORE), limit)
         judgments = []
         for item, call in zip(inputs, pending):
             rollout_id = item.rollout.rollout_id
             if call is None:
                 judgments.append(TrajectoryJudgment(rollout_id))
             elif call.error is not None:
-                self.usage.fail(SCORE)
+                usage.fail(SCORE)
                 judgments.append(TrajectoryJudgment(rollout_id, failed=True, error=call.error))
             else:
                 judgments.append(
@@ -276,10 +306,56 @@ class GroupJudgment:
     added: list[Rubric]
     pruned: list[Rubric]
     generation: GenerationOutcome
+    usage: JudgeUsage = field(default_factory=JudgeUsage)  # this group's calls alone
 
     @property
     def n_failed(self) -> int:
         return sum(j.failed for j in self.judgments)
+
+
+async def judge_group(
+    judge: LLMJudge,
+    query: JudgeQuery,
+    rollouts: Sequence[JudgeRollout],
+    buffer: RubricBuffer,
+    step: int,
+    *,
+    index: int = 0,
+    offset: int = 0,
+    generate: bool = True,
+    limit: asyncio.Semaphore | None = None,
+) -> GroupJudgment:
+    """One group: generate rubrics, add them to ``buffer``, score every rollout, aggregate, prune.
+
+    ``index`` is the query's place in its step and ``offset`` the step-wide index of its first rollout:
+    call ids (which failed judgments' errors quote) are the step's whichever way the group is judged.
+    Only ``buffer`` is changed, so groups of different queries can be judged in any order or at once.
+    The calls are counted in the result's ``usage``, not in ``judge.usage`` (``collect_usage`` adds them
+    in plan order, so float sums do not depend on which group finished first)."""
+    usage = JudgeUsage()
+    if generate:
+        [outcome] = await judge.agenerate(
+            [GenerationInput(query, list(rollouts), buffer.active())], first_index=index, usage=usage, limit=limit
+        )
+    else:
+        outcome = GenerationOutcome(query.query_id)
+    added = buffer.add(outcome.rubrics, step)
+    rubrics = [r for r in buffer.active() if r.origin == "persistent" or r.stage in judge.options.rubric_stages]
+    judgments = await judge.ascore(
+        [ScoringInput(query, rollout, rubrics) for rollout in rollouts], first_index=offset, usage=usage, limit=limit
+    )
+    pruned = buffer.after_scoring(judgments, step)
+    R = zero_absent_stages(stage_scores(judgments, rubrics), [r.text for r in rollouts])
+    return GroupJudgment(
+        query.query_id, [r.rollout_id for r in rollouts], judgments, rubrics, R, added, pruned, outcome, usage
+    )
+
+
+def collect_usage(judge: LLMJudge, groups: Sequence[GroupJudgment]) -> JudgeUsage:
+    """Add the groups' calls to ``judge.usage`` in the given (plan) order; returns ``judge.usage``."""
+    for group in groups:
+        judge.usage.merge(group.usage)
+    return judge.usage
 
 
 def judge_step(
@@ -289,30 +365,35 @@ def judge_step(
     step: int,
     generate: bool = True,
 ) -> list[GroupJudgment]:
-    """Generate rubrics for every group, score every rollout, aggregate, prune; buffers are updated."""
-    for query, _ in groups:
-        if query.query_id not in buffers:
-            raise JudgeError(f"no RubricBuffer for query {query.query_id!r}")
-    if generate:
-        outcomes = judge.generate([GenerationInput(q, list(r), buffers[q.query_id].active()) for q, r in groups])
-    else:
-        outcomes = [GenerationOutcome(q.query_id) for q, _ in groups]
-    added = [buffers[o.query_id].add(o.rubrics, step) for o in outcomes]
-    in_force = [
-        [r for r in buffers[q.query_id].active() if r.origin == "persistent" or r.stage in judge.options.rubric_stages]
-        for q, _ in groups
-    ]
-    inputs = [
-        ScoringInput(q, rollout, rubrics) for (q, rollouts), rubrics in zip(groups, in_force) for rollout in rollouts
-    ]
-    judgments = judge.score(inputs)
-    out, start = [], 0
-    for (query, rollouts), rubrics, outcome, new in zip(groups, in_force, outcomes, added):
-        group = judgments[start : start + len(rollouts)]
-        start += len(rollouts)
-        pruned = buffers[query.query_id].after_scoring(group, step)
-        R = zero_absent_stages(stage_scores(group, rubrics), [r.text for r in rollouts])
-        out.append(
-            GroupJudgment(query.query_id, [r.rollout_id for r in rollouts], group, rubrics, R, new, pruned, outcome)
+    """Judge every group at once (``judge_group`` each, one concurrency limit over all calls); buffers are
+    updated and the calls counted in ``judge.usage``. Results in ``groups`` order."""
+    ids = [query.query_id for query, _ in groups]
+    if len(set(ids)) != len(ids):
+        raise JudgeError(f"judge_step: a query appears twice in {ids}")  # its buffer would change twice at once
+    for qid in ids:
+        if qid not in buffers:
+            raise JudgeError(f"no RubricBuffer for query {qid!r}")
+    offsets = np.cumsum([0] + [len(rollouts) for _, rollouts in groups]).tolist()
+
+    async def run() -> list[GroupJudgment]:
+        limit = asyncio.Semaphore(judge.settings.max_concurrency)
+        return await asyncio.gather(
+            *(
+                judge_group(
+                    judge,
+                    query,
+                    rollouts,
+                    buffers[query.query_id],
+                    step,
+                    index=index,
+                    offset=offsets[index],
+                    generate=generate,
+                    limit=limit,
+                )
+                for index, (query, rollouts) in enumerate(groups)
+            )
         )
+
+    out = run_sync(run())
+    collect_usage(judge, out)
     return out

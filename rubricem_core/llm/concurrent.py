@@ -13,8 +13,8 @@ import concurrent.futures
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -26,6 +26,7 @@ from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, c
 log = logging.getLogger(__name__)
 
 ResultCallback = Callable[[ChatResult], None]
+T = TypeVar("T")
 
 # 408 request timeout and 409 conflict are transient at OpenAI-style endpoints as well.
 RETRYABLE_STATUS = frozenset({408, 409, 429})
@@ -165,17 +166,26 @@ async def arun_concurrent(
     requests: list[ChatRequest],
     settings: EndpointSettings,
     on_result: ResultCallback | None = None,
+    limit: asyncio.Semaphore | None = None,
 ) -> list[ChatResult]:
-    """Answer every request; at most ``settings.max_concurrency`` calls are in flight at once."""
+    """Answer every request; at most ``settings.max_concurrency`` calls are in flight at once, and with
+    ``limit`` (a semaphore shared by concurrent ``arun_concurrent`` calls on one loop) at most its value
+    over all of them."""
     requests = list(requests)
     validate_requests(requests, settings)
     results: list[ChatResult | None] = [None] * len(requests)
     next_index = iter(range(len(requests)))
 
+    async def call(request: ChatRequest) -> ChatResult:
+        if limit is None:
+            return await _call_with_retries(request, settings)
+        async with limit:
+            return await _call_with_retries(request, settings)
+
     async def worker() -> None:
         # A fixed pool pulling from a shared iterator keeps memory flat for very large request lists.
         for index in next_index:
-            result = await _call_with_retries(requests[index], settings)
+            result = await call(requests[index])
             results[index] = result
             if on_result is not None:
                 on_result(result)
@@ -196,10 +206,15 @@ def run_concurrent(
     on_result: ResultCallback | None = None,
 ) -> list[ChatResult]:
     """Synchronous ``arun_concurrent``; safe to call from code that already runs an event loop."""
+    return run_sync(arun_concurrent(requests, settings, on_result))
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` to the end from synchronous code, also from code that already runs an event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(arun_concurrent(requests, settings, on_result))
+        return asyncio.run(coroutine)
     # Inside a running loop (an async Prefect task, a notebook) asyncio.run would fail: use a thread.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, arun_concurrent(requests, settings, on_result)).result()
+        return pool.submit(asyncio.run, coroutine).result()

@@ -10,12 +10,13 @@ sends an unusable reply's validation error back, and a usage record of every cal
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from rubricem_core.llm.concurrent import run_concurrent
+from rubricem_core.llm.concurrent import arun_concurrent, run_sync
 from rubricem_core.llm.replies import STRUCTURED_OUTPUT_MODES, ReplyError, repair_message, response_format
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
 
@@ -104,7 +105,14 @@ class StructuredClient:
     def ask(self, calls: Sequence[StructuredCall], record: RecordFn | None = None) -> None:
         """First try for all, then one repair for those whose reply came back but was unusable. Validated
         values land in ``value``, problems in ``error``; ``record`` sees every answered call."""
-        self._send(calls, record, repair=False)
+        run_sync(self.aask(calls, record))
+
+    async def aask(
+        self, calls: Sequence[StructuredCall], record: RecordFn | None = None, limit: asyncio.Semaphore | None = None
+    ) -> None:
+        """``ask`` on the running loop; ``limit`` bounds the calls in flight together with other ``aask``
+        calls sharing it (a streaming judge's groups)."""
+        await self._send(calls, record, False, limit)
         if not self.options.repair:
             return
         to_repair = [c for c in calls if c.error is not None and c.last_text is not None]
@@ -117,12 +125,14 @@ class StructuredClient:
             call.request = dataclasses.replace(
                 call.request, custom_id=call.request.custom_id + ":repair", messages=messages
             )
-        self._send(to_repair, record, repair=True)
+        await self._send(to_repair, record, True, limit)
 
-    def _send(self, calls: Sequence[StructuredCall], record: RecordFn | None, repair: bool) -> None:
+    async def _send(
+        self, calls: Sequence[StructuredCall], record: RecordFn | None, repair: bool, limit: asyncio.Semaphore | None
+    ) -> None:
         if not calls:
             return
-        results = run_concurrent([c.request for c in calls], self.settings)
+        results = await arun_concurrent([c.request for c in calls], self.settings, limit=limit)
         for call, result in zip(calls, results):
             if record is not None:
                 record(result, repair)

@@ -15,7 +15,7 @@ def rollout_row(
     plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int, guidance: str | None
 ) -> dict[str, Any]:
     """The `rollouts` row of one trajectory (judge_failed False until the judge says otherwise)."""
-    text = "".join(s.text for s in traj.segments if s.kind != "prompt")
+    text = rollout_text(traj)
     violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls)})
     return {
         "step": plan.step,
@@ -40,6 +40,11 @@ def rollout_row(
         "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
         "guidance": guidance,
     }
+
+
+def rollout_text(traj: TokenTrajectory) -> str:
+    """The `text` of a trajectory's row (what the judge reads): everything after the prompt."""
+    return "".join(s.text for s in traj.segments if s.kind != "prompt")
 
 
 def rollout_trajectory(row: dict[str, Any]) -> TokenTrajectory:

@@ -274,6 +274,9 @@ class RLSession:
     bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
     reflection_updates: set[int] = field(default_factory=set)  # steps whose reflection update is applied
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # The StreamingJudge (rubricem_core.judge.stream) the rollout task started on its step's groups, over
+    # ``buffers``; the judge task of that step collects it (judge.stream), else judges from the tables.
+    pending_judge: Any = None
 
 
 _SESSIONS: dict[str, RLSession] = {}
@@ -415,6 +418,8 @@ def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
 
 def _close_all() -> None:
     for session in _SESSIONS.values():
+        if session.pending_judge is not None:
+            session.pending_judge.close()
         session.policy.close()
         close = getattr(session.engine, "close", None)  # an engine process of its own
         if close is not None:

@@ -1,12 +1,16 @@
 """What every engine's ``generate`` shares: rows from requests, tool selection, stop ids, progress, output.
 
 An engine builds a :class:`RowBatch` (one :class:`~rubricem_core.rollout.rows.RowState` per sample,
-in request order), runs its own loop over ``batch.live`` and returns ``batch.trajectories()``.
+in request order), runs its own loop over ``batch.live``, calls ``batch.report(...)`` whenever rows may
+have finished, and returns ``batch.trajectories()``. ``report`` also fires the group hook once per
+request, the moment its last row has finished (a streaming judge starts on that group then).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +20,8 @@ from rubricem_core.tools.base import Tool, ToolEnv
 from rubricem_core.trajectory import TokenTrajectory
 
 ProgressHook = Callable[[int, int], None]  # (finished trajectories, all trajectories)
+# (index of the request in the generate call, its n trajectories): fired once per request, when its last row ends
+GroupHook = Callable[[int, list[TokenTrajectory]], None]
 
 
 def allowed_tools(tool_names: Sequence[str] | None, tools: ToolEnv) -> dict[str, Tool]:
@@ -76,20 +82,37 @@ class RowBatch:
             for request in self.requests
             for k in range(request.n)
         ]
+        self.starts = [0, *itertools.accumulate(r.n for r in self.requests)][: len(self.requests)]  # first rows
+        self._groups: dict[int, list[TokenTrajectory]] = {}  # finished requests' trajectories, built once
+        self._lock = threading.Lock()  # report may come from several threads (rows finishing on their own)
 
     @property
     def live(self) -> list[RowState]:
         return [row for row in self.rows if not row.finished]
 
-    def report(self, on_progress: ProgressHook | None) -> None:
+    def report(self, on_progress: ProgressHook | None, on_group_done: GroupHook | None = None) -> None:
+        """Progress, then ``on_group_done`` for each request whose rows have all finished since the last
+        report (in request order among those), each request once."""
         if on_progress is not None:
             on_progress(sum(row.finished for row in self.rows), len(self.rows))
+        if on_group_done is None:
+            return
+        with self._lock:
+            done = [i for i in range(len(self.requests)) if i not in self._groups and self._finished(i)]
+            for i in done:
+                self._groups[i] = self._group(i)
+        for i in done:
+            on_group_done(i, list(self._groups[i]))
+
+    def _finished(self, i: int) -> bool:
+        start = self.starts[i]
+        return all(row.finished for row in self.rows[start : start + self.requests[i].n])
+
+    def _group(self, i: int) -> list[TokenTrajectory]:
+        start = self.starts[i]
+        return [row.to_trajectory() for row in self.rows[start : start + self.requests[i].n]]
 
     def trajectories(self) -> list[list[TokenTrajectory]]:
-        """``n`` trajectories per request, in request order."""
-        out: list[list[TokenTrajectory]] = []
-        index = 0
-        for request in self.requests:
-            out.append([self.rows[index + k].to_trajectory() for k in range(request.n)])
-            index += request.n
-        return out
+        """``n`` trajectories per request, in request order (those a group hook saw, for its requests)."""
+        with self._lock:
+            return [list(self._groups[i]) if i in self._groups else self._group(i) for i in range(len(self.requests))]

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rubricem_core.rollout.batch import RowBatch, allowed_tools, default_stop_ids, row_rng
+from rubricem_core.rollout.batch import GroupHook, RowBatch, allowed_tools, default_stop_ids, row_rng
 from rubricem_core.rollout.kv_cache import BatchKVCache
 from rubricem_core.rollout.rows import RowState, run_tool_calls
 from rubricem_core.rollout.sampling import draw, filter_top_k_top_p
@@ -111,6 +111,8 @@ class HFRolloutEngine:
         self.stats: dict[str, float] = {}
         # called as (finished trajectories, all trajectories) while generate runs: the task's progress line
         self.on_progress: Callable[[int, int], None] | None = None
+        # called as (request index, its trajectories) once per request when its last row ends (a streaming judge)
+        self.on_group_done: GroupHook | None = None
 
     # ---- weights --------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -142,6 +144,7 @@ class HFRolloutEngine:
         finally:
             self.model.train(was_training)
         self.stats["generate_s"] = time.perf_counter() - started
+        batch.report(None, self.on_group_done)  # every group fires, rows that never ran included
         return batch.trajectories()
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class HFRolloutEngine:
                 rows = rows + admitted
             if rows and cache.compact(self.compact_min_slots):
                 self.stats["compactions"] = self.stats.get("compactions", 0) + 1
-            batch.report(self.on_progress)
+            batch.report(self.on_progress, self.on_group_done)
         self.stats.update(forward_calls=n_forward, chunk_slots=n_slots, real_slots=n_real_slots)
 
     # ---- model ------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from rubricem_core.rollout.batch import RowBatch, allowed_tools, default_stop_ids
+from rubricem_core.rollout.batch import GroupHook, RowBatch, allowed_tools, default_stop_ids
 from rubricem_core.rollout.rows import RowState, run_tool_calls
 from rubricem_core.rollout.types import ERROR, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STOP_STRINGS
@@ -176,6 +176,7 @@ class VLLMRolloutEngine:
         self._weight_names, self._tied = _checkpoint_names(self.model_path)
         self.stats: dict[str, float] = {}
         self.on_progress: Callable[[int, int], None] | None = None  # (finished, all) while generate runs
+        self.on_group_done: GroupHook | None = None  # (request index, its trajectories) once its last row ends
 
     def _model_config(self) -> Any:
         return None if self.llm is None else self.llm.llm_engine.model_config
@@ -239,6 +240,7 @@ class VLLMRolloutEngine:
         started = time.perf_counter()
         self._run(batch)
         self.stats["generate_s"] = time.perf_counter() - started
+        batch.report(None, self.on_group_done)  # every group fires, rows that never ran included
         return batch.trajectories()
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -257,7 +259,7 @@ class VLLMRolloutEngine:
                 tool_rows = [row for row, sample in zip(callers, samples) if self._replay(row, sample)]
                 run_tool_calls(tool_rows, self.tool_timeout_s)
             live = [row for row in live if not row.finished]
-            batch.report(self.on_progress)
+            batch.report(self.on_progress, self.on_group_done)
 
     def _next_call(self, row: RowState) -> TurnCall | None:
         """The call that continues ``row``, or None when vLLM's context is full (row truncated)."""
