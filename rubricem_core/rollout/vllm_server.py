@@ -131,7 +131,9 @@ class VLLMServer:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
-        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s)
+        # one connection per call in flight (httpx's default pool of 100 would queue the rest)
+        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s, limits=limits)
         self._side_dir: Path | None = None
         try:
             self._wait_ready(startup_timeout_s)
