@@ -503,6 +503,14 @@ def start_fleet(
     """``replicas`` servers of ``model_dir`` started at once (``log_path``: replica 0's log; replica r's
     is ``<stem>-<r><suffix>`` beside it); a server that fails to start stops the others."""
     parts = split_devices(devices, replicas, tensor_parallel_size)
+    if devices is None and replicas > 1:
+        import torch
+
+        if torch.cuda.is_available():  # every replica would take the same GPUs
+            raise RolloutError(
+                f"rollout.devices must list the fleet's GPUs ({replicas} replicas × {tensor_parallel_size}); "
+                "without it every replica starts on the same visible devices"
+            )
 
     def log_of(r: int) -> Path | None:
         if log_path is None:
