@@ -315,6 +315,34 @@ class RolloutConfig(_Strict):
         "needs this project installed, whose vLLM plugin adds the backend).",
     )
 
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="vllm_server: `vllm serve` replicas (a rollout fleet), each on rollout.tensor_parallel_size "
+        "devices, rollout.devices split across them in order (it must list replicas × tensor_parallel_size "
+        "devices when given). A query's group stays on one replica (prefix cache); groups are balanced by "
+        "outstanding tokens; results equal one replica's token for token. See docs/rollout_fleet.md.",
+    )
+    schedule: Literal["lockstep", "async"] | None = Field(
+        default=None,
+        description="vllm_server: async (every trajectory is its own continuation: generate → tool → generate, "
+        "sent as soon as its previous call or tool returns) or lockstep (every live row makes one call per turn "
+        "and the turn waits for the slowest call and tool). None: async for vllm_server, lockstep for the "
+        "other engines (the only schedule they have). Both give the same trajectories.",
+    )
+    max_calls_per_replica: int = Field(
+        default=256,
+        ge=1,
+        description="vllm_server: sampling calls in flight per replica (vLLM batches them; its own max_num_seqs "
+        "bounds the batch it runs).",
+    )
+    max_concurrent_tool_calls: int = Field(
+        default=64,
+        ge=1,
+        description="vllm_server, async schedule: tool calls running at once across the batch (each still "
+        "bounded by its tool spec's max_concurrency and timeout).",
+    )
+
     colocate: bool = Field(
         default=False,
         description="vllm_server: the server shares the trainer ranks' GPUs (list them in rollout.devices too). It "
@@ -330,6 +358,20 @@ class RolloutConfig(_Strict):
                 raise ValueError(
                     f"{name}: {getattr(self, name)} is for a vLLM server process; it needs engine: vllm_server "
                     f"(got engine: {self.engine})"
+                )
+        for name, on in (("replicas", self.replicas > 1), ("schedule", self.schedule == "async")):
+            if on and self.engine != "vllm_server":
+                raise ValueError(
+                    f"{name}: {getattr(self, name)} needs engine: vllm_server (got engine: {self.engine}, which "
+                    "runs one engine in lockstep)"
+                )
+        if self.replicas > 1 and self.devices is not None:
+            need = self.replicas * self.tensor_parallel_size
+            if len(self.devices) != need or len(set(self.devices)) != len(self.devices):
+                raise ValueError(
+                    f"devices: {self.devices} must list {need} distinct devices for replicas: {self.replicas} × "
+                    f"tensor_parallel_size: {self.tensor_parallel_size} (replica r takes the r-th run of "
+                    f"{self.tensor_parallel_size})"
                 )
         if self.colocate and self.weight_transfer == "nccl":
             # trainer rank 0 and a vLLM worker would be two ranks of one NCCL group on one GPU

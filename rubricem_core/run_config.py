@@ -57,6 +57,10 @@ _SAFE_PREFIXES = (
     "rollout.max_batch_rows",
     "rollout.weight_transfer",  # the same weights by another road
     "rollout.colocate",
+    "rollout.replicas",  # the fleet, its schedule and bounds: the same trajectories (docs/rollout_fleet.md)
+    "rollout.schedule",
+    "rollout.max_calls_per_replica",
+    "rollout.max_concurrent_tool_calls",
 )
 
 

@@ -219,6 +219,54 @@ def test_colocation_and_weight_push_load_where_they_fit():
     assert separate.rollout.weight_transfer == "nccl" and not separate.rollout.colocate
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"rollout.replicas": 2}, r"rollout[\s\S]*replicas: 2 needs engine: vllm_server"),
+        ({"rollout.schedule": "async"}, r"rollout[\s\S]*schedule: async needs engine: vllm_server"),
+        ({"rollout.replicas": 0}, r"rollout\.replicas"),
+        (
+            {"rollout.engine": "vllm_server", "rollout.replicas": 2, "rollout.devices": [0, 1, 2]},
+            r"devices: \[0, 1, 2\] must list 2 distinct devices for replicas: 2",
+        ),
+        (
+            {
+                "rollout.engine": "vllm_server",
+                "rollout.replicas": 2,
+                "rollout.tensor_parallel_size": 2,
+                "rollout.devices": [0, 1, 2, 2],
+            },
+            r"must list 4 distinct devices",
+        ),
+        ({"rollout.engine": "vllm_server", "rollout.max_concurrent_tool_calls": 0}, r"max_concurrent_tool_calls"),
+    ],
+    ids=["replicas-need-server", "async-needs-server", "no-replica", "short-split", "device-twice", "no-tool-slot"],
+)
+def test_fleet_settings_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides=overrides)
+
+
+def test_fleet_settings_load_where_they_fit():
+    from rubricem_core.rollout.vllm_server import split_devices
+
+    cfg = load_config(
+        "tiny",
+        overrides={
+            "rollout.engine": "vllm_server",
+            "rollout.replicas": 2,
+            "rollout.tensor_parallel_size": 2,
+            "rollout.devices": [4, 5, 6, 7],
+            "rollout.schedule": "lockstep",
+        },
+    )
+    assert cfg.rollout.schedule == "lockstep"
+    assert split_devices(cfg.rollout.devices, 2, 2) == [[4, 5], [6, 7]]
+    assert split_devices(None, 3, 2) == [None, None, None]  # CPUs: every replica sees them all
+    assert split_devices([0, 1, 2], 1, 1) == [[0, 1, 2]]  # one server takes what it is given (colocated)
+    assert load_config("tiny").rollout.schedule is None  # the engine's own: async on a vllm_server
+
+
 def test_reflection_recipes_listed_in_the_config_are_the_recipes_with_reflection():
     from rubricem_core.config import REFLECTION_RECIPES
     from rubricem_core.recipes import RECIPES

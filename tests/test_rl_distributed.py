@@ -182,8 +182,9 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     """The rl flow with `vllm serve` as its own process beside 2 ZeRO-3 trainer ranks, the weights reaching
     it both ways: reloaded from the checkpoint rank 0 wrote, and pushed by the ranks through vLLM's
     weight-transfer API (gloo: each rank gathers every parameter in turn, rank 0 broadcasts it) into a
-    colocated server that sleeps through each update, and pushed by one trainer in the flow process. Same
-    weights, so the three runs sample the same rollouts token for token."""
+    colocated server that sleeps through each update, and pushed by one trainer in the flow process; and a
+    fleet of two servers (rollout.replicas: 2) that one push from the ranks reaches. Same weights, so the
+    four runs sample the same rollouts token for token."""
     from flows.collect_sft_data import collect_sft_data
     from flows.rl import rl
     from flows.sft import sft
@@ -197,8 +198,14 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     rollouts = {}
     # (name, weight transfer, trainer ranks, colocated): 2 ranks push through the `push` command of the
     # ranks' channel, 1 rank from the flow process itself (a ZeRO-3 engine of one rank: gathered all the same)
-    runs = [("checkpoint", "checkpoint", 2, False), ("gloo", "gloo", 2, True), ("gloo-1-rank", "gloo", 1, False)]
-    for name, transfer, ranks, colocate in runs:
+    # the last: a fleet of 2 replicas, rows async (the default), one push from the 2 ranks into both
+    runs = [
+        ("checkpoint", "checkpoint", 2, False, 1),
+        ("gloo", "gloo", 2, True, 1),
+        ("gloo-1-rank", "gloo", 1, False, 1),
+        ("gloo-2-replicas", "gloo", 2, False, 2),
+    ]
+    for name, transfer, ranks, colocate, replicas in runs:
         run_dir = str(root / name)
         shutil.copytree(sft_dir, run_dir)
         rl(
@@ -213,6 +220,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
                 "rollout.server_python": str(VLLM_PYTHON),
                 "rollout.weight_transfer": transfer,
                 "rollout.colocate": colocate,  # asleep during each update (vLLM on a CPU accepts it, frees nothing)
+                "rollout.replicas": replicas,
             },
         )
         assert not rl_session._SESSIONS  # ranks and server ended with the flow run
@@ -231,7 +239,10 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
         # step 1's rollouts: the server (woken from the sleep of step 0's update) gets step 0's weights
         pushed, reloaded = (1, 0) if transfer == "gloo" else (0, 1)
         assert list(calls.values()) == [pushed, reloaded, 2 * colocate, 1 * colocate], (name, calls)
-    assert rollouts["gloo"] == rollouts["checkpoint"] == rollouts["gloo-1-rank"]
+        if replicas == 2:  # the second replica got the same push
+            other = (Path(run_dir) / "state" / "vllm-server-1.log").read_text()
+            assert other.count('"POST /update_weights HTTP/1.1" 200') == 1
+    assert rollouts["gloo"] == rollouts["checkpoint"] == rollouts["gloo-1-rank"] == rollouts["gloo-2-replicas"]
 
 
 def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:

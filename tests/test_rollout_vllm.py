@@ -18,6 +18,10 @@ import importlib.util
 import inspect
 import math
 import os
+import random
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +43,10 @@ from rubricem_core.rollout import (
 )
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
+from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
+from rubricem_core.tools.base import Tool, ToolResult
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 from rubricem_core.world import WorldConfig, generate_world
 
@@ -688,3 +694,144 @@ def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env
             WeightPusher(wrong, "gloo", timeout_s=300).push(server.base_url, server.n_workers, is_sender=True)
     finally:
         engine.close()
+
+
+# ---- a fleet of `vllm serve` replicas ---------------------------------------------------------------
+class _SleepyTools(Tool):
+    """The real search tool after an unseeded sleep of 0-0.3 s: tool calls return in another order on
+    every run, the trajectories must not change."""
+
+    def __init__(self, tool: Tool):
+        self.tool, self.spec = tool, tool.spec
+
+    def __call__(self, query: str) -> ToolResult:
+        time.sleep(random.random() * 0.3)
+        return self.tool(query)
+
+
+class _Trainer:
+    """The Policy side a pushing engine calls: this process holds the weights (one pusher: one group)."""
+
+    def __init__(self, module):
+        self.pusher = WeightPusher(module, "gloo", timeout_s=120)
+        self.urls: list = []
+
+    def push_weights(self, url, backend, n_workers):
+        assert backend == "gloo"
+        self.urls.append(url)
+        return self.pusher.push(url, n_workers, is_sender=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    """Two CPU `vllm serve` replicas of the tiny policy, with the gloo weight-transfer backend."""
+    pytest.importorskip("vllm")
+    from rubricem_core.rollout.vllm_server import start_fleet
+
+    fleet = start_fleet(
+        model_dir,
+        2,
+        dtype="float32",
+        max_model_len=2048,
+        weight_transfer="gloo",
+        log_path=tmp_path_factory.mktemp("fleet") / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+    )
+    yield fleet
+    fleet.close()
+
+
+def _fleet_requests(tok, world) -> list[RolloutRequest]:
+    # the requests of test_vllm_sampled_logprobs_match_a_teacher_forced_recompute[t1], whose seeds write
+    # tool calls by chance
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1)
+    return [
+        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+        for i in range(3)
+    ]
+
+
+def _flat(groups: list[list[TokenTrajectory]]) -> list[TokenTrajectory]:
+    return [t for g in groups for t in g]
+
+
+@pytest.mark.slow
+def test_vllm_fleet_async_rows_and_two_replicas_equal_lockstep_on_one_and_a_push_reaches_both(
+    fleet, model, tok, env, world
+):
+    """(a) rows that never wait ≡ lockstep, with tool calls that sleep 0-0.3 s; (b) two replicas ≡ one,
+    token for token; (c) one gloo push (one transfer group over both replicas' workers) reaches both:
+    each replica then samples with exactly the pushed weights."""
+    from rubricem_core.rollout.vllm_server import VLLMFleet, VLLMServerEngine
+
+    sleepy = ToolEnv({name: _SleepyTools(tool) for name, tool in env.tools.items()}, max_calls=4)
+    requests = _fleet_requests(tok, world)
+    params = requests[0].sampling
+    one = [VLLMFleet([server]) for server in fleet.servers]  # each replica on its own (same processes)
+
+    def engine(target, schedule: str) -> VLLMServerEngine:
+        return VLLMServerEngine(target, tok, max_model_len=2048, schedule=schedule)
+
+    started = time.perf_counter()  # async first: a cold server's first calls are not charged to lockstep
+    rows = engine(one[0], "async").generate(requests, sleepy)
+    async_s = time.perf_counter() - started
+    started = time.perf_counter()
+    lockstep = engine(one[0], "lockstep").generate(requests, sleepy)
+    lockstep_s = time.perf_counter() - started
+    trajs = _flat(lockstep)
+    assert sum(t.n_tool_calls for t in trajs) > 0  # random weights call tools by chance: the sleeps matter
+    assert max(_logprob_errors(trajs, model, params)) < 1e-4
+    for a, b in zip(_flat(rows), trajs):
+        _assert_same(a, b)
+    both = engine(fleet, "async")
+    served = list(fleet.calls)
+    for a, b in zip(_flat(both.generate(requests, sleepy)), trajs):
+        _assert_same(a, b)
+    assert all(now > before for now, before in zip(fleet.calls, served))  # both replicas sampled
+    print(f"\nfleet: lockstep {lockstep_s:.1f}s, async {async_s:.1f}s on one replica; calls per replica {fleet.calls}")
+
+    trained = init_tiny_model(model.config, seed=11)
+    trainer = _Trainer(trained)
+    both.push_weights(trainer)
+    assert trainer.urls == [fleet.base_urls] and both.stats["weight_push_s"] > 0
+    pushed = []
+    for replica in one:
+        tokens, error = _server_sampling_check(engine(replica, "async"), tok, env, world)(trained)
+        assert error < 1e-4
+        pushed.append(tokens)
+    assert pushed[0] == pushed[1]
+
+
+@pytest.mark.slow
+def test_vllm_fleet_replica_killed_mid_batch_has_its_rows_resent(fleet, model, tok, env, world):
+    """A replica whose process dies mid-batch: its calls go to the survivor and the batch's trajectories
+    are those the whole fleet gives; the next push reaches the survivor alone (a new transfer group)."""
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+
+    engine = VLLMServerEngine(fleet, tok, max_model_len=2048)
+    requests = _fleet_requests(tok, world)
+    reference = engine.generate(requests, env)
+    victim = fleet.servers[1]
+    served = fleet.calls[1]
+
+    def kill() -> None:
+        while fleet.calls[1] < served + 2:
+            time.sleep(0.01)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    out = engine.generate(requests, env)
+    killer.join(5)
+    for a, b in zip(_flat(out), _flat(reference)):
+        _assert_same(a, b)
+    assert victim.proc.poll() is not None and fleet.live == [0] and engine.stats["replicas_live"] == 1
+    assert "exited with code -9" in fleet.lost[1]
+    print(f"\nkilled replica 1: {engine.stats['resent_calls']} calls re-sent to replica 0")
+
+    trained = init_tiny_model(model.config, seed=12)
+    trainer = _Trainer(trained)
+    engine.push_weights(trainer)
+    assert trainer.urls == [fleet.servers[0].base_url]
+    _, error = _server_sampling_check(engine, tok, env, world)(trained)
+    assert error < 1e-4

@@ -320,14 +320,17 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 "s" if cfg.distributed.world_size > 1 else "",
             )
             if cfg.rollout.engine == "vllm_server":
-                from rubricem_core.rollout.vllm_server import VLLMServer, VLLMServerEngine
+                from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
 
-                # its own process and devices; weights pushed from each step's checkpoint directory
-                server = VLLMServer(
+                # rollout.replicas processes of their own, on rollout.devices split across them; weights
+                # reloaded from each step's checkpoint directory or pushed (docs/rollout_fleet.md)
+                server = start_fleet(
                     base,
+                    cfg.rollout.replicas,
                     python=cfg.rollout.server_python or sys.executable,
                     devices=cfg.rollout.devices,
                     tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                    max_concurrency=cfg.rollout.max_calls_per_replica,
                     gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                     max_model_len=cfg.rollout.max_total_tokens,
                     dtype=cfg.policy.dtype,
@@ -338,7 +341,13 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                     else cfg.rollout.weight_transfer,
                     sleep_mode=cfg.rollout.colocate and torch.cuda.is_available(),
                 )
-                engine = VLLMServerEngine(server, tokenizer, max_model_len=cfg.rollout.max_total_tokens)
+                engine = VLLMServerEngine(
+                    server,
+                    tokenizer,
+                    max_model_len=cfg.rollout.max_total_tokens,
+                    schedule=cfg.rollout.schedule or "async",
+                    max_tool_concurrency=cfg.rollout.max_concurrent_tool_calls,
+                )
                 separate, engine_step = True, -1
             elif cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine

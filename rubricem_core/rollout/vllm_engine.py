@@ -19,7 +19,15 @@ The returned ids are *replayed* token by token through the per-row bookkeeping b
 (:class:`~rubricem_core.rollout.rows.RowState`: ``accept``, ``end_turn``, ``run_tool_calls``,
 ``to_trajectory``): incremental detokenization, ``scaffold.StreamParser`` stage ids, the tool budget,
 finish reasons and tool failure handling are therefore identical to the HF engine's, and
-``tests/test_rollout_vllm.py`` checks that both engines give the same trajectories. vLLM's stop
+``tests/test_rollout_vllm.py`` checks that both engines give the same trajectories.
+
+Two schedules (``schedule``). ``lockstep``: one call per live row per step, the step waits for every
+call and then for every tool call it closed (the offline ``LLM.generate`` path always runs so: one
+``generate`` is one vLLM batch). ``async`` (a ``sampler`` or ``submit`` hook, e.g. the vLLM server
+fleet): every row is its own continuation — next call → one completion → replay → tool → next call —
+sent as soon as its previous call or tool returns, so no row waits for another; at most
+``max_in_flight`` calls and ``max_tool_concurrency`` tool calls run at once. Calls carry per-call seeds
+and rows share nothing, so the two schedules give the same trajectories (``tests/test_rollout_fleet.py``). vLLM's stop
 strings only decide where a call *ends*; whether the turn ended is the parser's decision. A call
 that stopped on a string the parser does not treat as an end (a stray ``</answer>`` outside an
 answer) is simply continued by the next call; ids sampled after the parser's end (possible only if
@@ -66,9 +74,14 @@ where vLLM is not installed.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +92,7 @@ from rubricem_core.rollout.batch import GroupHook, RowBatch, allowed_tools, defa
 from rubricem_core.rollout.rows import RowState, run_tool_calls
 from rubricem_core.rollout.types import ERROR, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STOP_STRINGS
-from rubricem_core.tools.base import ToolEnv
+from rubricem_core.tools.base import ToolEnv, error_result
 from rubricem_core.trajectory import TokenTrajectory
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -112,6 +125,9 @@ class TurnSample:
 # Replaces the in-process vLLM for the turn loop (one TurnSample per TurnCall, in order): the vLLM
 # server engine (rubricem_core.rollout.vllm_server) and tests.
 TurnSampler = Callable[[list[TurnCall]], list[TurnSample]]
+# One call sent on its own, answered by a future (the async schedule): the server fleet routes it.
+TurnSubmitter = Callable[[TurnCall], "Future[TurnSample]"]
+SCHEDULES = ("lockstep", "async")
 
 
 class VLLMRolloutEngine:
@@ -121,7 +137,10 @@ class VLLMRolloutEngine:
     processed logprobs; ``llm_kwargs`` add to or override its arguments) or a ready ``vllm.LLM``
     built with ``logprobs_mode="processed_logprobs"``. ``tokenizer`` decodes ids for the parser
     (None: the LLM's own). ``tool_names`` as in the HF engine. ``sampler`` replaces vLLM in the turn
-    loop (tests); ``model_path_or_llm`` may then be None.
+    loop (tests); ``model_path_or_llm`` may then be None. ``schedule`` is ``lockstep`` or ``async``
+    (module docstring; async needs ``sampler`` or ``submit``: ``submit`` sends one call and returns
+    its future, else calls go to ``sampler`` from a pool of ``max_in_flight`` threads).
+    ``max_tool_concurrency`` bounds the tool calls running at once under ``async``.
     """
 
     def __init__(
@@ -135,6 +154,10 @@ class VLLMRolloutEngine:
         max_model_len: int | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
         sampler: TurnSampler | None = None,
+        schedule: str = "lockstep",
+        submit: TurnSubmitter | None = None,
+        max_in_flight: int = 64,
+        max_tool_concurrency: int = 64,
     ):
         if not tool_timeout_s > 0:
             raise RolloutError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
@@ -142,6 +165,19 @@ class VLLMRolloutEngine:
             raise RolloutError(f"max_model_len must be >= 2 (or None for the model's own), got {max_model_len}")
         if model_path_or_llm is None and sampler is None:
             raise RolloutError("VLLMRolloutEngine needs a model path or a vllm.LLM (model_path_or_llm)")
+        if schedule not in SCHEDULES:
+            raise RolloutError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "async" and sampler is None and submit is None:
+            # LLM.generate is one batch per call and not thread-safe: the offline engine runs in lockstep
+            raise RolloutError("schedule='async' needs a sampler or submit hook (e.g. the vLLM server fleet)")
+        if max_in_flight < 1 or max_tool_concurrency < 1:
+            raise RolloutError(
+                f"max_in_flight and max_tool_concurrency must be >= 1, got {max_in_flight}, {max_tool_concurrency}"
+            )
+        self.schedule = schedule
+        self.submit = submit
+        self.max_in_flight = int(max_in_flight)
+        self.max_tool_concurrency = int(max_tool_concurrency)
         self.model_path: Path | None = None
         if model_path_or_llm is None:
             self.llm = None
@@ -175,6 +211,7 @@ class VLLMRolloutEngine:
             raise RolloutError("no stop token: the tokenizer has no eos_token_id and none was given")
         self._weight_names, self._tied = _checkpoint_names(self.model_path)
         self.stats: dict[str, float] = {}
+        self._lock = threading.Lock()  # stats and progress reports (the async schedule's threads)
         self.on_progress: Callable[[int, int], None] | None = None  # (finished, all) while generate runs
         self.on_group_done: GroupHook | None = None  # (request index, its trajectories) once its last row ends
 
@@ -238,7 +275,10 @@ class VLLMRolloutEngine:
             max_model_len=self.max_model_len,
         )
         started = time.perf_counter()
-        self._run(batch)
+        if self.schedule == "async":
+            self._run_async(batch)
+        else:
+            self._run(batch)
         self.stats["generate_s"] = time.perf_counter() - started
         batch.report(None, self.on_group_done)  # every group fires, rows that never ran included
         return batch.trajectories()
@@ -255,11 +295,113 @@ class VLLMRolloutEngine:
                     callers.append(row)
             if calls:
                 samples = self._sample(calls)
-                self.stats["turn_calls"] += len(calls)
+                self._count("turn_calls", len(calls))
                 tool_rows = [row for row, sample in zip(callers, samples) if self._replay(row, sample)]
                 run_tool_calls(tool_rows, self.tool_timeout_s)
             live = [row for row in live if not row.finished]
             batch.report(self.on_progress, self.on_group_done)
+
+    def _count(self, name: str, n: float) -> None:
+        with self._lock:
+            self.stats[name] = self.stats.get(name, 0) + n
+
+    def _run_async(self, batch: RowBatch) -> None:
+        """Every row its own continuation: call → replay → tool → call, each step started the moment the
+        previous one returns. Rows are only touched by this thread; calls and tools post what they
+        return to ``events``. A tool call still running ``tool_timeout_s`` after it started is
+        abandoned (as in run_tool_calls) and its row gets the timeout error as its output."""
+        rows = batch.rows
+        events: queue.Queue[tuple[str, int, int, Any]] = queue.Queue()
+        pool = None
+        submit = self.submit
+        if submit is None:
+            pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="rollout-call")
+
+            def submit(call: TurnCall) -> Future[TurnSample]:
+                return pool.submit(lambda: self._sample([call])[0])
+
+        futures: dict[int, Future[TurnSample]] = {}
+        tools: dict[int, tuple[float, int]] = {}  # row → (deadline, ticket) of its running tool call
+        waiting: deque[int] = deque()  # rows whose tool call waits for a free slot
+        tickets = itertools.count()
+
+        def report() -> None:
+            with self._lock:
+                batch.report(self.on_progress)
+
+        def next_call(i: int) -> None:
+            row = rows[i]
+            call = None if row.finished else self._next_call(row)
+            if call is None:  # finished (here, or by the context limit in _next_call)
+                report()
+                return
+            future = submit(call)
+            futures[i] = future
+
+            def arrived(f: Future[TurnSample], i: int = i) -> None:
+                events.put(("sample", i, -1, f))
+
+            future.add_done_callback(arrived)
+
+        def start_tool(i: int) -> None:
+            row = rows[i]
+            call = row.take_tool_call()
+            if call is None:  # a stray </call_tool>: answered at once
+                tool_done(i, row.stray_call_result())
+                return
+            ticket = next(tickets)
+            tools[i] = (time.monotonic() + self.tool_timeout_s, ticket)
+
+            def work(env: ToolEnv = row.env) -> None:
+                try:
+                    result: Any = env.execute(call)
+                except Exception:  # as run_tool_calls: the row gets "tool returned NoneType"
+                    result = None
+                events.put(("tool", i, ticket, result))
+
+            threading.Thread(target=work, name=f"rollout-tool-{i}", daemon=True).start()
+
+        def tool_done(i: int, result: Any) -> None:
+            rows[i].add_tool_result(result)
+            while waiting and len(tools) < self.max_tool_concurrency:
+                start_tool(waiting.popleft())
+            next_call(i)
+
+        try:
+            for i in range(len(rows)):
+                next_call(i)
+            while any(not row.finished for row in rows):
+                timeout = min((d for d, _ in tools.values()), default=None)
+                try:
+                    kind, i, ticket, payload = events.get(
+                        timeout=None if timeout is None else max(0.0, timeout - time.monotonic())
+                    )
+                except queue.Empty:
+                    now = time.monotonic()
+                    for i in [i for i, (deadline, _) in tools.items() if deadline <= now]:
+                        del tools[i]  # its thread is abandoned; a late result is ignored (ticket)
+                        tool_done(i, error_result(f"tool timed out after {self.tool_timeout_s:g} s"))
+                    continue
+                if kind == "tool":
+                    if tools.get(i, (0.0, -1))[1] == ticket:
+                        del tools[i]
+                        tool_done(i, payload)
+                    continue
+                del futures[i]
+                sample = payload.result()  # a failed call fails generate, as in lockstep
+                self._count("turn_calls", 1)
+                if self._replay(rows[i], sample):
+                    if len(tools) < self.max_tool_concurrency:
+                        start_tool(i)
+                    else:
+                        waiting.append(i)
+                else:
+                    next_call(i)  # the turn goes on, or the row finished (reported there)
+        finally:
+            for future in futures.values():
+                future.cancel()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _next_call(self, row: RowState) -> TurnCall | None:
         """The call that continues ``row``, or None when vLLM's context is full (row truncated)."""
@@ -294,7 +436,7 @@ class VLLMRolloutEngine:
             row.end_turn()
             row.finish(ERROR, "the sampler returned no tokens")
             return False
-        self.stats["sampled_tokens"] += len(sample.token_ids)
+        self._count("sampled_tokens", len(sample.token_ids))
         for i, (token, logprob) in enumerate(zip(sample.token_ids, sample.logprobs)):
             if not 0 <= token < self.vocab_size:
                 row.end_turn()
@@ -302,7 +444,7 @@ class VLLMRolloutEngine:
                 return False
             run_tool = row.accept(int(token), float(logprob))
             if run_tool or row.finished or row.turn is None:
-                self.stats["discarded_tokens"] += len(sample.token_ids) - i - 1
+                self._count("discarded_tokens", len(sample.token_ids) - i - 1)
                 return run_tool
         return False  # the turn goes on: the next step continues it from the same ids
 
@@ -400,4 +542,4 @@ def _checkpoint_names(path: Path | None) -> tuple[set[str] | None, bool]:
     return names, tied
 
 
-__all__ = ["STOP_STRINGS", "TurnCall", "TurnSample", "TurnSampler", "VLLMRolloutEngine"]
+__all__ = ["SCHEDULES", "STOP_STRINGS", "TurnCall", "TurnSample", "TurnSampler", "TurnSubmitter", "VLLMRolloutEngine"]

@@ -12,6 +12,15 @@ directory rank 0 wrote (gathered, ZeRO-3 included) and the prefix cache is dropp
 with old weights is reused. Its Python may be another environment's (``python``), e.g. the CPU build's
 ``.venv-vllm`` in tests, or a CUDA image's.
 
+A fleet (``VLLMFleet``, ``start_fleet``; ``rollout.replicas``) is N such servers, each on its own
+``tensor_parallel_size`` devices. ``ReplicaRouter`` keeps every call of one request (its group: one
+prompt, n rows, every turn) on one replica, whose prefix cache holds their shared past, and places a
+new group on the live replica with the fewest outstanding tokens. A replica that dies mid-step (its
+process exits) has its calls re-sent to the others: a call is a pure function of its ids, seed and the
+step's weights, which every replica holds, so the step's trajectories are those it would have had
+(docs/rollout_fleet.md). Weights reach every live replica before each step: one checkpoint reload on
+each, or one push through one transfer group spanning all of them (weight_transfer.FleetWeightSync).
+
 HF checkpoints of a model with tied embeddings store only ``model.embed_tokens.weight``, and vLLM's
 in-place reload then keeps the old ``lm_head`` (docs/distributed.md); for such a model the reload reads a
 side directory of links to the checkpoint's files plus ``lm_head.safetensors``.
@@ -22,16 +31,17 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -40,6 +50,8 @@ from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample, VLLMRolloutEngine
 
 SERVED_NAME = "policy"
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class VLLMServer:
@@ -119,7 +131,9 @@ class VLLMServer:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
-        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s)
+        # one connection per call in flight (httpx's default pool of 100 would queue the rest)
+        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s, limits=limits)
         self._side_dir: Path | None = None
         try:
             self._wait_ready(startup_timeout_s)
@@ -163,8 +177,25 @@ class VLLMServer:
             raise self._failure(f"answered {path} with HTTP {response.status_code}: {response.text[:500]}")
         return response.json() if response.content else None
 
+    def tail(self) -> str:
+        """The last lines of the server's output."""
+        return "\n".join(self._tail)
+
+    def dead(self, exc: BaseException | None = None, wait_s: float = 10.0) -> bool:
+        """Whether the process has exited; after a broken connection (``exc``) it is given ``wait_s``
+        to finish dying, so a killed replica is told from a refused request."""
+        if self.proc.poll() is not None:
+            return True
+        if isinstance(exc, httpx.TransportError):
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        return False
+
     # ---- sampling -------------------------------------------------------------------------------
-    def _sample_one(self, call: TurnCall) -> TurnSample:
+    def sample_one(self, call: TurnCall) -> TurnSample:
         body = {
             "model": SERVED_NAME,
             "prompt": call.prompt_ids,
@@ -190,8 +221,10 @@ class VLLMServer:
         """One completion per call, sent concurrently (the server batches them); in call order."""
         if not calls:
             return []
+        if len(calls) == 1:
+            return [self.sample_one(calls[0])]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(calls))) as pool:
-            return list(pool.map(self._sample_one, calls))
+            return list(pool.map(self.sample_one, calls))
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights_from_dir(self, directory: str | Path) -> float:
@@ -259,31 +292,309 @@ class VLLMServer:
             shutil.rmtree(self._side_dir, ignore_errors=True)
 
 
+def call_cost(call: TurnCall) -> int:
+    """What a call adds to its replica's load: the tokens it sends and may sample."""
+    return len(call.prompt_ids) + call.max_tokens
+
+
+class ReplicaRouter:
+    """Which replica serves a call. Every call of one request (its group) goes to the replica its first
+    call went to; a group not placed yet goes to the live replica with the fewest outstanding tokens
+    (``call_cost`` of its calls in flight), the lowest index on a tie. Placement never changes a result:
+    every call carries its own seed, and every replica holds the same weights."""
+
+    def __init__(self, n_replicas: int) -> None:
+        if n_replicas < 1:
+            raise RolloutError(f"a fleet needs at least one replica, got {n_replicas}")
+        self.live = list(range(n_replicas))
+        self.outstanding = [0] * n_replicas
+        self.placed: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def acquire(self, call: TurnCall) -> int:
+        """The replica for ``call``, its cost counted as outstanding there until ``release``."""
+        with self.lock:
+            if not self.live:
+                raise RolloutError("no live vLLM replica is left")
+            replica = self.placed.get(call.request_id)
+            if replica is None:
+                replica = min(self.live, key=lambda r: (self.outstanding[r], r))
+                self.placed[call.request_id] = replica
+            self.outstanding[replica] += call_cost(call)
+            return replica
+
+    def release(self, replica: int, call: TurnCall) -> None:
+        with self.lock:
+            self.outstanding[replica] -= call_cost(call)
+
+    def lose(self, replica: int) -> None:
+        """A dead replica: nothing more goes there; its groups are placed again on their next call."""
+        with self.lock:
+            if replica in self.live:
+                self.live.remove(replica)
+            self.placed = {rid: r for rid, r in self.placed.items() if r != replica}
+
+    def forget(self) -> None:
+        """A new batch: its groups are placed afresh (the prefix caches are reset with new weights anyway)."""
+        with self.lock:
+            self.placed.clear()
+
+
+class VLLMFleet:
+    """Several VLLMServers of one model serving as one sampler: calls routed by ``ReplicaRouter``, at most
+    ``server.max_concurrency`` in flight per replica; weights, prefix-cache resets, sleep and wake-up go
+    to every live replica. A replica whose process exits has its calls re-sent to the others
+    (``stats["resent_calls"]``; ``lost`` keeps why, with its log tail); when none is left, the call fails
+    with every replica's log tail."""
+
+    def __init__(self, servers: Sequence[VLLMServer]) -> None:
+        self.servers = list(servers)
+        self.router = ReplicaRouter(len(self.servers))
+        first = self.servers[0]
+        for server in self.servers[1:]:
+            if (server.model_dir, server.n_workers, server.weight_transfer) != (
+                first.model_dir,
+                first.n_workers,
+                first.weight_transfer,
+            ):
+                raise RolloutError("every replica of a fleet must serve the same model, TP size and weight transfer")
+        self.model_dir = first.model_dir
+        self.n_workers = first.n_workers  # per replica
+        self.weight_transfer = first.weight_transfer
+        self.max_concurrency = sum(s.max_concurrency for s in self.servers)
+        self.pools = [
+            ThreadPoolExecutor(max_workers=s.max_concurrency, thread_name_prefix=f"vllm-replica-{r}")
+            for r, s in enumerate(self.servers)
+        ]
+        self.lost: dict[int, str] = {}
+        self.stats: dict[str, int] = {"resent_calls": 0}
+        self.calls = [0] * len(self.servers)  # calls each replica answered
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> list[int]:
+        with self.router.lock:
+            return list(self.router.live)
+
+    @property
+    def base_urls(self) -> list[str]:
+        """The live replicas' URLs, in replica order (their ranks in the weight-transfer group)."""
+        return [self.servers[r].base_url for r in self.live]
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def submit(self, call: TurnCall) -> Future[TurnSample]:
+        replica = self._acquire(call)
+        return self.pools[replica].submit(self._sample, call, replica)
+
+    def sample(self, calls: list[TurnCall]) -> list[TurnSample]:
+        """The lockstep schedule's sampler: every call submitted at once, answers in call order."""
+        futures = [self.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+    def _sample(self, call: TurnCall, replica: int) -> TurnSample:
+        while True:
+            try:
+                sample = self.servers[replica].sample_one(call)
+            except Exception as exc:
+                self.router.release(replica, call)
+                if not self.servers[replica].dead(exc):
+                    raise
+                self._lose(replica)
+                replica = self._reroute(call)
+                continue
+            self.router.release(replica, call)
+            with self._lock:
+                self.calls[replica] += 1
+            return sample
+
+    def _acquire(self, call: TurnCall) -> int:
+        try:
+            return self.router.acquire(call)
+        except RolloutError:
+            with self._lock:
+                tails = "\n".join(f"--- replica {r} ---\n{why}" for r, why in sorted(self.lost.items()))
+            raise RolloutError(f"every vLLM replica of the fleet has died:\n{tails}") from None
+
+    def _reroute(self, call: TurnCall) -> int:
+        replica = self._acquire(call)
+        with self._lock:
+            self.stats["resent_calls"] += 1
+        return replica
+
+    def _lose(self, replica: int) -> None:
+        with self._lock:
+            if replica in self.lost:
+                return
+            server = self.servers[replica]
+            self.lost[replica] = f"exited with code {server.proc.returncode}; last lines:\n{server.tail()}"
+        self.router.lose(replica)
+        log.warning(
+            "vLLM replica %d (%s) died; its calls go to replicas %s. %s",
+            replica,
+            server.base_url,
+            self.live,
+            self.lost[replica],
+        )
+
+    # ---- every live replica -----------------------------------------------------------------------
+    def _each(self, fn: Callable[[VLLMServer], T]) -> list[T]:
+        servers = [self.servers[r] for r in self.live]
+        if not servers:
+            raise RolloutError("no live vLLM replica is left")
+        if len(servers) == 1:
+            return [fn(servers[0])]
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            return list(pool.map(fn, servers))
+
+    def load_weights_from_dir(self, directory: str | Path) -> float:
+        """Every live replica reloads the checkpoint (concurrently); the wall seconds."""
+        started = time.perf_counter()
+        self._each(lambda server: server.load_weights_from_dir(directory))
+        return time.perf_counter() - started
+
+    def reset_prefix_cache(self) -> None:
+        self._each(lambda server: server.reset_prefix_cache())
+
+    @property
+    def asleep(self) -> bool:
+        return any(self.servers[r].asleep for r in self.live)
+
+    def sleep(self) -> None:
+        self._each(lambda server: server.sleep())
+
+    def wake_up(self) -> None:
+        self._each(lambda server: server.wake_up())
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            server.close()
+
+
+def split_devices(devices: Sequence[int] | None, replicas: int, tensor_parallel_size: int) -> list[list[int] | None]:
+    """Each replica's devices: consecutive runs of ``tensor_parallel_size`` from ``devices`` (None: every
+    replica inherits the visible devices, e.g. CPUs)."""
+    if devices is None:
+        return [None] * replicas
+    devices = list(devices)
+    if replicas == 1:  # one server takes whatever it is given (colocated: the trainer's GPUs)
+        return [devices]
+    if len(devices) != replicas * tensor_parallel_size:
+        raise RolloutError(
+            f"rollout.devices lists {len(devices)} devices, but rollout.replicas={replicas} × "
+            f"rollout.tensor_parallel_size={tensor_parallel_size} need {replicas * tensor_parallel_size}"
+        )
+    if len(set(devices)) != len(devices):
+        raise RolloutError(f"rollout.devices lists a device twice: {devices}")
+    t = tensor_parallel_size
+    return [devices[r * t : (r + 1) * t] for r in range(replicas)]
+
+
+def start_fleet(
+    model_dir: str | Path,
+    replicas: int,
+    *,
+    devices: Sequence[int] | None = None,
+    tensor_parallel_size: int = 1,
+    log_path: str | Path | None = None,
+    **server_kwargs: Any,
+) -> VLLMFleet:
+    """``replicas`` servers of ``model_dir`` started at once (``log_path``: replica 0's log; replica r's
+    is ``<stem>-<r><suffix>`` beside it); a server that fails to start stops the others."""
+    parts = split_devices(devices, replicas, tensor_parallel_size)
+    if devices is None and replicas > 1:
+        import torch
+
+        if torch.cuda.is_available():  # every replica would take the same GPUs
+            raise RolloutError(
+                f"rollout.devices must list the fleet's GPUs ({replicas} replicas × {tensor_parallel_size}); "
+                "without it every replica starts on the same visible devices"
+            )
+
+    def log_of(r: int) -> Path | None:
+        if log_path is None:
+            return None
+        path = Path(log_path)
+        return path if r == 0 else path.with_name(f"{path.stem}-{r}{path.suffix}")
+
+    def start(r: int) -> VLLMServer:
+        return VLLMServer(
+            model_dir,
+            devices=parts[r],
+            tensor_parallel_size=tensor_parallel_size,
+            log_path=log_of(r),
+            **server_kwargs,
+        )
+
+    with ThreadPoolExecutor(max_workers=replicas) as pool:
+        futures = [pool.submit(start, r) for r in range(replicas)]
+    servers, errors = [], []
+    for future in futures:
+        try:
+            servers.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        for server in servers:
+            server.close()
+        raise errors[0]
+    return VLLMFleet(servers)
+
+
 class VLLMServerEngine(VLLMRolloutEngine):
-    """VLLMRolloutEngine whose turns are sampled by a VLLMServer (its own process and devices)."""
+    """VLLMRolloutEngine whose turns are sampled by a VLLMServer or a VLLMFleet (processes and devices of
+    their own); ``schedule`` ``async`` (rows never wait for each other) or ``lockstep``."""
 
     def __init__(
-        self, server: VLLMServer, tokenizer: Any, tool_names: Sequence[str] | None = ("search", "browse"), **kwargs: Any
+        self,
+        server: VLLMServer | VLLMFleet,
+        tokenizer: Any,
+        tool_names: Sequence[str] | None = ("search", "browse"),
+        *,
+        schedule: str = "async",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(None, tokenizer, tool_names, sampler=server.sample, **kwargs)
-        self.server = server
-        self.model_path = server.model_dir
+        fleet = server if isinstance(server, VLLMFleet) else VLLMFleet([server])
+        super().__init__(
+            None,
+            tokenizer,
+            tool_names,
+            sampler=fleet.sample,
+            submit=fleet.submit,
+            schedule=schedule,
+            max_in_flight=fleet.max_concurrency,
+            **kwargs,
+        )
+        self.fleet = fleet
+        self.server = fleet  # what the session drives: sleep, wake_up, asleep
+        self.model_path = fleet.model_dir
         if kwargs.get("stop_token_ids") is None:  # the model's generation-config eos ids too, as in-process
             self.stop_token_ids = frozenset(self._default_stops())
 
+    def generate(self, requests: list[Any], tools: Any) -> list[Any]:
+        self.fleet.router.forget()
+        resent = self.fleet.stats["resent_calls"]
+        trajectories = super().generate(requests, tools)
+        self.stats["resent_calls"] = self.fleet.stats["resent_calls"] - resent
+        self.stats["replicas_live"] = len(self.fleet.live)
+        return trajectories
+
     def load_weights_from_dir(self, directory: str | Path) -> None:
-        self.stats["update_weights_s"] = self.server.load_weights_from_dir(directory)
+        self.stats["update_weights_s"] = self.fleet.load_weights_from_dir(directory)
 
     def push_weights(self, policy: Any) -> None:
-        """The trainer's current weights, pushed by ``policy`` through vLLM's weight-transfer API
-        (rubricem_core.rollout.weight_transfer), then the prefix cache dropped."""
-        if self.server.weight_transfer is None:
+        """The trainer's current weights, pushed by ``policy`` through vLLM's weight-transfer API into
+        every live replica at once (one transfer group; rubricem_core.rollout.weight_transfer), then the
+        prefix caches dropped."""
+        if self.fleet.weight_transfer is None:
             raise RolloutError("this vLLM server was started without a weight-transfer backend")
         started = time.perf_counter()
+        urls = self.fleet.base_urls
         self.stats["weight_push_s"] = policy.push_weights(
-            self.server.base_url, self.server.weight_transfer, self.server.n_workers
+            urls[0] if len(urls) == 1 else urls, self.fleet.weight_transfer, self.fleet.n_workers
         )
-        self.server.reset_prefix_cache()
+        self.fleet.reset_prefix_cache()
         self.stats["update_weights_s"] = time.perf_counter() - started
 
     def update_weights(self, state_dict: Any) -> None:
@@ -293,4 +604,4 @@ class VLLMServerEngine(VLLMRolloutEngine):
         )
 
     def close(self) -> None:
-        self.server.close()
+        self.fleet.close()

@@ -11,6 +11,13 @@ then per push ``/start_weight_update``, ``/update_weights`` (answered once the w
 every tensor of the broadcast that rank 0 runs meanwhile) and ``/finish_weight_update`` (vLLM's
 layerwise reload applies its post-processing). The caller then drops the server's prefix cache.
 
+A rollout fleet (several `vllm serve` replicas) gets one push through ONE transfer group: rank 0 and
+every replica's workers (replica r's worker w at rank ``1 + r × n_workers + w``). ``FleetWeightSync`` fans
+each control call out to all replicas at once (the init call with each replica's own ``rank_offset``),
+so every tensor is broadcast once, whatever the number of replicas (NCCL's broadcast pipelines it over
+the ring/tree; R groups would make rank 0 send R copies). It is what vLLM's own multi-engine client
+(RayVLLMWeightSyncClient) does for data-parallel engines.
+
 Backends: ``nccl`` is vLLM's own trainer engine (NCCLTrainerWeightTransferEngine, imported from vLLM,
 which the trainer's environment must have: the ``gpu`` extra); ``gloo`` is the same protocol over a gloo
 group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tests.
@@ -19,8 +26,8 @@ group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tes
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -114,6 +121,61 @@ class ServerWeightSync:
         self.http.close()
 
 
+class FleetWeightSync:
+    """The control plane of one transfer group spanning several servers of ``n_workers`` workers each:
+    every call goes to all of them concurrently and returns when all have answered, or raises the
+    first failure at once (a stuck server must not hide another's answer)."""
+
+    def __init__(self, base_urls: Sequence[str], n_workers: int, timeout_s: float) -> None:
+        self.clients = [ServerWeightSync(url, timeout_s) for url in base_urls]
+        self.n_workers = n_workers
+
+    def _all(self, fn: Callable[[ServerWeightSync, int], None]) -> None:
+        if len(self.clients) == 1:
+            fn(self.clients[0], 0)
+            return
+        pool = ThreadPoolExecutor(max_workers=len(self.clients))
+        try:
+            futures = [pool.submit(fn, client, r) for r, client in enumerate(self.clients)]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    future.result()
+            for future in futures:
+                future.result()
+        finally:
+            pool.shutdown(wait=False)  # a server stuck in a broadcast must not hang the trainer too
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offset = int(init_info.get("rank_offset", 1))  # the trainer's senders sit below it
+
+        def init(client: ServerWeightSync, r: int) -> None:
+            client.init_weight_transfer_engine({**init_info, "rank_offset": offset + r * self.n_workers})
+
+        self._all(init)
+
+    def start_weight_update(self) -> None:
+        self._all(lambda client, _: client.start_weight_update())
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._all(lambda client, _: client.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all(lambda client, _: client.finish_weight_update(weight_version))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def server_urls(server_url: str | Sequence[str]) -> tuple[str, ...]:
+    """One server's URL or a fleet's, as a tuple (the order fixes the replicas' ranks)."""
+    urls = (server_url,) if isinstance(server_url, str) else tuple(server_url)
+    if not urls:
+        raise WeightTransferError("no vLLM server to push weights to")
+    return urls
+
+
 def update_info(meta: list[ParamMeta]) -> dict[str, Any]:
     """The per-push update info both backends' workers read: what to receive, in order."""
     return {
@@ -144,14 +206,14 @@ class GlooSender:
     """Rank 0 of a gloo group with the server's workers (ranks 1..n), vLLM's NCCL trainer engine's
     protocol over gloo. Non-sender trainer ranks only iterate the source (ZeRO-3's gathers)."""
 
-    def __init__(self, client: ServerWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
+    def __init__(self, client: FleetWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
         self.client, self.source, self.group = client, source, group
         self.store = store  # the workers' rendezvous store lives as long as the group
         self.pending: Any = None  # the broadcast under way
 
     @classmethod
     def trainer_init(
-        cls, client: ServerWeightSync | None, source: ModelWeights, world_size: int, timeout_s: float
+        cls, client: FleetWeightSync | None, source: ModelWeights, world_size: int, timeout_s: float
     ) -> GlooSender:
         if client is None:
             return cls(None, source, None)
@@ -211,7 +273,7 @@ def _wait(work: Any, received: Future[None]) -> None:
     work.wait()
 
 
-def _nccl_sender(client: ServerWeightSync | None, source: ModelWeights, world_size: int, is_sender: bool) -> Any:
+def _nccl_sender(client: FleetWeightSync | None, source: ModelWeights, world_size: int, is_sender: bool) -> Any:
     try:
         from vllm.distributed.weight_transfer.nccl_engine import (
             NCCLTrainerInitInfo,
@@ -230,8 +292,9 @@ def _nccl_sender(client: ServerWeightSync | None, source: ModelWeights, world_si
 
 
 class WeightPusher:
-    """One trainer rank's side of the transfer to one vLLM server, opened on the first push and kept
-    (the server's workers stay in the group) until ``close``."""
+    """One trainer rank's side of the transfer to one vLLM server or a fleet of them, opened on the first
+    push and kept (the servers' workers stay in the group) until ``close`` or until the servers change
+    (a fleet that lost a replica: the next push opens a new group with the survivors)."""
 
     def __init__(self, model: nn.Module, backend: str, timeout_s: float) -> None:
         if backend not in BACKENDS:
@@ -239,19 +302,20 @@ class WeightPusher:
         self.source = ModelWeights(model)
         self.backend = backend
         self.timeout_s = timeout_s
-        self._client: ServerWeightSync | None = None
+        self._client: FleetWeightSync | None = None
         self._sender: Any = None
-        self._url: str | None = None
+        self._urls: tuple[str, ...] | None = None
 
-    def push(self, server_url: str, n_workers: int, is_sender: bool) -> float:
-        """Send every weight to the server's ``n_workers`` workers; the seconds it took (every rank
-        calls this; only the sender talks to the server)."""
+    def push(self, server_url: str | Sequence[str], n_workers: int, is_sender: bool) -> float:
+        """Send every weight to the ``n_workers`` workers of each server (one URL, or a fleet's list);
+        the seconds it took (every rank calls this; only the sender talks to the servers)."""
         started = time.perf_counter()
-        if self._sender is None or self._url != server_url:
+        urls = server_urls(server_url)
+        if self._sender is None or self._urls != urls:
             self.close()
-            self._url = server_url
-            self._client = ServerWeightSync(server_url, self.timeout_s) if is_sender else None
-            world_size = 1 + n_workers
+            self._urls = urls
+            self._client = FleetWeightSync(urls, n_workers, self.timeout_s) if is_sender else None
+            world_size = 1 + len(urls) * n_workers
             if self.backend == "nccl":
                 self._sender = _nccl_sender(self._client, self.source, world_size, is_sender)
             else:
