@@ -210,8 +210,10 @@ def test_engine_fires_every_group_once_with_its_trajectories(engine, tok, querie
     assert "answered" in kinds and len(set(kinds)) > 1, kinds  # the judge gets groups that differ
 
 
-def test_vllm_engine_fires_each_group_once_when_its_last_row_ends(tok, env):
-    """The vLLM engines (in-process, server) share RowBatch: a request fires after its slowest row."""
+@pytest.mark.parametrize("schedule", ["lockstep", "async"])
+def test_vllm_engine_fires_each_group_once_when_its_last_row_ends(tok, env, schedule):
+    """The vLLM engines (in-process, server) share RowBatch: a request fires after its slowest row, and
+    under the async schedule as soon as that row ends, while the other rows still sample."""
     from rubricem_core.rollout.vllm_engine import TurnSample, VLLMRolloutEngine
 
     calls_needed = {("a", 0): 1, ("a", 1): 4, ("b", 0): 2, ("b", 1): 2, ("c", 0): 3, ("c", 1): 1}
@@ -223,16 +225,20 @@ def test_vllm_engine_fires_each_group_once_when_its_last_row_ends(tok, env):
         for call in calls:
             key = (call.request_id, call.sample_index)
             seen[key] = seen.get(key, 0) + 1
+            time.sleep(0.15 if schedule == "async" else 0.0)  # one call's time: rows end in call-count order
             out.append(TurnSample([word, tok.eos_token_id] if seen[key] >= calls_needed[key] else [word], [-1.0] * 2))
         return [TurnSample(s.token_ids, s.logprobs[: len(s.token_ids)]) for s in out]
 
-    engine = VLLMRolloutEngine(None, tok, sampler=sampler)
-    fired = []
-    engine.on_group_done = lambda index, group: fired.append((index, group))
+    engine = VLLMRolloutEngine(None, tok, sampler=sampler, schedule=schedule)
+    fired, fired_at = [], []
+    engine.on_group_done = lambda index, group: (fired.append((index, group)), fired_at.append(time.monotonic()))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=50, max_total_tokens=200, seed=1)
     requests = [RolloutRequest(rid, [5, 6, 7], n=2, sampling=sampling) for rid in "abc"]
     groups = engine.generate(requests, env)
+    returned = time.monotonic()
     assert [i for i, _ in fired] == [1, 2, 0]  # b ends after 2 calls, c after 3, a after 4
+    if schedule == "async":  # b's group went out about two calls before the last row ended
+        assert returned - fired_at[0] > 0.2
     assert all(t is u for i, group in fired for t, u in zip(group, groups[i]))  # the very trajectories returned
 
 

@@ -327,7 +327,7 @@ class VLLMRolloutEngine:
 
         def report() -> None:
             with self._lock:
-                batch.report(self.on_progress)
+                batch.report(self.on_progress, self.on_group_done)  # groups go to a streaming judge as they end
 
         def next_call(i: int) -> None:
             row = rows[i]
