@@ -13,8 +13,10 @@ Last line: async wall time over lockstep's (goal ≤ 0.5: issue #29).
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,8 +46,12 @@ class FakeSearch(Tool):
         self.spec = ToolSpec("search", "fake web search")
         self.low_s, self.high_s = low_s, high_s
 
+        self.busy: dict[str, float] = collections.defaultdict(float)  # seconds per tool thread (a row, under async)
+
     def __call__(self, query: str) -> ToolResult:
-        time.sleep(random.uniform(self.low_s, self.high_s))
+        seconds = random.uniform(self.low_s, self.high_s)
+        self.busy[threading.current_thread().name] += seconds
+        time.sleep(seconds)
         return ToolResult(format_tool_output([("D1", f"{query}: a snippet")]), ["D1"])
 
 
@@ -63,10 +69,13 @@ def main() -> None:
     tok = train_bpe_tokenizer([EXAMPLE_TRACE] * 4 + [" ".join(WORDS)] * 4, vocab_size=400)
     weights = [w for _, w in FRAGMENTS]
 
+    busy: dict[tuple[str, int], float] = collections.defaultdict(float)  # sampling seconds per row
+
     def sample(call: TurnCall) -> TurnSample:
         rng = random.Random(call.seed)
         text = rng.choices([f for f, _ in FRAGMENTS], weights)[0].format(w=rng.choice(WORDS))
         ids = tok.encode(text, add_special_tokens=False)[: call.max_tokens]
+        busy[call.request_id, call.sample_index] += args.call_s + args.token_s * len(ids)
         time.sleep(args.call_s + args.token_s * len(ids))
         return TurnSample(ids, [-rng.random() for _ in ids])
 
@@ -75,9 +84,12 @@ def main() -> None:
         RolloutRequest(f"q{i}", tok.encode(f"question {i}", add_special_tokens=False), n=args.n, sampling=sampling)
         for i in range(args.queries)
     ]
-    env = ToolEnv({"search": FakeSearch(*args.tool_s)}, max_calls=10)
+    search = FakeSearch(*args.tool_s)
+    env = ToolEnv({"search": search}, max_calls=10)
     results, seconds = {}, {}
     for schedule in ("lockstep", "async"):
+        busy.clear()
+        search.busy.clear()
         engine = VLLMRolloutEngine(
             None,
             tok,
@@ -95,6 +107,13 @@ def main() -> None:
             f"{schedule:>8}: {seconds[schedule]:6.1f} s for {len(trajs)} rows, "
             f"{int(engine.stats['turn_calls'])} calls, {sum(t.n_tool_calls for t in trajs)} tool calls"
         )
+    # under async a tool thread is named after its row (rollout-tool-<row index>): the slowest row's own
+    # chain of calls and tools is the floor no schedule can beat
+    rows = [(r.request_id, k) for r in requests for k in range(r.n)]
+    floor = max(busy[row] + search.busy.get(f"rollout-tool-{i}", 0.0) for i, row in enumerate(rows))
+    print(
+        f"the slowest row's own calls and tools: {floor:.1f} s (async's floor); async is {seconds['async'] / floor:.2f}× it"
+    )
     same = all(
         a.token_ids == b.token_ids
         and [x for x in a.logprobs if x == x] == [x for x in b.logprobs if x == x]  # NaN: not sampled

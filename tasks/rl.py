@@ -98,7 +98,9 @@ def step_metrics_logged(store: RunStore, flow: str, step: int) -> bool:
 # ---- tasks --------------------------------------------------------------------------------------
 @task(name="rollout", task_run_name="rollout-step-{plan.step}", cache_policy=NO_CACHE)
 def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
-    """Sample a group per query with the current weights and the real tools → `rollouts`."""
+    """Sample a group per query with the current weights and the real tools → `rollouts`. With
+    `judge.stream` each query's group is handed to the step's StreamingJudge the moment it ends (kept on
+    the session for the judge task), so judging overlaps the groups still sampling."""
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("rollouts", _key(plan.step)):
@@ -263,7 +265,9 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
 def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     """Rubric generation (one call per query) and scoring (one call per rollout), buffer update and
     pruning → `judge_rubrics`, `judge_scores`, and `stage_rewards` (R, and from it G = RΛᵀ and the
-    per-stage advantages A); failed judgments are marked in `rollouts` and get no G or A."""
+    per-stage advantages A); failed judgments are marked in `rollouts` and get no G or A. The judgments
+    are the rollout task's streamed ones when it judged this step in this process, else made here from
+    the `rollouts` table; both give the same tables."""
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("stage_rewards", _key(plan.step)):

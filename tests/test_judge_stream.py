@@ -379,3 +379,33 @@ def test_streaming_judge_rejects_a_group_twice_and_unknown_or_missing_groups(que
         assert group.rollout_ids == ["a", "b"] and judge.usage.calls["score"] == 2
         with pytest.raises(JudgeError, match="after collect"):
             stream.submit(q, [JudgeRollout("a", "x")], index=0, offset=0)
+
+
+def test_judge_task_takes_a_stream_only_for_its_step_and_the_sessions_buffers(queries):
+    """The judge task uses the rollout task's stream only when nothing changed the session's buffers
+    since (else it closes it and judges from the tables)."""
+    from rubricem_core.rl.curriculum import StepPlan
+    from rubricem_core.rl.session import RLSession
+    from tasks.rl import _take_streamed
+
+    judge = LLMJudge(EndpointSettings(model=register_builtin_judge(), max_concurrency=2, max_retries=0))
+    plan = StepPlan(step=3, window=0, phase="new", retrieval="none", query_ids=(queries[0]["query_id"],))
+
+    def session_with_stream(step: int) -> tuple[RLSession, StreamingJudge]:
+        session = RLSession("unused", 2, None, None, None, fresh_buffers(queries[:1]), buffers_step=None)
+        session.pending_judge = StreamingJudge(judge, session.buffers, step)
+        return session, session.pending_judge
+
+    session, stream = session_with_stream(3)
+    assert _take_streamed(session, plan) is stream and session.pending_judge is None
+    stream.close()
+    assert _take_streamed(session, plan) is None  # taken once
+    for change in ("step", "buffers", "buffers_step"):
+        session, stream = session_with_stream(2 if change == "step" else 3)
+        if change == "buffers":
+            session.buffers = fresh_buffers(queries[:1])  # rebuilt from the tables meanwhile
+        if change == "buffers_step":
+            session.buffers_step = 2
+        assert _take_streamed(session, plan) is None and session.pending_judge is None, change
+        with pytest.raises(JudgeError, match="after collect or close"):  # closed: nothing runs on
+            stream.submit(judge_query(queries[0]), [JudgeRollout("a", "x")], index=0, offset=0)

@@ -270,3 +270,40 @@ def test_a_refused_call_is_not_a_dead_replica(tok):
     with pytest.raises(RolloutError, match="HTTP 400"):
         engine.generate(requests_for(tok, 2, 1), ToolEnv({"search": SleepyTool(0, 0)}, 3))
     assert engine.fleet.live == [0, 1] and engine.fleet.stats["resent_calls"] == 0
+
+
+def test_one_transfer_group_over_the_fleet_gives_each_replica_its_ranks_and_fails_at_once():
+    """FleetWeightSync: each replica's workers get their own rank offset in the one group; a replica that
+    refuses the update fails the push at once, even while another is still receiving."""
+    from rubricem_core.rollout.weight_transfer import FleetWeightSync, WeightTransferError, server_urls
+
+    release = threading.Event()
+
+    class Client:
+        def __init__(self, url):
+            self.url, self.calls = url, []
+
+        def init_weight_transfer_engine(self, info):
+            self.calls.append(("init", info))
+
+        def update_weights(self, info):
+            if self.url == "http://b":
+                raise WeightTransferError("http://b answered /update_weights with HTTP 500")
+            release.wait(30)  # a replica still in the broadcast
+
+        def close(self):
+            pass
+
+    sync = FleetWeightSync([], n_workers=2, timeout_s=5)
+    sync.clients = [Client(u) for u in ("http://a", "http://b", "http://c")]
+    sync.init_weight_transfer_engine({"master_port": 1, "rank_offset": 1, "world_size": 7})
+    assert [c.calls[0][1]["rank_offset"] for c in sync.clients] == [1, 3, 5]
+    assert {c.calls[0][1]["world_size"] for c in sync.clients} == {7}
+    started = time.monotonic()
+    with pytest.raises(WeightTransferError, match="http://b"):
+        sync.update_weights({"names": []})
+    assert time.monotonic() - started < 5
+    release.set()
+    assert server_urls("http://a") == ("http://a",) and server_urls(["x", "y"]) == ("x", "y")
+    with pytest.raises(WeightTransferError, match="no vLLM server"):
+        server_urls([])

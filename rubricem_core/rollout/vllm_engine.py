@@ -27,8 +27,10 @@ call and then for every tool call it closed (the offline ``LLM.generate`` path a
 fleet): every row is its own continuation — next call → one completion → replay → tool → next call —
 sent as soon as its previous call or tool returns, so no row waits for another; at most
 ``max_in_flight`` calls and ``max_tool_concurrency`` tool calls run at once. Calls carry per-call seeds
-and rows share nothing, so the two schedules give the same trajectories (``tests/test_rollout_fleet.py``). vLLM's stop
-strings only decide where a call *ends*; whether the turn ended is the parser's decision. A call
+and rows share nothing, so the two schedules give the same trajectories (``tests/test_rollout_fleet.py``;
+docs/rollout_fleet.md).
+
+vLLM's stop strings only decide where a call *ends*; whether the turn ended is the parser's decision. A call
 that stopped on a string the parser does not treat as an end (a stray ``</answer>`` outside an
 answer) is simply continued by the next call; ids sampled after the parser's end (possible only if
 a tag is part of a longer token) are dropped (``stats["discarded_tokens"]``).
