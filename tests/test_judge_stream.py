@@ -1,9 +1,9 @@
 """The streaming judge ≡ the batch judge, and the engines' per-group hook that feeds it.
 
 Rollouts come from the transformers engine (a tiny random Qwen3 over a synthetic world, real search and
-browse tools) with a forced policy writing scaffold traces of three kinds per group (a grounded answer,
-a wrong uncited one, free sampling), so the judge has something to tell apart. Each query's group is
-submitted to a ``StreamingJudge`` from ``engine.on_group_done`` while the later groups still sample; the
+browse tools) with a forced policy writing traces of three kinds per group (tests/fakes/scaffold_writer.py:
+a grounded answer, a wrong uncited one, free sampling), so the judge has something to tell apart. Each
+query's group is submitted to a ``StreamingJudge`` from ``engine.on_group_done`` while the later groups still sample; the
 same trajectories judged by ``judge_step`` after the last one must give the same judge tables row for
 row (the judge task's own table code), the same buffers and the same usage figures.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import threading
 import time
 
@@ -30,17 +29,16 @@ from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.records import rollout_text
-from rubricem_core.rollout import ForcedContext, HFRolloutEngine, RolloutRequest, SamplingParams
+from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.rollout.batch import RowBatch
-from rubricem_core.scaffold import EXAMPLE_TRACE
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.world import WorldConfig, generate_world
 from tasks.rl import judge_tables
 from tests.fakes.openai_server import FakeOpenAIServer
+from tests.fakes.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
 from tests.tiny_models import tool_policy, world_tokenizer
 
-N = 3  # rollouts per group
-PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
+N = KINDS  # rollouts per group: one of each kind
 LAM = get_recipe("ss_grpo").lam()
 
 
@@ -73,48 +71,8 @@ def env(world):
     return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=2)
 
 
-class Writer:
-    """Forced policy: sample 0 answers right with a citation, 1 names the wrong subject uncited, 2 samples."""
-
-    def __init__(self, tok, queries):
-        self.tok = tok
-        self.queries = {q["query_id"]: q for q in queries}
-        self.texts: dict[tuple[str, int, int], list[int]] = {}
-
-    def text(self, ctx: ForcedContext) -> str | None:
-        q = self.queries[ctx.request_id]
-        subjects = json.loads(q["spec"])["subjects"]
-        if ctx.sample_index % N == 2 or ctx.turn > 1:
-            return None
-        if ctx.turn == 0:
-            return PLAN + f'<call_tool name="search">{subjects[0]}</call_tool>'
-        ids = re.findall(r'<snippet id="([^"]+)"', ctx.tool_outputs[0]) or ["D0"]
-        right = ctx.sample_index % N == 0
-        answer = f'{q["reference_answer"]} <cite id="{ids[0]}">as the snippet says</cite>' if right else subjects[-1]
-        return (
-            "<state_evaluation>Evidence found. Verdict: ready</state_evaluation>\n<review>\n<rubric_review>"
-            f"Answer -> {ids[0]}.</rubric_review>\n<writing_plan><thesis>t</thesis><outline>1.</outline>"
-            f"</writing_plan>\n</review>\n<answer>The answer is {answer}.</answer>"
-        )
-
-    def __call__(self, ctx: ForcedContext) -> int | None:
-        key = (ctx.request_id, ctx.sample_index, ctx.turn)
-        if key not in self.texts:
-            text = self.text(ctx)
-            self.texts[key] = [] if text is None else self.tok.encode(text, add_special_tokens=False)
-        ids = self.texts[key]
-        return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else None
-
-
 def requests_for(tok, queries) -> list[RolloutRequest]:
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=200, max_total_tokens=1500, seed=5)
-    out = []
-    for q in queries:
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": q["question"]}], add_generation_prompt=True, tokenize=False
-        )
-        out.append(RolloutRequest(q["query_id"], tok.encode(prompt, add_special_tokens=False), n=N, sampling=sampling))
-    return out
+    return scaffold_requests(tok, queries, N)
 
 
 def judge_query(q) -> JudgeQuery:
@@ -158,7 +116,7 @@ def stream_rollouts(engine, tok, queries, env, stream: StreamingJudge | None = N
 @pytest.fixture(scope="module")
 def engine(tok, queries):
     # three rows at a time: the groups end one after another, the later ones still sample
-    return HFRolloutEngine(tool_policy(tok), tok, forced_policy=Writer(tok, queries), max_batch_rows=N)
+    return HFRolloutEngine(tool_policy(tok), tok, forced_policy=ScaffoldWriter(tok, queries), max_batch_rows=N)
 
 
 # ---- the hook -------------------------------------------------------------------------------------
