@@ -6,20 +6,32 @@ checkpoint: SFT 0, RL step N → N + 1). A rerun skips benchmarks whose part exi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
-from rubricem_core.config import flatten
+from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
 from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.tracking import Tracker
-from tasks.evaluate import default_checkpoint, evaluate_benchmark
+from tasks.evaluate import default_checkpoint, drop_engines, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
+
+
+@contextmanager
+def _fleet_ends_with_flow(cfg: RunConfig) -> Iterator[None]:
+    """A vLLM server fleet (processes and GPUs of its own) lives for one evaluate flow run; in-process
+    engines stay loaded for the next one on the same checkpoint."""
+    try:
+        yield
+    finally:
+        if cfg.rollout.engine == "vllm_server":
+            drop_engines()
 
 
 @flow(name="evaluate", flow_run_name="{run_dir}")
@@ -61,7 +73,10 @@ def evaluate(
     tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
     results: dict[str, dict[str, Any]] = {}
-    with tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext() as child:
+    with (
+        tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext() as child,
+        _fleet_ends_with_flow(cfg),
+    ):
         for benchmark in cfg.eval.benchmarks:
             summary = evaluate_benchmark(run_dir, cfg, path, benchmark, mode)
             results[benchmark] = summary

@@ -70,11 +70,17 @@ def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
     key = (str(Path(checkpoint).resolve()), cfg.rollout.engine)
     with _ENGINE_LOCK:
         if key not in _ENGINES:
-            _ENGINES.clear()  # one policy in memory at a time
+            _close_engines()  # one policy in memory at a time
             # vLLM loads its own copy from the directory: the HF one is only its tokenizer's source.
-            device = "cpu" if cfg.rollout.engine == "vllm" else auto_device()
+            device = "cpu" if cfg.rollout.engine in ("vllm", "vllm_server") else auto_device()
             model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype, device=device)
-            if cfg.rollout.engine == "vllm":
+            if cfg.rollout.engine == "vllm_server":
+                from rubricem_core.rollout.factory import fleet_engine
+
+                # the RL fleet's layout and schedule, serving the evaluated checkpoint's own weights
+                log = Path(checkpoint).resolve().parent / f".{Path(checkpoint).name}.vllm-eval.log"
+                engine = fleet_engine(checkpoint, tokenizer, cfg, log, push=False)
+            elif cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
 
                 engine = VLLMRolloutEngine(
@@ -94,9 +100,17 @@ def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
         return _ENGINES[key]
 
 
+def _close_engines() -> None:
+    for engine, _ in _ENGINES.values():
+        close = getattr(engine, "close", None)  # a vLLM server fleet: processes of its own
+        if close is not None:
+            close()
+    _ENGINES.clear()
+
+
 def drop_engines() -> None:
     with _ENGINE_LOCK:
-        _ENGINES.clear()
+        _close_engines()
 
 
 def _grader(cfg: RunConfig):

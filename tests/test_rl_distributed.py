@@ -244,6 +244,30 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
             assert other.count('"POST /update_weights HTTP/1.1" 200') == 1
     assert rollouts["gloo"] == rollouts["checkpoint"] == rollouts["gloo-1-rank"] == rollouts["gloo-2-replicas"]
 
+    # evaluation samples through the same fleet: 2 replicas serving the final checkpoint's own weights
+    from flows.evaluate import evaluate
+
+    fleet = {
+        **SERVER_FLOW,
+        "rl.backend": "deepspeed",
+        "rl.zero_stage": 3,
+        "distributed.nproc_per_node": 2,
+        "rollout.engine": "vllm_server",
+        "rollout.server_python": str(VLLM_PYTHON),
+        "rollout.weight_transfer": "gloo",
+        "rollout.replicas": 2,
+        "eval.max_queries": 2,
+    }
+    run_dir = str(root / "gloo-2-replicas")
+    out = evaluate(run_dir=run_dir, profile="tiny", overrides=fleet, benchmarks=["synthetic"])
+    ckpt = Path(out["checkpoint"])
+    served = [
+        (ckpt.parent / f".{ckpt.name}.vllm-eval{suffix}.log").read_text().count('"POST /v1/completions HTTP/1.1" 200')
+        for suffix in ("", "-1")
+    ]
+    assert sum(served) > 0, served  # the fleet sampled the evaluation, not an in-process engine
+    assert any(r["checkpoint"] == out["tag"] for r in RunStore(run_dir).read_rows("eval_results"))
+
 
 def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:
     """The rl flow as node 0 here, `rubricem ranks rl --node-rank 1` as node 1 beside it: node 1's exit code

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -320,34 +319,11 @@ def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
                 "s" if cfg.distributed.world_size > 1 else "",
             )
             if cfg.rollout.engine == "vllm_server":
-                from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+                from rubricem_core.rollout.factory import fleet_engine
 
                 # rollout.replicas processes of their own, on rollout.devices split across them; weights
                 # reloaded from each step's checkpoint directory or pushed (docs/rollout_fleet.md)
-                server = start_fleet(
-                    base,
-                    cfg.rollout.replicas,
-                    python=cfg.rollout.server_python or sys.executable,
-                    devices=cfg.rollout.devices,
-                    tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                    max_concurrency=cfg.rollout.max_calls_per_replica,
-                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                    max_model_len=cfg.rollout.max_total_tokens,
-                    dtype=cfg.policy.dtype,
-                    startup_timeout_s=cfg.rollout.server_startup_timeout_s,
-                    log_path=RunStore(run_dir).state_dir / "vllm-server.log",
-                    weight_transfer=None
-                    if cfg.rollout.weight_transfer == "checkpoint"
-                    else cfg.rollout.weight_transfer,
-                    sleep_mode=cfg.rollout.colocate and torch.cuda.is_available(),
-                )
-                engine = VLLMServerEngine(
-                    server,
-                    tokenizer,
-                    max_model_len=cfg.rollout.max_total_tokens,
-                    schedule=cfg.rollout.schedule or "async",
-                    max_tool_concurrency=cfg.rollout.max_concurrent_tool_calls,
-                )
+                engine = fleet_engine(base, tokenizer, cfg, RunStore(run_dir).state_dir / "vllm-server.log", push=True)
                 separate, engine_step = True, -1
             elif cfg.rollout.engine == "vllm":
                 from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine

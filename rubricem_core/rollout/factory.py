@@ -1,0 +1,48 @@
+"""The vLLM server fleet engine of a run's config: one construction for the RL session and evaluation.
+
+engine = fleet_engine(model_dir, tokenizer, cfg, log_path, push=True)   # RL: weights pushed each step
+engine = fleet_engine(checkpoint, tokenizer, cfg, log_path, push=False) # evaluation: the checkpoint's own
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rubricem_core.config import RunConfig
+from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+
+
+def fleet_engine(
+    model_dir: str | Path, tokenizer: Any, cfg: RunConfig, log_path: Path, *, push: bool
+) -> VLLMServerEngine:
+    """``rollout.replicas`` `vllm serve` processes of ``model_dir`` on ``rollout.devices`` (split across them),
+    sampled with ``rollout.schedule`` (default async). ``push``: the replicas join the trainer's weight
+    transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
+    serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
+    r = cfg.rollout
+    fleet = start_fleet(
+        model_dir,
+        r.replicas,
+        python=r.server_python or sys.executable,
+        devices=r.devices,
+        tensor_parallel_size=r.tensor_parallel_size,
+        max_concurrency=r.max_calls_per_replica,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_model_len=r.max_total_tokens,
+        dtype=cfg.policy.dtype,
+        startup_timeout_s=r.server_startup_timeout_s,
+        log_path=log_path,
+        weight_transfer=r.weight_transfer if push and r.weight_transfer != "checkpoint" else None,
+        sleep_mode=push and r.colocate and torch.cuda.is_available(),
+    )
+    return VLLMServerEngine(
+        fleet,
+        tokenizer,
+        max_model_len=r.max_total_tokens,
+        schedule=r.schedule or "async",
+        max_tool_concurrency=r.max_concurrent_tool_calls,
+    )
