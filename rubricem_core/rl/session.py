@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,9 +145,10 @@ class Policy(Protocol):
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Full current weights for an engine in this process; None: read them from the saved checkpoint."""
 
-    def push_weights(self, server_url: str, backend: str, n_workers: int) -> float:
-        """Push the current weights into a vLLM server's workers (vLLM's weight-transfer API, from the
-        process or ranks that hold them); the seconds it took."""
+    def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
+        """Push the current weights into a vLLM server's workers, or every replica's of a fleet (a list
+        of URLs: one transfer group over all of them; vLLM's weight-transfer API, from the process or
+        ranks that hold them); the seconds it took."""
 
     def close(self) -> None: ...
 
@@ -219,7 +220,9 @@ class LocalPolicy:
         # gathered under ZeRO-3 (the module's own parameters are 0-size placeholders there)
         return self.trainer.state_dict_for_sync()
 
-    def push_weights(self, server_url: str, backend: str, n_workers: int, is_sender: bool = True) -> float:
+    def push_weights(
+        self, server_url: str | Sequence[str], backend: str, n_workers: int, is_sender: bool = True
+    ) -> float:
         """On every trainer rank (each takes part in ZeRO-3's gathers; the sender, rank 0, talks to the
         server); the transfer group opened by the first push is kept for the next ones."""
         if self._pusher is None:  # one server, one backend per session
