@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -135,7 +135,7 @@ class RankPolicy:
     def weights(self) -> None:
         return None  # the ranks' weights reach this process through the checkpoint rank 0 writes
 
-    def push_weights(self, server_url: str | list[str], backend: str, n_workers: int) -> float:
+    def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
         # rank 0 must reach the server at server_url: it runs on node 0, beside this process
         return self._call("push", url=server_url, backend=backend, workers=n_workers)["seconds"]
 
