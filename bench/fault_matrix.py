@@ -3,6 +3,8 @@ compared with an uninterrupted run of the same config (tables row for row, weigh
 
 Scenarios (README "Fault tolerance"):
 - kill: `rubricem rl` SIGKILLed at every write boundary of a step (RUBRICEM_FAULT_POINT), rerun;
+- kill between two checkpoints: with rl.checkpoint_every=2 step 0 writes none; killed once step 0 is
+  done, then inside the resume's replay of its update, rerun (docs/checkpointing.md);
 - disk full: the run directory on a tmpfs just larger than the SFT run, so RL runs out of space
   mid-step; the rerun after the space is grown (skipped with the reason where tmpfs cannot be mounted);
 - concurrent writer: a second `rubricem rl` while the first runs (must be refused, the first intact);
@@ -99,7 +101,7 @@ VOLATILE_METRIC = ("seconds", "_per_s", "step_time_s", "padding_fraction")
 
 
 # ---- comparing two runs ---------------------------------------------------------------------------
-def differences(run: Path, ref: Path) -> list[str]:
+def differences(run: Path, ref: Path, checkpoints: tuple[str, ...] = ("step-000000", "step-000001")) -> list[str]:
     """What differs between a resumed run and the uninterrupted one (empty: identical)."""
     from safetensors.torch import load_file
 
@@ -120,7 +122,7 @@ def differences(run: Path, ref: Path) -> list[str]:
             out.append(f"{table}: {len(got)} rows, {len(want)} in the uninterrupted run")
         elif got != want:
             out.append(f"{table}: rows differ")
-    for name in ("step-000000", "step-000001"):
+    for name in checkpoints:
         a, b = run / "checkpoints" / "rl" / name, ref / "checkpoints" / "rl" / name
         if not (a / "model.safetensors").exists():
             out.append(f"checkpoint {name} missing")
@@ -156,11 +158,12 @@ def cli(
     fault: str | None = None,
     log: Path | None = None,
     preexec: Callable[[], None] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> int:
     env = {**env, **({"RUBRICEM_FAULT_POINT": fault} if fault else {})}
     with open(log or os.devnull, "ab") as out:
         return subprocess.run(
-            [*CLI, command, "--run-dir", str(run), *SETS],
+            [*CLI, command, "--run-dir", str(run), *SETS, *extra],
             cwd=REPO,
             env=env,
             stdout=out,
@@ -197,6 +200,27 @@ def scenario_kills(
         results.append((f"kill at {point}", not diff, "; ".join(diff)))
         shutil.rmtree(run, ignore_errors=True)
     return results
+
+
+def scenario_between_checkpoints(
+    trained: Path, ref: Path, work: Path, env: dict[str, str]
+) -> list[tuple[str, bool, str]]:
+    """rl.checkpoint_every=2: step 0 is done with no checkpoint; killed there, then inside the resume's
+    replay of step 0's update; the rerun must end as the run that checkpointed every step (whose step-0
+    checkpoint this one never writes)."""
+    run, log = work / "between-checkpoints", work / "between-checkpoints.log"
+    shutil.copytree(trained, run)
+    sparse = ("--set", "rl.checkpoint_every=2")
+    problems = []
+    for point in ("rl.step_done:1", "rl.update_replayed:1"):
+        rc = cli("rl", run, env, fault=point, log=log, extra=sparse)
+        if rc != -signal.SIGKILL:
+            problems.append(f"kill at {point} not reached (rc {rc})")
+    rc = cli("rl", run, env, log=log, extra=sparse)
+    problems += differences(run, ref, checkpoints=("step-000001",)) if rc == 0 else [f"rerun exit {rc}"]
+    if (run / "checkpoints" / "rl" / "step-000000").exists():
+        problems.append("step 0 wrote a checkpoint")
+    return [("kill between two checkpoints (rl.checkpoint_every=2)", not problems, "; ".join(problems))]
 
 
 def _du(path: Path) -> int:
@@ -315,6 +339,7 @@ def main() -> int:
         rl(run_dir=str(ref), profile="tiny", overrides=SMALL)
         print(f"uninterrupted reference run: {time.perf_counter() - t0:.0f} s")
         results = scenario_kills(trained, ref, work, env, args.quick)
+        results += scenario_between_checkpoints(trained, ref, work, env)
         results += scenario_disk_full(trained, ref, work, env)
         results += scenario_concurrent(trained, ref, work, env)
         results += scenario_outage(trained, ref, work)

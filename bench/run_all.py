@@ -115,6 +115,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("distributed_scaling", quick_args=("--quick",)),
     Script("weight_sync", quick_args=("--quick",)),
     Script("fault_matrix", quick_args=("--quick",)),
+    Script("step_bytes", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),
 )
 

@@ -1,8 +1,10 @@
 """Flow `rl`: the windowed RL loop; every step is the subflow `rl_step`.
 
 Window K (rl.window): K steps of fresh query batches, then the same K batches replayed. Each rl_step
-runs the tasks rollout → judge (rubric generation, scoring, buffer update) → ss-grpo-update (with its
-checkpoint); a retried run skips every step and task whose Parquet and checkpoint exist.
+runs the tasks rollout → judge (rubric generation, scoring, buffer update) → ss-grpo-update (with a
+resumable checkpoint every rl.checkpoint_every steps and at the last step); a retried run skips every
+step and task whose Parquet exists and whose update the progress file marks done, and replays the
+updates after the newest checkpoint from their tables (docs/checkpointing.md).
 
 With the reflection meta-policy (recipes meta_policy, full) a step N also runs
   reflection-update (on step N−1's candidates)  alongside  rollout      (submitted together), and
@@ -106,8 +108,9 @@ def _ranks_end_with_flow(cfg: RunConfig) -> Iterator[None]:
 
 
 def _finish_done_step(run_dir: str, cfg: RunConfig, plan: StepPlan, child: Any) -> None:
-    """A step a killed run checkpointed but did not finish: its reflections (written alongside the
-    update) and its metrics, from the tasks' saved metrics."""
+    """A step a killed run marked done but did not finish: its reflections (written alongside the
+    update; sampled with the weights after the step before, replayed from the tables when no checkpoint
+    kept them) and its metrics, from the tasks' saved metrics."""
     store = RunStore(run_dir)
     if reflection_on(cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
         reflect_task(run_dir, cfg, plan)
@@ -176,7 +179,7 @@ def rl(
         if done >= plans[-1].step and cfg.distributed.nnodes > 1:
             announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
-            if plan.step <= done:  # its update is in the newest checkpoint
+            if plan.step <= done:  # its update is in the newest checkpoint or replayed from its tables
                 _finish_done_step(run_dir, cfg, plan, child)
                 continue
             metrics = rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)

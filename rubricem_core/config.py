@@ -458,6 +458,19 @@ class RLConfig(_Strict):
         "slow for large models).",
     )
 
+    checkpoint_every: int = Field(
+        default=1,
+        ge=1,
+        description="Write a resumable checkpoint (weights, optimizer state, schedule, RNG) every N steps and "
+        "always at the last step; older ones are pruned to rl.keep_checkpoints. Between checkpoints the rollout "
+        "engine gets each step's weights by transfer, and a resume restores the newest checkpoint and replays "
+        "the later steps' updates from their cached rollouts and rewards (no sampling, no judge call): the "
+        "same numbers for any N. 1: every step (the tiny figures).",
+    )
+    keep_checkpoints: int = Field(
+        default=2, ge=1, description="RL step checkpoints kept (the newest; a resume needs only the newest)."
+    )
+
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> Any:
         check_offload(self)
@@ -717,6 +730,16 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _colocation_fits(self) -> Any:
+        if (
+            self.rl.checkpoint_every > 1
+            and self.rollout.engine == "vllm_server"
+            and (self.rollout.weight_transfer == "checkpoint")
+        ):
+            raise ValueError(
+                f"rl.checkpoint_every: {self.rl.checkpoint_every} leaves steps without a checkpoint, and "
+                "rollout.weight_transfer: checkpoint makes the vLLM server reload each step's checkpoint; push the "
+                "weights instead (rollout.weight_transfer: nccl on GPUs, gloo on CPUs) or set rl.checkpoint_every: 1"
+            )
         if self.rollout.colocate and self.distributed.nnodes > 1:
             raise ValueError("rollout.colocate shares one node's GPUs; it needs distributed.nnodes: 1")
         if self.rollout.colocate and self.reflection.schedule == "deferred" and self.rl.recipe in REFLECTION_RECIPES:

@@ -4,8 +4,8 @@ The first command writes ``<run_dir>/config.yaml``. A later command with another
 field by field against it:
 
 - fields that never change what is already written (endpoints' and web tools' URLs, keys, retries and timeouts,
-  tracking, devices and ranks, evaluation settings, more RL windows) are accepted and recorded as
-  a revision in ``state/config_revisions.jsonl``;
+  tracking, devices and ranks, evaluation settings, more RL windows, RL checkpoint spacing and retention)
+  are accepted and recorded as a revision in ``state/config_revisions.jsonl``;
 - any other field is refused, naming the field and both values, once the stage that reads it has
   written something (collection for ``data``, ``seed``, ``tools``, ``teacher``, ``filter``; SFT for
   ``policy``, ``sft``; RL for ``rl``, ``rollout``, ``judge``, ``reflection``). Before that stage
@@ -61,6 +61,10 @@ _SAFE_PREFIXES = (
     "rollout.schedule",
     "rollout.max_calls_per_replica",
     "rollout.max_concurrent_tool_calls",
+    # where resumes start from, not what they compute: a resume replays the updates after the newest
+    # checkpoint from the tables, so any checkpoint spacing gives the same weights
+    "rl.checkpoint_every",
+    "rl.keep_checkpoints",
 )
 
 

@@ -41,7 +41,7 @@ from rubricem_core.schemas import EVAL_REFLECTIONS_SCHEMA, queries_from_table
 from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
 from tasks.inputs import search_env
-from tasks.rl import completed_step
+from tasks.rl import completed_step, newest_checkpoint
 from tasks.secrets import resolve_api_key
 
 TABLE = "eval_results"
@@ -51,8 +51,9 @@ _ENGINE_LOCK = threading.Lock()
 
 
 def default_checkpoint(run_dir: str) -> Path:
-    """The newest finished RL checkpoint, else the SFT policy."""
-    step, layout = completed_step(run_dir), RunLayout(run_dir)
+    """The newest RL checkpoint of a finished step (the last step's once RL is over: it always writes
+    one; mid-run, the newest of rl.checkpoint_every's), else the SFT policy."""
+    step, layout = newest_checkpoint(run_dir, completed_step(run_dir)), RunLayout(run_dir)
     path = layout.rl_step_checkpoint(step) if step >= 0 else layout.sft_final
     if not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -11,7 +11,6 @@ newest checkpoint already holds, so a retried run redoes only what is missing.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -29,21 +28,20 @@ from rubricem_core.reflection.judge import (
     reflection_rows,
 )
 from rubricem_core.reflection.meta import (
-    candidate_advantages,
     candidate_requests,
     candidate_text,
     engine_stop_texts,
     judge_view,
     pick_source_rollouts,
+    reflection_batch,
     reflection_metrics,
-    reflection_token_advantages,
 )
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rollout import SamplingParams
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA, nan_to_none
 from rubricem_core.seeds import REFLECTION_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.rl import (
     cached_task_metrics,
@@ -54,6 +52,7 @@ from tasks.rl import (
     get_session,
     load_bank_steps,
     reset_bank,
+    sampling_session,
     save_task_metrics,
     update_settings,
 )
@@ -75,13 +74,16 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
     """Write, judge and bank the reflections of a new-query step (weights: checkpoint step−1)."""
     log = get_run_logger()
     store = RunStore(run_dir)
-    session = current_session(run_dir, cfg)
     if store.has("reflections", _key(plan.step)):
+        session = current_session(run_dir, cfg)
         load_bank_steps(session, store, [plan.step])
         metrics = cached_task_metrics(store, "reflect", plan.step)
         if session.bank is not None:
             metrics["bank/size"] = float(len(session.bank))
         return {"cached": True, "metrics": metrics}
+    # the live session, unless a resumed run lost the weights of step−1 (no checkpoint kept them):
+    # then one replayed to step−1 from the tables
+    session = sampling_session(run_dir, cfg, plan.step - 1)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     questions = {qid: q["question"] for qid, q in queries.items()}
     rollouts = store.read_rows("rollouts", _key(plan.step))
@@ -195,26 +197,8 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
         return {"cached": True, "metrics": cached_task_metrics(store, "reflection-update", at_step)}
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
-    rows = store.read_rows("reflections", _key(source.step))
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[row["source_rollout_id"]].append(row)
-    trajs, advs, nonzero = [], [], 0
-    for rid in sorted(groups):
-        group = sorted(groups[rid], key=lambda r: r["candidate"])
-        for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
-            if row["judge_failed"] or not row["token_ids"]:
-                continue  # no reward: left out of the update, never treated as a zero
-            # a reflection belongs to no research stage
-            stageless = {
-                "token_ids": row["token_ids"],
-                "loss_mask": row["loss_mask"],
-                "logprobs": row["logprobs"],
-                "stage_ids": [NO_STAGE] * len(row["token_ids"]),
-            }
-            trajs.append(TokenTrajectory.from_row(stageless))
-            advs.append(reflection_token_advantages(row["loss_mask"], adv))
-            nonzero += adv != 0.0
+    batch = reflection_batch(store.read_rows("reflections", _key(source.step)))
+    trajs, advs = batch.trajectories, batch.token_advantages
     t0 = time.perf_counter()
     session.policy.log_to(log.info)  # trainer ranks' output goes to this task's log
     with engine_asleep(session, cfg):
@@ -223,7 +207,7 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}
     out["reflection_update/source_step"] = float(source.step)
     out["reflection_update/candidates"] = float(len(trajs))
-    out["reflection_update/nonzero_advantages"] = float(nonzero)
+    out["reflection_update/nonzero_advantages"] = float(batch.nonzero)
     out["reflection_update/seconds"] = time.perf_counter() - t0
     # the weights keep this update only in memory until the step's checkpoint; a rerun redoes both
     save_task_metrics(store, "reflection-update", at_step, out)
@@ -233,6 +217,6 @@ def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_st
         at_step,
         len(trajs),
         source.step,
-        nonzero,
+        batch.nonzero,
     )
     return {"cached": False, "metrics": out}

@@ -1,8 +1,9 @@
 """Prefect tasks of one RL step: rollout → judge (rubric generation, scoring, buffer update) → SS-GRPO
-update + checkpoint. Each task's output is a Parquet partition `step=NNNN`; a retried run skips what
-exists. Models live in the per-process `RLSession` of rubricem_core.rl.session (the trainer and
-reference in this process or in long-lived trainer ranks, the rollout engine, rubric buffers), rebuilt
-from the previous step's checkpoint after a restart.
+update (a resumable checkpoint every rl.checkpoint_every steps and at the last). Each task's output is a
+Parquet partition `step=NNNN`; a retried run skips what exists. Models live in the per-process
+`RLSession` of rubricem_core.rl.session (the trainer and reference in this process or in long-lived
+trainer ranks, the rollout engine, rubric buffers), rebuilt after a restart from the newest checkpoint
+and the replay of the later steps' updates from their tables.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows, reflection tasks and tests)
     RLSession,
     buffers_at,
+    checkpoint_due,
     completed_step,
     current_session,
     drop_sessions,
@@ -37,11 +39,13 @@ from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows
     ensure_engine_weights,
     get_session,
     load_bank_steps,
+    newest_checkpoint,
     recipe_settings,
     reflection_on,
     replay_source_step,
     reset_bank,
     rl_dir,
+    sampling_session,
     start_policy,
     step_checkpoint,
     update_settings,
@@ -372,11 +376,10 @@ def _check_streamed(results: list[GroupJudgment], rollouts: list[dict[str, Any]]
 
 @task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}", cache_policy=NO_CACHE)
 def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
-    """One clipped policy-gradient step on the judged rollouts with the judge task's advantages;
-    checkpoint with the rubric buffers."""
+    """One clipped policy-gradient step on the judged rollouts with the judge task's advantages; a
+    resumable checkpoint (with the rubric buffers) when rl.checkpoint_every says so and at the last step."""
     log = get_run_logger()
     store = RunStore(run_dir)
-    ckpt = step_checkpoint(run_dir, plan.step)
     if completed_step(run_dir) >= plan.step:
         return {"cached": True, "metrics": cached_task_metrics(store, "update", plan.step)}
     session = get_session(run_dir, cfg, plan.step - 1)
@@ -390,32 +393,40 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
             batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature)
         )
     metrics["update_seconds"] = time.perf_counter() - t0
-    # The engine picks up these weights before the next step's rollouts (ensure_engine_weights):
-    # this step's reflections may still be sampling with the old ones.
-    # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`.
-    buffers = json.dumps({qid: b.to_dict() for qid, b in buffers_at(session, plan.step, cfg).items()})
-    session.policy.save(ckpt, extra={"buffers": buffers, "step": plan.step})
     session.step = plan.step
-    fault_point("rl.checkpoint_saved")
+    # The engine picks up these weights by transfer before the next step's rollouts
+    # (ensure_engine_weights): this step's reflections may still be sampling with the old ones.
+    fault_point("rl.update_applied")
+    saved = checkpoint_due(cfg, plan.step)
+    if saved:
+        # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`.
+        buffers = json.dumps({qid: b.to_dict() for qid, b in buffers_at(session, plan.step, cfg).items()})
+        session.policy.save(step_checkpoint(run_dir, plan.step), extra={"buffers": buffers, "step": plan.step})
+        fault_point("rl.checkpoint_saved")
     out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
     save_task_metrics(store, "update", plan.step, out)  # before the progress file, which marks the step done
+    # Done: the update is applied and every table it needs is written. Without a checkpoint of this
+    # step, a resume replays its update from those tables (rl.session.replay_updates).
     atomic_write_text(store.layout.rl_progress_file, json.dumps({"completed_step": plan.step}))
     fault_point("rl.step_done")
-    _prune_checkpoints(run_dir, keep=2)
+    if saved:
+        _prune_checkpoints(run_dir, keep=cfg.rl.keep_checkpoints)
     log.info(
-        "step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f",
+        "step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f%s",
         plan.step,
         len(batch.trajectories),
         metrics.get("loss", float("nan")),
         metrics.get("kl", float("nan")),
         metrics.get("clip_fraction", float("nan")),
         metrics.get("logprob_gap_mean", float("nan")),
+        "; checkpoint written" if saved else "",
     )
     return {"cached": False, "metrics": out}
 
 
 def _prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Keep the newest ``keep`` step checkpoints (older ones are not needed to resume)."""
+    """Keep the newest ``keep`` step checkpoints (a resume needs only the newest; the rest are for
+    inspection and evaluation)."""
     import shutil
 
     ckpts = sorted(p for p in rl_dir(run_dir).glob("step-*") if p.is_dir())

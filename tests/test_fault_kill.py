@@ -307,6 +307,63 @@ def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(refe
     assert saved_bank(run) == saved_bank(reference["final"])
 
 
+# rl.checkpoint_every=3 over two windows (steps 0 new, 1 repeat with the reflection update of step 0,
+# 2 new with the first checkpoint, 3 repeat, the last step, checkpointed): kills where no checkpoint
+# holds the weights, each resumed by a fresh process that replays the updates from the tables.
+SPARSE = {"rl.n_windows": 2, "rl.checkpoint_every": 3, "rl.keep_checkpoints": 1}
+SPARSE_SETS = [a for k, v in SPARSE.items() for a in ("--set", f"{k}={v}")]
+SPARSE_BOUNDARIES = [
+    "rl.step_done:2",  # step 1 done, no checkpoint written yet: a resume replays steps 0 and 1 from SFT
+    "rl.update_replayed:2",  # killed inside that replay (it writes nothing)
+    "rl.update_applied:1",  # step 2's update applied, its checkpoint not yet written
+    "rl.step_done:1",  # step 2 done and checkpointed, its reflections not written (sync: after the update)
+    "rl.reflection_update_done:1",  # step 3: the reflection update of step 2 in memory only
+]
+
+
+def _trainer_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer_state.pt", weights_only=False)
+
+
+def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(reference, tmp_path):
+    """A run with a checkpoint every 3 steps, killed where only the tables hold the last updates,
+    ends with the tables, metrics, weights and trainer state (optimizer, schedule, step counter, RNG)
+    of an uninterrupted run that checkpointed every step."""
+    import tasks.rl as rl_tasks
+    from flows.rl import rl
+
+    # the uninterrupted run: the module's reference (2 steps, deferred schedule) extended to two windows
+    straight = tmp_path / "straight"
+    shutil.copytree(reference["final"], straight)
+    rl(run_dir=str(straight), profile="tiny", overrides={**SMALL, "rl.n_windows": 2})
+    rl_tasks.drop_sessions()
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    for i, point in enumerate(SPARSE_BOUNDARIES):
+        kill_at("rl", run, point, extra=[*SYNC, *SPARSE_SETS], tag=str(i))
+        if i < 2:  # nothing but the tables holds steps 0 and 1
+            assert rl_tasks.completed_step(str(run)) == 1 and not (run / "checkpoints" / "rl").exists()
+    assert rl_tasks.completed_step(str(run)) == 2
+    rl_tasks.drop_sessions()
+    result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, **SPARSE, "reflection.schedule": "sync"})
+    assert result["steps"] == 4 and result["final_checkpoint"].endswith("step-000003")
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, straight, table, key)
+    assert_same_metrics(run, straight, "rl")
+    ckpts = run / "checkpoints" / "rl"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000003"]  # rl.keep_checkpoints=1
+    final, want = ckpts / "step-000003", straight / "checkpoints" / "rl" / "step-000003"
+    assert_same_weights(final, want)
+    got, ref = _trainer_state(final), _trainer_state(want)
+    assert got["global_step"] == ref["global_step"] == 6  # 4 task updates + 2 reflection updates
+    assert got["scheduler"] == ref["scheduler"]
+    for a, b in zip(got["optimizer"]["state"].values(), ref["optimizer"]["state"].values()):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert torch.equal(got["rng"]["torch"], ref["rng"]["torch"]) and got["rng"]["python"] == ref["rng"]["python"]
+
+
 def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(reference, tmp_path, monkeypatch):
     """The judge endpoint is down for a whole step: the flow fails naming the errors, writes no
     rewards, checkpoint or progress; with the endpoint back, the rerun re-judges and ends with the

@@ -1,6 +1,7 @@
 """RL with trainer ranks that live for the flow run (2 gloo ranks): one SS-GRPO update on 2 ranks equals
 one rank, under ZeRO-3 the engine samples with the trainer's gathered weights, and the rl flow runs with
-rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap."""
+rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap (its engine fed by transfer
+from rank 0, with no checkpoint between, rl.checkpoint_every=2)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0) -> tuple[list[TokenTr
 
 def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """Copy the run, build its session, two updates (the second with a KL term: the policy has moved from
-    the reference), the step-0 checkpoint, then the engine's weights."""
+    the reference), then the engine's weights (taken from the trainer, no checkpoint)."""
     run_dir = str(tmp_path / "run")
     shutil.copytree(run, run_dir)
     cfg = load_config("tiny", {**TINY, **overrides})
@@ -77,9 +78,9 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
         session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
         trajs, advs = synthetic_batch(len(session.tokenizer), seed=1)
         metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
-        session.policy.save(rl_session.step_checkpoint(run_dir, 0), {"buffers": "{}", "step": 0})
         session.step = 0
-        rl_session.ensure_engine_weights(session, 0, cfg)
+        rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
+        assert not rl_session.rl_dir(run_dir).exists()
         engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}
     finally:
         rl_session.drop_sessions()
@@ -138,7 +139,11 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
     shutil.copytree(sft_run, one)
     shutil.copytree(sft_run, two)
     rl(run_dir=one, profile="tiny", overrides=zero3)
-    result = rl(run_dir=two, profile="tiny", overrides={**zero3, "distributed.nproc_per_node": 2})
+    # no checkpoint of step 0 (rl.checkpoint_every=2): step 1's engine gets the ranks' weights by the
+    # gloo transfer from rank 0 (the only road left: a missing checkpoint would raise)
+    result = rl(
+        run_dir=two, profile="tiny", overrides={**zero3, "distributed.nproc_per_node": 2, "rl.checkpoint_every": 2}
+    )
     assert result["steps"] == 2
     assert not rl_session._SESSIONS  # the ranks ended with the flow run
 
@@ -149,8 +154,8 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
     assert sorted(gap_two) == [0, 1]
     for step, gap in gap_two.items():
         assert gap < 1e-5 and gap == pytest.approx(gap_one[step], abs=1e-6)
-    for step in (0, 1):
-        assert (tmp_path / "two" / "checkpoints" / "rl" / f"step-{step:06d}" / "checkpoint.json").exists()
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "rl").iterdir()) == ["step-000001"]
+    assert (tmp_path / "one" / "checkpoints" / "rl" / "step-000000" / "checkpoint.json").exists()
 
 
 def test_a_killed_trainer_rank_fails_the_rl_flow_and_the_rerun_resumes(sft_run, tmp_path, monkeypatch):

@@ -5,15 +5,16 @@ starts ``distributed.nproc_per_node`` ranks with torchrun. Every rank builds the
 (trainer + frozen reference; the trainer's process group is the ranks' own) and then waits for
 commands; the channel is two kinds of keys:
 
-    cmd/<n>    {"op": "update" | "save" | "load" | "push" | "stop", ...}  set by the flow process, read by every rank
+    cmd/<n>    {"op": "update" | "save" | "load" | "weights" | "push" | "stop", ...}  set by the flow process, read by every rank
     reply/<n>  {...}                                                      set by rank 0 once every rank is done
 
 ``update`` names a payload file (the step's trajectories and token advantages, written by the flow
 process under ``state/launch/``), which every rank reads and trains on its shard of; ``save`` is the
-collective checkpoint whose HF weights rank 0 writes gathered, and from which the engine takes the new
-weights unless they are pushed: ``push`` sends them into a vLLM server's workers through vLLM's
-weight-transfer API (every rank gathers each ZeRO-3 parameter in turn, rank 0 broadcasts it;
-rubricem_core.rollout.weight_transfer); ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
+collective resumable checkpoint (every ``rl.checkpoint_every`` steps) whose HF weights rank 0 writes
+gathered; ``weights`` sends the current weights to the flow process's own engine over a gloo group of
+rank 0 and the flow process (every rank gathers each ZeRO-3 parameter in turn, rank 0 broadcasts it);
+``push`` sends them the same way into a vLLM server's workers through vLLM's weight-transfer API
+(rubricem_core.rollout.weight_transfer); ``load`` resumes optimizer and weights. A rank that fails ends torchrun, and the waiting call
 raises RankFailure with the traceback. Checkpoints and payloads must sit on a file system every node sees.
 """
 
@@ -40,12 +41,20 @@ from rubricem_core.distributed.nodes import with_launch_id
 from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
+from rubricem_core.rollout.weight_transfer import (
+    ModelWeights,
+    broadcast_weights,
+    meta_from_rows,
+    meta_rows,
+    receive_weights,
+)
 from rubricem_core.store import atomic_write_text
 from rubricem_core.trajectory import TokenTrajectory
 
 MODULE = "rubricem_core.distributed.rl_ranks"
 CONTROL_ENV = "RUBRICEM_CONTROL"  # host:port of the flow process's TCPStore
 TOKEN_ARRAYS = ("token_ids", "loss_mask", "stage_ids", "logprobs")  # all an update reads of a trajectory
+WEIGHTS_PREFIX = "weights/"  # the control store's keys of the weights transfer to the flow process
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +70,7 @@ class RankPolicy:
         self._lock = threading.Lock()
         self._seq = 0
         self._run_dir = run_dir
+        self._weights_group: Any = None  # gloo, this process and trainer rank 0: weights() receives over it
         # the ranks of every node connect to this store; on one node over loopback
         self._control = dist.TCPStore(
             "0.0.0.0" if d.nnodes > 1 else "127.0.0.1",
@@ -92,25 +102,41 @@ class RankPolicy:
     def _call(self, op: str, **args: Any) -> dict[str, Any]:
         """Send one command to every rank and wait for rank 0's reply, streaming the ranks' output."""
         with self._lock:
-            seq = self._seq
-            self._seq += 1
-            self._control.set(f"cmd/{seq}", json.dumps({"op": op, **args}))
-            key = f"reply/{seq}"
-            deadline = time.monotonic() + self.timeout_s
-            while not self._control.check([key]):
-                self._ranks.drain(self.on_line)
-                rc = self._ranks.poll()
-                if rc is not None:
-                    raise self._ranks.failure(rc)
-                if time.monotonic() > deadline:
-                    self._ranks.stop()
-                    raise RankFailure(
-                        f"the trainer ranks did not answer {op!r} within distributed.timeout_s="
-                        f"{self.timeout_s:.0f}s; stopped them"
-                    )
-                time.sleep(0.02)
-            self._ranks.drain(self.on_line)
-            return json.loads(self._control.get(key))
+            seq = self._send(op, **args)
+            return json.loads(self._await(f"reply/{seq}", op))
+
+    def _send(self, op: str, **args: Any) -> int:
+        seq = self._seq
+        self._seq += 1
+        self._control.set(f"cmd/{seq}", json.dumps({"op": op, **args}))
+        return seq
+
+    def _await(self, key: str, op: str) -> bytes:
+        """The value of ``key`` once a rank sets it, streaming the ranks' output meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._control.check([key]):
+            self._check_alive(op, deadline)
+            time.sleep(0.02)
+        self._ranks.drain(self.on_line)
+        return self._control.get(key)
+
+    def _check_alive(self, op: str, deadline: float) -> None:
+        self._ranks.drain(self.on_line)
+        rc = self._ranks.poll()
+        if rc is not None:
+            raise self._ranks.failure(rc)
+        if time.monotonic() > deadline:
+            self._ranks.stop()
+            raise RankFailure(
+                f"the trainer ranks did not answer {op!r} within distributed.timeout_s={self.timeout_s:.0f}s; "
+                "stopped them"
+            )
+
+    def _wait_work(self, work: Any, deadline: float) -> None:
+        while not work.is_completed():
+            self._check_alive("weights", deadline)
+            time.sleep(0.0005)
+        work.wait()
 
     # ---- Policy --------------------------------------------------------------------------------
     def log_to(self, on_line: Callable[[str], None]) -> None:
@@ -132,8 +158,21 @@ class RankPolicy:
     def load(self, directory: Path) -> dict[str, Any]:
         return self._call("load", directory=str(Path(directory).resolve()))["extra"]
 
-    def weights(self) -> None:
-        return None  # the ranks' weights reach this process through the checkpoint rank 0 writes
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The ranks' current weights in this process (for its rollout engine), by transfer: a gloo group
+        of trainer rank 0 and this process (opened on the first call, over the control store), rank 0
+        broadcasting each whole parameter as every rank gathers it in turn (ZeRO-3: one at a time)."""
+        with self._lock:
+            seq = self._send("weights")
+            if self._weights_group is None:
+                self._weights_group = dist.ProcessGroupGloo(
+                    dist.PrefixStore(WEIGHTS_PREFIX, self._control), 1, 2, timedelta(seconds=self.timeout_s)
+                )
+            meta = meta_from_rows(json.loads(self._await(f"{WEIGHTS_PREFIX}meta/{seq}", "weights")))
+            deadline = time.monotonic() + self.timeout_s
+            weights = receive_weights(self._weights_group, meta, lambda work: self._wait_work(work, deadline))
+            self._await(f"reply/{seq}", "weights")
+        return weights
 
     def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
         # rank 0 must reach the server at server_url: it runs on node 0, beside this process
@@ -148,6 +187,7 @@ class RankPolicy:
                 log.warning("trainer ranks did not stop cleanly: %s", exc)
             finally:
                 self._ranks.stop()
+        self._weights_group = None
         end_launch_file(self._spec_file)
 
 
@@ -166,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = spec["env"][CONTROL_ENV].rsplit(":", 1)
     # between two commands the flow runs rollouts and the judge: wait as long as a run may take
     control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(days=7))
+    to_flow: Any = None  # rank 0's gloo group with the flow process (the `weights` command)
     seq = 0
     while True:
         cmd = json.loads(control.get(f"cmd/{seq}"))
@@ -181,6 +222,16 @@ def main(argv: list[str] | None = None) -> None:
             reply["extra"] = policy.load(Path(cmd["directory"]))
         elif op == "push":
             reply["seconds"] = policy.push_weights(cmd["url"], cmd["backend"], cmd["workers"], is_sender=is_main())
+        elif op == "weights":  # to the flow process's engine (RankPolicy.weights)
+            source = ModelWeights(policy.trainer.model)
+            meta = source.metadata()
+            if is_main():
+                if to_flow is None:
+                    to_flow = dist.ProcessGroupGloo(
+                        dist.PrefixStore(WEIGHTS_PREFIX, control), 0, 2, timedelta(seconds=cfg.distributed.timeout_s)
+                    )
+                control.set(f"{WEIGHTS_PREFIX}meta/{seq}", json.dumps(meta_rows(meta)))
+            broadcast_weights(source, meta, to_flow if is_main() else None)
         elif op not in ("ready", "stop"):
             raise ValueError(f"unknown trainer-rank command {op!r}")
         dist.barrier()  # every rank is done before rank 0 says so

@@ -1,9 +1,9 @@
 """The RL session of one run directory: who trains, who samples, and which weights each holds.
 
     session = get_session(run_dir, cfg, after_step)       # weights include the updates of steps ≤ after_step
-    ensure_engine_weights(session, step, cfg)             # the engine samples with checkpoint `step`
+    ensure_engine_weights(session, step, cfg)             # the engine samples with the weights after `step`
     session.policy.update(trajectories, token_advs, settings)
-    session.policy.save(step_checkpoint(run_dir, step), extra)
+    if checkpoint_due(cfg, step): session.policy.save(step_checkpoint(run_dir, step), extra)
 
 ``session.policy`` is where the trainer and the frozen reference live:
 
@@ -12,10 +12,13 @@
   session (the whole ``rl`` flow run), driven through a torch.distributed TCPStore.
 
 The rollout engine always lives in this process. With a rank policy, or with the reflection loop
-(whose deferred update trains while the engine samples), the engine holds its own copy of the weights:
-from the trainer's gathered weights in this process, else from the step's checkpoint, whose HF weights
-rank 0 writes gathered (ZeRO-3 included). The session is per process and rebuilt from the newest
-checkpoint after a restart.
+(whose deferred update trains while the engine samples), the engine holds its own copy of the weights,
+taken from the trainer every step by transfer (``policy.weights()``: the module's tensors here, a gloo
+broadcast from trainer rank 0 otherwise; a vLLM server gets them pushed), never from a file written for
+it. Resumable checkpoints are written every ``rl.checkpoint_every`` steps and at the last step. The
+session is per process; after a restart it is rebuilt from the newest checkpoint at or before the step
+asked for, then the later steps' updates are replayed from their cached tables (``replay_updates``),
+which gives the weights, optimizer, schedule and RNG an uninterrupted run had there.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import torch
 
 from rubricem_core.config import RunConfig
 from rubricem_core.embedders import HashingEmbedder, make_embedder
+from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
-from rubricem_core.reflection.meta import rebuild_bank
-from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
+from rubricem_core.reflection.meta import rebuild_bank, reflection_batch
+from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, training_batch
 from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.ssgrpo import as_lambda
@@ -67,14 +71,66 @@ def start_policy(run_dir: str) -> Path:
 
 
 def completed_step(run_dir: str) -> int:
-    """The last RL step whose update, checkpoint and tables are all written (-1: none)."""
+    """The last RL step whose update is applied and whose tables are written (-1: none). Its
+    checkpoint may be older (rl.checkpoint_every): the steps after the newest checkpoint are replayed
+    from their tables, which must therefore be there."""
     path = RunStore(run_dir).layout.rl_progress_file
     if not path.exists():
         return -1
     step = int(json.loads(path.read_text())["completed_step"])
-    if not (step_checkpoint(run_dir, step) / "checkpoint.json").exists():
-        raise FileNotFoundError(f"{path} says step {step} is complete but its checkpoint is missing")
+    missing = replay_gaps(run_dir, newest_checkpoint(run_dir, step), step)
+    if missing:
+        raise FileNotFoundError(
+            f"{path} says step {step} is complete but its checkpoint is missing, and so are the tables a "
+            f"resume replays its update from: {', '.join(missing[:4])}"
+        )
     return step
+
+
+def has_checkpoint(run_dir: str, step: int) -> bool:
+    return (step_checkpoint(run_dir, step) / "checkpoint.json").exists()
+
+
+def newest_checkpoint(run_dir: str, at_most: int) -> int:
+    """The newest complete RL step checkpoint at or before step ``at_most`` (-1: none, the SFT policy)."""
+    steps = [
+        int(p.name.removeprefix("step-"))
+        for p in rl_dir(run_dir).glob("step-*")
+        if p.name.removeprefix("step-").isdigit() and (p / "checkpoint.json").exists()
+    ]
+    return max((s for s in steps if s <= at_most), default=-1)
+
+
+def last_step(cfg: RunConfig) -> int:
+    """The run's last RL step (windowed_schedule: 2·K steps per window)."""
+    return 2 * cfg.rl.window * cfg.rl.n_windows - 1
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether step ``step`` writes a resumable checkpoint: every rl.checkpoint_every steps, and always
+    the last one (evaluation and the flow's result read it)."""
+    return (step + 1) % cfg.rl.checkpoint_every == 0 or step >= last_step(cfg)
+
+
+def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
+    """The step whose reflection candidates the deferred reflection update of ``step`` trains on (the
+    new-query step before it; flows/rl.py runs it in ``step``, before the step's task update); None:
+    no reflection update in ``step``."""
+    if not reflection_on(cfg) or step < 1:
+        return None
+    return step - 1 if replay_source_step(step - 1, cfg.rl.window) is None else None
+
+
+def replay_gaps(run_dir: str, checkpoint: int, step: int, cfg: RunConfig | None = None) -> list[str]:
+    """The table partitions a resume from checkpoint ``checkpoint`` lacks to replay the updates of the
+    steps after it up to ``step`` (with ``cfg``: the reflection updates' candidates too); empty: none."""
+    steps = range(checkpoint + 1, step + 1)
+    need = [(table, s) for s in steps for table in ("rollouts", "stage_rewards")]
+    if cfg is not None:
+        need += [("reflections", src) for s in steps if (src := reflection_source_step(cfg, s)) is not None]
+    store = RunStore(run_dir)
+    have = {table: set(store.partitions(table, "step")) for table in {t for t, _ in need}}
+    return [f"{table}/step={s:04d}" for table, s in need if s not in have[table]]
 
 
 # ---- recipe ------------------------------------------------------------------------------------
@@ -143,7 +199,8 @@ class Policy(Protocol):
     def load(self, directory: Path) -> dict[str, Any]: ...
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """Full current weights for an engine in this process; None: read them from the saved checkpoint."""
+        """Full current weights for an engine in this process, by transfer (no file); both policies
+        return them (None would make the engine read a checkpoint directory)."""
 
     def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
         """Push the current weights into a vLLM server's workers, or every replica's of a fleet (a list
@@ -294,85 +351,143 @@ def _engine_device(policy: Any) -> torch.device:
 
 
 def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
-    """A session whose weights include the updates of steps ≤ ``after_step``."""
+    """A session whose weights include the updates of steps ≤ ``after_step``: the live one (advanced
+    by replaying the updates it lacks when it is behind), else a new one from the newest checkpoint at
+    or before ``after_step`` and the replay of the later steps."""
     with _SESSION_LOCK:
         key = str(Path(run_dir).resolve())
         session = _SESSIONS.get(key)
         if session is not None and session.step == after_step:
             return session
+        if session is not None and session.step < after_step:
+            advance(session, cfg, after_step)
+            return session
         _close_all()
-        base = start_policy(run_dir)
-        policy = make_policy(run_dir, cfg, base)
-        try:
-            if after_step >= 0:
-                ckpt = step_checkpoint(run_dir, after_step)
-                if not (ckpt / "checkpoint.json").exists():
-                    raise FileNotFoundError(f"RL step {after_step} has no checkpoint at {ckpt}; rerun that step")
-                policy.load(ckpt)
-            # from the tables, not the checkpoint's copy: they are what the judge wrote, whichever
-            # task a resumed run skipped
-            buffers = rebuild_buffers(RunStore(run_dir), after_step, cfg.judge.cap_per_stage)
-            tokenizer = policy.tokenizer
-            engine: Any  # one of the three engines below, all driven through generate() and load_weights()
-            log.info(
-                "RL session at step %d: trainer %s (%d rank%s)",
-                after_step,
-                cfg.rl.backend,
-                cfg.distributed.world_size,
-                "s" if cfg.distributed.world_size > 1 else "",
+        start = newest_checkpoint(run_dir, after_step)
+        missing = replay_gaps(run_dir, start, after_step, cfg)
+        if missing:
+            raise FileNotFoundError(
+                f"RL step {after_step} has no checkpoint and the newest one before it (step {start}; -1: SFT) "
+                f"cannot be brought to it: {', '.join(missing[:4])} missing; rerun from that step"
             )
-            if cfg.rollout.engine == "vllm_server":
-                from rubricem_core.rollout.factory import fleet_engine
-
-                # rollout.replicas processes of their own, on rollout.devices split across them; weights
-                # reloaded from each step's checkpoint directory or pushed (docs/rollout_fleet.md)
-                engine = fleet_engine(base, tokenizer, cfg, RunStore(run_dir).state_dir / "vllm-server.log", push=True)
-                separate, engine_step = True, -1
-            elif cfg.rollout.engine == "vllm":
-                from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
-
-                # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
-                # before each step's rollouts (ensure_engine_weights).
-                engine = VLLMRolloutEngine(
-                    str(base),
-                    tokenizer,
-                    llm_kwargs={
-                        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                    },
-                    max_model_len=cfg.rollout.max_total_tokens,
-                )
-                separate, engine_step = True, -1
-            elif not shares_engine_module(cfg):
-                engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=_engine_device(policy))
-                engine_model.requires_grad_(False)
-                engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
-                separate, engine_step = True, -1
-            else:
-                # shares_engine_module: a LocalPolicy, whose trainer's module the engine samples from
-                engine = HFRolloutEngine(
-                    cast(LocalPolicy, policy).trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows
-                )
-                separate, engine_step = False, after_step
+        session = _new_session(run_dir, cfg, start)
+        try:
+            advance(session, cfg, after_step)
         except BaseException:
-            policy.close()
+            _close_session(session)
             raise
-        session = RLSession(
-            run_dir,
-            after_step,
-            policy,
-            tokenizer,
-            engine,
-            buffers,
-            buffers_step=after_step,
-            engine_step=engine_step,
-            separate_engine=separate,
-        )
-        if reflection_on(cfg):
-            store = RunStore(run_dir)
-            reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= after_step])
         _SESSIONS[key] = session
         return session
+
+
+def _new_session(run_dir: str, cfg: RunConfig, at_checkpoint: int) -> RLSession:
+    """A session with the trainer at checkpoint ``at_checkpoint`` (-1: SFT) and its engine."""
+    base = start_policy(run_dir)
+    policy = make_policy(run_dir, cfg, base)
+    try:
+        if at_checkpoint >= 0:
+            policy.load(step_checkpoint(run_dir, at_checkpoint))
+        # from the tables, not the checkpoint's copy: they are what the judge wrote, whichever
+        # task a resumed run skipped
+        buffers = rebuild_buffers(RunStore(run_dir), at_checkpoint, cfg.judge.cap_per_stage)
+        tokenizer = policy.tokenizer
+        engine: Any  # one of the three engines below, all driven through generate() and load_weights()
+        log.info(
+            "RL session at step %d: trainer %s (%d rank%s)",
+            at_checkpoint,
+            cfg.rl.backend,
+            cfg.distributed.world_size,
+            "s" if cfg.distributed.world_size > 1 else "",
+        )
+        if cfg.rollout.engine == "vllm_server":
+            from rubricem_core.rollout.factory import fleet_engine
+
+            # rollout.replicas processes of their own, on rollout.devices split across them; weights pushed
+            # from the trainer, or reloaded from a step's checkpoint directory (docs/rollout_fleet.md)
+            engine = fleet_engine(base, tokenizer, cfg, RunStore(run_dir).state_dir / "vllm-server.log", push=True)
+            separate, engine_step = True, -1
+        elif cfg.rollout.engine == "vllm":
+            from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
+
+            # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
+            # before each step's rollouts (ensure_engine_weights).
+            engine = VLLMRolloutEngine(
+                str(base),
+                tokenizer,
+                llm_kwargs={
+                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+                },
+                max_model_len=cfg.rollout.max_total_tokens,
+            )
+            separate, engine_step = True, -1
+        elif not shares_engine_module(cfg):
+            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=_engine_device(policy))
+            engine_model.requires_grad_(False)
+            engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+            separate, engine_step = True, -1
+        else:
+            # shares_engine_module: a LocalPolicy, whose trainer's module the engine samples from
+            engine = HFRolloutEngine(
+                cast(LocalPolicy, policy).trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows
+            )
+            separate, engine_step = False, at_checkpoint
+    except BaseException:
+        policy.close()
+        raise
+    session = RLSession(
+        run_dir,
+        at_checkpoint,
+        policy,
+        tokenizer,
+        engine,
+        buffers,
+        buffers_step=at_checkpoint,
+        engine_step=engine_step,
+        separate_engine=separate,
+    )
+    if reflection_on(cfg):
+        store = RunStore(run_dir)
+        reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= at_checkpoint])
+    return session
+
+
+def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
+    """Bring the session's trainer from its step to ``to_step`` by replaying those steps' updates from
+    their tables (replay_updates), with the bank holding the reflections of steps ≤ ``to_step`` (the
+    rubric buffers follow on demand: buffers_at rebuilds them from `judge_rubrics`)."""
+    if to_step > session.step:
+        log.info("RL session: replaying the updates of steps %d..%d from their tables", session.step + 1, to_step)
+        replay_updates(session, cfg, to_step)
+    if session.bank is not None:
+        store = RunStore(session.run_dir)
+        load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= to_step])
+
+
+def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
+    """Apply the updates of steps session.step+1..``to_step`` as the run applied them: in each step the
+    deferred reflection update (on the previous new-query step's `reflections`, unless the session has
+    applied it already) and then the SS-GRPO update (on the step's `rollouts` and `stage_rewards`), with
+    the settings the tasks use. Same inputs, same calls, same order: the trainer ends with the weights,
+    optimizer state, LR schedule, step counter and RNG of the uninterrupted run. Nothing is sampled or
+    judged, no table, metric or checkpoint is written; the engine keeps the weights it has."""
+    store = RunStore(session.run_dir)
+    for step in range(session.step + 1, to_step + 1):
+        source = reflection_source_step(cfg, step)
+        if source is not None and step not in session.reflection_updates:
+            refl = reflection_batch(store.read_rows("reflections", {"step": source}))
+            session.policy.update(
+                refl.trajectories, refl.token_advantages, update_settings(cfg, cfg.reflection.temperature)
+            )
+            session.reflection_updates.add(step)
+        batch = training_batch(
+            store.read_rows("rollouts", {"step": step}), store.read_rows("stage_rewards", {"step": step})
+        )
+        session.policy.update(batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature))
+        session.step = step
+        if not session.separate_engine:
+            session.engine_step = step  # it samples from the trainer's module
+        fault_point("rl.update_replayed")
 
 
 def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> dict[str, RubricBuffer]:
@@ -404,14 +519,18 @@ def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
     return session if session is not None else get_session(run_dir, cfg, completed_step(run_dir))
 
 
+def _close_session(session: RLSession) -> None:
+    if session.pending_judge is not None:  # a streamed judgment nobody will collect
+        session.pending_judge.close()
+    session.policy.close()
+    close = getattr(session.engine, "close", None)  # an engine process of its own
+    if close is not None:
+        close()
+
+
 def _close_all() -> None:
     for session in _SESSIONS.values():
-        if session.pending_judge is not None:
-            session.pending_judge.close()
-        session.policy.close()
-        close = getattr(session.engine, "close", None)  # an engine process of its own
-        if close is not None:
-            close()
+        _close_session(session)
     _SESSIONS.clear()
 
 
@@ -434,15 +553,48 @@ def engine_asleep(session: RLSession, cfg: RunConfig) -> Iterator[None]:
 
 
 def trainer_holds(session: RLSession, step: int) -> bool:
-    """The trainer's weights are checkpoint ``step``'s: its update is the last one applied, and the
+    """The trainer's weights are those after step ``step``: its update is the last one applied, and the
     reflection update that the next step applies before its own update is not (yet)."""
     return step == session.step and step + 1 not in session.reflection_updates
 
 
+def sampling_session(run_dir: str, cfg: RunConfig, step: int) -> RLSession:
+    """A session that can sample with the weights after ``step``: the live one when its engine has
+    them, its trainer holds them, or their checkpoint exists (whatever the live session's own step:
+    background reflection work must not force a reload while the update of the same step advances it);
+    else one replayed to ``step`` from the tables (a resumed run writing a finished step's missing
+    reflections, whose weights no checkpoint kept)."""
+    with _SESSION_LOCK:
+        session = _SESSIONS.get(str(Path(run_dir).resolve()))
+    if session is not None and (
+        session.engine_step == step or trainer_holds(session, step) or step < 0 or has_checkpoint(run_dir, step)
+    ):
+        return session
+    return get_session(run_dir, cfg, step)
+
+
+def _checkpoint_source(session: RLSession, step: int) -> Path:
+    """The directory holding the weights after ``step`` when the trainer no longer does."""
+    if step < 0:
+        return start_policy(session.run_dir)
+    if not has_checkpoint(session.run_dir, step):
+        raise RuntimeError(
+            f"the engine needs the weights after RL step {step}; the trainer has moved on (step {session.step}) and "
+            f"rl.checkpoint_every kept no checkpoint of that step: sample from sampling_session(run_dir, cfg, {step}), "
+            "which replays the updates to it"
+        )
+    return step_checkpoint(session.run_dir, step)
+
+
 def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
-    """Make the engine sample with the weights of checkpoint ``step`` (-1: SFT). The trainer holds them
-    when ``step`` is the session's step; otherwise (trainer ranks, or a resumed run regenerating
-    reflections at an older step) they are read from the checkpoint directory."""
+    """Make the engine sample with the weights after step ``step`` (-1: SFT). While the trainer holds
+    them they come from it by transfer: its tensors in this process, a gloo broadcast from trainer
+    rank 0 (RankPolicy), or a push into the vLLM server's workers. Only for weights the trainer no
+    longer holds (a resumed run sampling at an older step) is a checkpoint directory read.
+
+    Callers that change the weights next call this first (the deferred reflection update of step N+1
+    before its update): the engine's copy is taken under ``session.lock`` before the trainer moves,
+    so step N+1's rollouts sample with the weights after update N whichever task gets here first."""
     with session.lock:
         server = getattr(session.engine, "server", None)
         if server is not None and server.asleep:  # colocated: the trainer's update is over
@@ -456,19 +608,19 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
                 )
             session.engine_step = step
             return
-        source = start_policy(session.run_dir) if step < 0 else step_checkpoint(session.run_dir, step)
+        holds = trainer_holds(session, step)
         if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
-            if cfg.rollout.weight_transfer != "checkpoint" and trainer_holds(session, step):
+            if cfg.rollout.weight_transfer != "checkpoint" and holds:
                 session.engine.push_weights(session.policy)  # straight from the trainer, tensor by tensor
             else:  # the server reads the checkpoint itself
-                session.engine.load_weights_from_dir(source)
+                session.engine.load_weights_from_dir(_checkpoint_source(session, step))
             session.engine_step = step
             return
-        weights = session.policy.weights() if trainer_holds(session, step) else None
+        weights = session.policy.weights() if holds else None
         if weights is not None:
             session.engine.update_weights(weights)
         else:
-            model, _ = load_policy(str(source), dtype=cfg.policy.dtype)
+            model, _ = load_policy(str(_checkpoint_source(session, step)), dtype=cfg.policy.dtype)
             session.engine.update_weights(model.state_dict())
         session.engine_step = step
 

@@ -18,6 +18,10 @@ so every tensor is broadcast once, whatever the number of replicas (NCCL's broad
 the ring/tree; R groups would make rank 0 send R copies). It is what vLLM's own multi-engine client
 (RayVLLMWeightSyncClient) does for data-parallel engines.
 
+``broadcast_weights``/``receive_weights`` are the same walk over the parameters towards the process
+that drives the trainer ranks (rubricem_core.distributed.rl_ranks), whose in-process engine takes
+each step's weights from them over a gloo group with rank 0: no checkpoint is written for it.
+
 Backends: ``nccl`` is vLLM's own trainer engine (NCCLTrainerWeightTransferEngine, imported from vLLM,
 which the trainer's environment must have: the ``gpu`` extra); ``gloo`` is the same protocol over a gloo
 group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tests.
@@ -289,6 +293,44 @@ def _nccl_sender(client: FleetWeightSync | None, source: ModelWeights, world_siz
         master_address="127.0.0.1", master_port=free_port(), world_size=world_size, rank=0 if is_sender else 1
     )
     return NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=source)
+
+
+# ---- to the flow process: an engine in the process that drives the trainer ranks ------------------
+def meta_rows(meta: list[ParamMeta]) -> list[list[Any]]:
+    """ParamMeta as JSON (the receiver allocates from it)."""
+    return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in meta]
+
+
+def meta_from_rows(rows: list[list[Any]]) -> list[ParamMeta]:
+    return [ParamMeta(name, getattr(torch, dtype), tuple(shape)) for name, dtype, shape in rows]
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    # raw bytes: gloo's broadcast does not take every dtype (bfloat16) on every build
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def broadcast_weights(source: ModelWeights, meta: list[ParamMeta], group: Any | None) -> None:
+    """Every trainer rank iterates the source (ZeRO-3's gathers are collective: one whole parameter at
+    a time); rank 0, which holds ``group`` (itself rank 0, the receiving process rank 1), broadcasts
+    each tensor as it comes."""
+    for _name, tensor in checked(source, meta):
+        if group is not None:
+            group.broadcast(_as_bytes(tensor), 0).wait()
+
+
+def receive_weights(group: Any, meta: list[ParamMeta], wait: Any) -> dict[str, torch.Tensor]:
+    """The receiving end of ``broadcast_weights``: name → whole tensor (CPU), in ``meta``'s order;
+    ``wait(work)`` waits for one broadcast (and may raise when the sender is gone)."""
+    out: dict[str, torch.Tensor] = {}
+    for m in meta:
+        numel = 1
+        for d in m.shape:
+            numel *= d
+        buf = torch.empty(numel * torch.empty((), dtype=m.dtype).element_size(), dtype=torch.uint8)
+        wait(group.broadcast(buf, 0))
+        out[m.name] = buf.view(m.dtype).reshape(m.shape)
+    return out
 
 
 class WeightPusher:

@@ -1,0 +1,135 @@
+"""rl.checkpoint_every / rl.keep_checkpoints: which steps checkpoint, what a resume replays, which runs the
+config refuses, pruning, and the gloo weight transfer that replaces the per-step checkpoint for an engine
+beside trainer ranks. The end-to-end kills between checkpoints are in tests/test_fault_kill.py; the
+2-rank flow in tests/test_rl_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rubricem_core.config import ConfigError, load_config
+from rubricem_core.distributed.launch import free_port
+from rubricem_core.rl import session as rl_session
+from rubricem_core.rl.curriculum import windowed_schedule
+from rubricem_core.rollout.weight_transfer import (
+    ModelWeights,
+    broadcast_weights,
+    meta_from_rows,
+    meta_rows,
+    receive_weights,
+)
+from rubricem_core.run_config import Change, is_safe
+from rubricem_core.store import RunStore
+
+
+def test_checkpoint_steps_every_n_and_always_the_last():
+    cfg = load_config("tiny", {"rl.n_windows": 3, "rl.checkpoint_every": 4})  # 6 steps
+    assert [s for s in range(6) if rl_session.checkpoint_due(cfg, s)] == [3, 5]
+    assert all(rl_session.checkpoint_due(load_config("tiny"), s) for s in range(4))  # tiny: every step
+    assert load_config("gpu").rl.checkpoint_every == load_config("research").rl.checkpoint_every == 10
+    assert load_config("small").rl.checkpoint_every == 1 and load_config("tiny").rl.keep_checkpoints == 2
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
+    """The replay applies a reflection update in exactly the steps where rl_step runs one (flows/rl.py:
+    on the candidates of the previous plan when it is a new-query step)."""
+    from flows.rl import _reflections_to_train
+
+    cfg = load_config("tiny", {"rl.window": window, "rl.n_windows": 2})
+    plans = windowed_schedule([f"q{i}" for i in range(8)], window, 2, 2, 0)
+    assert rl_session.last_step(cfg) == plans[-1].step
+    _write_steps(RunStore(tmp_path), ("reflections",), range(len(plans)))  # so the flow's helper writes none
+    trained = [_reflections_to_train(str(tmp_path), cfg, prev) for prev in [None, *plans[:-1]]]
+    flow = [p.step if p is not None else None for p in trained]
+    assert [rl_session.reflection_source_step(cfg, p.step) for p in plans] == flow
+    assert any(flow) and rl_session.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None
+
+
+def test_checkpoint_every_needs_pushed_weights_for_a_vllm_server():
+    server = {"rollout.engine": "vllm_server", "rl.checkpoint_every": 10}
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: checkpoint makes the vLLM server reload"):
+        load_config("tiny", server)
+    assert load_config("tiny", {**server, "rollout.weight_transfer": "gloo"}).rl.checkpoint_every == 10
+
+
+def test_checkpoint_spacing_and_retention_may_change_on_a_finished_run():
+    assert is_safe(Change("rl.checkpoint_every", 1, 10)) and is_safe(Change("rl.keep_checkpoints", 2, 5))
+    assert not is_safe(Change("rl.lr", 1e-4, 2e-4))
+
+
+def _write_steps(store: RunStore, tables: tuple[str, ...], steps: range) -> None:
+    for table in tables:
+        for s in steps:
+            store.write_table(table, [{"step": s}], {"step": s})
+
+
+def test_a_done_step_needs_its_checkpoint_or_the_tables_to_replay_it(tmp_path):
+    run = str(tmp_path)
+    store = RunStore(run)
+    progress = store.layout.rl_progress_file
+    progress.parent.mkdir(parents=True)
+    progress.write_text(json.dumps({"completed_step": 4}))
+    with pytest.raises(FileNotFoundError, match=r"step 4 is complete .* rollouts/step=0000"):
+        rl_session.completed_step(run)
+    _write_steps(store, ("rollouts", "stage_rewards"), range(5))
+    assert rl_session.completed_step(run) == 4 and rl_session.newest_checkpoint(run, 4) == -1
+    for step in (2, 5):  # step 5: written by an update whose step was never marked done
+        ckpt = rl_session.step_checkpoint(run, step)
+        ckpt.mkdir(parents=True)
+        (ckpt / "checkpoint.json").write_text("{}")
+    (rl_session.step_checkpoint(run, 3)).mkdir()  # a staging leftover: not a checkpoint
+    assert rl_session.newest_checkpoint(run, 4) == 2
+    cfg = load_config("tiny", {"rl.n_windows": 3})  # window 1: reflection updates in steps 1, 3, 5
+    assert rl_session.replay_gaps(run, 2, 4, cfg) == ["reflections/step=0002"]
+    assert rl_session.replay_gaps(run, 0, 4) == []
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    from tasks.rl import _prune_checkpoints
+
+    for step in (2, 5, 8, 11):
+        rl_session.step_checkpoint(str(tmp_path), step).mkdir(parents=True)
+    _prune_checkpoints(str(tmp_path), keep=2)
+    assert sorted(p.name for p in rl_session.rl_dir(str(tmp_path)).iterdir()) == ["step-000008", "step-000011"]
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(4, 3)
+        self.head = torch.nn.Linear(4, 11, bias=False, dtype=torch.bfloat16)
+        self.head.weight = self.embed.weight
+
+
+def test_weights_reach_the_receiving_process_whole_over_gloo():
+    """broadcast_weights on trainer rank 0 → receive_weights in the flow process (two threads here):
+    every parameter arrives bit-equal, bf16 and the tied head included, in named_parameters order."""
+    torch.manual_seed(0)
+    model = _Tied()
+    port, timeout = free_port(), timedelta(seconds=30)
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+    source = ModelWeights(model)
+    meta = meta_from_rows(json.loads(json.dumps(meta_rows(source.metadata()))))
+
+    def sender() -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("w/", client), 0, 2, timeout)
+        broadcast_weights(source, meta, group)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    group = dist.ProcessGroupGloo(dist.PrefixStore("w/", master), 1, 2, timeout)
+    got = receive_weights(group, meta, lambda work: work.wait())
+    thread.join()
+    want = dict(model.named_parameters(remove_duplicate=False))
+    assert list(got) == list(want) == ["embed.weight", "proj.weight", "proj.bias", "head.weight"]
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor.detach()), name
