@@ -114,6 +114,9 @@ SCRIPTS: tuple[Script, ...] = (
     Script("peak_memory", quick_args=("--quick",)),
     Script("distributed_scaling", quick_args=("--quick",)),
     Script("weight_sync", quick_args=("--quick",)),
+    Script("fleet_throughput", quick_args=("--quick",)),  # n/a without a vLLM for its servers (.venv-vllm)
+    Script("rollout_schedule", quick_args=("--quick",)),
+    Script("step_timeline", quick_args=("--quick",)),
     Script("fault_matrix", quick_args=("--quick",)),
     Script("step_bytes", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),

@@ -11,7 +11,8 @@
 #    real local tools, SS-GRPO update, gathered weights synced into the engine's own copy): peak GPU memory,
 #    SFT / update / rollout tokens/s, weight-sync seconds;
 # 3. the memory plan for that model against the measured peak;
-# 4. vLLM: reported absent when the image has none (its CUDA wheel is too large to carry).
+# 4. vLLM, where the image has it: bench/fleet_throughput.py (2 replicas, one push checked against a recompute,
+#    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
 # GPU_CHECK_SIZE=tiny runs the same steps on a small model (a dry run on a CPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +73,15 @@ PY
 
 echo "== 4. vLLM"
 if $PY -c "import vllm" 2>/dev/null; then
-    $PY -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py 2>&1 | tail -3
+    # 2 replicas of section 2's policy, one weight push into both (nccl where the trainer and each replica
+    # have a GPU of their own; on one GPU gloo, as NCCL refuses two ranks of one group on one device),
+    # checked against a recompute; rollout tokens/s through the fleet vs bare LLM.generate (~2 min on one H200)
+    FLEET_SHAPE=(--policy "$POLICY" --prompts 128 --max-tokens 256 --eager)
+    [ "${GPU_CHECK_SIZE:-}" = tiny ] && FLEET_SHAPE=(--quick)
+    timeout 300 $PY bench/fleet_throughput.py "${FLEET_SHAPE[@]}" 2>&1 | grep -v -i "warn" \
+        | tee /tmp/gpu-check-fleet.log \
+        | sed -E 's/^figure: ([^ ]+=[^ ]*( [^ ]+)?)  goal: (.*)  met: (.*)$/gpu_check: \1 (goal \3, met: \4)/'
+    echo "gpu_check: fleet_exit=${PIPESTATUS[0]}"
 else
     echo "gpu_check: vllm=absent (not in this image; its CUDA wheel, 326 MB, is over the device tool's 64 MiB a call)"
 fi
