@@ -201,6 +201,7 @@ def cpu_overrides(
         "policy.n_layers": 2,
         "policy.intermediate_size": 128,
         "distributed.nproc_per_node": 1,
+        "distributed.train_devices": None,
         "sft.backend": "torch",
         "sft.precision": "fp32",
         "sft.gradient_checkpointing": False,
@@ -208,7 +209,10 @@ def cpu_overrides(
         "sft.warmup_steps": 1,
         "sft.grad_accum_steps": 1,
         "sft.max_tokens_per_batch": 8192,
-        "rollout.engine": "hf",
+        "rollout.engine": "hf",  # the profile's fleet of vllm serve replicas needs GPUs
+        "rollout.replicas": 1,
+        "rollout.devices": None,
+        "rollout.weight_transfer": "checkpoint",
         "rollout.group_size": 2,
         "rollout.max_new_tokens": 2048,
         "rollout.max_total_tokens": 2048,  # equal, as research keeps them
