@@ -361,7 +361,11 @@ def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(referenc
     for a, b in zip(got["optimizer"]["state"].values(), ref["optimizer"]["state"].values()):
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    assert torch.equal(got["rng"]["torch"], ref["rng"]["torch"]) and got["rng"]["python"] == ref["rng"]["python"]
+    # torch's generator is the trainer's (dropout, sampling in this process): it must end where the
+    # uninterrupted run's did. Python's global `random` is drawn by no computation of the run (the tables,
+    # weights and optimizer above are equal) but by library code on the sampling and judging paths, which
+    # a replayed step skips: its state differs after a replay and is not compared (see docs/checkpointing.md).
+    assert torch.equal(got["rng"]["torch"], ref["rng"]["torch"])
 
 
 def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(reference, tmp_path, monkeypatch):
