@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.builtin import register_builtin_judge
@@ -36,18 +35,10 @@ from rubricem_core.world import WorldConfig, generate_world
 from tasks.rl import judge_tables
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
-from tests.tiny_models import tool_policy, world_tokenizer
+from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)
 
 N = KINDS  # rollouts per group: one of each kind
 LAM = get_recipe("ss_grpo").lam()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
