@@ -78,6 +78,46 @@ def test_one_pass_without_the_extra_forward_equals_the_recompute(kl_coef, max_to
     assert any(not torch.equal(a, b) for a, b in zip(w_fast, _params(tiny_model(0))))  # it trained
 
 
+def test_no_kl_needs_no_reference_forward():
+    """kl_coef 0 (the RL session then loads no reference): an update without a reference equals one
+    whose reference runs its forwards for nothing, and a nonzero β with a moved reference differs."""
+    trajs = rl_trajectories()
+    advs = rl_advantages(trajs)
+    runs = {}
+    for name, ref_seed, kl in (("none", None, 0.0), ("ref", 1, 0.0), ("ref-kl", 1, 0.5)):
+        trainer = _trainer()
+        ref = None if ref_seed is None else tiny_model(ref_seed).eval().requires_grad_(False)
+        ref_forwards = _ForwardCounter(ref) if ref is not None else None
+        ss_grpo_update(trainer, ref, trajs, advs, PAD, UpdateConfig(kl_coef=kl, max_tokens_per_batch=90))
+        runs[name] = (_params(trainer.model), ref_forwards.calls if ref_forwards else 0)
+    assert runs["none"][1] == 0 and runs["ref"][1] > 0
+    assert max(float((a - b).abs().max()) for a, b in zip(runs["none"][0], runs["ref"][0])) == 0.0
+    assert max(float((a - b).abs().max()) for a, b in zip(runs["none"][0], runs["ref-kl"][0])) > 1e-6
+
+
+def test_rl_session_loads_no_reference_without_kl(tmp_path):
+    from rubricem_core.config import load_config
+    from rubricem_core.rl.session import LocalPolicy
+    from tests.untrained_run import write_untrained_run
+
+    overrides = {
+        "data.world.n_documents": 60,
+        "data.world.n_queries": 4,
+        "policy.vocab_size": 600,
+        "policy.hidden_size": 32,
+        "policy.n_layers": 1,
+        "policy.n_heads": 2,
+        "policy.n_kv_heads": 1,
+        "policy.intermediate_size": 64,
+        "tracking.enabled": False,
+    }
+    cfg = load_config("tiny", overrides)
+    write_untrained_run(cfg, tmp_path / "run")
+    base = tmp_path / "run" / "checkpoints" / "sft" / "final"
+    assert LocalPolicy(base, cfg).ref_model is not None
+    assert LocalPolicy(base, load_config("tiny", {**overrides, "rl.kl_coef": 0.0})).ref_model is None
+
+
 def _hand_rolled_ppo(trainer, ref, trajs, advs, config: UpdateConfig) -> list[dict[str, float]]:
     """PPO reuse written out: every old and reference logprob first, then epochs × minibatches steps
     of the plain loss on one micro-batch each."""

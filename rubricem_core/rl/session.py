@@ -252,7 +252,8 @@ class LocalPolicy:
         trainer_cfg = rl_trainer_config(cfg)
         model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg)
         self.trainer = make_trainer(model, trainer_cfg)
-        self.ref_model = load_reference(base, cfg, self.trainer.device)
+        # β = 0: the KL term is 0 whatever the reference says, so none is loaded and none runs a forward
+        self.ref_model = load_reference(base, cfg, self.trainer.device) if cfg.rl.kl_coef > 0 else None
         self._transfer_timeout_s = cfg.distributed.timeout_s
         self._pusher: WeightPusher | None = None
 
