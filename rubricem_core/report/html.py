@@ -339,8 +339,9 @@ def write_report(
     Args:
         run_dir: the run directory.
         out_path: the HTML file (default ``<run_dir>/report/report.html``); PNGs go to ``<stem>_plots/`` beside it.
-        log_to_mlflow: None logs the HTML and PNGs under the parent MLflow run when the run was tracked
-            (and says why not otherwise); True requires it (TrackingError when impossible); False skips it.
+        log_to_mlflow: None logs the HTML (as ``report/report.html``, whatever ``out_path`` names it) and PNGs
+            under the parent MLflow run when the run was tracked (and says why not otherwise); True requires it
+            (TrackingError when impossible); False skips it.
     """
     root = Path(run_dir).expanduser().resolve()
     if not root.is_dir():
@@ -373,6 +374,6 @@ def write_report(
         ]
     atomic_write_text(out, render_page(root, body))
     if tracker is not None:
-        run_id = log_files(tracker, [out, *(p for p in plots.values() if p is not None)])
+        run_id = log_files(tracker, out, [p for p in plots.values() if p is not None])
         log.info("report logged to MLflow run %s", run_id)
     return out

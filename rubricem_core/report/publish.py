@@ -1,16 +1,20 @@
 """Logging the report's files to MLflow, under the run directory's parent run.
 
 Only a run that was tracked (its ``mlflow/mlflow.db`` and parent-run state exist, and its config has
-``tracking.enabled``) gets the artifacts; the report never creates an MLflow store of its own.
+``tracking.enabled``) gets the artifacts; the report never creates an MLflow store of its own. The page
+is always logged as ``report/report.html``, whatever file ``--out`` wrote, so a reader of the parent run
+(``mlflow ui``, a script) finds the latest report at one path.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.layout import RunLayout
+from rubricem_core.layout import REPORT_FILE, RunLayout
 from rubricem_core.tracking import Tracker, TrackingError
 
 ARTIFACT_PATH = "report"
@@ -53,9 +57,15 @@ def mlflow_target(run_dir: Path, config: dict[str, Any] | None) -> tuple[Tracker
     return tracker, f"parent run {run_id}, artifact path {ARTIFACT_PATH}/"
 
 
-def log_files(tracker: Tracker, files: list[Path]) -> str:
-    """Log each file under ``report/`` of the parent run; returns the run id."""
-    run_id = ""
-    for path in files:
-        run_id = tracker.log_parent_artifact(path, ARTIFACT_PATH)
+def log_files(tracker: Tracker, page: Path, plots: list[Path]) -> str:
+    """Log the page as ``report/report.html`` and each plot under ``report/`` of the parent run; returns
+    the run id. A page written elsewhere (``--out FILE``) is logged under the standard name, not its own."""
+    with tempfile.TemporaryDirectory(prefix="rubricem-report-") as tmp:
+        logged = page
+        if page.name != REPORT_FILE:
+            logged = Path(tmp) / REPORT_FILE
+            shutil.copyfile(page, logged)
+        run_id = tracker.log_parent_artifact(logged, ARTIFACT_PATH)
+    for path in plots:
+        tracker.log_parent_artifact(path, ARTIFACT_PATH)
     return run_id
