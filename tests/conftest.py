@@ -2,6 +2,9 @@
 
 Third-party data lives in ``../shared/data`` beside the checkout (never copied into the repo);
 tests that need it take the ``shared_data`` fixture and skip cleanly when it is absent.
+
+No test reads the checkout's ``runs/`` (what ``make run`` writes): a test that needs a finished run
+takes ``tiny_pipeline_run``, built under pytest's tmp dir (tests/test_isolation.py checks this).
 """
 
 from __future__ import annotations
@@ -51,3 +54,38 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+# `make run` shrunk: the tiny profile with a smaller world, policy, SFT and RL, so the whole pipeline
+# (collect → sft → rl → evaluate → report) takes about a minute on a CPU.
+TINY_PIPELINE = {
+    "data.world.n_documents": 60,
+    "data.world.n_queries": 8,
+    "data.world.eval_fraction": 0.25,
+    "teacher.trajectories_per_query": 1,
+    "policy.prompt_style": "compact",
+    "policy.vocab_size": 1024,
+    "policy.hidden_size": 64,
+    "policy.n_layers": 2,
+    "policy.intermediate_size": 128,
+    "sft.max_steps": 2,
+    "sft.warmup_steps": 1,
+    "rl.window": 1,
+    "rl.n_windows": 1,
+    "rl.queries_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_new_tokens": 48,
+    "rollout.max_total_tokens": 1200,
+    "tools.max_tool_calls": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_run(tmp_path_factory, prefect_harness) -> Path:
+    """A finished, tracked run of the whole pipeline (``rubricem run`` on the tiny profile, shrunk),
+    built once per session under pytest's tmp dir. Shared: tests copy it before writing to it."""
+    from flows.pipeline import pipeline
+
+    run_dir = tmp_path_factory.mktemp("tiny_pipeline") / "tiny"
+    pipeline(run_dir=str(run_dir), profile="tiny", overrides=TINY_PIPELINE)
+    return run_dir

@@ -1,15 +1,19 @@
 """Run reports: plots and the one-page HTML summary, from a synthetic run with known numbers and from
-a copy of the finished tiny run."""
+a copy of a finished tiny run that the session built itself (never the checkout's runs/)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import shutil
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import numpy as np
 import pytest
@@ -22,8 +26,6 @@ from rubricem_core.sql import RunSqlError
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import METRICS_SCHEMA, Tracker, TrackingError
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_RUN = REPO / "runs" / "tiny"
 EVIL = "<script>alert('x')</script>"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -99,6 +101,35 @@ def metric_rows(flow: str, step: int, values: dict[str, float], when: datetime) 
     return [
         {"step": step, "name": k, "value": v, "flow": flow, "run_id": "r", "logged_at": when} for k, v in values.items()
     ]
+
+
+def copy_run(src: Path, dst: Path, *top_level: str) -> Path:
+    """Copy a run directory as a user would, leaving out only the named entries of its top level (a name
+    deeper down, like the ``report/`` folder of an MLflow run's artifacts, is copied)."""
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        return [n for n in names if n in top_level] if Path(directory) == src else []
+
+    shutil.copytree(src, dst, ignore=ignore)
+    return dst
+
+
+def parent_artifact(run_dir: Path, relative: str) -> Path:
+    """The local file behind the artifact ``relative`` of ``run_dir``'s parent MLflow run, as the store
+    resolves it (the run's recorded artifact location), read without reopening the run."""
+    state = json.loads((run_dir / "state" / "mlflow_parent.json").read_text())
+    info = Tracker(run_dir).client.get_run(state["run_id"]).info
+    assert info.artifact_uri.startswith("file://"), info.artifact_uri
+    return Path(url2pathname(urlparse(info.artifact_uri).path)) / relative
+
+
+def artifact_locations(run_dir: Path) -> list[str]:
+    """Every run's artifact location in the SQLite store, read directly (no MLflow, no relocation)."""
+    conn = sqlite3.connect(run_dir / "mlflow" / "mlflow.db")
+    try:
+        return sorted(uri for (uri,) in conn.execute("SELECT artifact_uri FROM runs"))
+    finally:
+        conn.close()
 
 
 def write_config(run_dir: Path, **overrides: object) -> None:
@@ -474,6 +505,36 @@ def test_report_is_logged_under_the_parent_run(tmp_path: Path) -> None:
     assert [r["judge calls"] for r in calls] == ["4", "5"]  # metrics written through the tracker itself
 
 
+def test_report_written_elsewhere_is_logged_as_report_html(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    build_synthetic_run(run_dir, {0: [0.5, 1.0]}, metrics=False)
+    Tracker(run_dir).parent_run_id()  # a tracked run
+    out = write_report(run_dir, tmp_path / "elsewhere" / "mine.html")
+    logged = parent_artifact(run_dir, "report")
+    drawn = {p.name for p in (tmp_path / "elsewhere" / "mine_plots").glob("*.png")}
+    assert drawn and {p.name for p in logged.iterdir()} == {"report.html"} | drawn  # not "mine.html"
+    assert (logged / "report.html").read_bytes() == out.read_bytes()
+
+
+def test_report_of_a_copied_run_is_logged_into_the_copy(tmp_path: Path) -> None:
+    """`cp -r` of a tracked run, then `rubricem report` in the copy: the copy's page lands in the copy's
+    MLflow artifacts (the store is relocated when opened), and nothing of the original changes."""
+    original = tmp_path / "original"
+    build_synthetic_run(original, {0: [0.5, 1.0]}, metrics=False)
+    Tracker(original).parent_run_id()
+    first = write_report(original).read_bytes()
+    locations = artifact_locations(original)
+    copy = copy_run(original, tmp_path / "moved" / "copy")
+    out = write_report(copy)
+    assert out == copy / "report" / "report.html"
+    logged = parent_artifact(copy, "report/report.html")
+    assert logged.is_relative_to(copy / "mlflow" / "artifacts")
+    assert logged.read_bytes() == out.read_bytes() and str(copy) in out.read_text()
+    assert parent_artifact(original, "report/report.html").read_bytes() == first  # the original's page, untouched
+    assert artifact_locations(original) == locations
+    assert all(uri.startswith((copy / "mlflow" / "artifacts").as_uri() + "/") for uri in artifact_locations(copy))
+
+
 def test_mlflow_required_but_untracked(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     build_synthetic_run(run_dir, {0: [0.5, 0.5]}, metrics=False)
@@ -484,21 +545,31 @@ def test_mlflow_required_but_untracked(tmp_path: Path) -> None:
     assert "not logged: tracking is disabled" in page
 
 
-# ---- the finished tiny run ----------------------------------------------------------------------------
-def test_report_of_the_tiny_run(tmp_path: Path) -> None:
-    if not (TINY_RUN / "tables").is_dir():
-        pytest.skip(f"no finished run at {TINY_RUN} (make run)")
-    run_dir = tmp_path / "tiny"
-    shutil.copytree(TINY_RUN, run_dir, ignore=shutil.ignore_patterns("checkpoints", "policy", "report"))
-    original_artifacts = sorted(p.relative_to(TINY_RUN) for p in (TINY_RUN / "mlflow").rglob("*"))
+# ---- a finished tiny run, copied ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_report_of_the_tiny_run(tiny_pipeline_run: Path, tmp_path: Path) -> None:
+    """`rubricem run` (shrunk; built by the session, never the checkout's runs/tiny), then the run copied
+    elsewhere and `rubricem report` there: numbers from the copy's tables, the page in the copy and in the
+    copy's own MLflow artifacts, the original untouched."""
+    original = tiny_pipeline_run
+    assert (original / "report" / "report.html").is_file()  # the pipeline ends with the report
+    original_artifacts = {
+        p.relative_to(original): p.read_bytes() for p in (original / "mlflow" / "artifacts").rglob("*") if p.is_file()
+    }
+    original_locations = artifact_locations(original)
+    # the copy keeps everything but the top-level checkpoints, policy and report: its MLflow artifacts
+    # (with their own report/ folder) come along, as with `cp -r`
+    run_dir = copy_run(original, tmp_path / "elsewhere" / "tiny", "checkpoints", "policy", "report")
+    assert not (run_dir / "report").exists() and any((run_dir / "mlflow" / "artifacts").rglob("report/report.html"))
     from flows.cli import main
 
-    out_file = tmp_path / "tiny.html"
-    assert main(["report", "--run-dir", str(run_dir), "--out", str(out_file)]) == 0
-    page = out_file.read_text()
+    assert main(["report", "--run-dir", str(run_dir)]) == 0
+    out = run_dir / "report" / "report.html"
+    page = out.read_text()
     store = RunStore(run_dir)
     rewards = [r for r in store.read_rows("stage_rewards") if r["stage"] == "answer" and r["R"] is not None]
     steps = sorted({r["step"] for r in rewards})
+    assert steps
     table = table_with_header(page, "step", "R answer")
     for step in steps:
         mean = np.mean([r["R"] for r in rewards if r["step"] == step])
@@ -507,9 +578,28 @@ def test_report_of_the_tiny_run(tmp_path: Path) -> None:
     assert kv(page)["trajectories"] == str(len(trajectories))
     assert kv(page)["rejected"] == str(sum(not t["accepted"] for t in trajectories))
     for name in ("stage_rewards", "buffer_size", "judge_cost", "sft_loss"):
-        assert_real_png(tmp_path / "tiny_plots" / f"{name}.png")
-    # the copy's MLflow store follows the copy (rubricem_core.tracking relocates it): the report is
-    # logged under the copy's own artifacts, and nothing of the original changes
-    assert "outside this run directory" not in page
-    assert any((run_dir / "mlflow" / "artifacts").rglob("report.html"))
-    assert sorted(p.relative_to(TINY_RUN) for p in (TINY_RUN / "mlflow").rglob("*")) == original_artifacts
+        assert_real_png(run_dir / "report" / "report_plots" / f"{name}.png")
+
+    # the copy's MLflow store follows the copy (rubricem_core.tracking relocates it): the parent run's
+    # report/report.html resolves under the copy and is this page, not the original's
+    assert "outside this run directory" not in page and "parent run " in page
+    logged = parent_artifact(run_dir, "report/report.html")
+    assert logged.is_relative_to(run_dir / "mlflow" / "artifacts")
+    assert logged.read_bytes() == out.read_bytes()
+    assert str(run_dir) in page and str(original) not in page
+    own = (run_dir / "mlflow" / "artifacts").as_uri() + "/"
+    assert all(uri.startswith(own) for uri in artifact_locations(run_dir))
+
+    # --out elsewhere: the page in MLflow is still report/report.html (now that one)
+    elsewhere = tmp_path / "tiny.html"
+    assert main(["report", "--run-dir", str(run_dir), "--out", str(elsewhere)]) == 0
+    assert logged.read_bytes() == elsewhere.read_bytes()
+    assert not any((run_dir / "mlflow").rglob("tiny.html"))
+    assert_real_png(tmp_path / "tiny_plots" / "stage_rewards.png")
+
+    # nothing of the original changed: its artifacts, byte for byte, and where its store points
+    after = {
+        p.relative_to(original): p.read_bytes() for p in (original / "mlflow" / "artifacts").rglob("*") if p.is_file()
+    }
+    assert after == original_artifacts
+    assert artifact_locations(original) == original_locations
