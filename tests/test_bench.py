@@ -193,10 +193,10 @@ def test_duckdb_bench_prints_a_figure(tmp_path):
     assert "over 2048 judge_scores rows" in figure.goal and figure.met is (figure.value < 0.5)
 
 
-def test_bench_schema_matches_the_judge_tasks_table():
-    part = sorted((REPO_ROOT / "runs" / "tiny" / "tables" / "judge_scores").glob("step=*/*.parquet"))
-    if not part:
-        pytest.skip("no runs/tiny judge_scores to compare with (run `make run`)")
+@pytest.mark.slow
+def test_bench_schema_matches_the_judge_tasks_table(tiny_pipeline_run):
+    part = sorted((tiny_pipeline_run / "tables" / "judge_scores").glob("step=*/*.parquet"))
+    assert part, "the tiny pipeline run wrote no judge_scores"
     real = pq.read_schema(part[0])
     assert [(f.name, f.type) for f in real] == [(f.name, f.type) for f in JUDGE_SCORES_SCHEMA]
 
