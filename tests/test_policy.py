@@ -368,10 +368,11 @@ def copy_without(src: Path, dst: Path, *names: str) -> Path:
     return dst
 
 
-def test_load_policy_missing_directory(tmp_path):
+def test_load_policy_missing_directory(tmp_path, monkeypatch):
     missing = tmp_path / "nowhere"
     with pytest.raises(PolicyLoadError, match=f"{missing} does not exist"):
         load_policy(missing)
+    monkeypatch.chdir(tmp_path)  # the relative path below is resolved here, never in the checkout
     with pytest.raises(PolicyLoadError, match="does not exist"):
         load_policy("runs/x/policy/checkpoint")  # not a valid hub name either
 
