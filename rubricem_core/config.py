@@ -212,7 +212,12 @@ class SFTConfig(_Strict):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     epochs: float = Field(default=12.0, gt=0, description="Passes over the accepted trajectories.")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
-    max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
+    max_tokens_per_batch: int = Field(
+        default=16384,
+        ge=256,
+        description="Padded tokens per micro-batch; at least policy.max_seq_len (the longest SFT sequence), checked "
+        "when the config loads.",
+    )
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
@@ -410,7 +415,12 @@ class RLConfig(_Strict):
     queries_per_step: int = Field(default=6, ge=1, description="Queries per RL step.")
     lr: float = Field(default=2e-4, gt=0, description="Learning rate.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
-    max_tokens_per_batch: int = Field(default=16384, ge=256, description="Padded tokens per micro-batch.")
+    max_tokens_per_batch: int = Field(
+        default=16384,
+        ge=256,
+        description="Padded tokens per micro-batch; at least rollout.max_total_tokens (the longest rollout) and, "
+        "with a reflection recipe, the longest reflection attempt + reflection, checked when the config loads.",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     kl_coef: float = Field(default=0.001, ge=0, description="β: weight of the k3 KL to the frozen reference policy.")
     clip_low: float = Field(
@@ -750,6 +760,63 @@ class RunConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _token_budgets_fit(self) -> Any:
+        problems = token_budget_problems(self)
+        if problems:
+            raise ValueError("\n    ".join(problems))
+        return self
+
+
+def token_budget_problems(cfg: RunConfig) -> list[str]:
+    """Where a trainer's micro-batch budget (``max_tokens_per_batch``) is below the longest sequence the run
+    can give it: ``bucket_batches`` refuses such a sequence mid-run, after the step's sampling and judging.
+
+    - RL updates on rollouts, which the sampler stops at rollout.max_total_tokens (prompt, sampled and tool
+      tokens; a tool output that would pass it is not appended), and on reflection candidates sampled under
+      the same limit.
+    - The reflection recipes also update on reflection prompts: an attempt (up to reflection.max_trajectory_tokens
+      tokens, and, being a rollout's text, under rollout.max_total_tokens) with the system text and question,
+      plus a reflection of up to reflection.max_new_tokens. The sampler stops prompt + reflection at
+      rollout.max_total_tokens, but a prompt that does not fit there is kept whole in the update (a candidate
+      with no reflection tokens), so attempt + reflection must fit one micro-batch. The system text and
+      question are not config numbers and are not counted; with only max_trajectory_chars set the attempt has
+      no token bound and nothing is checked.
+    - SFT skips (never cuts) trajectories and teacher reflections longer than policy.max_seq_len and batches
+      all others.
+    """
+    out = []
+    rl, total = cfg.rl.max_tokens_per_batch, cfg.rollout.max_total_tokens
+    if rl < total:
+        out.append(
+            f"rl.max_tokens_per_batch {rl} < rollout.max_total_tokens {total}: a rollout of {total} tokens cannot fit "
+            f"one micro-batch; set rl.max_tokens_per_batch ≥ {total}"
+        )
+    bound, new = cfg.reflection.max_trajectory_tokens, cfg.reflection.max_new_tokens
+    if cfg.rl.recipe in REFLECTION_RECIPES and bound is not None and rl < min(bound, total) + new:
+        need = min(bound, total) + new
+        if bound <= total:
+            what = f"reflection.max_trajectory_tokens {bound} + reflection.max_new_tokens {new} = {need}"
+        else:  # the bound cuts nothing: an attempt is a rollout's text, under the context limit
+            what = (
+                f"rollout.max_total_tokens {total} (the longest attempt: reflection.max_trajectory_tokens {bound} is "
+                f"above it) + reflection.max_new_tokens {new} = {need}"
+            )
+        lower = f" or reflection.max_trajectory_tokens ≤ {rl - new}" if rl - new >= 64 else ""
+        out.append(
+            f"rl.max_tokens_per_batch {rl} < {what}: rl.recipe {cfg.rl.recipe} also updates the policy on its "
+            f"reflection candidates, and a reflection prompt showing an attempt of {need - new} tokens with a "
+            f"reflection of {new} tokens cannot fit one micro-batch; set rl.max_tokens_per_batch ≥ {need}{lower}"
+        )
+    sft, seq = cfg.sft.max_tokens_per_batch, cfg.policy.max_seq_len
+    if sft < seq:
+        out.append(
+            f"sft.max_tokens_per_batch {sft} < policy.max_seq_len {seq}: SFT trains sequences of up to {seq} tokens "
+            f"(it skips only longer ones), and one of {seq} tokens cannot fit one micro-batch; set "
+            f"sft.max_tokens_per_batch ≥ {seq} or policy.max_seq_len ≤ {sft}"
+        )
+    return out
+
 
 # ---- loading ---------------------------------------------------------------------------------
 def profile_path(profile: str | os.PathLike[str]) -> Path:
@@ -773,7 +840,8 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(f"  {field}: unknown key")
         else:
-            lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+            got = f" (got {item.get('input')!r})" if item["loc"] else ""  # the root's input is the whole config
+            lines.append(f"  {field}: {item['msg']}{got}")
     return "\n".join(lines)
 
 

@@ -37,6 +37,7 @@ TINY = {
     "tracking.enabled": False,
     "rl.lr": 1e-2,
     "rl.max_tokens_per_batch": 256,
+    "rollout.max_total_tokens": 256,  # the config refuses a budget below the longest rollout; these tests sample none
 }
 
 
