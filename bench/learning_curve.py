@@ -68,7 +68,8 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
         m = step_metrics(store, step)
         rollouts = store.read_rows("rollouts", {"step": step})
         seconds = sum(
-            m.get(k, 0.0) for k in ("rollout/seconds", "judge/seconds", "rl/update_seconds", "reflection/generate_seconds")
+            m.get(k, 0.0)
+            for k in ("rollout/seconds", "judge/seconds", "rl/update_seconds", "reflection/generate_seconds")
         )
         rows.append(
             {
@@ -91,7 +92,11 @@ def evaluation(run_dir: str, checkpoint: str) -> dict[str, Any]:
 
     result = evaluate(run_dir=run_dir, checkpoint=checkpoint, benchmarks=["synthetic"], retrieval="none")
     score = result["benchmarks"]["synthetic"]["score_mean"]
-    return {"checkpoint": result["tag"], "score": math.nan if score is None else score, **breakdown(run_dir, result["tag"])}
+    return {
+        "checkpoint": result["tag"],
+        "score": math.nan if score is None else score,
+        **breakdown(run_dir, result["tag"]),
+    }
 
 
 def plot_curves(curves: dict[str, list[dict[str, Any]]], sft: dict[str, Any], title: str, path: Path) -> None:
@@ -126,6 +131,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
     parser.add_argument("--work-dir", default=None, help="where the recipes train (default: a temporary directory)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="profile name or YAML for the RL runs (default: the source run's config.yaml); its data.* must be "
+        "the source run's, whose queries and SFT policy are used",
+    )
     parser.add_argument("--recipes", default="ss_grpo,full", help="comma-separated; the last is the figure's")
     parser.add_argument("--steps", type=int, default=24, help="RL steps per recipe")
     parser.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (a multiple of 2·window)")
@@ -156,7 +167,7 @@ def main() -> int:
         work = Path(args.work_dir) if args.work_dir else Path(tmp) / "run"
         work.mkdir(parents=True, exist_ok=True)
         run_dir = copy_inputs(src, work)
-        cfg = resolve_config(run_dir, str(src / "config.yaml"), overrides, command="learning_curve")
+        cfg = resolve_config(run_dir, args.profile or str(src / "config.yaml"), overrides, command="learning_curve")
         per_window = 2 * cfg.rl.window
         ends = chunk_ends(args.steps, args.eval_every, per_window)
         sft = evaluation(run_dir, str(work / "checkpoints" / "sft" / "final"))

