@@ -91,10 +91,13 @@ def evaluation(run_dir: str, checkpoint: str) -> dict[str, Any]:
     from flows.evaluate import evaluate
 
     result = evaluate(run_dir=run_dir, checkpoint=checkpoint, benchmarks=["synthetic"], retrieval="none")
-    score = result["benchmarks"]["synthetic"]["score_mean"]
+    summary = result["benchmarks"]["synthetic"]
+    score, reflection = summary["score_mean"], summary.get("reflection_valid_rate")
     return {
         "checkpoint": result["tag"],
         "score": math.nan if score is None else score,
+        # one unforced reflection per evaluated trajectory, checked by the meta-policy's validator
+        "reflection_valid": math.nan if reflection is None else float(reflection),
         **breakdown(run_dir, result["tag"]),
     }
 
@@ -195,7 +198,7 @@ def main() -> int:
                 )
 
         summary: dict[str, Any] = {"steps": args.steps, "eval_every": args.eval_every, "overrides": overrides}
-        summary["sft"] = {k: sft[k] for k in ("score", "n", "answered", "valid", "facts", "finals")}
+        summary["sft"] = {k: v for k, v in sft.items() if k != "per_query"}
         summary["recipes"] = {}
         for recipe in recipes:
             steps = step_rows(subs[recipe], args.steps)
@@ -215,12 +218,15 @@ def main() -> int:
             step_s = [r["seconds"] for r in steps]
             if step_s:
                 print(f"mean step {sum(step_s) / len(step_s):.1f} s (rollout + judge + update + reflection tasks)")
-            print("eval  score  vs SFT  ± se   answered valid facts finals")
-            print(f"   0 {sft['score']:>6.3f}  {0:>+6.3f} {0:>5.3f}  {sft['answered']:>8.2f} {sft['valid']:>5.2f}")
+            print("eval  score  vs SFT  ± se   answered valid facts finals refl_valid")
+            print(
+                f"   0 {sft['score']:>6.3f}  {0:>+6.3f} {0:>5.3f}  {sft['answered']:>8.2f} {sft['valid']:>5.2f} "
+                f"{_fmt(sft['facts']):>5} {_fmt(sft['finals']):>6} {_fmt(sft['reflection_valid']):>10}"
+            )
             for p in points[recipe]:
                 print(
                     f"{p['step']:>4} {p['score']:>6.3f}  {p['gain']:>+6.3f} {p['se']:>5.3f}  {p['answered']:>8.2f} "
-                    f"{p['valid']:>5.2f} {_fmt(p['facts']):>5} {_fmt(p['finals']):>6}"
+                    f"{p['valid']:>5.2f} {_fmt(p['facts']):>5} {_fmt(p['finals']):>6} {_fmt(p['reflection_valid']):>10}"
                 )
         if len(recipes) >= 2:
             a, b = recipes[-2], recipes[-1]

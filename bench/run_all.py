@@ -107,6 +107,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("rollout_engine", quick_args=("--queries", "2", "--n", "2", "--layers", "2")),
     Script("reflection_deferral", quick_args=("--quick",), needs_run_dir=True),
     Script("rl_improvement", quick_args=("--quick",), needs_run_dir=True),
+    Script("learning_curve", quick_args=("--quick",), needs_run_dir=True),
     Script("throughput", quick_args=("--quick",), needs_run_dir=True),
     Script("rl_step_time", quick_args=("--quick",), needs_run_dir=True),
     Script("orchestration_overhead", quick_args=("--quick",), needs_run_dir=True),

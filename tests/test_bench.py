@@ -241,3 +241,13 @@ def test_rl_improvement_pairs_queries_and_reads_the_score_parts(tmp_path):
     assert parts["n"] == 4 and parts["per_query"] == pytest.approx({"q1": 0.4, "q2": 0.5})
     assert parts["answered"] == 0.75 and parts["valid"] == 0.5
     assert parts["facts"] == 0.5 and parts["finals"] == 0.25
+
+
+def test_learning_curve_chunks_end_on_windows():
+    from bench.learning_curve import chunk_ends
+
+    assert chunk_ends(24, 6, 6) == [6, 12, 18, 24]
+    assert chunk_ends(4, 2, 2) == [2, 4]
+    for steps, every, per_window in ((24, 4, 6), (10, 4, 2)):  # a chunk ends mid-window / steps not a multiple
+        with pytest.raises(SystemExit, match="multiple of"):
+            chunk_ends(steps, every, per_window)
