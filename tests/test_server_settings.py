@@ -42,6 +42,10 @@ def test_server_settings_reach_the_command(tmp_path, eager):
     assert ("--enforce-eager" in args) is eager
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert args[args.index("--host") + 1] == "127.0.0.1"
+    # on a CPU (this machine) a seeded request's prompt is never split over two scheduler steps: the CPU
+    # build's generators cannot rewind and the engine died on the first long prompt
+    assert "--no-enable-chunked-prefill" in args
+    assert int(args[args.index("--max-num-batched-tokens") + 1]) >= cfg.rollout.max_total_tokens
 
 
 def test_a_missing_server_python_is_named(tmp_path):

@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class VLLMServer:
     """One `vllm serve` process of ``model_dir`` on loopback (killed with its process group on close)."""
 
@@ -106,6 +112,11 @@ class VLLMServer:
         ]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
+        if not _cuda_here():
+            # vLLM's CPU build rewinds a seeded request's generator when it splits the request's prompt over
+            # two scheduler steps, and CPU generators cannot rewind ("CPU Generator does not use offset": the
+            # engine dies). Every row here is seeded, so prompts are prefilled whole.
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
         if dtype is not None:
             cmd += ["--dtype", dtype]
         if weight_transfer is not None:  # the workers join a trainer's transfer group on request
