@@ -318,6 +318,13 @@ class RolloutConfig(_Strict):
         "use every core), or NCCL settings on GPUs. Never put secrets here: the config is recorded in the run "
         "directory.",
     )
+    server_dtype: Literal["float32", "bfloat16"] | None = Field(
+        default=None,
+        description="vllm_server: the dtype the servers hold weights and KV cache in (None: policy.dtype). bfloat16 "
+        "beside a float32 trainer halves the KV cache every decoded token reads (what bounds sampling on a CPU); "
+        "the pushed float32 weights are rounded on arrival, and the trainer's logprobs then differ from the "
+        "sampler's by bf16 rounding (rl/logprob_gap_mean; rl.importance_correction: tis corrects for it).",
+    )
     enforce_eager: bool = Field(
         default=False,
         description="vllm_server: start the servers with --enforce-eager (no graph capture or compilation): a "

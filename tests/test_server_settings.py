@@ -32,6 +32,7 @@ def test_server_settings_reach_the_command(tmp_path, eager):
             "rollout.server_env": {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
             "rollout.enforce_eager": eager,
             "rollout.server_startup_timeout_s": 30,
+            "rollout.server_dtype": "bfloat16" if eager else None,
         },
     )
     with pytest.raises(RolloutError, match="exited with code 3 while starting"):
@@ -44,6 +45,7 @@ def test_server_settings_reach_the_command(tmp_path, eager):
     assert args[args.index("--host") + 1] == "127.0.0.1"
     # on a CPU (this machine) a seeded request's prompt is never split over two scheduler steps: the CPU
     # build's generators cannot rewind and the engine died on the first long prompt
+    assert args[args.index("--dtype") + 1] == ("bfloat16" if eager else cfg.policy.dtype)
     assert "--no-enable-chunked-prefill" in args
     assert int(args[args.index("--max-num-batched-tokens") + 1]) >= cfg.rollout.max_total_tokens
 

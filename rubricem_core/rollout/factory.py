@@ -40,7 +40,7 @@ def fleet_engine(
         max_concurrency=r.max_calls_per_replica,
         gpu_memory_utilization=r.gpu_memory_utilization,
         max_model_len=r.max_total_tokens,
-        dtype=cfg.policy.dtype,
+        dtype=r.server_dtype or cfg.policy.dtype,
         startup_timeout_s=r.server_startup_timeout_s,
         log_path=log_path,
         weight_transfer=r.weight_transfer if push and r.weight_transfer != "checkpoint" else None,
