@@ -56,3 +56,21 @@ def test_a_missing_server_python_is_named(tmp_path):
     )
     with pytest.raises(RolloutError, match=r"rollout.server_python .*no-venv/python.* does not exist.*vllm_cpu_env"):
         fleet_engine(tmp_path / "model", None, cfg, tmp_path / "server.log", push=False)
+
+
+def test_the_server_log_goes_to_a_directory_not_made_yet(tmp_path):
+    """The server's output pipe has one reader, which also writes the log file. Its directory (a run's
+    state/) need not exist yet: it is made, and the pipe is drained, so a chatty server never blocks on a
+    full pipe. Here 200 KiB of output (over a pipe's 64 KiB) precede the exit."""
+    from rubricem_core.rollout.vllm_server import VLLMServer
+
+    script = tmp_path / "python"
+    script.write_text(
+        '#!/bin/sh\ni=0\nwhile [ $i -lt 2000 ]; do printf "line %04d %0100d\\n" $i 0; i=$((i+1)); done\nexit 3\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "run" / "state" / "vllm-server.log"
+    with pytest.raises(RolloutError, match="exited with code 3 while starting"):
+        VLLMServer(tmp_path / "model", python=str(script), log_path=log, startup_timeout_s=60)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2000 and lines[-1].startswith("line 1999")

@@ -153,8 +153,16 @@ class VLLMServer:
             raise
 
     def _read(self) -> None:
+        # This thread is the only reader of the server's output pipe: if it died the server would block on a
+        # full pipe (64 KiB, a few steps of request logs) and stall the run, so a log it cannot open is skipped.
         assert self.proc.stdout is not None
-        log = self.log_path.open("a") if self.log_path is not None else None
+        log = None
+        if self.log_path is not None:
+            try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = self.log_path.open("a")
+            except OSError as exc:
+                self._tail.append(f"(server log {self.log_path} not written: {exc})")
         for line in self.proc.stdout:
             self._tail.append(line.rstrip("\n"))
             if log is not None:
