@@ -9,8 +9,9 @@ synthetic queries with the built-in grader (the queries' persistent, checkable a
 the training judge's evolving ones), and the SFT policy once as the curve's origin.
 
 Printed per recipe: one row per step (phase, training reward R per stage, valid scaffolds among the
-rollouts, reflection validity and bank size, the step's seconds) and one per evaluation (score, its
-paired gain over SFT with the standard error of that gain, the parts of the score); then the final
+rollouts, reflection validity and bank size, the seconds of its rollouts, judge and update) and one per
+evaluation (score, its paired gain over SFT with the standard error of that gain, the parts of the
+score, reflection validity); then the final
 paired gains, `full − ss_grpo`, and a PNG of the curves (``<work-dir>/learning_curve.png``) with a JSON
 of every figure beside it. It is a long job: a rerun with the same arguments resumes (finished RL steps
 and evaluations are read back from the work directory), so run it with nohup and rerun it if killed.
@@ -67,10 +68,6 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
     for step in range(min(upto, completed_step(run_dir) + 1)):
         m = step_metrics(store, step)
         rollouts = store.read_rows("rollouts", {"step": step})
-        seconds = sum(
-            m.get(k, 0.0)
-            for k in ("rollout/seconds", "judge/seconds", "rl/update_seconds", "reflection/generate_seconds")
-        )
         rows.append(
             {
                 "step": step,
@@ -80,7 +77,11 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
                 "reflection_valid": m.get("reflection/valid_fraction", math.nan),
                 "bank_size": m.get("bank/size", math.nan),
                 "kl": m.get("rl/kl", math.nan),
-                "seconds": seconds,
+                # the parts that do not overlap: the judge streams during the rollouts (judge/wait_seconds is
+                # what it adds after them); the reflection tasks run beside the rollouts and the update
+                "rollout_s": m.get("rollout/seconds", math.nan),
+                "judge_wait_s": m.get("judge/wait_seconds", math.nan),
+                "update_s": m.get("rl/update_seconds", math.nan),
             }
         )
     return rows
@@ -207,17 +208,21 @@ def main() -> int:
                 "evaluations": [{k: v for k, v in p.items() if k != "per_query"} for p in points[recipe]],
             }
             print(f"\n== {recipe}: {len(steps)} steps, {wall[recipe] / 60:.1f} min in all (evaluations included)")
-            print("step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      seconds")
+            print("step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      roll_s judge_s upd_s")
             for row in steps:
                 print(
                     f"{row['step']:>4} {row['phase']:<7} "
                     + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
                     + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
-                    f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['seconds']:>7.1f}"
+                    f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {_fmt(row['rollout_s'], '.0f'):>6} "
+                    f"{_fmt(row['judge_wait_s'], '.0f'):>7} {_fmt(row['update_s'], '.0f'):>5}"
                 )
-            step_s = [r["seconds"] for r in steps]
-            if step_s:
-                print(f"mean step {sum(step_s) / len(step_s):.1f} s (rollout + judge + update + reflection tasks)")
+            if steps:
+                parts = {k: sum(r[k] for r in steps) / len(steps) for k in ("rollout_s", "judge_wait_s", "update_s")}
+                print(
+                    f"mean step {sum(parts.values()):.0f} s: rollouts {parts['rollout_s']:.0f} s + judge after "
+                    f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
+                )
             print("eval  score  vs SFT  ± se   answered valid facts finals refl_valid")
             print(
                 f"   0 {sft['score']:>6.3f}  {0:>+6.3f} {0:>5.3f}  {sft['answered']:>8.2f} {sft['valid']:>5.2f} "
