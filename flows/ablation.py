@@ -1,7 +1,8 @@
 """Flow `ablation`: the paper's recipes from one SFT checkpoint with matched budgets, then evaluation.
 
 Each recipe trains in its own sub run directory ``<run_dir>/ablation/<recipe>`` that starts from a copy
-of the run's `queries`, `corpus` and SFT policy; every recipe gets the same RL budget (steps, queries per
+of the run's `queries`, `corpus`, `teacher_reflections` (when collected: the warm reflection bank) and
+SFT policy; every recipe gets the same RL budget (steps, queries per
 step, group size, seed — so the same query schedule), only ``rl.recipe`` differs. Each final checkpoint,
 and the SFT policy as the reference, is evaluated with the `evaluate` flow; the summary lands in the
 `ablation` table of the parent run and a bar plot in ``<run_dir>/ablation/ablation.png`` (and MLflow).
@@ -42,11 +43,15 @@ def _copy_once(src: Path, dst: Path) -> None:
 
 
 def prepare_recipe_run(run_dir: str, recipe: str) -> str:
-    """``<run_dir>/ablation/<recipe>`` with the parent's inputs and SFT policy (copied once)."""
+    """``<run_dir>/ablation/<recipe>`` with the parent's inputs and SFT policy (copied once): the queries,
+    the corpus and, when collected, the teacher's reflections (they warm the reflection bank of the
+    recipes that reflect, ``reflection.warm_bank``; without them a sub run's bank starts empty)."""
     parent = RunLayout(run_dir)
     sub = RunLayout(parent.ablation_run_dir(recipe))
     for table in ("queries", "corpus"):
         _copy_once(parent.table_dir(table), sub.table_dir(table))
+    if parent.table_dir("teacher_reflections").exists():
+        _copy_once(parent.table_dir("teacher_reflections"), sub.table_dir("teacher_reflections"))
     _copy_once(start_policy(run_dir), sub.sft_final)
     return str(sub.root)
 

@@ -196,3 +196,16 @@ def test_collection_gets_the_policys_tokenizer_only_for_a_token_bound(tmp_path):
     assert (policy_base_dir(str(tmp_path)) / "config.json").exists()
     text = corpus.column("text").to_pylist()[0]
     assert token_ids(tokenizer, text) and tokenizer.decode(token_ids(tokenizer, text)) == text
+
+
+@pytest.mark.parametrize("bound", [None, 128])
+def test_an_attempt_that_stopped_on_eos_puts_no_end_of_turn_token_in_the_candidate_prompt(tok, trajectory, bound):
+    # issue #33: `rollouts.text` of a rollout that stopped on eos ends with the eos text; shown raw, the chat
+    # prompt's encoding turned it into the real end-of-turn token inside the user's turn (never seen in SFT)
+    cfg = load_config("tiny", {"reflection.max_trajectory_tokens": bound})
+    assert tok.eos_token in tok.all_special_tokens
+    (clean,) = _requests(tok, trajectory, cfg)
+    (stopped,) = _requests(tok, trajectory + tok.eos_token, cfg)
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    assert stopped.prompt_ids.count(eos) == clean.prompt_ids.count(eos)  # the template's turn ends only
+    assert stopped.prompt_ids == clean.prompt_ids

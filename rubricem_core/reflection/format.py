@@ -153,6 +153,20 @@ def _escape_delimiters(text: str) -> str:
     return text.replace("<<<", "<< <")  # the attempt cannot close its own delimiters
 
 
+def strip_special_tokens(text: str, tokenizer: Any) -> str:
+    """``text`` without the texts of ``tokenizer``'s special tokens.
+
+    The attempt is data, but a chat prompt is encoded with special-token parsing on: the end-of-turn
+    text that ends every rollout which stopped on eos (``rollouts.text`` keeps it) would become the real
+    end-of-turn token, closing the user's turn in the middle of the reflection prompt — a prompt the
+    policy never saw in SFT (teacher attempts contain no special tokens).
+    """
+    specials = {t for t in getattr(tokenizer, "all_special_tokens", ()) or () if t}
+    for special in sorted(specials, key=len, reverse=True):
+        text = text.replace(special, "")
+    return text
+
+
 def reflection_messages(
     question: str,
     trajectory_text: str,
@@ -165,6 +179,7 @@ def reflection_messages(
 
     The attempt is shown whole or middle-cut: to ``max_tokens`` tokens of ``tokenizer`` (the policy's)
     when ``max_tokens`` is set (``max_chars`` is then ignored), else to ``max_chars`` characters.
+    With ``tokenizer`` the texts of its special tokens are removed from the attempt (``strip_special_tokens``).
     Deliberately takes no rubrics or scores: the policy must not see privileged judge inputs.
     """
     if not isinstance(question, str) or not question.strip():
@@ -172,6 +187,8 @@ def reflection_messages(
     if not isinstance(trajectory_text, str) or not trajectory_text.strip():
         raise ValueError("reflection_messages: trajectory_text must be a non-empty string")
     text = trajectory_text.strip()
+    if tokenizer is not None:
+        text = strip_special_tokens(text, tokenizer).strip()
     if max_tokens is not None:
         if tokenizer is None:
             raise ValueError("reflection_messages: max_tokens needs the policy's tokenizer")
