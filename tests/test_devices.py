@@ -127,23 +127,9 @@ def test_rl_session_keeps_every_model_on_the_trainer_device(tmp_path):
     pytest.importorskip("prefect")
     from rubricem_core.config import load_config
     from tasks.rl import get_session
-    from tests.untrained_run import write_untrained_run
+    from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
-    cfg = load_config(
-        "tiny",
-        {
-            "data.world.n_documents": 60,
-            "data.world.n_queries": 8,
-            "policy.vocab_size": 600,
-            "policy.hidden_size": 32,
-            "policy.n_layers": 1,
-            "policy.n_heads": 2,
-            "policy.n_kv_heads": 1,
-            "policy.intermediate_size": 64,
-            "rl.recipe": "full",
-            "tracking.enabled": False,
-        },
-    )
+    cfg = load_config("tiny", {**UNTRAINED_TINY, "rl.recipe": "full"})
     write_untrained_run(cfg, tmp_path / "run")
     session = get_session(str(tmp_path / "run"), cfg, -1)
     device = auto_device()

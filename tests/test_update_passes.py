@@ -98,19 +98,9 @@ def test_no_kl_needs_no_reference_forward():
 def test_rl_session_loads_no_reference_without_kl(tmp_path):
     from rubricem_core.config import load_config
     from rubricem_core.rl.session import LocalPolicy
-    from tests.untrained_run import write_untrained_run
+    from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
-    overrides = {
-        "data.world.n_documents": 60,
-        "data.world.n_queries": 4,
-        "policy.vocab_size": 600,
-        "policy.hidden_size": 32,
-        "policy.n_layers": 1,
-        "policy.n_heads": 2,
-        "policy.n_kv_heads": 1,
-        "policy.intermediate_size": 64,
-        "tracking.enabled": False,
-    }
+    overrides = {**UNTRAINED_TINY, "data.world.n_queries": 4}
     cfg = load_config("tiny", overrides)
     write_untrained_run(cfg, tmp_path / "run")
     base = tmp_path / "run" / "checkpoints" / "sft" / "final"

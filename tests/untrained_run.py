@@ -10,6 +10,19 @@ from rubricem_core.sft import prepare_policy
 from rubricem_core.store import RunStore
 from tasks.inputs import build_inputs
 
+# The smallest tiny run a test can load and train: 60 documents, a 1-layer width-32 Qwen3.
+UNTRAINED_TINY = {
+    "data.world.n_documents": 60,
+    "data.world.n_queries": 8,
+    "policy.vocab_size": 600,
+    "policy.hidden_size": 32,
+    "policy.n_layers": 1,
+    "policy.n_heads": 2,
+    "policy.n_kv_heads": 1,
+    "policy.intermediate_size": 64,
+    "tracking.enabled": False,
+}
+
 
 def write_untrained_run(cfg: RunConfig, run: Path) -> list[str]:
     """Write `queries`, `corpus` and checkpoints/sft/final under ``run``; returns the corpus texts."""
