@@ -96,7 +96,7 @@ def main() -> None:
             max_retries=0,
             timeout_s=120,
         )
-        options = JudgeOptions(seed=0, require_min_rubrics=True)  # what an LLM judge gets in the RL task
+        options = JudgeOptions(seed=0)  # what an LLM judge gets in the RL task
         stream = StreamingJudge(LLMJudge(settings, options), buffers(), 0)
 
         def on_group_done(index: int, group: list) -> None:

@@ -137,7 +137,7 @@ def run(schedule: str, stream: bool, args, world, tok, server) -> dict:
     )
     # a judge that writes the rubric counts it is asked for: no repair round (the stand-in's replies, the
     # built-in judge's, propose only rubrics that separate the group, often fewer than the paper's fewest)
-    judge = LLMJudge(settings, JudgeOptions(seed=0, require_min_rubrics=False))
+    judge = LLMJudge(settings, JudgeOptions(seed=0))
     buffers = {q["query_id"]: RubricBuffer.from_query(q["query_id"], q["rubrics"], 8, step=0) for q in queries}
     targets = [JudgeQuery(q["query_id"], q["question"], json.loads(q["spec"]), q["reference_answer"]) for q in queries]
 

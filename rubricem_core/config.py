@@ -251,6 +251,18 @@ class JudgeConfig(EndpointConfig):
         "stage and 2-5 for the answer, capped by this (5 allows the paper's full ranges).",
     )
     cap_per_stage: int = Field(default=5, ge=1, description="Active adaptive rubrics kept per stage.")
+    max_block_chars: int | None = Field(
+        default=40_000,
+        ge=1,
+        description="Longest stage block (or answer) shown to the judge in characters; the middle of a longer one "
+        "is cut. None: shown whole (the research profile; the judge model's context must hold a group).",
+    )
+    max_tokens_per_rubric: int = Field(
+        default=0,
+        ge=0,
+        description="Size each scoring call's completion budget by its rubric count: max(max_tokens, 256 + this x "
+        "rubrics), so a long rubric list is never cut mid-reply; 0: max_tokens for every call.",
+    )
     show_reference: bool = Field(
         default=True,
         description="Show the judge each query's reference answer and spec. That is an answer key: the paper's judge "
@@ -623,6 +635,12 @@ class ReflectionJudgeConfig(EndpointConfig):
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
     )
+    max_attempt_chars: int | None = Field(
+        default=20_000,
+        ge=0,
+        description="Longest source trajectory the reflection judge is shown, in characters (its middle is cut); "
+        "0: not shown; None: shown whole (the research profile).",
+    )
     mode: Literal["per_candidate", "joint"] = Field(
         default="joint",
         description="per_candidate: each valid candidate scored in its own call (the paper; n_candidates calls "
@@ -682,6 +700,14 @@ class ReflectionConfig(_Strict):
         description="What a replay step's within-episode retrieval returns: window — the reflection written for "
         "the query at the new-query step of the same window (the paper; none accepted there: a miss); best — "
         "the query's best-scoring reflection so far (any window, or the warm start).",
+    )
+    validity: Literal["strict", "structural"] = Field(
+        default="strict",
+        description="Which reflections count as valid (invalid ones get reward 0 and never enter the bank): "
+        "structural — the paper's format check (the reflection element with two non-empty lists, nothing "
+        "outside); strict — also no 12+ words copied from the attempt, no talk of scores, under 3000 characters, "
+        "at most 8 items a list, no scaffold tags. Also applies to the teacher's SFT reflections and to "
+        "evaluation's reflection validity.",
     )
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 

@@ -378,7 +378,9 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     if missing:
         raise RuntimeError(f"reflections: provider returned no result for {missing[:5]} ({len(missing)} total)")
     for req in requests:
-        old[req.custom_id] = reflection_row(req, results[req.custom_id], questions[req.metadata["query_id"]])
+        old[req.custom_id] = reflection_row(
+            req, results[req.custom_id], questions[req.metadata["query_id"]], cfg.reflection.validity
+        )
     rows = [old[req.custom_id] for req in every]  # one order: the sources'
     store.write_table("teacher_reflections", rows, schema=TEACHER_REFLECTIONS_SCHEMA)
     marker.unlink(missing_ok=True)

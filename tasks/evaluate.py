@@ -165,15 +165,19 @@ def sequential_options(cfg: RunConfig) -> SequentialOptions:
         max_new_tokens=cfg.reflection.max_new_tokens,
         max_trajectory_chars=cfg.reflection.max_trajectory_chars,
         max_trajectory_tokens=cfg.reflection.max_trajectory_tokens,
+        validity=cfg.reflection.validity,
     )
 
 
 def sequential_settings(sequential: SequentialOptions) -> dict[str, Any]:
     """The sequential options an eval part is keyed by. A token bound is added only when set, so the
-    digests of parts evaluated before reflection.max_trajectory_tokens existed stay as they were."""
+    digests of parts evaluated before reflection.max_trajectory_tokens existed stay as they were; so is the
+    validity when strict (the only rule before reflection.validity)."""
     settings = dataclasses.asdict(sequential)
     if settings["max_trajectory_tokens"] is None:
         del settings["max_trajectory_tokens"]
+    if settings["validity"] == "strict":
+        del settings["validity"]
     return settings
 
 
@@ -342,6 +346,7 @@ def _reflection_validity(
             cfg.reflection.max_trajectory_chars,
             search_env(run_dir, cfg),
             cfg.reflection.max_trajectory_tokens,
+            cfg.reflection.validity,
         )
         out = [
             {

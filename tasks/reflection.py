@@ -66,7 +66,13 @@ def _key(step: int) -> dict[str, int]:
 def _judge(cfg: RunConfig) -> ReflectionJudge:
     endpoint = cfg.reflection.judge
     settings = endpoint_for(endpoint, api_key=resolve_api_key(endpoint))
-    return ReflectionJudge(settings, ReflectionJudgeOptions.from_config(endpoint, seed=cfg.seed))
+    options = ReflectionJudgeOptions.from_config(
+        endpoint,
+        seed=cfg.seed,
+        max_trajectory_chars=endpoint.max_attempt_chars,
+        validity=cfg.reflection.validity,
+    )
+    return ReflectionJudge(settings, options)
 
 
 @task(name="reflect", task_run_name="reflect-step-{plan.step}", cache_policy=NO_CACHE)

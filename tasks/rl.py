@@ -259,9 +259,6 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
         seed=cfg.seed,
         rubric_stages=judged_stages,
         view="answer" if answer_only else "trajectory",
-        # an LLM judge is held to the paper's fewest rubrics per stage; the built-in one proposes only
-        # rubrics that separate the group, and a group may have none
-        require_min_rubrics=not builtin,
     )
 
 

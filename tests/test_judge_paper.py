@@ -3,6 +3,7 @@ answer-only view of Baseline-RL (DR Tulu's evolving-answer objective)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,7 +15,6 @@ from rubricem_core.judge.llm_judge import GenerationInput, JudgeOptions, LLMJudg
 from rubricem_core.judge.prompts import (
     CENTRAL_QUESTIONS,
     RUBRIC_COUNTS,
-    ReplyError,
     generation_limits,
     generation_messages,
     generation_schema,
@@ -143,10 +143,9 @@ def test_counts_are_the_papers_capped_by_max_new_rubrics_per_stage():
     assert rubric_counts(3) == {"plan": (1, 3), "research": (1, 3), "review": (1, 3), "answer": (2, 3)}
     assert rubric_counts(1) == {stage: (1, 1) for stage in RUBRIC_COUNTS}
     assert rubric_counts(5, ("answer",)) == {"plan": (0, 0), "research": (0, 0), "review": (0, 0), "answer": (2, 5)}
-    schema = generation_schema(rubric_counts(5), require_min=True)["properties"]
-    assert (schema["plan"]["minItems"], schema["plan"]["maxItems"]) == (1, 4)
-    assert (schema["answer"]["minItems"], schema["answer"]["maxItems"]) == (2, 5)
-    assert "minItems" not in generation_schema(rubric_counts(5))["properties"]["answer"]
+    schema = generation_schema(rubric_counts(5))["properties"]
+    assert schema["plan"]["maxItems"] == 4 and schema["answer"]["maxItems"] == 5
+    assert not any("minItems" in schema[stage] for stage in RUBRIC_COUNTS)  # targets, not quotas
     end = dict(split_sections(generation_messages(QUERY, ROLLOUTS, [], 5)[1]["content"]))["END"]
     assert generation_limits(end) == {"plan": 4, "research": 4, "review": 4, "answer": 5}
 
@@ -164,57 +163,55 @@ def test_parsing_keeps_the_first_rubrics_of_a_stage_over_its_most():
     ]
 
 
-def test_parsing_rejects_too_few_only_when_asked():
+def test_a_reply_with_fewer_rubrics_than_the_target_is_kept_without_a_repair():
+    """The paper's counts are targets, not quotas: a short stage is neither an error nor repaired."""
     reply = rubrics_reply(plan=1, research=0, review=1, answer=1)
-    with pytest.raises(
-        ReplyError, match="too few new rubrics: research has 0, at least 1 asked; answer has 1, at least 2 asked"
-    ):
-        parse_generation(reply, 5, require_min=True)
-    assert len(parse_generation(reply, 5)[0]) == 3  # the built-in judge's path: no minimum
-    # stages that get no rubrics ask for none
-    assert parse_generation(rubrics_reply(answer=2), 5, stages=("answer",), require_min=True)[1] == []
-
-
-def test_too_few_rubrics_go_through_the_repair():
-    def model(body: dict[str, Any]) -> str:
-        user = body["messages"][1]["content"]
-        if not user.startswith("TASK: write new rubrics"):
-            return good_reply(body)
-        return rubrics_reply(plan=1, research=1, review=1, answer=2 if is_repair(body) else 1)
-
-    with FakeOpenAIServer(model, api_key=API_KEY) as server:
-        judge = LLMJudge(settings(server), JudgeOptions(require_min_rubrics=True))
-        [outcome] = judge.generate([GenerationInput(QUERY, ROLLOUTS, [])])
-        [repair] = [b for b in server.chat_calls if is_repair(b)]
-    assert not outcome.failed and len(outcome.rubrics) == 5
-    assert "answer has 1, at least 2 asked" in repair["messages"][-1]["content"]
-    assert judge.usage.repairs["generate"] == 1
-
-
-@pytest.mark.parametrize("repair_reply", ["short", "broken", "none"])
-def test_a_repair_still_short_keeps_its_rubrics_and_a_broken_one_fails(repair_reply):
-    """One stage short after the repair: the query keeps the rubrics it got (noted); a reply that is
-    broken beyond the count fails the generation as before."""
+    assert len(parse_generation(reply, 5)[0]) == 3
 
     def model(body: dict[str, Any]) -> str:
         user = body["messages"][1]["content"]
-        if not user.startswith("TASK: write new rubrics"):
-            return good_reply(body)
-        if is_repair(body) and repair_reply == "broken":
-            return '{"plan": ['
-        if is_repair(body) and repair_reply == "none":
-            return rubrics_reply(plan=0, research=0, review=0, answer=0)
-        return rubrics_reply(plan=1, research=1, review=1, answer=1)
+        return reply if user.startswith("TASK: write new rubrics") else good_reply(body)
 
     with FakeOpenAIServer(model, api_key=API_KEY) as server:
-        judge = LLMJudge(settings(server), JudgeOptions(require_min_rubrics=True))
+        judge = LLMJudge(settings(server), JudgeOptions())
         [outcome] = judge.generate([GenerationInput(QUERY, ROLLOUTS, [])])
-    if repair_reply == "broken":
-        assert outcome.failed and not outcome.rubrics
-        return
-    assert not outcome.failed
-    assert len(outcome.rubrics) == (4 if repair_reply == "short" else 0)
-    assert any("kept though too few new rubrics" in note for note in outcome.dropped)
+        repairs = [b for b in server.chat_calls if is_repair(b)]
+    assert not outcome.failed and len(outcome.rubrics) == 3 and outcome.dropped == []
+    assert repairs == [] and judge.usage.repairs["generate"] == 0
+
+
+def test_the_generation_prompt_asks_targets_and_forbids_overfitting_and_self_consistency():
+    system = generation_messages(QUERY, ROLLOUTS, [], 5)[0]["content"]
+    assert "targets, not quotas" in system and "still write the fewest" not in system
+    assert "never make one rollout's wording" in system  # no rubric fitted to one trajectory's phrasing
+    assert "Quality, not self-consistency" in system
+
+
+@pytest.mark.parametrize("per_rubric, expected", [(0, [4096, 4096]), (300, [4096, 256 + 300 * 20])])
+def test_scoring_budget_grows_with_the_rubric_count(per_rubric, expected):
+    rubrics = [dataclasses.replace(RUBRICS[0], rubric_id=f"r{i}") for i in range(20)]
+    with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
+        judge = LLMJudge(settings(server), JudgeOptions(max_tokens_per_rubric=per_rubric))
+        judge.score([ScoringInput(QUERY, ROLLOUTS[0], rubrics[:2]), ScoringInput(QUERY, ROLLOUTS[1], rubrics)])
+        budgets = sorted(b["max_tokens"] for b in server.chat_calls)
+    assert budgets == expected
+
+
+@pytest.mark.parametrize("max_block_chars", [50, None])
+def test_max_block_chars_cuts_the_middle_or_shows_the_whole_block(max_block_chars):
+    long_rollout = JudgeRollout("long", trace("x " * 400))
+    content = scoring_messages(QUERY, long_rollout, RUBRICS[:1], max_block_chars)[1]["content"]
+    assert ("characters omitted" in content) == (max_block_chars is not None)
+
+
+def test_judge_max_block_chars_comes_from_the_config():
+    from rubricem_core.rl.session import recipe_settings
+    from tasks.rl import judge_options
+
+    cfg = load_config("research", {})
+    options = judge_options(cfg, recipe_settings(cfg).judged_stages, False)
+    assert options.max_block_chars is None and options.max_tokens_per_rubric == 300
+    assert judge_options(load_config("tiny", {}), ("answer",), True).max_block_chars == 40_000
 
 
 # ---- 3. Baseline-RL judges the answer only ------------------------------------------------------------------
@@ -231,7 +228,7 @@ def options_for(recipe: str, model: str = "openai/judge-model") -> JudgeOptions:
 @pytest.mark.parametrize("recipe", ["baseline", "meta_policy"])
 def test_answer_only_recipes_judge_the_question_and_the_answer_only(recipe):
     options = options_for(recipe)
-    assert options.view == "answer" and options.rubric_stages == ("answer",) and options.require_min_rubrics
+    assert options.view == "answer" and options.rubric_stages == ("answer",)
     generate, score = calls_with(options)
     for body in (generate, score):
         text = sent_text([body])
@@ -258,7 +255,7 @@ def test_stagewise_recipes_keep_the_whole_trajectory(recipe):
 def test_the_builtin_judge_keeps_the_whole_trajectory_for_the_baseline():
     # its answer checks verify citations against retrieved snippets (numbers of tiny/small unchanged)
     options = options_for("baseline", "rubricem-judge/builtin")
-    assert options.view == "trajectory" and options.rubric_stages == ("answer",) and not options.require_min_rubrics
+    assert options.view == "trajectory" and options.rubric_stages == ("answer",)
 
 
 def test_answer_view_without_an_answer_and_with_other_stages():

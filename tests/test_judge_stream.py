@@ -206,7 +206,7 @@ def _same(a, b) -> None:
 def test_streaming_judge_equals_batch_judge_with_the_builtin_judge(engine, tok, queries, env):
     model = register_builtin_judge()
     settings = EndpointSettings(model=model, max_concurrency=3, max_retries=0, timeout_s=60)
-    options = JudgeOptions(seed=0, require_min_rubrics=False)
+    options = JudgeOptions(seed=0)
     qids = [q["query_id"] for q in queries]
     streamed_buffers, batch_buffers = fresh_buffers(queries), fresh_buffers(queries)
     streamed_judge, batch_judge = LLMJudge(settings, options), LLMJudge(settings, options)
@@ -276,7 +276,7 @@ def test_streaming_llm_judge_overlaps_rollouts_and_equals_batch(engine, tok, que
             input_cost_per_token=1e-6,
             output_cost_per_token=2e-6,
         )
-        options = JudgeOptions(seed=0, require_min_rubrics=True)  # what an LLM judge gets in the RL task
+        options = JudgeOptions(seed=0)  # what an LLM judge gets in the RL task
         streamed_buffers = fresh_buffers(queries)
         judge = LLMJudge(settings, options)
         stream = StreamingJudge(judge, streamed_buffers, 0)

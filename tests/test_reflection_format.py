@@ -16,6 +16,7 @@ from rubricem_core.reflection.format import (
     REFLECTION_CODES,
     REPEATED_TAG,
     SCAFFOLD_TAGS,
+    STRUCTURAL_CODES,
     TEXT_OUTSIDE_TAGS,
     TOO_LONG,
     TOO_MANY_ITEMS,
@@ -123,6 +124,30 @@ def test_validation_codes(text, code):
     codes = validate_reflection(text, TRAJECTORY, QUESTION)
     assert code in codes
     assert set(codes) <= set(REFLECTION_CODES)
+    # the paper's structural check keeps the format codes and drops this project's stricter ones
+    structural = validate_reflection(text, TRAJECTORY, QUESTION, validity="structural")
+    assert (code in structural) == (code in STRUCTURAL_CODES)
+    assert set(structural) == set(codes) & STRUCTURAL_CODES
+
+
+def test_structural_validity_accepts_what_only_strict_refuses():
+    text = _wrap(takeaways="- the answer scored 1/2 on the year\n- write <answer>Keto Works</answer>")
+    assert validate_reflection(text, TRAJECTORY, QUESTION) == [SCAFFOLD_TAGS, MENTIONS_SCORES]
+    assert validate_reflection(text, TRAJECTORY, QUESTION, validity="structural") == []
+    with pytest.raises(ValueError, match="validity must be one of"):
+        validate_reflection(text, validity="loose")
+
+
+@pytest.mark.parametrize("validity", ["strict", "structural"])
+def test_reflection_validity_and_attempt_cut_come_from_the_config(validity):
+    from rubricem_core.config import load_config
+    from tasks.reflection import _judge
+
+    cfg = load_config("tiny", {"reflection.validity": validity, "reflection.judge.max_attempt_chars": None})
+    options = _judge(cfg).options
+    assert options.validity == validity and options.max_trajectory_chars is None
+    assert _judge(load_config("tiny", {})).options.max_trajectory_chars == 20_000
+    assert load_config("research", {}).reflection.judge.max_attempt_chars is None
 
 
 def test_missing_structure_parses_to_none_but_empty_lists_parse():

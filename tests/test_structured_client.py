@@ -170,9 +170,7 @@ def test_options_are_built_from_their_config_sections():
             "eval.grader.max_tokens": 512,
         },
     )
-    judge = JudgeOptions.from_config(
-        cfg.judge, seed=cfg.seed, rubric_stages=("answer",), view="answer", require_min_rubrics=True
-    )
+    judge = JudgeOptions.from_config(cfg.judge, seed=cfg.seed, rubric_stages=("answer",), view="answer")
     assert judge == JudgeOptions(
         temperature=cfg.judge.temperature,
         max_tokens=cfg.judge.max_tokens,
@@ -182,7 +180,7 @@ def test_options_are_built_from_their_config_sections():
         structured_output="json_object",
         view="answer",
         show_reference=cfg.judge.show_reference,
-        require_min_rubrics=True,
+        max_block_chars=cfg.judge.max_block_chars,
     )
     endpoint = cfg.reflection.judge
     assert ReflectionJudgeOptions.from_config(endpoint, seed=cfg.seed) == ReflectionJudgeOptions(

@@ -100,6 +100,9 @@ class SequentialOptions:
         default=None,
         metadata={"help": "Longest trial-1 text shown in the policy's tokens (middle cut; replaces the characters)."},
     )
+    validity: str = field(
+        default="strict", metadata={"help": "Which reflections are valid: strict or structural (reflection.validity)."}
+    )
     valid_only: bool = field(
         default=True,
         metadata={
@@ -285,6 +288,7 @@ def reflect_on_trials(
         sequential.max_trajectory_chars,
         env,
         sequential.max_trajectory_tokens,
+        sequential.validity,
     )
     return [{**r, "sample": by_source[r["source"]]["sample"]} for r in rows]
 

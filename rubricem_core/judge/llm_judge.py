@@ -8,8 +8,8 @@ marks the trajectory's judgment failed — it is never read as a zero.
 
 ``JudgeOptions`` sets what the judge is shown (``view``: every stage, or the answer alone for
 Baseline-RL; ``show_reference``: the query's answer key or not) and how many new rubrics a stage
-gets (the paper's ranges, capped by ``max_new_rubrics_per_stage``; extra ones are cut, too few are
-repaired when ``require_min_rubrics``).
+gets (the paper's ranges as targets, capped by ``max_new_rubrics_per_stage``; extra ones are cut, fewer
+are kept).
 
 ``judge_group`` judges one query's rollout group: its generation call, its buffer updated, its scoring
 calls, stage rewards, then pruning. ``judge_step`` runs it for every group of an RL step at once (one
@@ -20,6 +20,7 @@ as soon as the group has finished sampling. Both give the same calls with the sa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,6 @@ from rubricem_core.judge.types import (
     TrajectoryJudgment,
 )
 from rubricem_core.llm.concurrent import run_sync
-from rubricem_core.llm.replies import ReplyError
 from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.scaffold import STAGES
@@ -64,12 +64,15 @@ log = logging.getLogger(__name__)
 # One logical judge call through first try and repair (the structured client's call).
 PendingCall = StructuredCall
 
+# Completion tokens of a scoring reply beyond its rubric entries (the JSON frame).
+SCORING_BASE_TOKENS = 256
+
 
 @dataclass
 class JudgeOptions(StructuredOptions):
     """Sampling and prompt options of the judge (the endpoint itself is an ``EndpointSettings``).
 
-    ``JudgeOptions.from_config(cfg.judge, seed=..., rubric_stages=..., view=..., require_min_rubrics=...)``
+    ``JudgeOptions.from_config(cfg.judge, seed=..., rubric_stages=..., view=...)``
     takes the rest from the ``judge`` section.
     """
 
@@ -81,14 +84,6 @@ class JudgeOptions(StructuredOptions):
         metadata={
             "help": "Most new rubrics one generation call may add to a stage (the paper's "
             "1-4 per plan/research/review stage and 2-5 for the answer, capped by this)."
-        },
-    )
-    require_min_rubrics: bool = field(
-        default=False,
-        metadata={
-            "help": "Repair a generation reply with fewer new rubrics in a stage than the "
-            "paper's fewest. Off for the built-in judge, which proposes only rubrics "
-            "that separate the group (there may be none)."
         },
     )
     rubric_stages: tuple[str, ...] = field(
@@ -109,13 +104,25 @@ class JudgeOptions(StructuredOptions):
         },
     )
     max_block_chars: int | None = field(
-        default=40_000, metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut."}
+        default=40_000,
+        metadata={"help": "Longest stage block shown to the judge; the middle of a longer one is cut (None: no cut)."},
+    )
+    max_tokens_per_rubric: int = field(
+        default=0,
+        metadata={
+            "help": "A scoring call's completion budget grows with its rubric count: max(max_tokens, "
+            "SCORING_BASE_TOKENS + this x rubrics); 0 keeps max_tokens for every call."
+        },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.max_new_rubrics_per_stage, int) or self.max_new_rubrics_per_stage < 0:
             raise JudgeError("JudgeOptions.max_new_rubrics_per_stage must be an int >= 0")
+        if self.max_block_chars is not None and self.max_block_chars < 1:
+            raise JudgeError("JudgeOptions.max_block_chars must be >= 1 or None")
+        if self.max_tokens_per_rubric < 0:
+            raise JudgeError("JudgeOptions.max_tokens_per_rubric must be >= 0")
         unknown = [s for s in self.rubric_stages if s not in STAGES]
         if unknown:
             raise JudgeError(f"JudgeOptions.rubric_stages has unknown stages {unknown}; expected some of {STAGES}")
@@ -126,6 +133,13 @@ class JudgeOptions(StructuredOptions):
             raise JudgeError(
                 f"JudgeOptions.view={self.view!r} needs rubric_stages=('answer',), got {self.rubric_stages}"
             )
+
+    def scoring_max_tokens(self, n_rubrics: int) -> int:
+        """The completion budget of a scoring call over ``n_rubrics`` rubrics (a justification and a score
+        each: a fixed budget cut long rubric lists mid-reply, and the repair then failed the same way)."""
+        if not self.max_tokens_per_rubric:
+            return self.max_tokens
+        return max(self.max_tokens, SCORING_BASE_TOKENS + self.max_tokens_per_rubric * n_rubrics)
 
     def prompt_args(self) -> dict[str, Any]:
         """What both prompts show: the rollout view and whether the answer key is in."""
@@ -187,8 +201,7 @@ class LLMJudge:
         usage = self.usage if usage is None else usage
         options = self.options
         limit_n, stages = options.max_new_rubrics_per_stage, options.rubric_stages
-        require_min = options.require_min_rubrics
-        schema = generation_schema(rubric_counts(limit_n, stages), require_min)
+        schema = generation_schema(rubric_counts(limit_n, stages))
         pending = []
         for index, item in enumerate(inputs, start=first_index):
             messages = generation_messages(
@@ -198,7 +211,6 @@ class LLMJudge:
                 limit_n,
                 options.max_block_chars,
                 stages=stages,
-                require_min=require_min,
                 **options.prompt_args(),
             )
             pending.append(
@@ -207,14 +219,12 @@ class LLMJudge:
                     messages,
                     "new_rubrics",
                     schema,
-                    lambda text: parse_generation(text, limit_n, stages=stages, require_min=require_min),
+                    lambda text: parse_generation(text, limit_n, stages=stages),
                 )
             )
         await self.client.aask(pending, partial(usage.add_call, GENERATE), limit)
         outcomes = []
         for item, call in zip(inputs, pending):
-            if call.error is not None and require_min:
-                self._keep_short_reply(call, limit_n, stages)
             if call.error is not None:
                 usage.fail(GENERATE)
                 log.warning("rubric generation for query %r failed: %s", item.query.query_id, call.error)
@@ -223,16 +233,6 @@ class LLMJudge:
             rubrics, dropped = call.value
             outcomes.append(GenerationOutcome(item.query.query_id, rubrics, dropped))
         return outcomes
-
-    @staticmethod
-    def _keep_short_reply(call: PendingCall, limit: int, stages: Sequence[str]) -> None:
-        """A repaired reply whose only fault is too few rubrics in some stage keeps the rubrics it has:
-        losing every new rubric of the query would cost more than a stage one short of the paper's count."""
-        try:
-            rubrics, dropped = parse_generation(call.last_text, limit, stages=stages)
-        except ReplyError:
-            return  # broken beyond the count: the generation fails
-        call.value, call.error = (rubrics, [*dropped, f"kept though {call.error}"]), None
 
     # ---- scoring -------------------------------------------------------------------------------
     def score(self, inputs: Sequence[ScoringInput]) -> list[TrajectoryJudgment]:
@@ -260,15 +260,17 @@ class LLMJudge:
             messages = scoring_messages(
                 item.query, item.rollout, item.rubrics, self.options.max_block_chars, **self.options.prompt_args()
             )
-            pending.append(
-                self.client.call(
-                    f"score:{index}:{item.rollout.rollout_id}",
-                    messages,
-                    "rubric_scores",
-                    scoring_schema(ids),
-                    partial(parse_scores, rubric_ids=ids),
-                )
+            scoring_call = self.client.call(
+                f"score:{index}:{item.rollout.rollout_id}",
+                messages,
+                "rubric_scores",
+                scoring_schema(ids),
+                partial(parse_scores, rubric_ids=ids),
             )
+            scoring_call.request = dataclasses.replace(
+                scoring_call.request, max_tokens=self.options.scoring_max_tokens(len(ids))
+            )
+            pending.append(scoring_call)
         await self.client.aask([p for p in pending if p is not None], partial(usage.add_call, SCORE), limit)
         judgments = []
         for item, call in zip(inputs, pending):

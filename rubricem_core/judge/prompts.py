@@ -186,7 +186,7 @@ Write NEW rubrics that separate better rollouts from worse ones in this group: p
 
 How many new rubrics to write, most important first (any beyond the most are cut):
 {counts}
-If fewer criteria separate this group than the fewest asked, still write the fewest, choosing the criteria most likely to separate stronger from weaker work on this question.
+These counts are targets, not quotas: when fewer criteria truly separate this group, write fewer rather than pad the list with weak or redundant rubrics.
 
 Principles:
 1. Discriminative: a rubric must be met by some rollouts of this group and missed by others. A criterion that every rollout meets or every rollout misses teaches nothing.
@@ -196,6 +196,8 @@ Principles:
 5. No mirror pairs: a negative rubric names a distinct mistake (a wrong value, a look-alike source, a claim its source does not support), never a positive rubric restated negated ("does not state X" beside "states X").
 6. Evidence over plan: a plan is a hypothesis. Never penalise research or an answer that goes beyond the plan because the evidence warranted it (a new search, a revised plan, a finding the plan did not foresee).
 7. Never write a rubric about the presence, order or syntax of tags or the output format; never a rubric that rewards following the agent's own planning rubric (it is shown only as a reference and may be weak or wrong).
+8. No overfitting to one rollout: state the property of the work this question needs, in your own words, so that any rollout can meet it however it phrases things; never make one rollout's wording, structure or particular phrasing the criterion.
+9. Quality, not self-consistency: a trajectory that agrees with itself (an answer that matches its own plan, review or earlier claims) is not thereby correct or complete; judge against the question and the evidence actually retrieved.
 Weight each rubric 1 (minor), 2 (important) or 3 (essential).
 
 Reply with one JSON object and nothing else, following this JSON schema:
@@ -232,9 +234,9 @@ def _counts_line(counts: Mapping[str, tuple[int, int]]) -> str:
     return "New rubrics per stage: " + ", ".join(f"{s} {low}-{high}" for s, (low, high) in counts.items()) + "."
 
 
-def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None, require_min: bool = False) -> dict[str, Any]:
-    """The reply's JSON schema; with ``counts`` it also bounds each stage's list (sent to the
-    provider), without them it is the shape that replies are validated against."""
+def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """The reply's JSON schema; with ``counts`` it also caps each stage's list (sent to the provider; no
+    minimum: the counts are targets), without them it is the shape that replies are validated against."""
     item = {
         "type": "object",
         "properties": {
@@ -252,10 +254,7 @@ def generation_schema(counts: Mapping[str, tuple[int, int]] | None = None, requi
     for stage in STAGES:
         bounded: dict[str, Any] = {"type": "array", "items": item}
         if counts is not None:
-            low, high = counts[stage]
-            bounded["maxItems"] = high
-            if require_min and low:
-                bounded["minItems"] = low
+            bounded["maxItems"] = counts[stage][1]
         properties[stage] = bounded
     return {"type": "object", "properties": properties, "required": list(STAGES), "additionalProperties": False}
 
@@ -270,7 +269,6 @@ def generation_messages(
     stages: Sequence[str] = STAGES,
     view: str = TRAJECTORY_VIEW,
     show_reference: bool = True,
-    require_min: bool = False,
 ) -> list[dict[str, str]]:
     _check_view(view)
     counts = rubric_counts(max_new_per_stage, stages)
@@ -278,7 +276,7 @@ def generation_messages(
         shown=_shown_stages(view),
         central="\n".join(f"- {stage}: {CENTRAL_QUESTIONS[stage]}" for stage in STAGES if counts[stage][1]),
         counts=_count_lines(counts),
-        schema=json.dumps(generation_schema(counts, require_min)),
+        schema=json.dumps(generation_schema(counts)),
     )
     parts = ["TASK: write new rubrics for this question from the rollout group below."]
     parts += _query_sections(query, show_reference)
@@ -322,32 +320,21 @@ class GeneratedRubric:
     check: dict[str, Any] | None = None
 
 
-def _too_few(data: dict[str, Any], counts: Mapping[str, tuple[int, int]]) -> str | None:
-    short = [
-        f"{stage} has {len(data[stage])}, at least {low} asked"
-        for stage, (low, _) in counts.items()
-        if len(data[stage]) < low
-    ]
-    return "too few new rubrics: " + "; ".join(short) if short else None
-
-
 def parse_generation(
-    text: str | None, max_new_per_stage: int, *, stages: Sequence[str] = STAGES, require_min: bool = False
+    text: str | None, max_new_per_stage: int, *, stages: Sequence[str] = STAGES
 ) -> tuple[list[GeneratedRubric], list[str]]:
     """Validated new rubrics, and notes on the ones dropped.
 
     Counts follow ``rubric_counts``: a stage's rubrics beyond its most are cut (the first ones
-    kept: the prompt asks for the most important first); with ``require_min`` a stage with fewer
-    than its fewest is a ``ReplyError`` (the repair asks again). Rubrics of stages not in ``stages``
-    and rubrics that break a detectable writing principle are dropped.
+    kept: the prompt asks for the most important first); fewer than the fewest is kept (the counts are
+    targets, not quotas, as in the paper). Rubrics of stages not in ``stages`` and rubrics that break a
+    detectable writing principle are dropped.
     """
     data = load_json_reply(text)
     problem = _schema_error(data, generation_schema())  # the shape; the counts are enforced below
     if problem:
         raise ReplyError(problem)
     counts = rubric_counts(max_new_per_stage, stages)
-    if require_min and (problem := _too_few(data, counts)):
-        raise ReplyError(problem)
     rubrics: list[GeneratedRubric] = []
     dropped: list[str] = []
     for stage in STAGES:

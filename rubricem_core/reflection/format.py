@@ -55,6 +55,21 @@ COPIES_TRAJECTORY = _code(
 SCAFFOLD_TAGS = _code("scaffold_tags", "contains scaffold tags (<answer>, <cite>, <call_tool>, ...)")
 MENTIONS_SCORES = _code("mentions_scores", "talks about scores, rewards or grading, which the policy never saw")
 
+# The paper's format check: a reflection element holding two non-empty lists and nothing else. The other
+# codes are this project's stricter checks (``validity="strict"``).
+STRUCTURAL_CODES = frozenset(
+    {
+        MISSING_REFLECTION,
+        MISSING_RUBRICS,
+        MISSING_TAKEAWAYS,
+        REPEATED_TAG,
+        TEXT_OUTSIDE_TAGS,
+        EMPTY_RUBRICS,
+        EMPTY_TAKEAWAYS,
+    }
+)
+VALIDITY_MODES = ("strict", "structural")
+
 REFLECTION_SYSTEM = f"""You review one of your own earlier research attempts so that the next attempt at this question, or at a similar one, goes better. You see the question and the attempt exactly as it happened: your plan, your tool calls, the tool outputs you got, your review and your final answer. Nobody tells you how good it was; judge that yourself from the evidence.
 
 Write two lists:
@@ -325,15 +340,27 @@ def _mentions_scores(text: str, question: str | None) -> bool:
 
 
 def validate_reflection(
-    text: str, trajectory_text: str | None = None, question: str | None = None, max_chars: int = MAX_REFLECTION_CHARS
+    text: str,
+    trajectory_text: str | None = None,
+    question: str | None = None,
+    max_chars: int = MAX_REFLECTION_CHARS,
+    validity: str = "strict",
 ) -> list[str]:
     """Codes (``REFLECTION_CODES``) of everything wrong with a generated reflection; [] = valid.
 
-    ``trajectory_text`` enables the verbatim-copy check; words of ``question`` never count as talk
-    about scores.
+    ``validity="structural"`` keeps only the paper's format check (``STRUCTURAL_CODES``); ``"strict"``
+    adds length, item count, scaffold tags, talk of scores and, given ``trajectory_text``, verbatim copying
+    (words of ``question`` never count as talk about scores or as copying).
     """
+    if validity not in VALIDITY_MODES:
+        raise ValueError(f"reflection validity must be one of {VALIDITY_MODES}, got {validity!r}")
     if not isinstance(text, str):
         return [MISSING_REFLECTION]
+    codes = _strict_codes(text, trajectory_text, question, max_chars)
+    return codes if validity == "strict" else [code for code in codes if code in STRUCTURAL_CODES]
+
+
+def _strict_codes(text: str, trajectory_text: str | None, question: str | None, max_chars: int) -> list[str]:
     reflection, codes = _structure(text)
     if reflection is not None:
         if not reflection.rubrics:

@@ -41,6 +41,7 @@ from rubricem_core.llm.structured import StructuredCall, StructuredClient, Struc
 from rubricem_core.llm.types import CallUsage, EndpointSettings
 from rubricem_core.reflection.format import (
     MAX_REFLECTION_CHARS,
+    VALIDITY_MODES,
     Reflection,
     clip_middle,
     parse_reflection,
@@ -146,6 +147,10 @@ class ReflectionJudgeOptions(StructuredOptions):
     max_reflection_chars: int = field(
         default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."}
     )
+    validity: str = field(
+        default="strict",
+        metadata={"help": "Which candidates are valid: strict (this project's checks) or structural (the paper's)."},
+    )
     mode: str = field(
         default="joint",
         metadata={
@@ -159,6 +164,8 @@ class ReflectionJudgeOptions(StructuredOptions):
             raise JudgeError("ReflectionJudgeOptions.max_trajectory_chars must be >= 0 or None")
         if self.max_reflection_chars < 1:
             raise JudgeError("ReflectionJudgeOptions.max_reflection_chars must be >= 1")
+        if self.validity not in VALIDITY_MODES:
+            raise JudgeError(f"ReflectionJudgeOptions.validity must be one of {VALIDITY_MODES}, got {self.validity!r}")
         if self.mode not in JUDGE_MODES:
             raise JudgeError(f"ReflectionJudgeOptions.mode must be one of {JUDGE_MODES}, got {self.mode!r}")
 
@@ -289,7 +296,11 @@ class ReflectionJudge:
             scores = []
             for number, text in enumerate(item.candidates):
                 codes = validate_reflection(
-                    text, item.trajectory_text, item.query.question, self.options.max_reflection_chars
+                    text,
+                    item.trajectory_text,
+                    item.query.question,
+                    self.options.max_reflection_chars,
+                    self.options.validity,
                 )
                 scores.append(
                     CandidateScore(

@@ -112,6 +112,7 @@ def sample_reflections(
     max_trajectory_chars: int,
     tools: Any,
     max_trajectory_tokens: int | None = None,
+    validity: str = "strict",
 ) -> list[dict[str, Any]]:
     """One reflection per source trajectory (dicts with ``query_id``, ``text`` and an id ``source``),
     unforced, each checked with the meta-policy's validator: the valid-reflection rate of a policy.
@@ -143,7 +144,7 @@ def sample_reflections(
     rows = []
     for src, group in zip(sources, groups):
         text = candidate_text(group[0], stops)
-        codes = validate_reflection(text, src["text"], questions[src["query_id"]])
+        codes = validate_reflection(text, src["text"], questions[src["query_id"]], validity=validity)
         rows.append(
             {"source": src["source"], "query_id": src["query_id"], "text": text, "valid": not codes, "codes": codes}
         )

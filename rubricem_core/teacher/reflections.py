@@ -76,13 +76,17 @@ def reflection_requests(
     ]
 
 
-def reflection_row(request: ChatRequest, result: ChatResult, question: str) -> dict[str, Any]:
+def reflection_row(request: ChatRequest, result: ChatResult, question: str, validity: str = "strict") -> dict[str, Any]:
     """A `teacher_reflections` row: the reply, its validity codes, and the canonical text when valid."""
     trajectory_text = request.metadata["source_text"]
     response = result.text if result.status == "ok" else None
     if response is not None and REFLECTION_STOP not in response and "<reflection" in response:
         response = response.rstrip() + "\n" + REFLECTION_STOP  # the provider stripped the stop string
-    codes = [REQUEST_FAILED] if response is None else validate_reflection(response, trajectory_text, question)
+    codes = (
+        [REQUEST_FAILED]
+        if response is None
+        else validate_reflection(response, trajectory_text, question, validity=validity)
+    )
     parsed = parse_reflection(response) if not codes else None
     return {
         "request_id": request.custom_id,
