@@ -3,9 +3,10 @@
 Each recipe trains in its own sub run directory ``<run_dir>/ablation/<recipe>`` that starts from a copy
 of the run's `queries`, `corpus`, `teacher_reflections` (when collected: the warm reflection bank) and
 SFT policy; every recipe gets the same RL budget (steps, queries per
-step, group size, seed — so the same query schedule), only ``rl.recipe`` differs. Each final checkpoint,
-and the SFT policy as the reference, is evaluated with the `evaluate` flow; the summary lands in the
-`ablation` table of the parent run and a bar plot in ``<run_dir>/ablation/ablation.png`` (and MLflow).
+step, group size, seed — so the same query schedule), only ``rl.recipe`` differs. Each final checkpoint
+(with rl.eval_every also each learning-curve checkpoint), and the SFT policy as the reference, is evaluated
+with the `evaluate` flow; the summary lands in the `ablation` table of the parent run, a bar plot in
+``<run_dir>/ablation/ablation.png`` and the learning curves in ``ablation_curve.png`` (and MLflow).
 A rerun resumes: RL continues after its last finished step, finished evaluations are read back.
 """
 
@@ -21,14 +22,15 @@ from prefect import flow, get_run_logger
 from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
-from rubricem_core.eval.ablation import ablation_plot, ablation_rows
+from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, ablation_rows, final_rows
+from rubricem_core.eval.run import checkpoint_updates
 from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
 from rubricem_core.runlock import run_dir_lock
 from rubricem_core.schemas import ABLATION_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_bytes
 from rubricem_core.tracking import Tracker
-from tasks.rl import start_policy
+from tasks.rl import curve_checkpoints, start_policy
 
 DEFAULT_RECIPES = ("baseline", "ss_grpo", "meta_policy", "full")
 
@@ -100,6 +102,12 @@ def ablation(
         with run_dir_lock(sub, command="ablation"):
             resolve_config(sub, config=sub_cfg, command="ablation")  # the recipe's run reads it from its directory
             trained = rl(run_dir=sub)
+            final = Path(trained["final_checkpoint"]).resolve()
+            for checkpoint in [c for c in curve_checkpoints(sub, sub_cfg) if c.resolve() != final]:
+                evaluation = evaluate(
+                    run_dir=sub, checkpoint=str(checkpoint), benchmarks=benchmarks, retrieval=retrieval
+                )
+                rows += ablation_rows(recipe, evaluation, budget, sub)
             evaluation = evaluate(
                 run_dir=sub, checkpoint=trained["final_checkpoint"], benchmarks=benchmarks, retrieval=retrieval
             )
@@ -109,16 +117,30 @@ def ablation(
     store.write_table("ablation", rows, schema=ABLATION_SCHEMA)
     plot = RunLayout(run_dir).ablation_plot
     atomic_write_bytes(plot, ablation_plot(rows, f"Recipe ablation ({budget['rl_steps']} RL steps each)"))
+    curve = RunLayout(run_dir).ablation_curve_plot if cfg.rl.eval_every is not None else None
+    if curve is not None:
+        atomic_write_bytes(
+            curve, ablation_curve_plot(rows, f"Learning curves (evaluated every {cfg.rl.eval_every} steps)")
+        )
     if cfg.tracking.enabled:
         tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
         with tracker.child_run("ablation", params={"ablation.recipes": ",".join(names), **budget}) as child:
-            child.log_metrics(
-                {
-                    f"ablation/{r['recipe']}/{r['benchmark']}/score_mean": r["score_mean"]
-                    for r in rows
-                    if r["score_mean"] is not None
-                },
-                step=0,
-            )
+            # one series per recipe and benchmark, by policy updates (SFT 0): the final score is its last point
+            by_step: dict[int, dict[str, float]] = {}
+            for r in rows:
+                if r["score_mean"] is not None:
+                    name = f"ablation/{r['recipe']}/{r['benchmark']}/score_mean"
+                    by_step.setdefault(checkpoint_updates(r["checkpoint"]), {})[name] = r["score_mean"]
+            for step, metrics in sorted(by_step.items()):
+                child.log_metrics(metrics, step=step)
             child.log_artifact(plot, "ablation")
-    return {"recipes": names, "budget": budget, "rows": rows, "plot": str(plot)}
+            if curve is not None:
+                child.log_artifact(curve, "ablation")
+    return {
+        "recipes": names,
+        "budget": budget,
+        "rows": rows,
+        "final": final_rows(rows),
+        "plot": str(plot),
+        "curve_plot": str(curve) if curve is not None else None,
+    }

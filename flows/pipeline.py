@@ -1,12 +1,14 @@
 """Flow `pipeline`: the whole RubricEM run on one profile — the README's main job.
 
-collect_sft_data → sft → rl → evaluate (held-out queries, graded independently of training rewards).
+collect_sft_data → sft → rl → evaluate (held-out queries, graded independently of training rewards; with
+rl.eval_every also the SFT policy and every learning-curve checkpoint, oldest first, the final one last).
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
 one child run per stage under the run directory's parent run.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
@@ -16,8 +18,18 @@ from flows.common import resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
+from rubricem_core.config import RunConfig
 from rubricem_core.report import write_report
-from tasks.rl import drop_sessions
+from tasks.rl import curve_checkpoints, drop_sessions, start_policy
+
+
+def learning_curve_checkpoints(run_dir: str, cfg: RunConfig, final: str) -> list[Path]:
+    """What rl.eval_every evaluates before the final checkpoint: the SFT policy, then the curve's RL
+    checkpoints, oldest first ([] without rl.eval_every)."""
+    if cfg.rl.eval_every is None:
+        return []
+    final_path = Path(final).resolve()
+    return [start_policy(run_dir), *(c for c in curve_checkpoints(run_dir, cfg) if c.resolve() != final_path)]
 
 
 @flow(name="pipeline", flow_run_name="{run_dir}")
@@ -35,11 +47,13 @@ def pipeline(
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides of the profile, e.g. {"rl.recipe": "baseline"}.
     """
-    resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it from run_dir
+    cfg = resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it
     collected = collect_sft_data(run_dir=run_dir)
     tuned = sft(run_dir=run_dir)
     trained = rl(run_dir=run_dir)
     drop_sessions()  # free the RL models before evaluation loads the final checkpoint
-    evaluated = evaluate(run_dir=run_dir)
+    for checkpoint in learning_curve_checkpoints(run_dir, cfg, trained["final_checkpoint"]):
+        evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
+    evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])
     report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
     return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}

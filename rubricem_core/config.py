@@ -509,7 +509,18 @@ class RLConfig(_Strict):
         "same numbers for any N. 1: every step (the tiny figures).",
     )
     keep_checkpoints: int = Field(
-        default=2, ge=1, description="RL step checkpoints kept (the newest; a resume needs only the newest)."
+        default=2,
+        ge=1,
+        description="RL step checkpoints kept (the newest; a resume needs only the newest), besides the "
+        "learning-curve checkpoints of rl.eval_every, which are never pruned.",
+    )
+    eval_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="Learning curve: write, keep and evaluate the checkpoint of every N-th RL step (steps N-1, "
+        "2N-1, ... counted from 0) besides the last, and the SFT policy; the pipeline and the ablation flow "
+        "evaluate each (eval_results.step names the step) and the report plots score against step. None: the "
+        "final checkpoint only.",
     )
 
     @model_validator(mode="after")

@@ -18,7 +18,8 @@
       checkpoints/sft/step-NNNNNN, final   SFT checkpoints (final: the policy RL starts from)
       checkpoints/rl/step-NNNNNN           one checkpoint per RL step
       report/report.html                   the one-page HTML report
-      ablation/<recipe>/, ablation.png     the ablation flow's sub runs and its plot
+      ablation/<recipe>/, ablation.png,    the ablation flow's sub runs, its plot and, with rl.eval_every,
+      ablation_curve.png                   its learning curves
 
 A ``RunLayout`` never resolves or creates anything: it joins names onto the path it is given, so each
 caller keeps its own choice of a resolved or a relative run directory.
@@ -50,6 +51,7 @@ MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "artifacts"
 REPORT_FILE = "report.html"
 ABLATION_PLOT = "ablation.png"
+ABLATION_CURVE_PLOT = "ablation_curve.png"
 
 FINAL_CHECKPOINT = "final"
 STEP_CHECKPOINT = re.compile(r"step-\d+")  # the name of an intermediate checkpoint directory
@@ -191,6 +193,10 @@ class RunLayout:
     @property
     def ablation_plot(self) -> Path:
         return self.ablation_dir / ABLATION_PLOT
+
+    @property
+    def ablation_curve_plot(self) -> Path:
+        return self.ablation_dir / ABLATION_CURVE_PLOT
 
     def looks_like_run_dir(self) -> bool:
         """Whether the directory holds a run: its tables/ or its config.yaml."""

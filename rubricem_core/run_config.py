@@ -66,6 +66,7 @@ _SAFE_PREFIXES = (
     # checkpoint from the tables, so any checkpoint spacing gives the same weights
     "rl.checkpoint_every",
     "rl.keep_checkpoints",
+    "rl.eval_every",  # which checkpoints are kept for the curve: the same weights, more of them on disk
 )
 
 

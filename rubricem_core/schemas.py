@@ -270,6 +270,7 @@ EVAL_RESULTS_SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("text", pa.string()),
         ("settings", pa.string()),
+        ("step", pa.int64()),  # the RL step of the checkpoint; NULL: SFT or a checkpoint from elsewhere
     ]
 )
 EVAL_REFLECTIONS_SCHEMA = pa.schema(

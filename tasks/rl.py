@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -34,6 +35,8 @@ from rubricem_core.rl.session import (  # noqa: F401  (re-exported for the flows
     checkpoint_due,
     completed_step,
     current_session,
+    curve_checkpoints,
+    curve_steps,
     drop_sessions,
     engine_asleep,
     ensure_engine_weights,
@@ -407,7 +410,7 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     atomic_write_text(store.layout.rl_progress_file, json.dumps({"completed_step": plan.step}))
     fault_point("rl.step_done")
     if saved:
-        _prune_checkpoints(run_dir, keep=cfg.rl.keep_checkpoints)
+        _prune_checkpoints(run_dir, keep=cfg.rl.keep_checkpoints, curve=curve_steps(cfg))
     log.info(
         "step %d: update on %d trajectories: loss %.4f kl %.4f clip %.3f gap %.4f%s",
         plan.step,
@@ -421,11 +424,13 @@ def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     return {"cached": False, "metrics": out}
 
 
-def _prune_checkpoints(run_dir: str, keep: int) -> None:
+def _prune_checkpoints(run_dir: str, keep: int, curve: Sequence[int] = ()) -> None:
     """Keep the newest ``keep`` step checkpoints (a resume needs only the newest; the rest are for
-    inspection and evaluation)."""
+    inspection and evaluation) and those of the learning-curve steps ``curve``."""
     import shutil
 
+    kept = {step_checkpoint(run_dir, step) for step in curve}
     ckpts = sorted(p for p in rl_dir(run_dir).glob("step-*") if p.is_dir())
     for old in ckpts[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)

@@ -77,6 +77,7 @@ TINY_PIPELINE = {
     "rollout.max_new_tokens": 48,
     "rollout.max_total_tokens": 1200,
     "tools.max_tool_calls": 2,
+    "rl.eval_every": 1,  # a learning curve: SFT and both RL steps evaluated
 }
 
 

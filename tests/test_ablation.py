@@ -51,19 +51,23 @@ def run_dir(tmp_path_factory, prefect_harness):
 def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir, monkeypatch):
     from flows.ablation import ablation
 
+    overrides = {**SMALL, "rl.eval_every": 1}  # learning curves: every step's checkpoint evaluated
     result = ablation(
-        run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
+        run_dir=run_dir, profile="tiny", overrides=overrides, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
     )
     assert result["budget"] == {"rl_steps": 2, "queries_per_step": 1, "group_size": 2}
     rows = RunStore(run_dir).read_rows("ablation")
-    assert [(r["recipe"], r["benchmark"]) for r in rows] == [
-        ("sft", "synthetic"),
-        ("baseline", "synthetic"),
-        ("ss_grpo", "synthetic"),
+    assert [(r["recipe"], r["checkpoint"]) for r in rows] == [
+        ("sft", "sft"),
+        ("baseline", "rl-step-000000"),
+        ("baseline", "rl-step-000001"),
+        ("ss_grpo", "rl-step-000000"),
+        ("ss_grpo", "rl-step-000001"),
     ]
-    assert [r["rl_steps"] for r in rows] == [0, 2, 2]
-    assert [r["checkpoint"] for r in rows] == ["sft", "rl-step-000001", "rl-step-000001"]
-    assert all(0.0 <= r["score_mean"] <= 1.0 and r["n_samples"] == 2 for r in rows)
+    assert [r["rl_steps"] for r in rows] == [0, 2, 2, 2, 2]
+    assert all(r["benchmark"] == "synthetic" and 0.0 <= r["score_mean"] <= 1.0 and r["n_samples"] == 2 for r in rows)
+    assert [r["checkpoint"] for r in result["final"]] == ["sft", "rl-step-000001", "rl-step-000001"]
+    assert Path(result["curve_plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     subs = {recipe: RunStore(Path(run_dir) / "ablation" / recipe) for recipe in ("baseline", "ss_grpo")}
     schedules = {}
@@ -85,12 +89,14 @@ def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir,
 
     plot = Path(result["plot"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    logged = json.loads(run_sql(run_dir, "SELECT name FROM metrics WHERE flow = 'ablation'", fmt="json"))
-    assert {m["name"] for m in logged} == {
-        "ablation/sft/synthetic/score_mean",
-        "ablation/baseline/synthetic/score_mean",
-        "ablation/ss_grpo/synthetic/score_mean",
-    }
+    logged = json.loads(run_sql(run_dir, "SELECT name, step FROM metrics WHERE flow = 'ablation'", fmt="json"))
+    assert sorted((m["name"], m["step"]) for m in logged) == [  # one series per recipe, by policy updates
+        ("ablation/baseline/synthetic/score_mean", 1),
+        ("ablation/baseline/synthetic/score_mean", 2),
+        ("ablation/sft/synthetic/score_mean", 0),
+        ("ablation/ss_grpo/synthetic/score_mean", 1),
+        ("ablation/ss_grpo/synthetic/score_mean", 2),
+    ]
 
     # a rerun trains and samples nothing: RL resumes after its last step, evaluations are read back
     import flows.rl
@@ -102,7 +108,7 @@ def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir,
     monkeypatch.setattr(flows.rl, "rl_step", refuse)
     monkeypatch.setattr(tasks.evaluate, "run_eval", refuse)
     again = ablation(
-        run_dir=run_dir, profile="tiny", overrides=SMALL, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
+        run_dir=run_dir, profile="tiny", overrides=overrides, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
     )
     assert [r["score_mean"] for r in again["rows"]] == [r["score_mean"] for r in rows]
 

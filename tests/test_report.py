@@ -259,6 +259,25 @@ def build_synthetic_run(run_dir: Path, answer_r: dict[int, list[float]] = ANSWER
             for i, s in enumerate(scores)
         ],
     )
+    # a learning curve (rl.eval_every): the SFT policy and RL step 1's checkpoint on one benchmark
+    store.write_table(
+        "eval_results",
+        [
+            {
+                "checkpoint": tag,
+                "step": step,
+                "benchmark": "curve",
+                "query_id": f"c{i}",
+                "retrieval": "none",
+                "details": "{}",
+                "score": s,
+                "grade_failed": False,
+            }
+            for tag, step, scores in (("sft", None, [0.2, 0.4]), ("rl-step-000001", 1, [0.6, 0.8]))
+            for i, s in enumerate(scores)
+        ],
+        part="curve",
+    )
     if metrics:
         t0 = datetime(2025, 1, 1, tzinfo=UTC)
         rows = []
@@ -357,6 +376,7 @@ def test_sft_eval_reflection_numbers(synthetic: tuple[Path, Path, str]) -> None:
         ("healthbench", "none"): "0.750",
         (f"bench{EVIL}", "none"): "0.250",
         ("qa $n$", "none"): "0.750",
+        ("curve", "none"): "0.300",  # the last row of the key: the table is ordered by checkpoint, sft last
     }  # '$' pairs are literal text in the page and the plot
     refl = table_with_header(page, "step", "accepted")
     assert [(r["candidates"], r["valid"], r["accepted"], r["mean score (valid)"], r["best score"]) for r in refl] == [
@@ -577,8 +597,16 @@ def test_report_of_the_tiny_run(tiny_pipeline_run: Path, tmp_path: Path) -> None
     trajectories = store.read_rows("sft_trajectories")
     assert kv(page)["trajectories"] == str(len(trajectories))
     assert kv(page)["rejected"] == str(sum(not t["accepted"] for t in trajectories))
-    for name in ("stage_rewards", "buffer_size", "judge_cost", "sft_loss"):
+    for name in ("stage_rewards", "buffer_size", "judge_cost", "sft_loss", "eval_curve"):
         assert_real_png(run_dir / "report" / "report_plots" / f"{name}.png")
+    # rl.eval_every=1: the pipeline evaluated the SFT policy and each RL step's checkpoint (SQL over the curve)
+    with RunData(run_dir) as data:
+        curve = data.rows("SELECT DISTINCT checkpoint, step FROM eval_results ORDER BY step NULLS FIRST")
+    assert [(r["checkpoint"], r["step"]) for r in curve] == [
+        ("sft", None),
+        ("rl-step-000000", 0),
+        ("rl-step-000001", 1),
+    ]
 
     # the copy's MLflow store follows the copy (rubricem_core.tracking relocates it): the parent run's
     # report/report.html resolves under the copy and is this page, not the original's

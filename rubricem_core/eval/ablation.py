@@ -1,8 +1,10 @@
-"""The recipe ablation's table and bar plot (pure functions; the `ablation` flow does the runs).
+"""The recipe ablation's table, bar plot and learning curves (pure functions; the `ablation` flow does
+the runs).
 
-A row per (recipe, benchmark): the evaluation summary of the recipe's final RL checkpoint, with the
-RL budget it had (steps, queries per step, group size), so a table whose budgets differ is visible
-as such. The SFT policy the recipes start from is the ``sft`` reference row.
+A row per (recipe, benchmark, evaluated checkpoint): the evaluation summary of a recipe's RL checkpoint,
+with the RL budget it had (steps, queries per step, group size), so a table whose budgets differ is
+visible as such. Without rl.eval_every only the final checkpoint is evaluated; with it, every curve
+checkpoint too (the final one last). The SFT policy the recipes start from is the ``sft`` reference row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from rubricem_core import schemas
+from rubricem_core.eval.run import checkpoint_updates
 from rubricem_core.schemas import nan_to_none
 
 ABLATION_SCHEMA = schemas.ABLATION_SCHEMA  # defined in schemas; the ablation flow imports it from here
@@ -50,8 +53,20 @@ def _num(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def final_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (recipe, benchmark)'s row of its most trained checkpoint (the final one of a recipe)."""
+    final: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["recipe"], row["benchmark"])
+        if key not in final or checkpoint_updates(row["checkpoint"]) >= checkpoint_updates(final[key]["checkpoint"]):
+            final[key] = row
+    return list(final.values())
+
+
 def ablation_plot(rows: Sequence[dict[str, Any]], title: str = "Recipe ablation") -> bytes:
-    """PNG bytes: grouped bars, one group per benchmark, one bar per recipe (missing scores drawn as 0)."""
+    """PNG bytes: grouped bars, one group per benchmark, one bar per recipe at its final checkpoint
+    (missing scores drawn as 0)."""
+    rows = final_rows(rows)
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
     if not benchmarks:
@@ -69,6 +84,42 @@ def ablation_plot(rows: Sequence[dict[str, Any]], title: str = "Recipe ablation"
     ax.set_ylabel("mean score")
     ax.set_title(title)
     ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png")
+    return out.getvalue()
+
+
+def curve_points(rows: Sequence[dict[str, Any]], recipe: str, benchmark: str) -> list[tuple[int, float]]:
+    """(policy updates, score) of one recipe's curve on one benchmark, starting from the SFT reference."""
+    points = {
+        checkpoint_updates(r["checkpoint"]): r["score_mean"]
+        for r in rows
+        if r["benchmark"] == benchmark and r["recipe"] in (recipe, "sft") and r["score_mean"] is not None
+    }
+    return sorted(points.items())
+
+
+def ablation_curve_plot(rows: Sequence[dict[str, Any]], title: str = "Learning curves") -> bytes:
+    """PNG bytes: one panel per benchmark, score against RL steps (policy updates; SFT at 0), a line per
+    recipe (every recipe's line starts at the SFT reference)."""
+    benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
+    recipes = [r for r in dict.fromkeys(row["recipe"] for row in rows) if r != "sft"]
+    if not benchmarks or not recipes:
+        raise ValueError("ablation_curve_plot: no recipe rows to plot")
+    fig = Figure(figsize=(max(4.0, 3.6 * len(benchmarks)), 3.4), dpi=100)
+    for index, benchmark in enumerate(benchmarks, 1):
+        ax = fig.add_subplot(1, len(benchmarks), index)
+        for recipe in recipes:
+            points = curve_points(rows, recipe, benchmark)
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, label=recipe.replace("$", r"\$"))
+        ax.set_title(benchmark.replace("$", r"\$"), fontsize=10)
+        ax.set_xlabel("RL steps (policy updates)")
+        ax.set_ylabel("mean score")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
     fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png")

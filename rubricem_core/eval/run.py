@@ -124,10 +124,17 @@ def checkpoint_tag(run_dir: str | Path, checkpoint: str | Path) -> str:
     return f"{safe_name(path.name)}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
+def checkpoint_step(tag: str) -> int | None:
+    """The RL step whose checkpoint ``tag`` names (``rl-step-000003`` → 3); None for the SFT policy or a
+    checkpoint from elsewhere (`eval_results.step`: SQL over a learning curve)."""
+    match = re.fullmatch(r"rl-step-(\d+)", tag)
+    return int(match.group(1)) if match else None
+
+
 def checkpoint_updates(tag: str) -> int:
     """Policy updates in a checkpoint (the MLflow step of its metrics): SFT 0, RL step N → N + 1."""
-    match = re.fullmatch(r"rl-step-(\d+)", tag)
-    return int(match.group(1)) + 1 if match else 0
+    step = checkpoint_step(tag)
+    return 0 if step is None else step + 1
 
 
 # ---- guidance ------------------------------------------------------------------------------------
@@ -374,6 +381,7 @@ def result_rows(
             rows.append(
                 {
                     "checkpoint": checkpoint,
+                    "step": checkpoint_step(checkpoint),
                     "benchmark": benchmark,
                     "query_id": sample.query_id,
                     "retrieval": retrieval,
@@ -404,6 +412,7 @@ def ungraded_row(
     code, message = reason
     return {
         "checkpoint": checkpoint,
+        "step": checkpoint_step(checkpoint),
         "benchmark": benchmark,
         "query_id": query_id,
         "retrieval": retrieval,

@@ -17,6 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from rubricem_core.eval.run import checkpoint_updates
 from rubricem_core.report.data import STAGES, RunData
 from rubricem_core.report.sections import eval_graded
 from rubricem_core.store import atomic_write_bytes
@@ -372,6 +373,45 @@ def plot_eval_scores(data: RunData, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_eval_curve(data: RunData, path: Path) -> Path | None:
+    """The learning curve (rl.eval_every): mean evaluation score against policy updates (SFT 0, RL step N
+    → N + 1), a line per (benchmark, retrieval), error bars the standard error; None with fewer than two
+    evaluated checkpoints of this run."""
+    if not data.has("eval_results", "benchmark", "score", "checkpoint"):
+        return None
+    retrieval = "coalesce(CAST(retrieval AS VARCHAR), '')" if "retrieval" in data.columns("eval_results") else "''"
+    rows = data.rows(
+        f"SELECT benchmark, {retrieval} AS retrieval, CAST(checkpoint AS VARCHAR) AS checkpoint, avg(score) AS mean, "
+        f"stddev_samp(score) AS sd, count(score) AS n FROM eval_results WHERE score IS NOT NULL AND {eval_graded(data)} "
+        "AND (checkpoint = 'sft' OR regexp_matches(checkpoint, '^rl-step-[0-9]+$')) GROUP BY ALL"
+    )
+    for r in rows:
+        r["updates"] = checkpoint_updates(r["checkpoint"])
+    if len({r["updates"] for r in rows}) < 2:
+        return None
+    fig, (ax,) = _figure(1, "Learning curve")
+    for i, key in enumerate(dict.fromkeys((r["benchmark"], r["retrieval"]) for r in rows)):
+        points = sorted((r["updates"], r) for r in rows if (r["benchmark"], r["retrieval"]) == key)
+        xs = [x for x, _ in points]
+        means = [float(r["mean"]) for _, r in points]
+        errors = [float(r["sd"]) / math.sqrt(r["n"]) if r["sd"] is not None and r["n"] > 1 else 0.0 for _, r in points]
+        ax.errorbar(
+            xs,
+            means,
+            yerr=errors,
+            color=PALETTE[i % len(PALETTE)],
+            marker="o",
+            markersize=3,
+            linewidth=1.4,
+            capsize=3,
+            label=_label(" · ".join(part for part in key if part)),
+        )
+    ax.set_ylabel("mean score", fontsize=9)
+    _steps_axis(ax, sorted({r["updates"] for r in rows}), "RL steps (policy updates; SFT = 0)")
+    _legend(ax)
+    return _save(fig, path)
+
+
 def plot_sft_loss(data: RunData, path: Path) -> Path | None:
     """SFT training loss per optimizer step, and the per-stage NLL."""
     series = data.metric_series("sft/", flow="sft")
@@ -416,6 +456,7 @@ PLOTS: tuple[PlotSpec, ...] = (
     ),
     PlotSpec("reflection_acceptance", "Reflection acceptance", "table reflections", plot_reflection_acceptance),
     PlotSpec("eval_scores", "Evaluation scores", "table eval_results", plot_eval_scores),
+    PlotSpec("eval_curve", "Learning curve", "table eval_results (SFT and rl.eval_every checkpoints)", plot_eval_curve),
     PlotSpec("sft_loss", "SFT loss", "metrics sft/loss, sft/nll/* (flow sft)", plot_sft_loss),
 )
 

@@ -107,9 +107,24 @@ def last_step(cfg: RunConfig) -> int:
 
 
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
-    """Whether step ``step`` writes a resumable checkpoint: every rl.checkpoint_every steps, and always
-    the last one (evaluation and the flow's result read it)."""
-    return (step + 1) % cfg.rl.checkpoint_every == 0 or step >= last_step(cfg)
+    """Whether step ``step`` writes a resumable checkpoint: every rl.checkpoint_every steps, every
+    learning-curve step (rl.eval_every), and always the last one (evaluation and the flow's result read it)."""
+    return (step + 1) % cfg.rl.checkpoint_every == 0 or step in curve_steps(cfg) or step >= last_step(cfg)
+
+
+def curve_steps(cfg: RunConfig) -> list[int]:
+    """The RL steps whose checkpoints make the learning curve (rl.eval_every; never pruned), the last
+    step included; [] without rl.eval_every."""
+    every = cfg.rl.eval_every
+    if every is None:
+        return []
+    last = last_step(cfg)
+    return sorted({*range(every - 1, last + 1, every), last})
+
+
+def curve_checkpoints(run_dir: str, cfg: RunConfig) -> list[Path]:
+    """The learning-curve checkpoints a run has written (rl.eval_every), oldest first."""
+    return [step_checkpoint(run_dir, step) for step in curve_steps(cfg) if has_checkpoint(run_dir, step)]
 
 
 def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
