@@ -28,6 +28,7 @@ from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
+from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
@@ -129,7 +130,7 @@ def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
 
 
 def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
-    queries = [q["query_id"] for q in RunStore(run_dir).read_rows("queries") if q["split"] == "train"]
+    queries = [q["query_id"] for q in rl_queries(RunStore(run_dir).read_rows("queries"), cfg.data.rl_filter)]
     reflecting = get_recipe(cfg.rl.recipe).reflection
     return windowed_schedule(
         queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=reflecting

@@ -37,9 +37,13 @@ class QuerySource(_Strict):
     format: str | None = Field(
         default=None,
         description="Reader: dr_tulu, healthbench, scholarqa_cs, deep_research_bench, simpleqa, 2wiki, "
-        "jsonl, parquet. None guesses from the file name.",
+        "searcharena, openscholar (SFT sources), jsonl, parquet. None guesses from the file's content.",
     )
-    split: Literal["train", "eval"] = Field(default="train", description="Split assigned to these queries.")
+    split: Literal["train", "sft", "eval"] = Field(
+        default="train",
+        description="Split assigned to these queries: train (RL, and SFT unless data.sft_split says otherwise), "
+        "sft (SFT data collection only) or eval (held out).",
+    )
     limit: int | None = Field(default=None, ge=1, description="Keep only the first N queries.")
 
 
@@ -51,6 +55,17 @@ class DataConfig(_Strict):
     queries: list[QuerySource] = Field(default_factory=list, description="Query files (source=files).")
     corpus: str | None = Field(
         default=None, description="Corpus for the local search tool: JSONL, Parquet, or a folder of .txt/.md."
+    )
+    sft_split: Literal["train", "sft", "sft+train"] = Field(
+        default="train",
+        description="Queries the teacher writes SFT traces for: train (the RL queries themselves), sft (the "
+        "queries of split sft only, apart from RL: the paper's short- and long-form SFT mix) or sft+train.",
+    )
+    rl_filter: Literal["none", "long_form"] = Field(
+        default="none",
+        description="Which train queries RL schedules: none (all) or long_form (the paper: RL on long-form "
+        "queries only; a query is long-form unless its reader marked it short_form — SimpleQA, 2Wiki, "
+        "exact-answer DR Tulu rows, plain rows with a reference and no rubrics; synthetic queries are long-form).",
     )
 
 

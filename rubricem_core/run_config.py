@@ -92,7 +92,12 @@ _STAGE_OF: dict[str, tuple[str, Callable[[Path], bool]]] = {
     "rollout": ("rl", _has("rollouts")),
     "judge": ("rl", _has("rollouts")),
     "reflection": ("rl", _has("rollouts")),
+    "data.rl_filter": ("rl", _has("rollouts")),  # which queries RL schedules: nothing before RL reads it
 }
+
+
+def _never(run_dir: Path) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def refused_changes(run_dir: Path, changes: list[Change]) -> list[tuple[Change, 
     for change in changes:
         if is_safe(change):
             continue
-        stage, written = _STAGE_OF.get(change.field.split(".", 1)[0], ("", lambda _d: False))
+        stage, written = _STAGE_OF.get(change.field, _STAGE_OF.get(change.field.split(".", 1)[0], ("", _never)))
         if written(run_dir):
             out.append((change, stage))
     return out

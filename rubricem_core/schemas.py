@@ -21,7 +21,10 @@ import pyarrow as pa
 
 RUBRIC_STAGES: tuple[str, ...] = ("plan", "research", "review", "answer")
 RUBRIC_POLARITIES: tuple[str, ...] = ("positive", "negative")
-QUERY_SPLITS: tuple[str, ...] = ("train", "eval")
+# train: RL queries (and SFT's unless data.sft_split says otherwise); sft: SFT data collection only (the
+# paper's short- and long-form SFT mix, apart from the RL queries); eval: held out.
+QUERY_SPLITS: tuple[str, ...] = ("train", "sft", "eval")
+SHORT_FORM = "short_form"  # the query kind readers give short-answer data; every other kind counts as long-form
 
 RUBRIC_TYPE = pa.struct(
     [

@@ -47,6 +47,13 @@ class WorldConfig(BaseModel):
         200, ge=1, description="Number of queries to generate (fewer only if the world is too small)."
     )
     eval_fraction: float = Field(0.2, ge=0.0, le=1.0, description="Fraction of queries put in the 'eval' split.")
+    sft_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the non-eval queries put in the 'sft' split (SFT data only, apart from RL; "
+        "data.sft_split: sft reads them). 0: every non-eval query is 'train'.",
+    )
     distractor_rate: float = Field(
         0.2, ge=0.0, le=0.5, description="Fraction of organizations that are confusable distractors of a real one."
     )
@@ -754,6 +761,9 @@ def _make_queries(
     if cfg.eval_fraction > 0 and n_eval == 0 and len(built) > 1:
         n_eval = 1
     eval_indices = set(rng.sample(range(len(built)), n_eval))
+    rest = [i for i in range(len(built)) if i not in eval_indices]
+    n_sft = min(round(cfg.sft_fraction * len(rest)), len(rest) - 1) if rest else 0
+    sft_indices = set(rng.sample(rest, n_sft)) if n_sft > 0 else set()  # no draw at 0: worlds stay as they were
     queries = []
     for index, (kind, question, answer, spec, required, rubrics) in enumerate(built):  # type: ignore[assignment]
         gold = sorted({doc_id for fact in required for doc_id in fact["doc_ids"]})
@@ -761,7 +771,7 @@ def _make_queries(
             Query(
                 query_id=f"syn-{index:05d}",
                 source="synthetic",
-                split="eval" if index in eval_indices else "train",
+                split="eval" if index in eval_indices else "sft" if index in sft_indices else "train",
                 kind=kind,
                 question=question,
                 messages=[{"role": "user", "content": question}],

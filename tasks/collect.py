@@ -29,6 +29,7 @@ from rubricem_core.schemas import (
     TEACHER_RESPONSES_SCHEMA,
 )
 from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.splits import sft_queries
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (
@@ -49,7 +50,7 @@ def _round_key(round_index: int) -> dict[str, int]:
 
 def load_states(store: RunStore, cfg: RunConfig, upto_round: int) -> list[TrajectoryState]:
     """Initial states (rebuilt from `queries`) overlaid with each completed round's updates."""
-    queries = [q for q in store.read_rows("queries") if q["split"] == "train"]
+    queries = sft_queries(store.read_rows("queries"), cfg.data.sft_split)
     system = policy_system_prompt(cfg.policy.prompt_style)
     states = {s.trajectory_id: s for s in initial_states(queries, cfg.teacher.trajectories_per_query, cfg.seed, system)}
     for r in range(upto_round + 1):

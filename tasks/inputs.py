@@ -61,12 +61,14 @@ def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
     queries = store.read_table("queries")
     n_docs = store.read_table("corpus").num_rows
     n_train = pc.sum(pc.equal(queries["split"], "train")).as_py() or 0
+    n_sft = pc.sum(pc.equal(queries["split"], "sft")).as_py() or 0
     log.info(
-        "inputs: %d documents, %d queries (%d train, %d eval)",
+        "inputs: %d documents, %d queries (%d train, %d sft-only, %d eval)",
         n_docs,
         queries.num_rows,
         n_train,
-        queries.num_rows - n_train,
+        n_sft,
+        queries.num_rows - n_train - n_sft,
     )
     return {"documents": n_docs, "queries": queries.num_rows, "train_queries": n_train}
 
