@@ -172,7 +172,13 @@ def _web_specs(web: FakeWebSearchServer) -> list[dict[str, Any]]:
 
 
 def cpu_overrides(
-    tmp: Path, servers: dict[str, Any], web: FakeWebSearchServer, train: str, heldout: str, healthbench: str
+    tmp: Path,
+    servers: dict[str, Any],
+    web: FakeWebSearchServer,
+    train: str,
+    heldout: str,
+    healthbench: str,
+    sft_only: str,
 ) -> dict[str, Any]:
     """What a CPU cannot run swapped out; everything else stays as research.yaml sets it."""
     endpoints = {"teacher": "teacher", "judge": "judge", "reflection.judge": "reflect", "eval.grader": "grader"}
@@ -187,8 +193,12 @@ def cpu_overrides(
         **out,
         "data.queries": [
             {"path": train, "format": "dr_tulu", "split": "train"},
+            {"path": sft_only, "format": "dr_tulu", "split": "sft"},
             {"path": heldout, "format": "dr_tulu", "split": "eval"},
         ],
+        # research's sft_split is `sft` (SFT data apart from the RL queries); a world of 6 train queries is
+        # too small to spare, so the teacher also writes traces for the RL queries here
+        "data.sft_split": "sft+train",
         "tools.specs": _web_specs(web),
         "tools.cache_dir": str(tmp / "cache" / "tools"),
         "teacher.batch_poll_interval_s": 0.05,
@@ -249,8 +259,9 @@ def research_run(tmp_path_factory, prefect_harness):
     tmp = tmp_path_factory.mktemp("research")
     world = generate_world(WORLD)
     marker = f"answer-key-{secrets.token_hex(6)}"
-    train_rows = [_dr_tulu_row(q, marker) for q in world.queries if q.split == "train"] + _overview_rows(world, marker)
+    train_rows = [_dr_tulu_row(q, marker) for q in world.queries if q.split == "train"]
     train = _write_jsonl(tmp / "train.jsonl", train_rows)
+    sft_only = _write_jsonl(tmp / "sft.jsonl", _overview_rows(world, marker))  # split sft: SFT data, never RL
     heldout_queries = [q for q in world.queries if q.split == "eval"]
     heldout = _write_jsonl(tmp / "heldout.jsonl", [_dr_tulu_row(q, marker) for q in heldout_queries])
     healthbench = _write_jsonl(tmp / "healthbench.jsonl", [_healthbench_row(q) for q in heldout_queries])
@@ -275,7 +286,7 @@ def research_run(tmp_path_factory, prefect_harness):
         for name, key in KEYS.items():
             mp.setenv(_env(name), key)
         servers = {"teacher": tserver, "judge": jserver, "reflect": rserver, "grader": gserver}
-        overrides = cpu_overrides(tmp, servers, web, train, heldout, healthbench)
+        overrides = cpu_overrides(tmp, servers, web, train, heldout, healthbench, sft_only)
         # even reflection candidates spell a valid reflection (the tiny policy writes none of its own)
         questions: dict[str, str] = {}
         mp.setattr(rl_session, "HFRolloutEngine", forcing_engine(rl_session.HFRolloutEngine, questions))
@@ -373,6 +384,8 @@ def test_rl_runs_two_steps_with_the_reflection_loop(research_run):
     step0 = {r["query_id"] for r in store.read_rows("rollouts", {"step": 0})}
     assert step0 == {r["query_id"] for r in bank if r["step"] == 0}
     assert all(r["guidance"] for r in store.read_rows("rollouts"))
+    # data.sft_split / rl_filter: the sft-only overview questions were SFT data, never an RL query
+    assert not any(r["query_id"].startswith("dr_tulu-overview") for r in store.read_rows("rollouts"))
     assert {r["retrieval"] for r in store.read_rows("rollouts", {"step": 1})} == {"within"}
     hits = json.loads(
         run_sql(
