@@ -589,14 +589,14 @@ class EvalConfig(_Strict):
         default="per_criterion",
         description="HealthBench: per_criterion (one met/not-met grader call per rubric criterion, as the official "
         "grader; one failed call fails that answer's grade) or joint (one call grading all criteria). Both give the "
-        "same scores with the built-in grader.",
+        "same scores with the built-in grader. graders.healthbench.protocol overrides it.",
     )
     drb_grading: Literal["absolute", "race"] = Field(
         default="absolute",
         description="DeepResearchBench: absolute (each criterion scored 0..10 on its own) or race (the benchmark's "
         "RACE: the report and the query's reference report scored on the same criteria, score T / (T + R) of the "
         "dimension-weighted totals; needs paths.deep_research_bench_reference, queries without a reference are "
-        "recorded ungraded as no_reference).",
+        "recorded ungraded as no_reference). graders.deep_research_bench.protocol overrides it.",
     )
     samples_per_query: int = Field(default=1, ge=1, description="Trajectories sampled per query (scores are averaged).")
     temperature: float = Field(default=0.7, ge=0, description="Sampling temperature of the policy (0 = greedy).")

@@ -7,7 +7,11 @@ Rubric `check` objects written here:
   {"type": "final", "value", "aliases"}        short-form answer, checkable by string match
   {"type": "benchmark", "benchmark", ...}       judged by an LLM; carries the source's own details
                                                 (HealthBench points/tags, ScholarQA evidence,
-                                                DeepResearchBench dimension and weights)
+                                                DeepResearchBench dimension and weights, ResearchQA
+                                                item type, ResearchRubrics signed weight and axis)
+
+ResearchQA, ResearchRubrics, WebWalkerQA and DeepSearchQA are read in their published formats; the
+comment above each reader names the source (repository / dataset card, commit) and the fields followed.
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ DRB_GRADING: tuple[str, ...] = ("absolute", "race")
 class GraderOptions(StructuredOptions):
     """Sampling options of the grader and how two benchmarks are graded.
 
-    ``GraderOptions.from_config(cfg.eval.grader, seed=cfg.seed, healthbench_grading=cfg.eval.healthbench_grading,
-    drb_grading=cfg.eval.drb_grading)`` takes the rest from the grader section.
+    ``GraderOptions.from_config(cfg.eval.grader_for(benchmark), seed=cfg.seed, <setting>=cfg.eval.protocol_for(benchmark))``
+    takes the rest from the benchmark's grader section (``tasks.evaluate._grader``).
     """
 
     error_type = EvalError
