@@ -53,7 +53,7 @@ def evaluate(
         overrides: dotted-key overrides, e.g. {"eval.max_queries": 4}.
         checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).
         benchmarks: names to run (default: eval.benchmarks): synthetic, healthbench, deep_research_bench,
-            scholarqa_cs, simpleqa, 2wiki.
+            scholarqa_cs, simpleqa, 2wiki, researchqa, researchrubrics, webwalkerqa, deepsearchqa.
         retrieval: test-time reflection guidance none | cross | within | sequential (default: eval.retrieval);
             sequential: a trial with cross retrieval, the policy's reflection on it, a second trial guided by it.
     """
@@ -63,8 +63,8 @@ def evaluate(
         cfg = cfg.model_copy(
             update={"eval": cfg.eval.model_validate({**cfg.eval.model_dump(), "benchmarks": benchmarks})}
         )
-    if any(b != "synthetic" for b in cfg.eval.benchmarks):  # graded through eval.grader
-        check_endpoint_keys(cfg.eval.grader)
+    # each benchmark's grader (eval.graders, else eval.grader)
+    check_endpoint_keys(*(cfg.eval.grader_for(b) for b in cfg.eval.benchmarks if b != "synthetic"))
     mode = retrieval or cfg.eval.retrieval
     if mode not in EVAL_RETRIEVAL_MODES:
         raise EvalError(f"retrieval must be one of {EVAL_RETRIEVAL_MODES}, got {mode!r}")

@@ -553,7 +553,18 @@ EVAL_BENCHMARKS: tuple[str, ...] = (
     "scholarqa_cs",
     "simpleqa",
     "2wiki",
+    "researchqa",
+    "researchrubrics",
+    "webwalkerqa",
+    "deepsearchqa",
 )
+# Benchmarks with a choice of grading protocol (the first is the default); the others have one each.
+EVAL_PROTOCOLS: dict[str, tuple[str, ...]] = {
+    "healthbench": ("per_criterion", "joint"),
+    "deep_research_bench": ("absolute", "race"),
+}
+# ... and the eval setting (also the GraderOptions field) that holds each one's protocol
+EVAL_PROTOCOL_SETTINGS: dict[str, str] = {"healthbench": "healthbench_grading", "deep_research_bench": "drb_grading"}
 EVAL_EXTRA_PATHS: tuple[str, ...] = ("deep_research_bench_reference",)  # eval.paths keys besides benchmarks
 
 
@@ -567,6 +578,16 @@ class EvalGraderConfig(EndpointConfig):
     max_tokens: int = Field(default=4096, ge=64, description="Completion tokens per grading call.")
     structured_output: Literal["json_schema", "json_object", "none"] = Field(
         default="json_schema", description="How JSON replies are requested from the provider."
+    )
+
+
+class BenchmarkGraderConfig(EvalGraderConfig):
+    """The grader of one benchmark (an entry of eval.graders): every field it leaves out is eval.grader's."""
+
+    protocol: str | None = Field(
+        default=None,
+        description="Grading protocol: healthbench per_criterion|joint, deep_research_bench absolute|race (None: "
+        "eval.healthbench_grading / eval.drb_grading). The other benchmarks have one protocol each (leave None).",
     )
 
 
@@ -594,14 +615,14 @@ class EvalConfig(_Strict):
         default="per_criterion",
         description="HealthBench: per_criterion (one met/not-met grader call per rubric criterion, as the official "
         "grader; one failed call fails that answer's grade) or joint (one call grading all criteria). Both give the "
-        "same scores with the built-in grader.",
+        "same scores with the built-in grader. graders.healthbench.protocol overrides it.",
     )
     drb_grading: Literal["absolute", "race"] = Field(
         default="absolute",
         description="DeepResearchBench: absolute (each criterion scored 0..10 on its own) or race (the benchmark's "
         "RACE: the report and the query's reference report scored on the same criteria, score T / (T + R) of the "
         "dimension-weighted totals; needs paths.deep_research_bench_reference, queries without a reference are "
-        "recorded ungraded as no_reference).",
+        "recorded ungraded as no_reference). graders.deep_research_bench.protocol overrides it.",
     )
     samples_per_query: int = Field(default=1, ge=1, description="Trajectories sampled per query (scores are averaged).")
     temperature: float = Field(default=0.7, ge=0, description="Sampling temperature of the policy (0 = greedy).")
@@ -626,8 +647,60 @@ class EvalConfig(_Strict):
         "it was built with; None: the embedder recorded with the saved bank. One of another dimension is refused.",
     )
     grader: EvalGraderConfig = Field(
-        default_factory=EvalGraderConfig, description="Judge endpoint of the benchmark graders."
+        default_factory=EvalGraderConfig,
+        description="Judge endpoint of the benchmark graders (of every benchmark without an eval.graders entry).",
     )
+    graders: dict[str, BenchmarkGraderConfig] = Field(
+        default_factory=dict,
+        description="Benchmark name → its own grader (model, endpoint, protocol), e.g. {deep_research_bench: "
+        "{model: gemini/gemini-2.5-pro, api_key_env: GEMINI_API_KEY, protocol: race}}; fields an entry leaves out "
+        "are eval.grader's, and a benchmark without an entry is graded through eval.grader.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _graders_inherit(cls, data: Any) -> Any:
+        # an entry is eval.grader with the entry's own fields on top; resolved here, so a dumped config
+        # reads back to the same graders
+        if not isinstance(data, dict) or not isinstance(data.get("graders"), dict):
+            return data
+        base = data.get("grader") or {}
+        base = base.model_dump() if isinstance(base, BaseModel) else dict(base)
+        graders = {}
+        for name, entry in data["graders"].items():
+            if isinstance(entry, dict):
+                entry = {**base, **entry}
+            graders[name] = entry
+        return {**data, "graders": graders}
+
+    @field_validator("graders")
+    @classmethod
+    def _known_graders(cls, value: dict[str, BenchmarkGraderConfig]) -> dict[str, BenchmarkGraderConfig]:
+        valid = [b for b in EVAL_BENCHMARKS if b != "synthetic"]
+        unknown = [b for b in value if b not in valid]
+        if unknown:
+            raise ValueError(f"graders has unknown benchmarks {unknown}; choose from {valid}")
+        for name, entry in value.items():
+            if entry.protocol is None:
+                continue
+            choices = EVAL_PROTOCOLS.get(name)
+            if choices is None:
+                raise ValueError(f"graders.{name}.protocol: {name} has one grading protocol; leave protocol unset")
+            if entry.protocol not in choices:
+                raise ValueError(f"graders.{name}.protocol must be one of {list(choices)}, got {entry.protocol!r}")
+        return value
+
+    def grader_for(self, benchmark: str) -> EvalGraderConfig:
+        """The grader endpoint of ``benchmark``: its eval.graders entry, else eval.grader."""
+        return self.graders.get(benchmark) or self.grader
+
+    def protocol_for(self, benchmark: str) -> str | None:
+        """The grading protocol of a benchmark that has a choice (EVAL_PROTOCOLS), else None."""
+        entry = self.graders.get(benchmark)
+        if entry is not None and entry.protocol is not None:
+            return entry.protocol
+        setting = EVAL_PROTOCOL_SETTINGS.get(benchmark)
+        return getattr(self, setting) if setting else None
 
     @field_validator("benchmarks")
     @classmethod

@@ -7,7 +7,11 @@ Rubric `check` objects written here:
   {"type": "final", "value", "aliases"}        short-form answer, checkable by string match
   {"type": "benchmark", "benchmark", ...}       judged by an LLM; carries the source's own details
                                                 (HealthBench points/tags, ScholarQA evidence,
-                                                DeepResearchBench dimension and weights)
+                                                DeepResearchBench dimension and weights, ResearchQA
+                                                item type, ResearchRubrics signed weight and axis)
+
+ResearchQA, ResearchRubrics, WebWalkerQA and DeepSearchQA are read in their published formats; the
+comment above each reader names the source (repository / dataset card, commit) and the fields followed.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ FORMATS: tuple[str, ...] = (
     "deep_research_bench",
     "simpleqa",
     "2wiki",
+    "researchqa",
+    "researchrubrics",
+    "webwalkerqa",
+    "deepsearchqa",
     "searcharena",
     "openscholar",
     "jsonl",
@@ -733,6 +741,224 @@ def read_2wiki(path: str | os.PathLike[str], split: str = "eval") -> list[Query]
     return out.result()
 
 
+# ---- ResearchQA --------------------------------------------------------------------------------
+# Format of realliyifei/ResearchQA (HF dataset realliyifei/ResearchQA, test.json / valid.json / full.json;
+# loader `researchqa_loader.py` at commit 3ed036d): a JSON list of {id, general_domain, subdomain, field,
+# query, date, rubric: [{rubric_item, type}]}. Rubric items carry no weight: ResearchQA's coverage is the
+# unweighted mean over them (``eval.prompts``, family rubric_coverage).
+
+
+def read_researchqa(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
+    """ResearchQA JSON list (or JSONL/Parquet of the same records): id, query, rubric [{rubric_item, type}],
+    general_domain, subdomain, field, date."""
+    path, split = Path(path), _check_split(split)
+    out = _Collector(path)
+    for where, data in _iter_records(path):
+        record = _Record(path, where, data)
+        question = record.text("query")
+        _, items = record.first("rubric")
+        if not isinstance(items, list) or not items:
+            raise record.error("rubric", "expected a non-empty list of {rubric_item, type}")
+        rubrics = []
+        for i, item in enumerate(items):
+            field = f"rubric[{i}]"
+            if not isinstance(item, dict):
+                raise record.error(field, f"expected an object, got {type(item).__name__}")
+            text = item.get("rubric_item")
+            if not isinstance(text, str) or not text.strip():
+                raise record.error(f"{field}.rubric_item", "missing or not a non-empty string")
+            kind = item.get("type")
+            if kind is not None and not isinstance(kind, str):
+                raise record.error(f"{field}.type", f"expected a string, got {kind!r:.60}")
+            rubrics.append(
+                {
+                    "title": _short_title(text),
+                    "description": text,
+                    "weight": 1.0,
+                    "polarity": "positive",
+                    "stage": "answer",
+                    "check": {"type": "benchmark", "benchmark": "researchqa", "rubric_type": kind},
+                }
+            )
+        metadata = {k: data.get(k) for k in ("general_domain", "subdomain", "field", "date") if data.get(k) is not None}
+        out.add(
+            where,
+            query_id=f"researchqa-{record.ident('id')}",
+            source="researchqa",
+            split=split,
+            kind="long_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=rubrics,
+            reference_answer=None,
+            spec={},
+            metadata=metadata,
+        )
+    return out.result()
+
+
+# ---- ResearchRubrics ---------------------------------------------------------------------------
+# Format of ScaleAI/researchrubrics (HF dataset ScaleAI/researchrubrics, processed_data.jsonl; README of
+# github.com/scaleapi/researchrubrics at commit 2dc80e2): JSONL of {prompt, sample_id, domain,
+# conceptual_breadth, logical_nesting, exploration, rubrics: [{criterion, weight, axis}]}. A weight may be
+# negative (an undesirable property): its points count when the criterion is satisfied, as HealthBench's.
+
+
+def read_researchrubrics(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
+    """ResearchRubrics JSONL (or JSON/Parquet): sample_id, prompt, rubrics [{criterion, weight, axis}], domain and
+    the three complexity labels."""
+    path, split = Path(path), _check_split(split)
+    out = _Collector(path)
+    for where, data in _iter_records(path):
+        record = _Record(path, where, data)
+        question = record.text("prompt")
+        _, items = record.first("rubrics")
+        if isinstance(items, str):  # the compiled CSV/Parquet export keeps rubrics as a JSON string
+            try:
+                items = json.loads(items)
+            except json.JSONDecodeError:
+                raise record.error("rubrics", "expected a list of {criterion, weight, axis} (or its JSON)") from None
+        if not isinstance(items, list) or not items:
+            raise record.error("rubrics", "expected a non-empty list of {criterion, weight, axis}")
+        rubrics = []
+        for i, item in enumerate(items):
+            field = f"rubrics[{i}]"
+            if not isinstance(item, dict):
+                raise record.error(field, f"expected an object, got {type(item).__name__}")
+            if not isinstance(item.get("criterion"), str) or not item["criterion"].strip():
+                raise record.error(f"{field}.criterion", "missing or not a non-empty string")
+            if item.get("weight") is None:
+                raise record.error(f"{field}.weight", "missing")
+            weight = _number(record, f"{field}.weight", item["weight"])
+            axis = item.get("axis")
+            if axis is not None and not isinstance(axis, str):
+                raise record.error(f"{field}.axis", f"expected a string, got {axis!r:.60}")
+            rubrics.append(
+                {
+                    "title": _short_title(item["criterion"]),
+                    "description": item["criterion"],
+                    "weight": abs(weight),
+                    "polarity": "negative" if weight < 0 else "positive",
+                    "stage": "answer",
+                    "check": {"type": "benchmark", "benchmark": "researchrubrics", "points": weight, "axis": axis},
+                }
+            )
+        labels = ("domain", "conceptual_breadth", "logical_nesting", "exploration")
+        out.add(
+            where,
+            query_id=f"researchrubrics-{record.ident('sample_id')}",
+            source="researchrubrics",
+            split=split,
+            kind="long_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=rubrics,
+            reference_answer=None,
+            spec={},
+            metadata={k: data[k] for k in labels if data.get(k) is not None},
+        )
+    return out.result()
+
+
+# ---- WebWalkerQA -------------------------------------------------------------------------------
+# Format of callanwu/WebWalkerQA (HF dataset card, as copied in Alibaba-NLP/WebWalker): records of
+# {Question, Answer, Root_Url, Info: {Hop|type, Domain, Language|lang, Difficulty_Level, Source_Website,
+# Golden_Path}}; the HF parquet release spells the keys in lower case (question, answer, root_url, info).
+# Both spellings are read. No id field: queries are numbered by position.
+
+
+def read_webwalkerqa(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
+    """WebWalkerQA JSON list / JSONL / Parquet: question, answer, root_url, info (keys in either case)."""
+    path, split = Path(path), _check_split(split)
+    out = _Collector(path)
+    for index, (where, data) in enumerate(_iter_records(path)):
+        if isinstance(data, dict):
+            data = {str(k).lower(): v for k, v in data.items()}
+        record = _Record(path, where, data)
+        question = record.text("question")
+        answer = record.text("answer")
+        assert question is not None and answer is not None  # required fields
+        info = data.get("info")
+        if info is not None and not isinstance(info, dict):
+            raise record.error("info", f"expected an object, got {type(info).__name__}")
+        metadata: dict[str, Any] = {"answer_aliases": [answer]}
+        if isinstance(data.get("root_url"), str):
+            metadata["root_url"] = data["root_url"]
+        for key, value in (info or {}).items():
+            if isinstance(value, (str, int, float, list)):
+                metadata[f"info_{str(key).lower()}"] = value
+        out.add(
+            where,
+            query_id=f"webwalkerqa-{index:05d}",
+            source="webwalkerqa",
+            split=split,
+            kind="short_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=[_final_rubric(answer, [answer])],
+            reference_answer=answer,
+            spec={},
+            metadata=metadata,
+        )
+    return out.result()
+
+
+# ---- DeepSearchQA ------------------------------------------------------------------------------
+# Format of google/deepsearchqa (HF dataset card; DSQA-full.csv, also on Kaggle): CSV columns problem,
+# problem_category, answer, answer_type ("Single Answer" | "Set Answer"). No id column: queries are
+# numbered by row. The gold answer of a Set Answer problem lists its items in one string; the grader
+# splits it into parts (the benchmark's own grader prompt, ``eval.prompts`` answer_set).
+
+DEEPSEARCHQA_ANSWER_TYPES: tuple[str, ...] = ("Single Answer", "Set Answer")
+
+
+def read_deepsearchqa(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
+    """DeepSearchQA CSV (or JSONL/Parquet of the same columns): problem, problem_category, answer, answer_type."""
+    path, split = Path(path), _check_split(split)
+    out = _Collector(path)
+    for index, (where, data) in enumerate(_iter_table_records(path)):
+        record = _Record(path, where, data)
+        question = record.text("problem")
+        answer = record.text("answer")
+        assert question is not None and answer is not None  # required fields
+        answer_type = record.text("answer_type")
+        if answer_type not in DEEPSEARCHQA_ANSWER_TYPES:
+            raise record.error("answer_type", f"expected one of {DEEPSEARCHQA_ANSWER_TYPES}, got {answer_type!r:.60}")
+        metadata: dict[str, Any] = {"answer_type": answer_type, "answer_aliases": [answer]}
+        if isinstance(data.get("problem_category"), str):
+            metadata["problem_category"] = data["problem_category"]
+        out.add(
+            where,
+            query_id=f"deepsearchqa-{index:05d}",
+            source="deepsearchqa",
+            split=split,
+            kind="short_form",
+            question=question,
+            messages=[{"role": "user", "content": question}],
+            rubrics=[_final_rubric(answer, [answer])],
+            reference_answer=answer,
+            spec={},
+            metadata=metadata,
+        )
+    return out.result()
+
+
+def _iter_table_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """A CSV file's rows (``line N``, header = line 1) as dicts, else ``_iter_records``."""
+    if path.suffix.lower() != ".csv":
+        yield from _iter_records(path)
+        return
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            reader = csv.DictReader(fh)
+            for row in reader:
+                yield f"line {reader.line_num}", {k: v for k, v in row.items() if k is not None}
+    except UnicodeDecodeError as exc:
+        raise QueryFileError(path, None, f"not valid UTF-8 ({exc.reason})") from exc
+    except csv.Error as exc:
+        raise QueryFileError(path, None, f"malformed CSV: {exc}") from exc
+
+
 # ---- SFT sources: SearchArena conversations, OpenScholar questions ------------------------------
 
 # SearchArena's intent labels (Miroyan et al., 2025): a factual lookup asks for a short fact; every other
@@ -879,7 +1105,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        return "simpleqa"
+        with open(path, encoding="utf-8", errors="replace", newline="") as fh:
+            header = next(csv.reader(fh), [])
+        return "deepsearchqa" if {"problem", "answer_type"} <= set(header) else "simpleqa"
     if suffix == ".parquet":
         try:
             names = set(pq.read_schema(path).names)
@@ -891,6 +1119,14 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "dr_tulu"
     if {"prompt_id", "rubrics", "prompt"} <= keys:
         return "healthbench"
+    if {"sample_id", "rubrics", "prompt"} <= keys:
+        return "researchrubrics"
+    if {"query", "rubric"} <= keys:
+        return "researchqa"
+    if {"question", "answer", "root_url"} <= {k.lower() for k in keys}:
+        return "webwalkerqa"
+    if {"problem", "answer", "answer_type"} <= keys:
+        return "deepsearchqa"
     if "metric_config" in keys and "initial_prompt" in keys:
         return "scholarqa_cs"
     if "criterions" in keys or {"id", "topic", "language", "prompt"} <= keys:
@@ -909,6 +1145,10 @@ _READERS: dict[str, Callable[..., list[Query]]] = {
     "deep_research_bench": read_deep_research_bench,
     "simpleqa": read_simpleqa,
     "2wiki": read_2wiki,
+    "researchqa": read_researchqa,
+    "researchrubrics": read_researchrubrics,
+    "webwalkerqa": read_webwalkerqa,
+    "deepsearchqa": read_deepsearchqa,
     "searcharena": read_searcharena,
     "openscholar": read_openscholar,
     "jsonl": read_plain_queries,

@@ -28,8 +28,8 @@ from rubricem_core.schemas import (
     TEACHER_REQUESTS_SCHEMA,
     TEACHER_RESPONSES_SCHEMA,
 )
-from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.splits import sft_queries
+from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (

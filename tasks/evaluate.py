@@ -13,7 +13,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rubricem_core.config import RunConfig
+from rubricem_core.config import EVAL_PROTOCOL_SETTINGS, RunConfig
 from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
@@ -114,20 +114,15 @@ def drop_engines() -> None:
         _close_engines()
 
 
-def _grader(cfg: RunConfig):
+def _grader(cfg: RunConfig, benchmark: str):
+    """The benchmark's grader: eval.graders.<benchmark> (else eval.grader) and its protocol."""
     from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 
-    grader_cfg = cfg.eval.grader
+    grader_cfg = cfg.eval.grader_for(benchmark)
     settings = endpoint_for(grader_cfg, api_key=resolve_api_key(grader_cfg))
-    return BenchmarkGrader(
-        settings,
-        GraderOptions.from_config(
-            grader_cfg,
-            seed=cfg.seed,
-            healthbench_grading=cfg.eval.healthbench_grading,
-            drb_grading=cfg.eval.drb_grading,
-        ),
-    )
+    setting = EVAL_PROTOCOL_SETTINGS.get(benchmark)
+    protocol = {setting: cfg.eval.protocol_for(benchmark)} if setting else {}
+    return BenchmarkGrader(settings, GraderOptions.from_config(grader_cfg, seed=cfg.seed, **protocol))
 
 
 def _bank_location(run_dir: str, cfg: RunConfig, retrieval: str) -> Path:
@@ -188,7 +183,7 @@ def sample_seed(cfg: RunConfig) -> int:
 
 def race_grading(cfg: RunConfig, benchmark: str) -> bool:
     """Whether ``benchmark`` is graded relative to reference reports (DeepResearchBench, eval.drb_grading race)."""
-    return family_of(benchmark) == "dimension_criteria" and cfg.eval.drb_grading == "race"
+    return family_of(benchmark) == "dimension_criteria" and cfg.eval.protocol_for(benchmark) == "race"
 
 
 def eval_queries(run_dir: str, cfg: RunConfig, benchmark: str) -> list:
@@ -217,9 +212,8 @@ def grading_settings(cfg: RunConfig, benchmark: str, queries: list) -> dict[str,
     out: dict[str, Any] = {}
     if cfg.eval.sample != "first":
         out["sample"] = {"mode": cfg.eval.sample, "seed": sample_seed(cfg)}
-    family = family_of(benchmark)
-    if family == "rubric_points" and cfg.eval.healthbench_grading != "joint":
-        out["grading"] = cfg.eval.healthbench_grading
+    if benchmark == "healthbench" and cfg.eval.protocol_for(benchmark) != "joint":
+        out["grading"] = cfg.eval.protocol_for(benchmark)
     if race_grading(cfg, benchmark):
         out["grading"] = "race"  # the references themselves too: a new reference file re-grades
         out["references"] = settings_digest({q.query_id: reference_article(q) for q in queries})
@@ -249,7 +243,9 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     produced_by: dict[str, Any] = {
         "options": dataclasses.asdict(options),
         "queries": [q.query_id for q in queries],
-        "grader": cfg.eval.grader.model_dump(include={"model", "temperature", "max_tokens", "structured_output"}),
+        "grader": cfg.eval.grader_for(benchmark).model_dump(
+            include={"model", "temperature", "max_tokens", "structured_output"}
+        ),
         "bank": _bank_settings(run_dir, cfg, retrieval),
         "engine": cfg.rollout.engine,
         **grading_settings(cfg, benchmark, queries),
@@ -274,7 +270,7 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
         log.info("%s: the settings changed since %s was evaluated; evaluating again", part, tag)
         store.partition_path(REFLECTIONS_TABLE, {}, part).unlink(missing_ok=True)  # of the old results
     engine, tokenizer = _engine(checkpoint, cfg)
-    grader = None if family_of(benchmark) == "synthetic" else _grader(cfg)
+    grader = None if family_of(benchmark) == "synthetic" else _grader(cfg, benchmark)
     outcome = run_eval(
         engine,
         tokenizer,

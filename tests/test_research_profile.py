@@ -48,9 +48,10 @@ pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves 
 # comparison and two-hop questions: two searches each, as research's filter.min_tool_calls asks
 WORLD = WorldConfig(seed=0, n_documents=80, n_queries=8, eval_fraction=0.25, query_kinds=["comparison", "multi_hop"])
 RETRIEVAL_MODES = ("none", "cross", "within", "sequential")
+RESEARCH_BENCHMARKS = ("researchqa", "researchrubrics")
 KEYS = {
     name: f"sk-{name.lower()}-{secrets.token_hex(8)}"
-    for name in ("TEACHER", "JUDGE", "REFLECT", "GRADER", "SERPER", "S2")
+    for name in ("TEACHER", "JUDGE", "REFLECT", "GRADER", "GRADER2", "SERPER", "S2")
 }
 
 
@@ -133,6 +134,33 @@ def _healthbench_row(query: Any) -> dict[str, Any]:
     return {"prompt_id": query.query_id, "prompt": [{"role": "user", "content": query.question}], "rubrics": rubrics}
 
 
+def _researchqa_record(query: Any) -> dict[str, Any]:
+    """The held-out question as a ResearchQA record (realliyifei/ResearchQA test.json): unweighted rubric items."""
+    return {
+        "id": query.query_id,
+        "general_domain": "Synthetic",
+        "subdomain": "World",
+        "field": "Organizations",
+        "query": query.question,
+        "date": "2025-01",
+        "rubric": [{"rubric_item": r["description"], "type": "explanation"} for r in query.rubrics],
+    }
+
+
+def _researchrubrics_row(query: Any) -> dict[str, Any]:
+    """The held-out question as a ResearchRubrics row (ScaleAI/researchrubrics processed_data.jsonl)."""
+    rubrics = [
+        {
+            "criterion": r["description"],
+            "weight": -r["weight"] if r["polarity"] == "negative" else r["weight"],
+            "axis": "Explicit Criteria",
+        }
+        for r in query.rubrics
+    ]
+    labels = {"domain": "Synthetic", "conceptual_breadth": "Simple", "logical_nesting": "Shallow", "exploration": "Low"}
+    return {"prompt": query.question, "sample_id": query.query_id, **labels, "rubrics": rubrics}
+
+
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -177,7 +205,7 @@ def cpu_overrides(
     web: FakeWebSearchServer,
     train: str,
     heldout: str,
-    healthbench: str,
+    benchmark_files: dict[str, str],
     sft_only: str,
 ) -> dict[str, Any]:
     """What a CPU cannot run swapped out; everything else stays as research.yaml sets it."""
@@ -238,8 +266,16 @@ def cpu_overrides(
         "reflection.embedder": "hashing:64",
         # the run's held-out split (graded in-process) and a HealthBench file (graded through eval.grader)
         "eval.benchmarks": ["synthetic", "healthbench"],
-        "eval.paths": {"healthbench": healthbench},
+        "eval.paths": benchmark_files,
         "eval.max_queries": 2,
+        # a grader per benchmark: ResearchRubrics through its own endpoint, the others through eval.grader
+        "eval.graders": {
+            "researchrubrics": {
+                "model": "openai/grader2-model",
+                "api_base": servers["grader2"].base_url,
+                "api_key_env": _env("GRADER2"),
+            }
+        },
     }
 
 
@@ -265,6 +301,10 @@ def research_run(tmp_path_factory, prefect_harness):
     heldout_queries = [q for q in world.queries if q.split == "eval"]
     heldout = _write_jsonl(tmp / "heldout.jsonl", [_dr_tulu_row(q, marker) for q in heldout_queries])
     healthbench = _write_jsonl(tmp / "healthbench.jsonl", [_healthbench_row(q) for q in heldout_queries])
+    researchqa = tmp / "researchqa_test.json"
+    researchqa.write_text(json.dumps([_researchqa_record(q) for q in heldout_queries]))
+    researchrubrics = _write_jsonl(tmp / "researchrubrics.jsonl", [_researchrubrics_row(q) for q in heldout_queries])
+    benchmark_files = {"healthbench": healthbench, "researchqa": str(researchqa), "researchrubrics": researchrubrics}
     search = WorldSearch(world.corpus_table())
     teacher = ScriptedTeacher(TeacherRates(max_tool_calls=10))  # research's tools.max_tool_calls
     run_dir = str(tmp / "run")
@@ -279,14 +319,15 @@ def research_run(tmp_path_factory, prefect_harness):
         _serve(builtin_judge_reply, "JUDGE") as jserver,
         _serve(builtin_reflection_judge_reply, "REFLECT") as rserver,
         _serve(builtin_grader_reply, "GRADER") as gserver,
+        _serve(builtin_grader_reply, "GRADER2") as g2server,
         FakeWebSearchServer(
             api_key=KEYS["SERPER"], s2_api_key=KEYS["S2"], results_for=search, pages=search.pages()
         ) as web,
     ):
         for name, key in KEYS.items():
             mp.setenv(_env(name), key)
-        servers = {"teacher": tserver, "judge": jserver, "reflect": rserver, "grader": gserver}
-        overrides = cpu_overrides(tmp, servers, web, train, heldout, healthbench, sft_only)
+        servers = {"teacher": tserver, "judge": jserver, "reflect": rserver, "grader": gserver, "grader2": g2server}
+        overrides = cpu_overrides(tmp, servers, web, train, heldout, benchmark_files, sft_only)
         # even reflection candidates spell a valid reflection (the tiny policy writes none of its own)
         questions: dict[str, str] = {}
         mp.setattr(rl_session, "HFRolloutEngine", forcing_engine(rl_session.HFRolloutEngine, questions))
@@ -314,6 +355,11 @@ def research_run(tmp_path_factory, prefect_harness):
             timed("sft", sft)
             timed("rl", rl)
             evaluated = {mode: timed(f"eval-{mode}", evaluate, retrieval=mode) for mode in RETRIEVAL_MODES}
+            grader_calls = len(gserver.chat_calls)
+            # `rubricem evaluate --benchmark researchqa --benchmark researchrubrics` on the same run
+            research_benchmarks = timed(
+                "eval-research-benchmarks", evaluate, benchmarks=list(RESEARCH_BENCHMARKS), retrieval="none"
+            )
         finally:
             rl_tasks.drop_sessions()
             eval_tasks.drop_engines()
@@ -329,6 +375,10 @@ def research_run(tmp_path_factory, prefect_harness):
         "judge": jserver,
         "reflect": rserver,
         "grader": gserver,
+        "grader2": g2server,
+        "grader_calls_before_research_benchmarks": grader_calls,
+        "research_benchmarks": research_benchmarks,
+        "benchmark_files": benchmark_files,
         "web": web,
         "cache_dir": Path(overrides["tools.cache_dir"]),
         "healthbench": healthbench,
@@ -398,7 +448,7 @@ def test_rl_runs_two_steps_with_the_reflection_loop(research_run):
 
 
 def test_evaluation_with_every_retrieval_mode(research_run):
-    rows = research_run["store"].read_rows("eval_results")
+    rows = [r for r in research_run["store"].read_rows("eval_results") if r["benchmark"] not in RESEARCH_BENCHMARKS]
     seen = {(r["benchmark"], r["retrieval"]) for r in rows}
     modes = ("none", "cross", "within", "sequential-1", "sequential-2")
     assert seen == {(b, m) for b in ("synthetic", "healthbench") for m in modes}, sorted(seen)
@@ -411,5 +461,30 @@ def test_evaluation_with_every_retrieval_mode(research_run):
         for r in map(json.loads, Path(research_run["healthbench"]).read_text().splitlines())
     }
     graded = [r for r in rows if r["benchmark"] == "healthbench" and not r["grade_failed"]]
-    assert len(graded) == 10 and len(research_run["grader"].chat_calls) == sum(criteria[r["query_id"]] for r in graded)
+    calls = research_run["grader_calls_before_research_benchmarks"]
+    assert len(graded) == 10 and calls == sum(criteria[r["query_id"]] for r in graded)
     assert research_run["evaluated"]["none"]["benchmarks"]["healthbench"]["n_samples"] == 2
+
+
+def test_researchqa_and_researchrubrics_each_with_their_own_grader(research_run):
+    """The paper's two other headline benchmarks in their published formats: ResearchQA through eval.grader
+    (its items rated in batches of 8), ResearchRubrics through its eval.graders entry (one call per criterion)."""
+    from rubricem_core.readers import read_queries
+
+    rows = [r for r in research_run["store"].read_rows("eval_results") if r["benchmark"] in RESEARCH_BENCHMARKS]
+    assert {(r["benchmark"], r["retrieval"]) for r in rows} == {(b, "none") for b in RESEARCH_BENCHMARKS}
+    assert all(not r["grade_failed"] and 0.0 <= r["score"] <= 1.0 for r in rows)
+    assert all(r["checkpoint"] == "rl-step-000001" for r in rows)
+    by_benchmark = {b: [r for r in rows if r["benchmark"] == b] for b in RESEARCH_BENCHMARKS}
+    assert {r["grader"] for r in by_benchmark["researchqa"]} == {"openai/grader-model"}
+    assert {r["grader"] for r in by_benchmark["researchrubrics"]} == {"openai/grader2-model"}
+    files = research_run["benchmark_files"]
+    items = {q.query_id: len(q.rubrics) for b in RESEARCH_BENCHMARKS for q in read_queries(files[b], format=b)}
+    rubric_calls = sum(items[r["query_id"]] for r in by_benchmark["researchrubrics"])
+    assert len(research_run["grader2"].chat_calls) == rubric_calls > 0
+    coverage_calls = sum(-(-items[r["query_id"]] // 8) for r in by_benchmark["researchqa"])
+    grader = research_run["grader"]
+    assert len(grader.chat_calls) - research_run["grader_calls_before_research_benchmarks"] == coverage_calls
+    assert all("(rubric_coverage)" in json.dumps(b) for b in grader.chat_calls[-coverage_calls:])
+    summary = research_run["research_benchmarks"]["benchmarks"]
+    assert {b: summary[b]["n_samples"] for b in RESEARCH_BENCHMARKS} == {b: 2 for b in RESEARCH_BENCHMARKS}

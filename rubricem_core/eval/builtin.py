@@ -13,6 +13,10 @@ it reads only the prompt.
 - one criterion (HealthBench per_criterion): the same item score, met when it is 2 (as in the joint
   prompt, so both modes give the same numbers).
 - RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
+- coverage (ResearchQA): the item score 0/1/2 → 1/3/5 (Not at all / Moderately / Completely).
+- answer set (DeepSearchQA): the correct answer split into parts (a Set Answer at commas, semicolons,
+  line breaks and "and"; a Single Answer is one part), each found when it occurs in the response as
+  above; excessive answers: the response's own list items (split the same way) that contain no part.
 The stagewise judge's provider (``rubricem-judge``) only reads its own two prompts, hence this one.
 """
 
@@ -23,7 +27,7 @@ import re
 import string
 from typing import Any
 
-from rubricem_core.eval.prompts import CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
+from rubricem_core.eval.prompts import ANSWER_SET_KIND, CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
 from rubricem_core.judge.builtin import Context, TraceView, score_rubric
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
 from rubricem_core.llm.provider import message_text, register_completion_provider
@@ -32,7 +36,8 @@ PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"
 
 _FAMILY = re.compile(
-    rf"\((rubric_points|dimension_criteria|rubric_properties|short_form|{CRITERION_KIND}|{RACE_KIND})\)"
+    rf"\((rubric_points|dimension_criteria|rubric_properties|rubric_coverage|short_form|{ANSWER_SET_KIND}|"
+    rf"{CRITERION_KIND}|{RACE_KIND})\)"
 )
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
@@ -69,7 +74,31 @@ def _to_scale(family: str, score: int) -> int:
         return 1 if score == 2 else 0
     if family == "dimension_criteria":
         return 5 * score
+    if family == "rubric_coverage":
+        return 1 + 2 * score
     return score
+
+
+_LIST_SEPARATORS = re.compile(r"[,;\n]|\band\b")
+
+
+def _list_items(text: str) -> list[str]:
+    return [part.strip() for part in _LIST_SEPARATORS.split(text) if normalize_answer(part)]
+
+
+def answer_set_reply(response: str, correct: str, prompt_type: str) -> dict[str, Any]:
+    """The answer-set grade of ``response``: each part of the correct answer found or not, and the excessive
+    answers (the response's list items matching no part)."""
+    parts = _list_items(correct) if prompt_type == "Set Answer" else [correct.strip()]
+    parts = parts or [correct.strip()]
+    found_parts = [contains_answer(response, p) for p in parts]
+    details = [{"answer_part": p, "found": ok} for p, ok in zip(parts, found_parts)]
+    excessive = []
+    if prompt_type == "Set Answer":
+        excessive = [item for item in _list_items(response) if not any(contains_answer(item, p) for p in parts)]
+    found = sum(found_parts)
+    why = f"{found} of {len(parts)} parts of the correct answer found; {len(excessive)} excessive answers."
+    return {"explanation": why, "correctness_details": details, "excessive_answers": excessive}
 
 
 def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
@@ -84,6 +113,10 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
     if family == "short_form":
         grade, why = short_form_grade(response, json.loads(sections.get("GOLD ANSWERS", "[]")))
         return json.dumps({"justification": why, "grade": grade})
+    if family == ANSWER_SET_KIND:
+        return json.dumps(
+            answer_set_reply(response, sections.get("CORRECT ANSWER", ""), sections.get("PROMPT TYPE", "").strip())
+        )
     if family == CRITERION_KIND:
         [score] = _item_scores(sections, [json.loads(sections.get("RUBRIC ITEM", "{}"))], response)
         return json.dumps({"explanation": score[1], "criteria_met": _to_scale("rubric_points", score[0]) == 1})

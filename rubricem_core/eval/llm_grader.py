@@ -20,14 +20,19 @@ from functools import partial
 from typing import Any
 
 from rubricem_core.eval.prompts import (
+    ITEMS_PER_CALL,
     GradeItem,
+    aggregate_answer_set,
     aggregate_items,
     aggregate_race,
+    answer_set_messages,
+    answer_set_schema,
     criterion_messages,
     criterion_schema,
     grade_items,
     items_messages,
     items_schema,
+    parse_answer_set,
     parse_criterion,
     parse_items,
     parse_race,
@@ -38,7 +43,7 @@ from rubricem_core.eval.prompts import (
     short_form_messages,
     short_form_schema,
 )
-from rubricem_core.eval.types import EvalError, GradeResult, family_of
+from rubricem_core.eval.types import PER_CRITERION_BENCHMARKS, EvalError, GradeResult, family_of
 from rubricem_core.judge.types import SCORE, JudgeUsage
 from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
 from rubricem_core.llm.types import EndpointSettings
@@ -54,8 +59,8 @@ DRB_GRADING: tuple[str, ...] = ("absolute", "race")
 class GraderOptions(StructuredOptions):
     """Sampling options of the grader and how two benchmarks are graded.
 
-    ``GraderOptions.from_config(cfg.eval.grader, seed=cfg.seed, healthbench_grading=cfg.eval.healthbench_grading,
-    drb_grading=cfg.eval.drb_grading)`` takes the rest from the grader section.
+    ``GraderOptions.from_config(cfg.eval.grader_for(benchmark), seed=cfg.seed, <setting>=cfg.eval.protocol_for(benchmark))``
+    takes the rest from the benchmark's grader section (``tasks.evaluate._grader``).
     """
 
     error_type = EvalError
@@ -107,6 +112,10 @@ class BenchmarkGrader:
         return family_of(benchmark) == "dimension_criteria" and self.options.drb_grading == "race"
 
     def per_criterion(self, benchmark: str) -> bool:
+        """One call per criterion: ResearchRubrics always (its grader's protocol), HealthBench per
+        ``healthbench_grading``."""
+        if benchmark in PER_CRITERION_BENCHMARKS:
+            return True
         return family_of(benchmark) == "rubric_points" and self.options.healthbench_grading == "per_criterion"
 
     def grade(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
@@ -146,26 +155,34 @@ class BenchmarkGrader:
                         partial(parse_race, ids=ids),
                     )
                 )
-            else:
-                items = grade_items(query, family)
-                ids = [i.item_id for i in items]
-                items_of.append(items)
+            elif family == "answer_set":
+                items_of.append(None)
                 pending.append(
                     self.client.call(
                         custom_id,
-                        items_messages(benchmark, family, query, response, items),
-                        "rubric_grades",
-                        items_schema(family, ids),
-                        partial(parse_items, family=family, ids=ids),
+                        answer_set_messages(benchmark, query, response),
+                        "answer_set_grade",
+                        answer_set_schema(),
+                        parse_answer_set,
                     )
                 )
-        self._ask(pending)
+            else:
+                items = grade_items(query, family)
+                items_of.append(items)
+                pending.append(self._item_calls(custom_id, benchmark, family, query, response, items))
+        self._ask([c for call in pending for c in (call if isinstance(call, list) else [call])])
         out = []
         for (query, _), call, items in zip(pairs, pending, items_of):
-            if call.error is not None:
+            if isinstance(call, list):
+                out.append(self._items_result(benchmark, family, query, items, call))
+            elif call.error is not None:
                 self.usage.fail(SCORE)
                 log.warning("grading %s query %r failed: %s", benchmark, query.query_id, call.error)
                 out.append(GradeResult(None, {"grader": self.model}, failed=True, error=call.error))
+            elif family == "answer_set":
+                parts, excessive, why = call.value
+                score, extra = aggregate_answer_set(parts, excessive)
+                out.append(GradeResult(score, {"grader": self.model, "explanation": why, **extra}))
             elif items is None:
                 grade, why = call.value
                 out.append(
@@ -173,26 +190,60 @@ class BenchmarkGrader:
                         1.0 if grade == "correct" else 0.0, {"grade": grade, "justification": why, "grader": self.model}
                     )
                 )
-            elif race:
-                out.append(self._race_result(items, call.value))
             else:
-                scores = {item_id: s for item_id, (s, _) in call.value.items()}
-                score, extra = aggregate_items(family, items, scores)
-                details = {
-                    "grader": self.model,
-                    **extra,
-                    "items": [
-                        {
-                            "id": i.item_id,
-                            "criterion": i.criterion[:300],
-                            "score": call.value[i.item_id][0],
-                            "justification": call.value[i.item_id][1],
-                        }
-                        for i in items
-                    ],
-                }
-                out.append(GradeResult(score, details))
+                out.append(self._race_result(items, call.value))
         return out
+
+    def _item_calls(
+        self, custom_id: str, benchmark: str, family: str, query: Query, response: str, items: Sequence[GradeItem]
+    ) -> list[StructuredCall]:
+        """The calls grading an answer's rubric items: one, or one per ``ITEMS_PER_CALL[family]`` items
+        (ResearchQA's batches of 8); a single call keeps the answer's custom id."""
+        size = ITEMS_PER_CALL.get(family) or len(items)
+        chunks = [items[start : start + size] for start in range(0, len(items), size)]
+        calls = []
+        for n, chunk in enumerate(chunks):
+            ids = [i.item_id for i in chunk]
+            calls.append(
+                self.client.call(
+                    custom_id if len(chunks) == 1 else f"{custom_id}:b{n}",
+                    items_messages(benchmark, family, query, response, chunk),
+                    "rubric_grades",
+                    items_schema(family, ids),
+                    partial(parse_items, family=family, ids=ids),
+                )
+            )
+        return calls
+
+    def _items_result(
+        self, benchmark: str, family: str, query: Query, items: Sequence[GradeItem], calls: Sequence[StructuredCall]
+    ) -> GradeResult:
+        """An answer's grade from its item calls: failed when any call failed (ResearchQA's grader skips such
+        an answer, and a missing item would bias the mean), else the family's aggregate."""
+        failed = [c.error for c in calls if c.error is not None]
+        if failed:
+            self.usage.fail(SCORE)
+            error = f"{len(failed)} of {len(calls)} grading calls failed: " + "; ".join(failed[:3])
+            log.warning("grading %s query %r failed: %s", benchmark, query.query_id, error)
+            return GradeResult(None, {"grader": self.model}, failed=True, error=error)
+        value = {item_id: graded for c in calls for item_id, graded in c.value.items()}
+        score, extra = aggregate_items(family, items, {item_id: s for item_id, (s, _) in value.items()})
+        details = {
+            "grader": self.model,
+            **extra,
+            "items": [
+                {
+                    "id": i.item_id,
+                    "criterion": i.criterion[:300],
+                    "score": value[i.item_id][0],
+                    "justification": value[i.item_id][1],
+                }
+                for i in items
+            ],
+        }
+        if len(calls) > 1:
+            details["calls"] = len(calls)
+        return GradeResult(score, details)
 
     @staticmethod
     def _reference(benchmark: str, query: Query) -> str:
@@ -225,8 +276,9 @@ class BenchmarkGrader:
         return GradeResult(score, details)
 
     def _grade_per_criterion(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
-        """HealthBench as its official grader: one met / not-met call per criterion, then Σ points of met
-        criteria / Σ positive points, clipped to [0, 1]. Any failed criterion call fails the answer's grade."""
+        """HealthBench as its official grader (and ResearchRubrics as its own): one met / not-met call per
+        criterion, then Σ points of met criteria / Σ positive points, clipped to [0, 1]. Any failed criterion
+        call fails the answer's grade."""
         family = family_of(benchmark)
         items_of = [grade_items(query, family) for query, _ in pairs]
         calls: list[list[StructuredCall]] = []

@@ -17,7 +17,19 @@ Families (``types.FAMILIES``):
                        score = T / (T + R) (per dimension t_d / (t_d + r_d) in the details)
   rubric_properties    ScholarQA-CS: each property 0/1/2; score = Σ w·s′ / (2 Σ w), s′ = 2 − s for
                        negative properties
-  short_form           SimpleQA, 2Wiki: correct / incorrect / not_attempted; score 1 only if correct
+  short_form           SimpleQA, 2Wiki, WebWalkerQA: correct / incorrect / not_attempted; score 1 only if
+                       correct (WebWalkerQA's own check, LangChain cot_qa, says CORRECT / INCORRECT: the
+                       same score)
+  rubric_coverage      ResearchQA (compute_coverage.py of realliyifei/ResearchQA, commit 3ed036d): each
+                       rubric item rated 1 Not at all .. 5 Completely, ITEMS_PER_CALL items per grader call;
+                       score = mean of (x − 1) / 4 over the items, unweighted
+  answer_set           DeepSearchQA (the grader prompt of the benchmark's paper, Appendix A, and its
+                       starter code): each part of the gold answer found or not, plus the response's
+                       excessive answers; P = found / (found + excessive), R = found / parts, F1; score 1
+                       only if fully correct (every part found, nothing excessive), P/R/F1 in the details
+ResearchRubrics grades as rubric_points, one call per criterion (``types.PER_CRITERION_BENCHMARKS``), with
+its compliance score Σ w·s / Σ positive w (scaleapi/researchrubrics calculate_compliance_score.py, commit
+e0c361f): the HealthBench formula, clipped to [0, 1] here (the raw value stays in the details).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ RACE_KIND = "dimension_race"  # DeepResearchBench race: target and reference rep
 
 SCALES: dict[str, list[int]] = {
     "rubric_points": [0, 1],
+    "rubric_coverage": [1, 2, 3, 4, 5],
     "dimension_criteria": list(range(11)),
     "rubric_properties": [0, 1, 2],
 }
@@ -53,7 +66,14 @@ _SCALE_TEXT = {
     "addressed), judging the response as a research report.",
     "rubric_properties": "Score each property 2 if the response fully has it, 1 if partly, 0 if not. A property "
     "with polarity negative describes a fault: score how fully the fault is present.",
+    "rubric_coverage": "Each item is a question about the response. Rate to what extent the response addresses it: "
+    "1 Not at all (totally uninferable), 2 Barely (unmentioned but inferable), 3 Moderately (mentioned but misses "
+    "important details), 4 Mostly (mentioned but misses some details), 5 Completely (mentioned with sufficient "
+    "details).",
 }
+# Rubric items per grader call (None: all of an answer's items in one call). ResearchQA's own grader rates
+# its items in batches of 8 (compute_coverage.py --batch_size default).
+ITEMS_PER_CALL: dict[str, int] = {"rubric_coverage": 8}
 
 ITEMS_SYSTEM = """You grade the final response of a research assistant against a benchmark's rubric. {scale}
 Judge only from the response text; do not reward length for its own sake. For every item write a short justification that quotes or points at the response, then the score. Grade every item exactly once, using its id.
@@ -114,6 +134,10 @@ class GradeItem:
         record: dict[str, Any] = {"id": self.item_id, "criterion": self.criterion}
         if family == "rubric_points":
             record["points"] = self.data["points"]
+            if self.data.get("axis"):
+                record["axis"] = self.data["axis"]  # ResearchRubrics shows the criterion's axis to its grader
+        elif family == "rubric_coverage":
+            pass  # ResearchQA's items are unweighted questions
         elif family == "dimension_criteria":
             record["dimension"] = self.data["dimension"]
         else:
@@ -138,6 +162,8 @@ def grade_items(query: Query, family: str) -> list[GradeItem]:
         data: dict[str, Any] = {}
         if family == "rubric_points":
             data["points"] = float(check.get("points", sign * float(rubric["weight"])))
+            if check.get("axis"):
+                data["axis"] = str(check["axis"])
         elif family == "dimension_criteria":
             data["dimension"] = str(check.get("dimension", "overall"))
             data["dimension_weight"] = float(check.get("dimension_weight", 1.0))
@@ -216,6 +242,9 @@ def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, i
         if weights <= 0:
             raise EvalError("DeepResearchBench-style grading needs a positive dimension weight")
         return total / weights, {"dimensions": per_dim}
+    if family == "rubric_coverage":
+        coverage = [(scores[i.item_id] - 1) / 4.0 for i in items]
+        return sum(coverage) / len(coverage), {"item_coverage": coverage}
     if family == "rubric_properties":
         numerator = sum(
             i.weight * (scores[i.item_id] if i.polarity == "positive" else 2 - scores[i.item_id]) for i in items
@@ -403,3 +432,86 @@ def short_form_messages(benchmark: str, query: Query, response: str) -> list[dic
 def parse_short_form(text: str | None) -> tuple[str, str]:
     data = checked_reply(text, short_form_schema())
     return data["grade"], data["justification"].strip() or "-"
+
+
+# ---- DeepSearchQA: gold answer parts and excessive answers ---------------------------------------
+
+ANSWER_SET_KIND = "answer_set"
+
+ANSWER_SET_SYSTEM = """You judge whether a research assistant's response to a question arrives at the correct answer.
+The prompt type says how: for a 'Single Answer' prompt, check that the response gives the answer (exact wording is not needed); for a 'Set Answer' prompt, the correct answer lists several items: check each item of that list separately (order does not matter unless the question says so), and only then look for answers in the response that are not in the list.
+- correctness_details: one entry per part of the correct answer (one for a Single Answer; one per listed item for a Set Answer), with found true when the response contains that part.
+- excessive_answers: every answer the response gives that is not part of the correct answer (an empty list when there is none).
+First write a short explanation that points at the response and the correct answer.
+
+Reply with one JSON object and nothing else, following this JSON schema:
+{schema}"""
+
+
+def answer_set_schema() -> dict[str, Any]:
+    part = {
+        "type": "object",
+        "properties": {"answer_part": {"type": "string", "minLength": 1}, "found": {"type": "boolean"}},
+        "required": ["answer_part", "found"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "explanation": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
+            "correctness_details": {"type": "array", "items": part, "minItems": 1},
+            "excessive_answers": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["explanation", "correctness_details", "excessive_answers"],
+        "additionalProperties": False,
+    }
+
+
+def answer_type(query: Query) -> str:
+    """DeepSearchQA's prompt type of the query ('Single Answer' unless the file says 'Set Answer')."""
+    value = query.metadata.get("answer_type")
+    return value if value in ("Single Answer", "Set Answer") else "Single Answer"
+
+
+def answer_set_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
+    system = ANSWER_SET_SYSTEM.format(schema=json.dumps(answer_set_schema()))
+    parts = [
+        f"{TASK_LINE}: does it contain every part of the correct answer? ({ANSWER_SET_KIND})",
+        _section("BENCHMARK", benchmark),
+        _section("QUESTION", escape_section_markers(conversation_text(query))),
+        _section("PROMPT TYPE", answer_type(query)),
+        _section("CORRECT ANSWER", escape_section_markers(gold_answers(query)[0])),
+        _section("RESPONSE", escape_section_markers(response)),
+        _section("END", "List the correct answer's parts found or not, and the excessive answers."),
+    ]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_answer_set(text: str | None) -> tuple[list[tuple[str, bool]], list[str], str]:
+    """([(answer part, found)], excessive answers, explanation), or ReplyError."""
+    data = checked_reply(text, answer_set_schema())
+    parts = [(p["answer_part"], bool(p["found"])) for p in data["correctness_details"]]
+    excessive = [a for a in data["excessive_answers"] if a.strip()]
+    return parts, excessive, data["explanation"].strip() or "-"
+
+
+def aggregate_answer_set(parts: Sequence[tuple[str, bool]], excessive: Sequence[str]) -> tuple[float, dict[str, Any]]:
+    """DeepSearchQA's metrics of one answer: P = |S∩G| / |S|, R = |S∩G| / |G|, F1, and its outcome
+    (fully_correct, correct_with_extraneous, partially_correct, fully_incorrect); score 1 only if fully correct."""
+    found = sum(ok for _, ok in parts)
+    predicted = found + len(excessive)
+    precision = found / predicted if predicted else 0.0
+    recall = found / len(parts) if parts else 1.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+    if found == len(parts):
+        outcome = "fully_correct" if not excessive else "correct_with_extraneous"
+    else:
+        outcome = "partially_correct" if found else "fully_incorrect"
+    return (1.0 if outcome == "fully_correct" else 0.0), {
+        "outcome": outcome,
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "correctness_details": [{"answer_part": p, "found": ok} for p, ok in parts],
+        "excessive_answers": list(excessive),
+    }

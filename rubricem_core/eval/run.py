@@ -326,7 +326,7 @@ def ungraded_reason(benchmark: str, query: Query, needs_reference: bool = False)
         if not query.rubrics:
             return NO_RUBRICS, f"query {query.query_id!r} has no persistent rubrics to grade against"
         return None
-    if family == "short_form":
+    if family in ("short_form", "answer_set"):
         try:
             gold_answers(query)
         except EvalError as exc:
@@ -470,6 +470,14 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     correct = [d["correct"] for d in details if "correct" in d]
     if correct:
         out["correct_rate"] = float(np.mean(correct))
+    for name in ("f1", "precision", "recall"):  # DeepSearchQA's answer-set metrics
+        values = [d[name] for d in details if isinstance(d.get(name), (int, float)) and "outcome" in d]
+        if values:
+            out[f"{name}_mean"] = float(np.mean(values))
+    outcomes = [d["outcome"] for d in details if "outcome" in d]
+    for name in ("fully_correct", "correct_with_extraneous", "partially_correct", "fully_incorrect"):
+        if outcomes:
+            out[f"{name}_rate"] = outcomes.count(name) / len(outcomes)
     precision = [d["citation_precision"] for d in details if d.get("citation_precision") is not None]
     if precision:
         out["citation_precision_mean"] = float(np.mean(precision))

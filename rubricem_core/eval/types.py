@@ -15,7 +15,14 @@ FAMILIES: dict[str, str] = {
     "scholarqa_cs": "rubric_properties",  # properties 0/1/2, weighted
     "simpleqa": "short_form",  # correct / incorrect / not_attempted
     "2wiki": "short_form",
+    "researchqa": "rubric_coverage",  # items rated 1..5, mean of (x - 1) / 4, unweighted
+    "researchrubrics": "rubric_points",  # criteria satisfied or not, one call each; Σ w·s / Σ positive w
+    "webwalkerqa": "short_form",
+    "deepsearchqa": "answer_set",  # gold answer parts found / excessive answers → fully correct, P / R / F1
 }
+# Benchmarks whose own grader asks about one criterion per call, whatever eval.healthbench_grading says
+# (ResearchRubrics' evaluate_single_report: one Satisfied / Not Satisfied call per rubric).
+PER_CRITERION_BENCHMARKS: frozenset[str] = frozenset({"researchrubrics"})
 BENCHMARKS: tuple[str, ...] = tuple(FAMILIES)
 SHORT_FORM_GRADES: tuple[str, ...] = ("correct", "incorrect", "not_attempted")
 
