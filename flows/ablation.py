@@ -110,7 +110,7 @@ def ablation(
     plot = RunLayout(run_dir).ablation_plot
     atomic_write_bytes(plot, ablation_plot(rows, f"Recipe ablation ({budget['rl_steps']} RL steps each)"))
     if cfg.tracking.enabled:
-        tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
+        tracker = Tracker(run_dir, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
         with tracker.child_run("ablation", params={"ablation.recipes": ",".join(names), **budget}) as child:
             child.log_metrics(
                 {

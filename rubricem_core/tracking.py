@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sqlite3
 import threading
 import time
@@ -155,11 +156,12 @@ def mlflow_ui_url(base: str, experiment_id: str | None = None, run_id: str | Non
     return f"{base.rstrip('/')}/{page}?{MODEL_TRAINING_VIEW}"
 
 
-def mlflow_ui_command(db: str | os.PathLike[str], mlflow: str = "mlflow") -> str:
-    """The shell command that serves a run dir's SQLite store ``db`` with ``mlflow ui``, offline: the
-    UI imports litellm, which downloads its cost map unless told not to, and MLflow sends telemetry."""
+def mlflow_ui_command(store_uri: str, mlflow: str = "mlflow") -> str:
+    """The shell command that serves a run dir's store (``sqlite:///…/mlflow.db``) with ``mlflow ui``,
+    offline: the UI imports litellm, which downloads its cost map unless told not to, and MLflow sends
+    telemetry."""
     env = " ".join(f"{k}={OFFLINE_DEFAULTS[k]}" for k in ("LITELLM_LOCAL_MODEL_COST_MAP", "MLFLOW_DISABLE_TELEMETRY"))
-    return f"{env} {mlflow} ui --backend-store-uri sqlite:///{Path(db)}"
+    return f"{env} {mlflow} ui --backend-store-uri {shlex.quote(store_uri)}"
 
 
 def configured_uri(run_dir: str | os.PathLike[str]) -> str:
@@ -181,7 +183,8 @@ def ui_instructions(run_dir: str | os.PathLike[str], mlflow: str = "mlflow") -> 
     link = mlflow_ui_url(ui_base(uri))
     if not is_local_store(uri):
         return f"open {link} (tracking server {uri})"
-    return f"{mlflow_ui_command(RunLayout(Path(run_dir).resolve()).mlflow_db, mlflow)}\n(then open {link})"
+    db = RunLayout(Path(run_dir).expanduser().resolve()).mlflow_db
+    return f"{mlflow_ui_command(f'sqlite:///{db}', mlflow)}\n(then open {link})"
 
 
 def is_secret_name(name: str) -> bool:
@@ -743,6 +746,13 @@ class Tracker:
         return run.info.run_id
 
     # ---- runs ----------------------------------------------------------------------------------
+    def recorded_parent_id(self) -> str | None:
+        """The parent run the state file names for this run dir on this store; None if there is none
+        yet (nothing is created: the report logs only into a run that was tracked)."""
+        with self._state_lock():
+            run_id = self._state_of_this_store().get("run_id")
+        return run_id if isinstance(run_id, str) and run_id else None
+
     def parent_run_id(self) -> str:
         """The pipeline run's parent MLflow run, created on first use and reused afterwards."""
         with self._state_lock():

@@ -451,12 +451,12 @@ def test_every_link_opens_the_model_training_view(monkeypatch: pytest.MonkeyPatc
     assert ui_base("") == ui_base("http://10.0.0.5:5001") == "https://mlflow.example"
     monkeypatch.delenv("MLFLOW_UI_URL")
     # `mlflow ui` as printed never reaches for the network: litellm's cost map is read locally
-    command = mlflow_ui_command(tmp_path / "mlflow.db")
+    command = mlflow_ui_command(f"sqlite:///{tmp_path}/mlflow.db")
     assert command.startswith("LITELLM_LOCAL_MODEL_COST_MAP=True MLFLOW_DISABLE_TELEMETRY=true mlflow ui ")
     assert command.endswith(f"--backend-store-uri sqlite:///{tmp_path}/mlflow.db")
     local = ui_instructions(tmp_path)
     assert local.splitlines() == [
-        mlflow_ui_command(tmp_path / "mlflow" / "mlflow.db"),
+        mlflow_ui_command(f"sqlite:///{tmp_path}/mlflow/mlflow.db"),
         f"(then open {base}/#/experiments?workflowType=machine_learning)",
     ]
     (tmp_path / "config.yaml").write_text("tracking:\n  uri: http://10.0.0.5:5001\n")
