@@ -582,6 +582,9 @@ class Tracker:
         with self._lock:
             if self._client is None:
                 apply_offline_defaults()  # telemetry off before mlflow is imported
+                # MLflow prints its own run links (GenAI view) when a run on a server ends; ours are
+                # in the flow summaries and logs, in the model-training view
+                os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
                 from mlflow import MlflowClient
 
                 if self.is_local:
