@@ -389,6 +389,7 @@ class ChildRun:
         self.run_id = run_id
         self.flow_name = flow_name
         self._carried: set[str] = set()  # metric names whose earlier-attempt points were carried forward
+        self._earlier: dict[tuple[str, int], dict[str, Any]] | None = None  # read once per attempt
         self._carry_lock = threading.Lock()
 
     @property
@@ -477,7 +478,13 @@ class ChildRun:
         )
 
     def _earlier_points(self) -> dict[tuple[str, int], dict[str, Any]]:
-        """This flow's rows of the ``metrics`` table logged by other attempts, by (name, step)."""
+        """This flow's rows of the ``metrics`` table logged by other attempts, by (name, step); read
+        once (a row this attempt replaced since is skipped later: the run has that step already)."""
+        if self._earlier is None:
+            self._earlier = self._read_earlier_points()
+        return self._earlier
+
+    def _read_earlier_points(self) -> dict[tuple[str, int], dict[str, Any]]:
         prefix = f"{_safe_part_name(self.flow_name)}-"
         points: dict[tuple[str, int], dict[str, Any]] = {}
         for path in self.tracker.store.files("metrics"):
