@@ -423,15 +423,15 @@ class ChildRun:
         recorded = recorded if isinstance(recorded, dict) else {}
         # a value changed back to the logged one is true again
         current = {k: v for k, v in {**recorded, **changed}.items() if k not in values or k in changed}
-        if changed:
-            log.warning(
-                "run %s logged params %s with other values before; MLflow keeps those, the current ones are "
-                "in its %s tag",
-                self.run_id,
-                sorted(changed),
-                PARAMS_CHANGED_TAG,
-            )
-        if current != recorded:
+        if current != recorded:  # said once per change, not at every stage
+            if changed:
+                log.warning(
+                    "run %s logged params %s with other values before; MLflow keeps those, the current ones "
+                    "are in its %s tag",
+                    self.run_id,
+                    sorted(changed),
+                    PARAMS_CHANGED_TAG,
+                )
             self.set_tags({PARAMS_CHANGED_TAG: json.dumps(current, sort_keys=True)})
         new = [Param(k, v) for k, v in values.items() if k not in existing]
         for start in range(0, len(new), MAX_PARAMS_PER_BATCH):
