@@ -123,7 +123,7 @@ def ablation(
             curve, ablation_curve_plot(rows, f"Learning curves (evaluated every {cfg.rl.eval_every} steps)")
         )
     if cfg.tracking.enabled:
-        tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
+        tracker = Tracker(run_dir, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
         with tracker.child_run("ablation", params={"ablation.recipes": ",".join(names), **budget}) as child:
             # one series per recipe and benchmark, by policy updates (SFT 0): the final score is its last point
             by_step: dict[int, dict[str, float]] = {}

@@ -195,7 +195,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _print_next_steps(run_dir: str) -> None:
+    from rubricem_core.tracking import ui_instructions  # every MLflow link and command is built there
+
     rd = Path(run_dir).resolve()
+    mlflow = ui_instructions(rd).replace("\n", "\n           ")
     print(
         f"""
 run directory: {rd}
@@ -205,8 +208,7 @@ run directory: {rd}
            rubricem sql --run-dir {run_dir} "SELECT step, stage, avg(score) AS mean_score FROM judge_scores GROUP BY ALL ORDER BY ALL"
            rubricem sql --run-dir {run_dir} "SELECT checkpoint, benchmark, retrieval, avg(score) FROM eval_results GROUP BY ALL"
   report:  rubricem report --run-dir {run_dir}
-  MLflow:  mlflow ui --backend-store-uri sqlite:///{RunLayout(rd).mlflow_db}
-           (then open http://127.0.0.1:5000/#/experiments?workflowType=machine_learning)
+  MLflow:  {mlflow}
   Prefect: prefect server start   (then open http://127.0.0.1:4200; set PREFECT_API_URL to keep runs there)"""
     )
 

@@ -34,7 +34,7 @@ def collect_sft_data(
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="collect_sft_data")
     check_endpoint_keys(cfg.teacher)
-    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    tracker = Tracker.from_config(run_dir, cfg.tracking)
     run = (
         tracker.child_run("collect_sft_data", params=flatten(cfg.model_dump(mode="json")), tags=prefect_links())
         if tracker

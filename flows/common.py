@@ -7,7 +7,6 @@ import functools
 import hashlib
 import inspect
 import logging
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -130,14 +129,11 @@ def prefect_links() -> dict[str, str]:
 
 
 def mlflow_links(tracker: Any, child: Any) -> dict[str, str | None]:
-    """The links section of a flow run's summary: its child run's MLflow UI address (MLFLOW_UI_URL,
-    default http://127.0.0.1:5000) and the store to start `mlflow ui` on; both None when untracked."""
+    """The links section of a flow run's summary (rubricem_core.tracking builds every MLflow link): its
+    child run's MLflow UI address and the store to start `mlflow ui` on; both None when untracked."""
     if tracker is None or child is None:
         return {"mlflow_url": None, "mlflow_db": None}
-    return {
-        "mlflow_url": child.ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
-        "mlflow_db": tracker.tracking_uri,
-    }
+    return tracker.links(child)
 
 
 def mark_stale_runs_crashed(run_dir: str) -> int:

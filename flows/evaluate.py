@@ -70,7 +70,7 @@ def evaluate(
         raise EvalError(f"retrieval must be one of {EVAL_RETRIEVAL_MODES}, got {mode!r}")
     path = str(Path(checkpoint) if checkpoint else default_checkpoint(run_dir))
     tag = checkpoint_tag(run_dir, path)
-    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
     results: dict[str, dict[str, Any]] = {}
     with (
@@ -85,6 +85,7 @@ def evaluate(
                     f"eval/{benchmark}/{mode}/{k}": v for k, v in summary.items() if k != "cached" and v == v
                 }  # NaN (nothing scored) is not logged
                 child.log_metrics(numbers, step=checkpoint_updates(tag))
+                tracker.log_parent_metrics(numbers, step=checkpoint_updates(tag))  # the run's headline scores
             log.info("%s: %s score %.3f", tag, benchmark, summary["score_mean"])
         if child is not None:
             child.log_dict(

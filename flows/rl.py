@@ -159,7 +159,7 @@ def rl(
     start_policy(run_dir)  # names `rubricem sft` when there is no SFT policy
     plans = rl_plans(run_dir, cfg)
     rs = recipe_settings(cfg)
-    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten(
         {
             "rl": cfg.rl.model_dump(mode="json"),

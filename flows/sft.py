@@ -32,7 +32,7 @@ def sft(
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="sft")
     require_tables(run_dir, ["corpus", "sft_trajectories"], "collect-sft-data")
-    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment) if cfg.tracking.enabled else None
+    tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten(
         {"policy": cfg.policy.model_dump(mode="json"), "sft": cfg.sft.model_dump(mode="json"), "seed": cfg.seed}
     )

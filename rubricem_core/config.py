@@ -9,6 +9,7 @@ Secret block) that holds a key, and the key is resolved at the point of use.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -863,6 +864,22 @@ class DistributedConfig(_Strict):
 class TrackingConfig(_Strict):
     enabled: bool = Field(default=True, description="Log params, metrics and artifacts to MLflow.")
     experiment: str = Field(default="rubricem", description="MLflow experiment name.")
+    uri: str = Field(
+        default="",
+        description="MLflow tracking server, e.g. 'http://127.0.0.1:5000' (`mlflow server`): runs of many run "
+        "directories in one experiment and one UI, artifacts where the server keeps them. Empty: the run "
+        "directory's own SQLite store mlflow/mlflow.db (artifacts in mlflow/artifacts).",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_has_scheme(cls, value: str) -> str:
+        value = value.strip()
+        if value and not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value):
+            raise ValueError(
+                f"tracking.uri {value!r} is not a URI (e.g. http://127.0.0.1:5000); empty: the run dir's store"
+            )
+        return value
 
 
 class RunConfig(_Strict):

@@ -16,6 +16,7 @@ import pytest
 from rubricem_core.config import load_config
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.tracking import Tracker
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
@@ -120,6 +121,11 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     } <= set(names)
     assert names["eval/simpleqa/none/grader/score_calls"]["value"] == 2.0
     assert {m["step"] for m in logged} == {0}  # the SFT policy: no RL updates
+    # the scores are the parent run's headline metrics too
+    tracker = Tracker(run_dir)
+    parent = tracker.client.get_run(tracker.parent_run_id()).data.metrics
+    assert parent["eval/synthetic/none/score_mean"] == pytest.approx(names["eval/synthetic/none/score_mean"]["value"])
+    assert parent["eval/simpleqa/none/grader/score_calls"] == 2.0
 
     # a rerun reads the parts back instead of sampling again
     def no_sampling(*args, **kwargs):

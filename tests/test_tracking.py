@@ -6,8 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from rubricem_core.config import ConfigError, TrackingConfig, config_to_yaml, load_config
 from rubricem_core.sql import run_sql
-from rubricem_core.tracking import Tracker, TrackingError, flatten_params, is_secret_name
+from rubricem_core.tracking import (
+    HEADLINE_KEYS,
+    Tracker,
+    TrackingError,
+    flatten_params,
+    is_secret_name,
+    mlflow_ui_command,
+    mlflow_ui_url,
+    ui_base,
+    ui_instructions,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +68,7 @@ def test_retry_after_crash_starts_a_new_attempt(tracker: Tracker, run_dir: Path)
     with again.child_run("rl_step/0001", {"lr": 1e-6}) as retry:
         assert retry.run_id != first_id
         run = again.client.get_run(retry.run_id)
-        assert run.info.status == "RUNNING" and run.info.run_name == "rl_step/0001 (attempt 2)"
+        assert run.info.status == "RUNNING" and run.info.run_name == "rl_step/0001 · attempt 2"
         assert run.data.tags["mlflow.parentRunId"] == again.parent_run_id()
         assert run.data.tags["rubricem.flow"] == "rl_step/0001" and run.data.tags["rubricem.attempt"] == "2"
         assert run.data.tags["rubricem.retry_of"] == first_id
@@ -65,15 +76,20 @@ def test_retry_after_crash_starts_a_new_attempt(tracker: Tracker, run_dir: Path)
     assert again.client.get_run(first_id).info.status == "FAILED"
     assert again.client.get_run(retry.run_id).info.status == "FINISHED"
     state = json.loads((run_dir / "state" / "mlflow_parent.json").read_text())
-    assert state["children"]["rl_step/0001"] == retry.run_id
-    # a finished flow rerun with nothing new to do reuses its run instead of cluttering the experiment
+    assert state["children"]["rl_step/0001"] == retry.run_id and state["store"] == "local"
+    # a finished flow run again is an attempt of its own too: its params and duration stay true
     with again.child_run("rl_step/0001", {"lr": 2e-6}) as rerun:
-        assert rerun.run_id == retry.run_id
+        assert rerun.run_id != retry.run_id
     runs = again.client.search_runs([again.experiment_id()], filter_string="tags.`rubricem.flow` = 'rl_step/0001'")
-    assert sorted(r.data.tags["rubricem.attempt"] for r in runs) == ["1", "2"]
-    # a changed value on reuse keeps the first one and records the conflict
-    run = again.client.get_run(retry.run_id)
-    assert run.data.params["lr"] == "1e-06" and run.data.tags["rubricem.param_conflicts"] == "lr"
+    attempts = {r.data.tags["rubricem.attempt"]: r for r in runs}
+    assert sorted(attempts) == ["1", "2", "3"]
+    assert {a: r.data.params["lr"] for a, r in attempts.items()} == {"1": "1e-06", "2": "1e-06", "3": "2e-06"}
+    assert {a: r.data.tags["rubricem.current"] for a, r in attempts.items()} == {
+        "1": "false",
+        "2": "false",
+        "3": "true",
+    }
+    assert all("rubricem.params_changed" not in r.data.tags for r in runs)
 
 
 def test_run_left_running_by_a_crashed_process_is_failed_and_retried(tracker: Tracker, run_dir: Path):
@@ -87,11 +103,11 @@ def test_run_left_running_by_a_crashed_process_is_failed_and_retried(tracker: Tr
     # killed (Ctrl-C) counts as not finished too
     with pytest.raises(KeyboardInterrupt):
         with tracker.child_run("rl_step/0003") as killed:
-            assert killed.run_id == retry.run_id  # attempt 2 had finished: reused
             raise KeyboardInterrupt
     assert tracker.client.get_run(killed.run_id).info.status == "KILLED"
-    with tracker.child_run("rl_step/0003") as third:
-        assert tracker.client.get_run(third.run_id).info.run_name == "rl_step/0003 (attempt 3)"
+    assert tracker.client.get_run(retry.run_id).info.status == "FINISHED"  # the attempt before keeps its end
+    with tracker.child_run("rl_step/0003") as fourth:
+        assert tracker.client.get_run(fourth.run_id).info.run_name == "rl_step/0003 · attempt 4"
 
 
 def test_a_run_open_in_this_process_is_not_taken_for_a_crash(tracker: Tracker, run_dir: Path):
@@ -99,7 +115,7 @@ def test_a_run_open_in_this_process_is_not_taken_for_a_crash(tracker: Tracker, r
         assert Tracker(run_dir).child_run_id("nested") == outer.run_id
         assert tracker.client.get_run(outer.run_id).info.status == "RUNNING"
     assert tracker.client.get_run(outer.run_id).info.status == "FINISHED"
-    assert tracker.child_run_id("nested") == outer.run_id
+    assert tracker.child_run_id("nested") != outer.run_id  # closed: the next run is a new attempt
 
 
 def test_retry_replaces_the_mirrored_rows_of_relogged_steps(tracker: Tracker, run_dir: Path):
@@ -111,8 +127,10 @@ def test_retry_replaces_the_mirrored_rows_of_relogged_steps(tracker: Tracker, ru
     with tracker.child_run("rl_retry") as second:  # resumes from the checkpoint of step 1
         for step in (2, 3):
             second.log_metrics({"loss": 0.5 - step / 10, "kl": 0.2}, step=step)
-    history = tracker.client.get_metric_history(second.run_id, "loss")
-    assert [m.step for m in history] == [2, 3]  # the attempt's chart starts at the resumed step
+    # the retry's chart is the whole series: steps 0-1 carried from the first attempt, 2-3 its own
+    history = sorted(tracker.client.get_metric_history(second.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(0, 1.0), (1, 0.9), (2, 0.3), (3, pytest.approx(0.2))]
+    assert [m.step for m in tracker.client.get_metric_history(first.run_id, "loss")] == [0, 1, 2]
     out = json.loads(
         run_sql(
             run_dir,
@@ -134,15 +152,13 @@ def test_child_run_tags_and_ui_links(tracker: Tracker, run_dir: Path):
         assert {k: tracker.client.get_run(child.run_id).data.tags[k] for k in links} == links
     run = tracker.client.get_run(child.run_id)
     assert child.experiment_id == run.info.experiment_id == tracker.experiment_id()
-    assert child.ui_url() == f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
-    assert (
-        child.ui_url("http://host:8080/")
-        == f"http://host:8080/#/experiments/{run.info.experiment_id}/runs/{child.run_id}"
-    )
-    assert (
-        tracker.experiment_ui_url()
-        == f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id()}/runs?workflowType=machine_learning"
-    )
+    exp = run.info.experiment_id
+    view = "?workflowType=machine_learning"
+    assert child.ui_url() == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{child.run_id}{view}"
+    assert child.ui_url("http://host:8080/") == f"http://host:8080/#/experiments/{exp}/runs/{child.run_id}{view}"
+    assert tracker.experiment_ui_url() == f"http://127.0.0.1:5000/#/experiments/{exp}/runs{view}"
+    assert tracker.links(child) == {"mlflow_url": child.ui_url(), "mlflow_db": tracker.tracking_uri}
+    assert tracker.links()["mlflow_url"] == tracker.run_ui_url(tracker.parent_run_id())
     # secret-like tag names are refused before any run is created
     with pytest.raises(ValueError, match="looks like a secret"):
         with tracker.child_run("leaky", tags={"prefect.api_token": "x"}):
@@ -302,10 +318,163 @@ def test_parent_run_follows_its_stages(tracker: Tracker):
     assert status() == "FINISHED"
 
 
-def test_soft_deleted_runs_are_restored_when_reused(tracker: Tracker):
+def test_soft_deleted_runs(tracker: Tracker):
+    """A deleted attempt stays deleted (the next run is a new attempt); a deleted parent is restored."""
     with tracker.child_run("restorable") as child:
         pass
     tracker.client.delete_run(child.run_id)
     with tracker.child_run("restorable") as again:
-        assert again.run_id == child.run_id
-    assert tracker.client.get_run(child.run_id).info.lifecycle_stage == "active"
+        assert again.run_id != child.run_id
+    assert tracker.client.get_run(again.run_id).data.tags["rubricem.attempt"] == "2"
+    assert tracker.client.get_run(child.run_id).info.lifecycle_stage == "deleted"
+    parent = tracker.parent_run_id()
+    tracker.client.delete_run(parent)
+    assert tracker.parent_run_id() == parent
+    assert tracker.client.get_run(parent).info.lifecycle_stage == "active"
+
+
+def _history(tracker: Tracker, run_id: str, name: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in tracker.client.get_metric_history(run_id, name))
+
+
+def test_one_metric_series_per_stage_over_attempts(tracker: Tracker, run_dir: Path):
+    """RL crashes after step 4 with n_windows 2; the retry (n_windows 4) runs steps 5-7: the current
+    attempt's chart holds steps 0-7, each attempt keeps its own params, duration and Prefect link."""
+    reward = {s: 0.1 * s for s in range(8)}
+    with pytest.raises(RuntimeError, match="oom"):
+        with tracker.child_run("rl_curve", {"rl": {"n_windows": 2}}, tags={"prefect.flow_run_id": "a"}) as first:
+            for step in range(5):
+                first.log_metrics({"reward/mean": reward[step]}, step=step)
+            raise RuntimeError("oom")
+    first_points = {m.step: m.timestamp for m in tracker.client.get_metric_history(first.run_id, "reward/mean")}
+    with tracker.child_run("rl_curve", {"rl": {"n_windows": 4}}, tags={"prefect.flow_run_id": "b"}) as second:
+        second.log_metrics({"reward/mean": reward[5], "rl/kl": 0.5}, step=5)
+        # live: the chart is whole from the attempt's first point on
+        assert _history(tracker, second.run_id, "reward/mean") == [(s, pytest.approx(reward[s])) for s in range(6)]
+        for step in (6, 7):
+            second.log_metrics({"reward/mean": reward[step], "rl/kl": 0.5}, step=step)
+    assert _history(tracker, second.run_id, "reward/mean") == [(s, pytest.approx(reward[s])) for s in range(8)]
+    assert [s for s, _ in _history(tracker, second.run_id, "rl/kl")] == [5, 6, 7]
+    assert [s for s, _ in _history(tracker, first.run_id, "reward/mean")] == [0, 1, 2, 3, 4]
+    carried = {m.step: m.timestamp for m in tracker.client.get_metric_history(second.run_id, "reward/mean")}
+    assert {s: carried[s] for s in first_points} == first_points  # the original timestamps
+    # the series equals the metrics table, which names the attempt that logged each step
+    table = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT step, value, run_id FROM metrics WHERE flow = 'rl_curve' AND name = 'reward/mean' ORDER BY step",
+            fmt="json",
+        )
+    )
+    assert [(r["step"], pytest.approx(r["value"])) for r in table] == _history(tracker, second.run_id, "reward/mean")
+    assert [r["run_id"] for r in table] == [first.run_id] * 5 + [second.run_id] * 3
+    # each attempt's params, link and duration are its own: no stretch over both
+    a, b = (tracker.client.get_run(r.run_id) for r in (first, second))
+    assert (a.data.params["rl.n_windows"], b.data.params["rl.n_windows"]) == ("2", "4")
+    assert (a.data.tags["prefect.flow_run_id"], b.data.tags["prefect.flow_run_id"]) == ("a", "b")
+    assert (a.info.status, b.info.status) == ("FAILED", "FINISHED")
+    assert a.info.end_time <= b.info.start_time <= b.info.end_time
+    assert (a.data.tags["rubricem.current"], b.data.tags["rubricem.current"]) == ("false", "true")
+    assert b.info.run_name == "rl_curve · attempt 2" and b.data.tags["rubricem.retry_of"] == first.run_id
+    # a rerun with everything done logs nothing itself and still ends with the whole series
+    with tracker.child_run("rl_curve", {"rl": {"n_windows": 4}}) as third:
+        assert tracker.client.get_metric_history(third.run_id, "reward/mean") == []
+    assert _history(tracker, third.run_id, "reward/mean") == _history(tracker, second.run_id, "reward/mean")
+    current = tracker.client.search_runs(
+        [tracker.experiment_id()], "tags.`rubricem.flow` = 'rl_curve' AND tags.`rubricem.current` = 'true'"
+    )
+    assert [r.info.run_id for r in current] == [third.run_id]
+
+
+def test_a_recomputed_step_is_logged_once_per_attempt(tracker: Tracker):
+    """A retry that starts over (SFT without a checkpoint) logs every step itself: nothing is carried
+    below its first step, and the first attempt's later steps complete the series at the end."""
+    with pytest.raises(RuntimeError):
+        with tracker.child_run("sft_over") as first:
+            for step in range(6):
+                first.log_metrics({"loss": 2.0 - step / 10}, step=step)
+            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError):
+        with tracker.child_run("sft_over") as second:
+            for step in range(3):
+                second.log_metrics({"loss": 1.0 - step / 10}, step=step)
+            raise RuntimeError("killed again")
+    # one point per step: 0-2 its own, 3-5 the first attempt's (still the table's rows)
+    assert _history(tracker, second.run_id, "loss") == [
+        (0, 1.0),
+        (1, 0.9),
+        (2, 0.8),
+        (3, pytest.approx(1.7)),
+        (4, 1.6),
+        (5, 1.5),
+    ]
+
+
+def test_parent_run_holds_headline_params_and_eval_scores(tracker: Tracker, run_dir: Path):
+    cfg = load_config("tiny")
+    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    assert set(tracker.headline_params()) == set(HEADLINE_KEYS)  # every key names a config field
+    with tracker.child_run("collect_headline"):
+        pass
+    parent = tracker.client.get_run(tracker.parent_run_id())
+    assert parent.data.params["profile"] == cfg.profile
+    assert parent.data.params["rl.recipe"] == cfg.rl.recipe
+    assert parent.data.params["rl.n_windows"] == str(cfg.rl.n_windows)
+    assert parent.data.params["eval.benchmarks"] == json.dumps(cfg.eval.benchmarks)
+    # more RL windows later: MLflow keeps the first value, the tag says what holds now
+    grown = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"n_windows": cfg.rl.n_windows + 2})})
+    (run_dir / "config.yaml").write_text(config_to_yaml(grown))
+    with tracker.child_run("collect_headline"):
+        pass
+    parent = tracker.client.get_run(tracker.parent_run_id())
+    assert json.loads(parent.data.tags["rubricem.params_changed"]) == {"rl.n_windows": str(cfg.rl.n_windows + 2)}
+    # the evaluation scores, by checkpoint updates: the latest value is the newest checkpoint's
+    tracker.log_parent_metrics({"eval/synthetic/none/score_mean": 0.25}, step=0)
+    tracker.log_parent_metrics({"eval/synthetic/none/score_mean": 0.5}, step=8)
+    parent = tracker.client.get_run(tracker.parent_run_id())
+    assert parent.data.metrics["eval/synthetic/none/score_mean"] == 0.5
+    assert _history(tracker, parent.info.run_id, "eval/synthetic/none/score_mean") == [(0, 0.25), (8, 0.5)]
+    (run_dir / "config.yaml").unlink()
+
+
+def test_every_link_opens_the_model_training_view(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv("MLFLOW_UI_URL", raising=False)
+    base = "http://127.0.0.1:5000"
+    assert mlflow_ui_url(base) == f"{base}/#/experiments?workflowType=machine_learning"
+    assert mlflow_ui_url(base + "/", "3") == f"{base}/#/experiments/3/runs?workflowType=machine_learning"
+    assert mlflow_ui_url(base, "3", "ab") == f"{base}/#/experiments/3/runs/ab?workflowType=machine_learning"
+    with pytest.raises(ValueError, match="experiment id"):
+        mlflow_ui_url(base, run_id="ab")
+    assert ui_base("") == base
+    assert ui_base("http://10.0.0.5:5001/") == "http://10.0.0.5:5001"  # a tracking server serves its UI
+    monkeypatch.setenv("MLFLOW_UI_URL", "https://mlflow.example/")
+    assert ui_base("") == ui_base("http://10.0.0.5:5001") == "https://mlflow.example"
+    monkeypatch.delenv("MLFLOW_UI_URL")
+    # `mlflow ui` as printed never reaches for the network: litellm's cost map is read locally
+    command = mlflow_ui_command(f"sqlite:///{tmp_path}/mlflow.db")
+    assert command.startswith("LITELLM_LOCAL_MODEL_COST_MAP=True MLFLOW_DISABLE_TELEMETRY=true mlflow ui ")
+    assert command.endswith(f"--backend-store-uri sqlite:///{tmp_path}/mlflow.db")
+    local = ui_instructions(tmp_path)
+    assert local.splitlines() == [
+        mlflow_ui_command(f"sqlite:///{tmp_path}/mlflow/mlflow.db"),
+        f"(then open {base}/#/experiments?workflowType=machine_learning)",
+    ]
+    (tmp_path / "config.yaml").write_text("tracking:\n  uri: http://10.0.0.5:5001\n")
+    assert ui_instructions(tmp_path) == (
+        "open http://10.0.0.5:5001/#/experiments?workflowType=machine_learning (tracking server http://10.0.0.5:5001)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("uri", "stored"),
+    [("", ""), ("  ", ""), (" http://127.0.0.1:5000 ", "http://127.0.0.1:5000"), ("https://mlflow.example", None)],
+)
+def test_tracking_uri_setting(uri: str, stored: str | None):
+    assert TrackingConfig(uri=uri).uri == (uri.strip() if stored is None else stored)
+    assert "tracking server" in TrackingConfig.model_fields["uri"].description
+
+
+@pytest.mark.parametrize("uri", ["127.0.0.1:5000x/", "/tmp/mlflow.db", "mlflow server"])
+def test_tracking_uri_without_a_scheme_is_refused(uri: str):
+    with pytest.raises(ConfigError, match="tracking.uri"):
+        load_config("tiny", {"tracking.uri": uri})

@@ -58,11 +58,12 @@ def test_copied_run_dir_uses_its_own_artifacts(original: tuple[Path, dict[str, s
     assert json.loads((b / "state" / "mlflow_parent.json").read_text())["run_dir"] == str(b.resolve())
     # the old runs' artifacts are read from the copy
     assert _artifact_text(tracker, ids["sft"], "notes/note.txt", tmp_path / "d1") == "from the original"
-    # new artifacts land in the copy, for an old run (a finished flow is reused) and for the parent
+    # new artifacts land in the copy, for a new attempt of a stage and for the parent
     extra = tmp_path / "extra.txt"
     extra.write_text("from the copy")
     with tracker.child_run("sft") as child:
-        assert child.run_id == ids["sft"]
+        assert child.run_id != ids["sft"]
+        assert tracker.client.get_run(child.run_id).info.artifact_uri.startswith(tracker.artifact_uri + "/")
         child.log_artifact(extra, artifact_path="notes")
     tracker.log_parent_artifact(extra, "report")
     assert len(list((b / "mlflow" / "artifacts").rglob("extra.txt"))) == 2
@@ -76,8 +77,9 @@ def test_copied_run_dir_uses_its_own_artifacts(original: tuple[Path, dict[str, s
     # the copy survives the original's deletion
     shutil.rmtree(a)
     fresh = Tracker(b)
-    names = {Path(f.path).name for f in fresh.client.list_artifacts(ids["sft"], "notes")}
-    assert names == {"note.txt", "extra.txt"}
+    assert [Path(f.path).name for f in fresh.client.list_artifacts(ids["sft"], "notes")] == ["note.txt"]
+    assert [Path(f.path).name for f in fresh.client.list_artifacts(child.run_id, "notes")] == ["extra.txt"]
+    assert [(m.step, m.value) for m in fresh.client.get_metric_history(child.run_id, "loss")] == [(0, 0.5)]
     assert _artifact_text(fresh, ids["sft"], "notes/note.txt", tmp_path / "d2") == "from the original"
     assert _artifact_text(fresh, ids["parent"], "report/extra.txt", tmp_path / "d3") == "from the copy"
     assert not a.exists()

@@ -24,7 +24,14 @@ from rubricem_core.report.data import STAGES, RunData
 from rubricem_core.report.plots import PLOTS, make_plots
 from rubricem_core.report.publish import log_files, mlflow_target
 from rubricem_core.store import atomic_write_text
-from rubricem_core.tracking import TrackingError
+from rubricem_core.tracking import (
+    TrackingError,
+    configured_uri,
+    is_local_store,
+    mlflow_ui_command,
+    mlflow_ui_url,
+    ui_base,
+)
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +306,15 @@ def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str) -> str:
         if all(t in tables for t in needs):
             command = f'rubricem sql --run-dir {target} "{query}"'
             items.append(f"<li>{_esc(title)}<pre>{_esc(command)}</pre></li>")
-    db = shlex.quote(f"sqlite:///{RunLayout(run_dir).mlflow_db}")
+    uri = configured_uri(run_dir)
+    link = mlflow_ui_url(ui_base(uri))
+    if is_local_store(uri):
+        start = f"<code>{_esc(mlflow_ui_command(f'sqlite:///{RunLayout(run_dir).mlflow_db}'))}</code>, then "
+    else:
+        start = f"tracking server <code>{_esc(uri)}</code>: "
     return (
         "<h2>Dig further</h2><ul class=sql>" + "".join(items) + "</ul>"
-        f"<p>MLflow: <code>{_esc(f'mlflow ui --backend-store-uri {db}')}</code></p>"
+        f'<p>MLflow: {start}<a href="{_esc(link)}">{_esc(link)}</a></p>'
         f"<p class=note>Report artifacts in MLflow: {_esc(mlflow_note)}</p>"
     )
 

@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rubricem_core.tracking import mlflow_ui_command
+
 
 def cell(value: Any) -> str:
     """A table cell: floats with 4 significant digits, NaN/None as "–", pipes escaped."""
@@ -33,7 +35,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def links(run_dir: str, mlflow_url: str | None, mlflow_db: str | None = None) -> str:
     parts = [f'- run directory: `{run_dir}` (tables: `rubricem sql --run-dir {run_dir} "SHOW TABLES"`)']
     if mlflow_url:
-        where = f" (start it with `mlflow ui --backend-store-uri {mlflow_db}`)" if mlflow_db else ""
+        where = f" (start it with `{mlflow_ui_command(mlflow_db)}`)" if mlflow_db else ""
         parts.append(f"- MLflow run: [{mlflow_url}]({mlflow_url}){where}")
     return "\n".join(parts)
 
