@@ -26,8 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten, load_config
+from rubricem_core.config import (
+    ConfigError,
+    RunConfig,
+    config_to_yaml,
+    flatten,
+    format_validation_error,
+    load_config,
+)
 from rubricem_core.layout import RunLayout
 from rubricem_core.store import RunStore, atomic_write_text
 
@@ -141,7 +149,9 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
         return None
     try:
         return RunConfig.model_validate(yaml.safe_load(path.read_text()))
-    except Exception as exc:  # YAML or validation: either way the file cannot be trusted
+    except ValidationError as exc:  # pydantic's own text repeats every value; this one hides key-like ones
+        raise ConfigError(f"{format_validation_error(exc, str(path))}\nmove it away to start over") from None
+    except Exception as exc:  # YAML: the file cannot be trusted
         raise ConfigError(f"{path} is not a valid run config ({exc}); move it away to start over") from None
 
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rubricem_core.layout import TRACKING_STATE_FILE, RunLayout
 from rubricem_core.offline import apply_offline_defaults
+from rubricem_core.redact import is_secret_name, redact_text
 from rubricem_core.schemas import METRICS_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_text
 
@@ -77,26 +78,11 @@ _LOCATION_COLUMNS = (
     ("logged_models", "artifact_location", ""),
     ("trace_tags", "value", "key = 'mlflow.artifactLocation' AND "),
 )
-# A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
-# "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
-# the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
-SECRET_LAST_WORDS = frozenset(
-    {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"}
-)
 _KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
-_WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
 
 class TrackingError(RuntimeError):
     """MLflow state of a run directory is unusable (corrupt state file, unreachable store)."""
-
-
-def is_secret_name(name: str) -> bool:
-    leaf = str(name).rsplit(".", 1)[-1]
-    words = [w.lower() for part in re.split(r"[^A-Za-z0-9]+", leaf) for w in _WORDS.findall(part)]
-    if not words or words[-1] not in SECRET_LAST_WORDS:
-        return False
-    return not (len(words) > 1 and words[-2] == "per")  # a unit such as cost_per_token
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -116,13 +102,14 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _param_text(value: Any) -> str:
+    """A param or tag value as MLflow stores it, credentials of any URL in it masked."""
     if isinstance(value, str):
-        return value
+        return redact_text(value)
     if isinstance(value, (list, tuple, dict)):
         try:
-            return json.dumps(value, sort_keys=True, default=str)
+            return redact_text(json.dumps(value, sort_keys=True, default=str))
         except (TypeError, ValueError):
-            return str(value)
+            return redact_text(str(value))
     return str(value)
 
 
