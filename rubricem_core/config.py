@@ -83,7 +83,14 @@ class ToolsConfig(_Strict):
     @field_validator("specs")
     @classmethod
     def _no_keys_in_specs(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        # like an endpoint's: a spec names the variable holding its key, never the key (no value is repeated)
+        # like an endpoint's: a spec names the variable holding its key, never the key (no value is repeated),
+        # and the credentials of its base_url are held in this process, masked in the config
+        specs = [
+            {**s, "base_url": hold_url_credentials(s["base_url"])}
+            if isinstance(s, dict) and isinstance(s.get("base_url"), str)
+            else s
+            for s in specs
+        ]
         for i, spec in enumerate(specs):
             for name, value in spec.items() if isinstance(spec, dict) else ():
                 if is_secret_name(name):
