@@ -4,9 +4,10 @@ The whole pipeline (`rubricem run`, a subprocess) uses a teacher (Batch API) and
 both fake OpenAI-compatible servers on 127.0.0.1 demanding their own random key, with retried
 failures on both so the error and retry paths log too; the built-in grader's ``api_base`` carries a
 random password (``http://rubricem:<password>@…/v1``: its calls pass the URL through litellm to the
-built-in provider). Its SFT and RL run on two trainer ranks, so launch files are written. Then a second
-command crashes (its teacher, at that credentialed URL of a server now gone, answers nothing). Every file of both run directories (Parquet, MLflow's SQLite DB,
-params, tags and artifacts, the HTML report, state, launch files, checkpoints, config.yaml), Prefect's
+built-in provider). Then a second command crashes: one more RL window on two trainer ranks (a launch
+file under the run), whose judge, now gone, answers nothing. Every file of the run directory (Parquet,
+MLflow's SQLite DB, params, tags and artifacts, the HTML report, state, launch files, checkpoints,
+config.yaml and its revisions), Prefect's
 result storage (persisted for the test), both processes' stdout/stderr and the Prefect server's database
 (artifacts, flow-run parameters, shipped logs, events) are searched for the keys and the password.
 (tests/test_collect_flow.py checks the Parquet tables of the collection flow alone; this covers every
@@ -104,7 +105,6 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
         credentialed = jserver.base_url.replace("http://", f"http://rubricem:{password}@")
         overrides = {
             **SMALL,
-            "distributed.nproc_per_node": 2,  # SFT and RL on two trainer ranks: launch files under the run
             "teacher.model": "openai/frontier-teacher",
             "teacher.mode": "batch",
             "teacher.api_base": tserver.base_url,
@@ -137,12 +137,13 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
         assert len(jserver.chat_calls) >= 2 + 2 * 2  # ≥ one generation per query, one score per rollout
         assert not jserver.http_errors, "the injected 429/500 were consumed and retried"
 
-    # a crash: collection whose teacher (the credentialed URL of a server now gone) answers nothing
-    crash = tmp_path / "crash"
-    dead = {**SMALL, "teacher.model": "openai/frontier-teacher", "teacher.api_base": credentialed}
-    dead |= {"teacher.api_key_env": "RUBRICEM_FT_TEACHER_KEY", "teacher.max_retries": 0, "teacher.timeout_s": 5}
-    crashed = _rubricem(["collect-sft-data", "--debug", "--run-dir", str(crash), *_sets(dead)], env)
+    # a crash: one more RL window on two trainer ranks (they write a launch file), its judge gone; the
+    # grader's URL is given again, as a new process must (config.yaml holds it masked)
+    more = {"rl.n_windows": 2, "distributed.nproc_per_node": 2, "judge.max_retries": 0}
+    more["eval.grader.api_base"] = credentialed
+    crashed = _rubricem(["rl", "--debug", "--run-dir", str(run), *_sets(more)], env)
     assert crashed.returncode != 0, crashed.stdout.decode(errors="replace")[-2000:]
+    assert b"judgments failed" in crashed.stderr, crashed.stderr.decode(errors="replace")[-2000:]
 
     store = RunStore(run)
     assert store.read_rows("sft_trajectories") and store.read_rows("judge_scores")
@@ -156,7 +157,7 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
     canaries = (teacher_key, judge_key, password)
     needles = [k.encode() for k in canaries] + [k[-16:].encode() for k in canaries]
     sinks: dict[str, bytes] = {"stdout/stderr": output, "crash stdout/stderr": crashed.stdout + crashed.stderr}
-    for root in (run, crash, tmp_path / "prefect-results"):
+    for root in (run, tmp_path / "prefect-results"):
         for path in sorted(root.rglob("*")):
             if path.is_file():
                 sinks[str(path.relative_to(tmp_path))] = path.read_bytes()
@@ -168,7 +169,7 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
     assert not leaks, f"API key or URL password found in {leaks}"
 
     # every surface searched was really written
-    assert list((run / "state" / "launch").glob("*.json")), "no launch file: the ranks did not run"
+    assert list((run / "state" / "launch").glob("*.json")), "no launch file: the crashed RL did not start its ranks"
     assert any(name.startswith("prefect-results") for name in sinks), "Prefect result storage is empty"
     db = next(p for p in prefect_db if p.suffix == ".db")
     for table in ("artifact", "flow_run", "log", "events"):
