@@ -37,6 +37,7 @@ from rubricem_core.config import (
     load_config,
 )
 from rubricem_core.layout import RunLayout
+from rubricem_core.redact import shown_value
 from rubricem_core.store import RunStore, atomic_write_text
 
 # Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
@@ -108,8 +109,8 @@ class Change:
     old: Any
     new: Any
 
-    def __str__(self) -> str:
-        return f"{self.field}: {self.old!r} → {self.new!r}"
+    def __str__(self) -> str:  # in refusals: a key-like value is never shown
+        return f"{self.field}: {shown_value(self.field, self.old)} → {shown_value(self.field, self.new)}"
 
 
 def is_safe(change: Change) -> bool:

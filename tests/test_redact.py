@@ -190,3 +190,16 @@ def test_web_tool_base_url_credentials_stay_out_of_the_fingerprint(monkeypatch):
 )
 def test_redact_text_leaves_what_is_not_a_credential(text):
     assert redact_text(text) == text
+
+
+def test_a_refused_config_change_never_prints_a_key_like_value(tmp_path):
+    from rubricem_core.run_config import record_config
+    from rubricem_core.store import RunStore
+
+    run = tmp_path / "run"
+    record_config(run, load_config("tiny"), "collect-sft-data")
+    RunStore(run).write_table("queries", [{"query_id": "q"}])  # collection has written: tools are fixed now
+    key = _key()
+    with pytest.raises(ConfigError, match=r"tools\.embedder: None → <value not shown>") as err:
+        record_config(run, load_config("tiny", {"tools.embedder": key}), "collect-sft-data")
+    assert key not in str(err.value)
