@@ -428,6 +428,18 @@ class RolloutConfig(_Strict):
         "reflection.schedule: sync (deferred samples while the trainer updates). On a CPU vLLM ignores sleep.",
     )
 
+    @field_validator("server_env")
+    @classmethod
+    def _no_secrets_in_server_env(cls, env: dict[str, str]) -> dict[str, str]:
+        # recorded with the config; a secret here would land in config.yaml, MLflow and Prefect (never repeated)
+        for name, value in env.items():
+            if is_secret_name(name) or looks_like_secret(str(value)):
+                raise ValueError(
+                    f"{name} looks like a secret: the config is recorded in the run directory, so secrets come from "
+                    "this process's environment (which `vllm serve` inherits), never from rollout.server_env"
+                )
+        return env
+
     @model_validator(mode="after")
     def _transfer_needs_server(self) -> Any:
         for name, on in (("weight_transfer", self.weight_transfer != "checkpoint"), ("colocate", self.colocate)):

@@ -203,3 +203,17 @@ def test_a_refused_config_change_never_prints_a_key_like_value(tmp_path):
     with pytest.raises(ConfigError, match=r"tools\.embedder: None → <value not shown>") as err:
         record_config(run, load_config("tiny", {"tools.embedder": key}), "collect-sft-data")
     assert key not in str(err.value)
+
+
+@pytest.mark.parametrize("env", [{"HF_TOKEN": "x"}, {"VLLM_API_KEY": "x"}, {"SOME_SETTING": "hf_{hex}"}])
+def test_a_secret_in_server_env_is_refused_without_echo(env):
+    env = {k: v.format(hex=secrets.token_hex(12)) for k, v in env.items()}
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", {"rollout.server_env": env})
+    assert "rollout.server_env" in str(err.value)
+    assert all(v not in str(err.value) for v in env.values() if len(v) > 1)
+
+
+def test_server_env_settings_are_accepted():
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "NCCL_DEBUG": "INFO", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert load_config("tiny", {"rollout.server_env": env}).rollout.server_env == env
