@@ -16,6 +16,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rubricem_core.redact import (
+    MissingSecretError,
+    hold_url_credentials,
+    is_env_var_name,
+    is_secret_name,
+    looks_like_secret,
+    shown_value,
+)
 from rubricem_core.world import WorldConfig
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
@@ -25,8 +33,7 @@ class ConfigError(ValueError):
     """A profile or override is invalid; the message names the file and field."""
 
 
-class MissingSecretError(RuntimeError):
-    """A required API key is not set; the message names the environment variable."""
+__all__ = ["ConfigError", "MissingSecretError"]  # MissingSecretError lives in rubricem_core.redact
 
 
 class _Strict(BaseModel):
@@ -89,6 +96,27 @@ class ToolsConfig(_Strict):
         default=None, description="On-disk tool result cache shared across runs (needed by specs with cache: true)."
     )
 
+    @field_validator("specs")
+    @classmethod
+    def _no_keys_in_specs(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # like an endpoint's: a spec names the variable holding its key, never the key (no value is repeated),
+        # and the credentials of its base_url are held in this process, masked in the config
+        specs = [
+            {**s, "base_url": hold_url_credentials(s["base_url"])}
+            if isinstance(s, dict) and isinstance(s.get("base_url"), str)
+            else s
+            for s in specs
+        ]
+        for i, spec in enumerate(specs):
+            for name, value in spec.items() if isinstance(spec, dict) else ():
+                if is_secret_name(name):
+                    raise ValueError(
+                        f"specs[{i}].{name}: keys are never config fields; name the variable in api_key_env"
+                    )
+                if name.endswith("_env") and isinstance(value, str) and not is_env_var_name(value):
+                    raise ValueError(f"specs[{i}].{name} must name an environment variable, not hold the key itself")
+        return specs
+
 
 class EndpointConfig(_Strict):
     """How to reach an LLM through litellm (any provider). Keys are named, never stored."""
@@ -107,6 +135,31 @@ class EndpointConfig(_Strict):
     max_retries: int = Field(default=4, ge=0, description="Retries on 429/5xx/timeouts.")
     input_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
     output_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _names_a_variable(cls, value: str | None) -> str | None:
+        # a key pasted here would be recorded everywhere the config goes; the message never repeats it
+        if value is not None and not is_env_var_name(value):
+            raise ValueError(
+                "must name an environment variable (letters, digits, underscores, e.g. OPENAI_API_KEY), not hold "
+                "the key itself: export the key in a variable and give its name"
+            )
+        return value
+
+    @field_validator("api_key_secret_block")
+    @classmethod
+    def _names_a_block(cls, value: str | None) -> str | None:
+        if value is not None and looks_like_secret(value):
+            raise ValueError("must name a Prefect Secret block; the value given looks like the key itself")
+        return value
+
+    @field_validator("api_base")
+    @classmethod
+    def _credentials_held(cls, value: str | None) -> str | None:
+        # https://user:pass@host → https://user:***@host in the config (and everything recorded from it);
+        # the endpoint gets the real URL back from this process (rubricem_core.redact.reveal_url)
+        return hold_url_credentials(value) if value else value
 
 
 class TeacherConfig(EndpointConfig):
@@ -402,6 +455,18 @@ class RolloutConfig(_Strict):
         "trainer update, waking before it samples; single-node runs. With the reflection recipes it needs "
         "reflection.schedule: sync (deferred samples while the trainer updates). On a CPU vLLM ignores sleep.",
     )
+
+    @field_validator("server_env")
+    @classmethod
+    def _no_secrets_in_server_env(cls, env: dict[str, str]) -> dict[str, str]:
+        # recorded with the config; a secret here would land in config.yaml, MLflow and Prefect (never repeated)
+        for name, value in env.items():
+            if is_secret_name(name) or looks_like_secret(str(value)):
+                raise ValueError(
+                    f"{name} looks like a secret: the config is recorded in the run directory, so secrets come from "
+                    "this process's environment (which `vllm serve` inherits), never from rollout.server_env"
+                )
+        return env
 
     @model_validator(mode="after")
     def _transfer_needs_server(self) -> Any:
@@ -994,30 +1059,41 @@ def profile_path(profile: str | os.PathLike[str]) -> Path:
     return candidate
 
 
-def _format_validation_error(err: ValidationError, origin: str) -> str:
+def format_validation_error(err: ValidationError, origin: str) -> str:
+    """One line per invalid field, naming it; values of secret-like fields or that look like keys are not shown
+    (pydantic's own text repeats every input)."""
     lines = [f"invalid config in {origin}:"]
     for item in err.errors():
         field = ".".join(str(p) for p in item["loc"]) or "<root>"
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and is_secret_name(field):
+            lines.append(
+                f"  {field}: unknown key (keys are never config fields: name the environment variable that holds "
+                f"it in {field.rsplit('.', 1)[0]}.api_key_env)"
+            )
+        elif item["type"] == "extra_forbidden":
             lines.append(f"  {field}: unknown key")
-        else:
-            got = f" (got {item.get('input')!r})" if item["loc"] else ""  # the root's input is the whole config
+        else:  # the root's input is the whole config; a key-like value is never repeated
+            got = f" (got {shown_value(field, item.get('input'))})" if item["loc"] else ""
             lines.append(f"  {field}: {item['msg']}{got}")
     return "\n".join(lines)
 
 
 def parse_override(item: str) -> tuple[str, Any]:
-    """``teacher.max_rounds=4`` → ("teacher.max_rounds", 4); the value is parsed as YAML."""
+    """``teacher.max_rounds=4`` → ("teacher.max_rounds", 4); the value is parsed as YAML. An ``api_base`` comes
+    back with its credentials masked (held in this process: rubricem_core.redact)."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key.path=value")
+        raise ConfigError(f"override {shown_value(item, item)} must look like key.path=value")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
+        raise ConfigError(f"override {shown_value(item, item)} has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+    except yaml.YAMLError as exc:  # its text quotes the value: only the problem is shown
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"override {key}={shown_value(key, raw)}: the value is not valid YAML ({problem})") from None
+    if key.rsplit(".", 1)[-1] == "api_base" and isinstance(value, str):
+        value = hold_url_credentials(value)  # so the flow-run parameters made from overrides carry no credentials
     return key, value
 
 
@@ -1054,11 +1130,11 @@ def load_config(
     origin = str(path)
     if overrides:
         raw = apply_overrides(raw, overrides)
-        origin += " with overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        origin += " with overrides " + ", ".join(f"{k}={shown_value(k, v)}" for k, v in overrides.items())
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, origin)) from None
+        raise ConfigError(format_validation_error(exc, origin)) from None
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

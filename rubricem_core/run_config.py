@@ -26,9 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from rubricem_core.config import ConfigError, RunConfig, config_to_yaml, flatten, load_config
+from rubricem_core.config import (
+    ConfigError,
+    RunConfig,
+    config_to_yaml,
+    flatten,
+    format_validation_error,
+    load_config,
+)
 from rubricem_core.layout import RunLayout
+from rubricem_core.redact import shown_value
 from rubricem_core.store import RunStore, atomic_write_text
 
 # Dotted prefixes whose values do not reach any table: where and how things run, not what they compute.
@@ -106,8 +115,8 @@ class Change:
     old: Any
     new: Any
 
-    def __str__(self) -> str:
-        return f"{self.field}: {self.old!r} → {self.new!r}"
+    def __str__(self) -> str:  # in refusals: a key-like value is never shown
+        return f"{self.field}: {shown_value(self.field, self.old)} → {shown_value(self.field, self.new)}"
 
 
 def is_safe(change: Change) -> bool:
@@ -147,7 +156,9 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
         return None
     try:
         return RunConfig.model_validate(yaml.safe_load(path.read_text()))
-    except Exception as exc:  # YAML or validation: either way the file cannot be trusted
+    except ValidationError as exc:  # pydantic's own text repeats every value; this one hides key-like ones
+        raise ConfigError(f"{format_validation_error(exc, str(path))}\nmove it away to start over") from None
+    except Exception as exc:  # YAML: the file cannot be trusted
         raise ConfigError(f"{path} is not a valid run config ({exc}); move it away to start over") from None
 
 

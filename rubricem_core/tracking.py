@@ -59,6 +59,7 @@ import yaml
 
 from rubricem_core.layout import TRACKING_STATE_FILE, RunLayout
 from rubricem_core.offline import OFFLINE_DEFAULTS, apply_offline_defaults
+from rubricem_core.redact import is_secret_name, redact_text
 from rubricem_core.schemas import METRICS_SCHEMA
 from rubricem_core.store import RunStore, StoreError, atomic_write_text, read_parquet_file
 
@@ -113,14 +114,7 @@ _LOCATION_COLUMNS = (
     ("logged_models", "artifact_location", ""),
     ("trace_tags", "value", "key = 'mlflow.artifactLocation' AND "),
 )
-# A name is secret-like when its last word is one of these ("api_key", "hf_token", "db_password",
-# "openaiApiKey"). Judging by the last word lets names that only point at a secret or merely mention
-# the word pass: "api_key_env" (an env var name), "api_key_secret_block", "max_tokens", "token_level".
-SECRET_LAST_WORDS = frozenset(
-    {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials"}
-)
 _KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
-_WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
 
 
 class TrackingError(RuntimeError):
@@ -187,14 +181,6 @@ def ui_instructions(run_dir: str | os.PathLike[str], mlflow: str = "mlflow") -> 
     return f"{mlflow_ui_command(f'sqlite:///{db}', mlflow)}\n(then open {link})"
 
 
-def is_secret_name(name: str) -> bool:
-    leaf = str(name).rsplit(".", 1)[-1]
-    words = [w.lower() for part in re.split(r"[^A-Za-z0-9]+", leaf) for w in _WORDS.findall(part)]
-    if not words or words[-1] not in SECRET_LAST_WORDS:
-        return False
-    return not (len(words) > 1 and words[-2] == "per")  # a unit such as cost_per_token
-
-
 def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dicts become dotted keys: ``{"rl": {"lr": 1e-6}}`` → ``{"rl.lr": 1e-6}``."""
     flat: dict[str, Any] = {}
@@ -212,13 +198,14 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _param_text(value: Any) -> str:
+    """A param or tag value as MLflow stores it, credentials of any URL in it masked."""
     if isinstance(value, str):
-        return value
+        return redact_text(value)
     if isinstance(value, (list, tuple, dict)):
         try:
-            return json.dumps(value, sort_keys=True, default=str)
+            return redact_text(json.dumps(value, sort_keys=True, default=str))
         except (TypeError, ValueError):
-            return str(value)
+            return redact_text(str(value))
     return str(value)
 
 

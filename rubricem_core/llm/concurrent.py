@@ -22,6 +22,7 @@ import openai
 from rubricem_core.llm._litellm import litellm
 from rubricem_core.llm.cost import call_cost
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
+from rubricem_core.redact import MASK, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def is_retryable_error(exc: BaseException) -> bool:
 
 
 def error_text(exc: BaseException, settings: EndpointSettings, context: str = "") -> str:
-    """A one-line description of an error, with the API key scrubbed out just in case."""
+    """A one-line description of an error, with the API key and URL credentials scrubbed out just in case."""
     status = error_status(exc)
     kind = type(exc).__name__
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
@@ -61,8 +62,10 @@ def error_text(exc: BaseException, settings: EndpointSettings, context: str = ""
     head = f"{kind} (status {status})" if status is not None else kind
     text = f"{context}{head}: {message}" if message else f"{context}{head}"
     if settings.api_key:
-        text = text.replace(settings.api_key, "***")
-    return text[:MAX_ERROR_CHARS]
+        text = text.replace(settings.api_key, MASK)
+    if settings.api_base:  # it may carry credentials (https://user:pass@host)
+        text = text.replace(settings.api_base, redact_text(settings.api_base))
+    return redact_text(text)[:MAX_ERROR_CHARS]
 
 
 def backoff_delay(attempt: int, settings: EndpointSettings, rng: random.Random | None = None) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from rubricem_core.config import EndpointConfig, require_env
 from rubricem_core.llm.types import EndpointSettings
+from rubricem_core.redact import reveal_url
 
 # Built-in provider → (module, registering function). The judge, reflection judge and grader register
 # their provider and return the model to call ("<provider>/builtin", whatever the config's suffix); the
@@ -54,9 +55,10 @@ def endpoint_settings(cfg: EndpointConfig, api_key: str | None = None, model: st
     if api_key is None and cfg.api_key_env:
         api_key = require_env(cfg.api_key_env, purpose=f"model {model}")
     names = [f.name for f in dataclasses.fields(EndpointSettings) if f.name not in _NOT_FROM_CONFIG]
-    return EndpointSettings(
-        model=model, api_key=api_key, **{name: getattr(cfg, name) for name in names if hasattr(cfg, name)}
-    )
+    fields = {name: getattr(cfg, name) for name in names if hasattr(cfg, name)}
+    if fields.get("api_base"):  # the config holds it with its credentials masked (rubricem_core.redact)
+        fields["api_base"] = reveal_url(fields["api_base"], field=f"the api_base of model {model}")
+    return EndpointSettings(model=model, api_key=api_key, **fields)
 
 
 def endpoint_for(cfg: EndpointConfig, api_key: str | None = None, *, max_tool_calls: int = 10) -> EndpointSettings:

@@ -112,7 +112,7 @@ class EndpointSettings:
     """How to reach one model endpoint; shared by the concurrent runner and the Batch API client."""
 
     model: str
-    api_base: str | None = None  # None = the provider's default endpoint
+    api_base: str | None = field(default=None, repr=False)  # None = the provider's default; may hold credentials
     api_key: str | None = field(default=None, repr=False)  # resolved by the caller; never logged
     custom_llm_provider: str | None = None
     timeout_s: float = 120.0

@@ -20,6 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rubricem_core.redact import reveal_url
 from rubricem_core.tools.base import Tool, ToolError
 from rubricem_core.tools.cache import ToolCache
 from rubricem_core.tools.robust import RobustTool
@@ -81,6 +82,8 @@ def _construct(kind: str, args: dict[str, Any], name: str, corpus: pa.Table | No
             "semantic_scholar": web.SemanticScholarSearchTool,
             "web_browse": web.WebBrowseTool,
         }[kind]
+        if isinstance(args.get("base_url"), str):  # the config holds it with its credentials masked
+            args["base_url"] = reveal_url(args["base_url"], field=f"tool {name!r} base_url")
         return cls(urls=urls, name=name, **args)
     from rubricem_core.tools.mcp import MCPTool
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from rubricem_core.redact import MASK, redact_text
 from rubricem_core.tools.base import (
     Tool,
     ToolError,
@@ -119,8 +120,8 @@ class _HttpTool(Tool):
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+            text = text.replace(secret, MASK)
+        return redact_text(text)  # the credentials of a base URL too
 
     def _error(self, message: str) -> ToolResult:
         return error_result(self._scrub(message))
@@ -236,7 +237,7 @@ class SerperSearchTool(_WebSearchTool):
         self.spec = ToolSpec(
             name, "Search the web (Google); returns snippets with ids such as W3f2a9c01b7 and their URLs."
         )
-        self.fingerprint = f"serper/v1 {self.base_url} top_k={self.top_k} chars={self.snippet_chars}"
+        self.fingerprint = f"serper/v1 {redact_text(self.base_url)} top_k={self.top_k} chars={self.snippet_chars}"
 
     def __call__(self, query: str) -> ToolResult:
         query = query.strip()
@@ -297,7 +298,7 @@ class SemanticScholarSearchTool(_WebSearchTool):
         self.spec = ToolSpec(
             name, "Search scientific papers (Semantic Scholar); returns abstracts with ids such as S2:<paperId>."
         )
-        self.fingerprint = f"s2/v1 {self.base_url} top_k={self.top_k} chars={self.snippet_chars}"
+        self.fingerprint = f"s2/v1 {redact_text(self.base_url)} top_k={self.top_k} chars={self.snippet_chars}"
 
     def __call__(self, query: str) -> ToolResult:
         query = query.strip()
