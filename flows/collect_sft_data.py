@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import collection_markdown
 from rubricem_core.tracking import Tracker
@@ -16,7 +16,7 @@ from tasks.inputs import prepare_inputs
 from tasks.secrets import check_endpoint_keys
 
 
-@flow(name="collect_sft_data", flow_run_name="{run_dir}")
+@flow(name="collect_sft_data", flow_run_name="collect_sft_data · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def collect_sft_data(
     run_dir: str = "runs/tiny",

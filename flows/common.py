@@ -9,6 +9,7 @@ import inspect
 import logging
 import os
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,32 +141,37 @@ def mlflow_links(tracker: Any, child: Any) -> dict[str, str | None]:
     }
 
 
+def experiment_links(cfg: RunConfig, run_dir: str) -> dict[str, str | None]:
+    """The links section of the pipeline run's summary: the run directory's MLflow experiment (its
+    parent run and one child run per stage) and the store to start `mlflow ui` on; None when untracked."""
+    if not cfg.tracking.enabled:
+        return {"mlflow_url": None, "mlflow_db": None}
+    from rubricem_core.tracking import Tracker
+
+    tracker = Tracker(run_dir, experiment=cfg.tracking.experiment)
+    return {
+        "mlflow_url": tracker.experiment_ui_url(os.environ.get("MLFLOW_UI_URL", "http://127.0.0.1:5000")),
+        "mlflow_db": tracker.tracking_uri,
+    }
+
+
 def mark_stale_runs_crashed(run_dir: str) -> int:
     """Flow and task runs of this run directory that the server still shows Running or Pending, left
     by a process that died (a SIGKILL, a lost node) — this flow run holds the run directory's lock, so
     nothing else is writing it. Marked Crashed, so the UI does not show a dead subflow running forever
     under its completed retry. Returns how many flow runs were marked."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.runtime import flow_run
     from prefect.states import Crashed
 
     here = str(Path(run_dir).resolve())
-    live = [StateType.RUNNING, StateType.PENDING]
     own = {str(flow_run.id)}
     message = "its process died (found by a later run of the same run directory, which holds its lock)"
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))), limit=200
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_LIVE))),
+            limit=200,
         )
         stale = [
             r
@@ -174,15 +180,114 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
             and isinstance(r.parameters.get("run_dir"), str)
             and str(Path(r.parameters["run_dir"]).resolve()) == here
         ]
-        for run in stale:
-            client.set_flow_run_state(run.id, Crashed(message=f"flow run {run.name}: {message}"), force=True)
-        if stale:
-            tasks = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in stale])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live))),
-            )
-            for task_run in tasks:
-                client.set_task_run_state(
-                    task_run.id, Crashed(message=f"task run {task_run.name}: {message}"), force=True
-                )
+        _end_runs(client, stale, Crashed, message)
     return len(stale)
+
+
+# ---- a top-level run that crashes or is cancelled ends its subflows and task runs too ---------------
+_LIVE = ["RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING"]  # what a dead process leaves behind
+
+
+def _end_runs(
+    client: Any, flow_runs: list[Any], state: Callable[..., Any], message: str, spare: Any = None
+) -> tuple[int, int]:
+    """Put ``flow_runs`` (those still live, but ``spare``: the run whose hook this is, which its engine
+    ends) and their live task runs into ``state`` (Crashed or Cancelled), forced: the process that
+    would have finished them is gone. Returns the counts."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+
+    live = [r for r in flow_runs if r.id != spare and (r.state is None or r.state.type.value in _LIVE)]
+    for run in live:
+        client.set_flow_run_state(run.id, state(message=f"flow run {run.name}: {message}"), force=True)
+    if not flow_runs:
+        return len(live), 0
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs])),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=_LIVE))),
+    )
+    for task_run in tasks:
+        client.set_task_run_state(task_run.id, state(message=f"task run {task_run.name}: {message}"), force=True)
+    return len(live), len(tasks)
+
+
+def _descendants(client: Any, root_id: Any) -> list[Any]:
+    """Every subflow run below the flow run ``root_id``, at any depth (pipeline → rl → rl_step)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    found: list[Any] = []
+    parents = [root_id]
+    while parents:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)),
+            limit=200,
+        )
+        children = [c for c in children if c.id not in {f.id for f in found}]
+        found += children
+        parents = [c.id for c in children]
+    return found
+
+
+def killed_by(message: str | None) -> str | None:
+    """The signal a crashed run's process died of, from the state message the worker writes
+    ("Process exited with status code: -9"; a shell's 128 + N too), e.g. "signal SIGKILL (9)"."""
+    match = re.search(r"(?:status|exit) code:? (-?\d+)", message or "")
+    if not match:
+        return None
+    code = int(match.group(1))
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    if number is None:
+        return None
+    try:
+        return f"signal {signal.Signals(number).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def end_subruns(flow: Any, flow_run: Any, state: Any) -> None:
+    """on_crashed / on_cancellation hook of every flow: the subflow and task runs under a flow run that
+    crashed (its process was killed; the worker runs this hook) or is being cancelled are ended with
+    it, so none stays Running in the UI until the next run of the run directory. The run's log says
+    which signal killed it, where the state message tells."""
+    from prefect import get_client
+    from prefect.logging.loggers import flow_run_logger
+    from prefect.states import Cancelled, Crashed
+
+    log = flow_run_logger(flow_run, flow)
+    crashed = state.is_crashed()
+    signal_name = killed_by(state.message) if crashed else None
+    if signal_name:
+        log.error(
+            "flow run %s was killed by %s (an OOM killer, `kill -9`, a preempted node): no clean-up ran; "
+            "a retry resumes from the Parquet already written",
+            flow_run.name,
+            signal_name,
+        )
+    what = f"its parent flow run {flow_run.name} " + (
+        f"crashed ({signal_name or state.message or 'process died'})" if crashed else "was cancelled"
+    )
+    try:
+        with get_client(sync_client=True) as client:
+            subflows = _descendants(client, flow_run.id)
+            root = client.read_flow_run(flow_run.id)
+            ended = Crashed if crashed else Cancelled
+            n_flows, n_tasks = _end_runs(client, [root, *subflows], ended, what, spare=root.id)
+    except Exception as exc:  # noqa: BLE001 - bookkeeping on the server; the next run does it too
+        log.warning("could not end the subflow and task runs of %s: %s", flow_run.name, exc)
+        return
+    if n_flows or n_tasks:
+        log.info(
+            "marked %d subflow run(s) and %d task run(s) of %s %s",
+            n_flows,
+            n_tasks,
+            flow_run.name,
+            "Crashed" if crashed else "Cancelled",
+        )
+
+
+RUN_HOOKS: dict[str, Any] = {"on_crashed": [end_subruns], "on_cancellation": [end_subruns]}

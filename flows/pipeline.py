@@ -2,25 +2,31 @@
 
 collect_sft_data → sft → rl → evaluate (held-out queries, graded independently of training rewards).
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
-one child run per stage under the run directory's parent run.
+one child run per stage under the run directory's parent run. The pipeline run's own log has a progress
+line per stage and the end summary with its links; its Markdown artifact has the same.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.collect_sft_data import collect_sft_data
-from flows.common import resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, experiment_links, publish_markdown, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
+from rubricem_core.progress import Progress
 from rubricem_core.report import write_report
+from rubricem_core.report.markdown import pipeline_markdown
+from rubricem_core.report.summary import pipeline_summary
 from tasks.rl import drop_sessions
 
+STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 
-@flow(name="pipeline", flow_run_name="{run_dir}")
+
+@flow(name="pipeline", flow_run_name="pipeline · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
@@ -35,11 +41,27 @@ def pipeline(
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides of the profile, e.g. {"rl.recipe": "baseline"}.
     """
-    resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it from run_dir
+    log = get_run_logger()
+    cfg = resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it
+    stages = Progress("pipeline stage", len(STAGES), log.info, every_s=0.0)
     collected = collect_sft_data(run_dir=run_dir)
+    stages.update(1, f"collect_sft_data: {collected['accepted']} of {collected['trajectories']} trajectories accepted")
     tuned = sft(run_dir=run_dir)
+    stages.update(2, f"sft: {tuned['final_dir']}" + (" (read back)" if tuned.get("cached") else ""))
     trained = rl(run_dir=run_dir)
+    stages.update(3, f"rl: {trained['steps']} steps of {trained['recipe']}")
     drop_sessions()  # free the RL models before evaluation loads the final checkpoint
     evaluated = evaluate(run_dir=run_dir)
+    stages.update(4, f"evaluate: {evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")
     report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
-    return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}
+    stages.update(5, f"report: {report}")
+    result = {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}
+    links = experiment_links(cfg, run_dir)
+    summary = pipeline_summary(result, cfg.profile, run_dir)
+    if links["mlflow_url"]:
+        summary += f"\n  MLflow:     {links['mlflow_url']} (mlflow ui --backend-store-uri {links['mlflow_db']})"
+    log.info("%s", summary)
+    publish_markdown(
+        "pipeline", run_dir, pipeline_markdown(result, cfg.profile, run_dir, **links), f"pipeline of {run_dir}"
+    )
+    return result

@@ -8,7 +8,9 @@ Secret block) that holds a key, and the key is resolved at the point of use.
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -852,12 +854,51 @@ def profile_path(profile: str | os.PathLike[str]) -> Path:
     return candidate
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The config section class a field holds (``X``, ``X | None``), None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the run config, sections and values (``teacher``, ``teacher.max_rounds``)."""
+    model = RunConfig if model is None else model
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        section = _model_of(field.annotation)
+        if section is not None:
+            out += config_keys(section, f"{prefix}{name}.")
+    return out
+
+
+def nearest_key(loc: tuple[str, ...], value: Any = None) -> str | None:
+    """The valid dotted key closest to an unknown one at the same depth (difflib), e.g.
+    ``teacher.max_round`` → ``teacher.max_rounds``; a misspelt section holding one key is completed
+    (``teachr.max_rounds`` → ``teacher.max_rounds``). None when nothing is close."""
+    keys = config_keys()
+    wanted = ".".join(loc)
+    same_depth = [k for k in keys if k.count(".") == wanted.count(".")]
+    found = difflib.get_close_matches(wanted, same_depth, n=1, cutoff=0.6)
+    if not found:
+        return None
+    if isinstance(value, dict) and len(value) == 1 and f"{found[0]}.{next(iter(value))}" in keys:
+        return f"{found[0]}.{next(iter(value))}"
+    return found[0]
+
+
 def _format_validation_error(err: ValidationError, origin: str) -> str:
     lines = [f"invalid config in {origin}:"]
     for item in err.errors():
         field = ".".join(str(p) for p in item["loc"]) or "<root>"
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {field}: unknown key")
+            near = nearest_key(tuple(str(p) for p in item["loc"]), item.get("input"))
+            lines.append(f"  {field}: unknown key" + (f"; did you mean {near}?" if near else ""))
         else:
             got = f" (got {item.get('input')!r})" if item["loc"] else ""  # the root's input is the whole config
             lines.append(f"  {field}: {item['msg']}{got}")
