@@ -18,7 +18,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import RUN_HOOKS, resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, Profile, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from rubricem_core.eval.ablation import ablation_plot, ablation_rows
@@ -60,7 +60,7 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
 @writes_run_dir
 def ablation(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
     recipes: list[str] | None = None,
     benchmarks: list[str] | None = None,

@@ -12,9 +12,11 @@ import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from rubricem_core.config import ConfigError, RunConfig
+from pydantic import WithJsonSchema
+
+from rubricem_core.config import PROFILES_DIR, ConfigError, RunConfig
 from rubricem_core.offline import apply_offline_defaults
 from rubricem_core.run_config import base_config, record_config
 from rubricem_core.runlock import run_dir_lock
@@ -23,6 +25,26 @@ from rubricem_core.store import RunStore, StoreError
 apply_offline_defaults()
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def profile_names() -> list[str]:
+    """The profiles under data/profiles (tiny, small, gpu, research, ...)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+# The `profile` parameter of every flow. The deployment form (its JSON schema) offers the profiles
+# under data/profiles as a dropdown; a direct call (the CLI) may also name a YAML file, which the
+# config loader reads. The form's list is fixed when the deployment is registered (`prefect deploy`).
+Profile = Annotated[
+    str | None,
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "string", "enum": profile_names()}, {"type": "null"}],
+            "title": "profile",
+            "description": "a profile under data/profiles; empty: the run directory's own config.yaml",
+        }
+    ),
+]
 
 
 def resolve_config(

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.collect_sft_data import collect_sft_data
-from flows.common import RUN_HOOKS, experiment_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, Profile, experiment_links, publish_markdown, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
@@ -30,7 +30,7 @@ STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 @writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every built stage in order on one run directory.

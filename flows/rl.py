@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 
 from flows.common import (
     RUN_HOOKS,
+    Profile,
     mlflow_links,
     prefect_links,
     publish_markdown,
@@ -148,7 +149,7 @@ def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
 @writes_run_dir
 def rl(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Windowed RL from the run's SFT checkpoint.

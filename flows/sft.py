@@ -9,6 +9,7 @@ from prefect import flow, get_run_logger
 
 from flows.common import (
     RUN_HOOKS,
+    Profile,
     mlflow_links,
     prefect_links,
     publish_markdown,
@@ -26,7 +27,7 @@ from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, 
 @writes_run_dir
 def sft(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Supervised fine-tuning of the policy on the run's accepted teacher trajectories.
