@@ -77,30 +77,28 @@ def test_prefect_yaml_has_one_deployment_per_flow_on_the_process_pool():
     assert len({run_dirs["collect-sft-data"], run_dirs["pipeline"], run_dirs["ablation"]}) == 3
     # workers run the checkout named by their own environment, resolved at run time
     (step,) = spec["pull"]
-    assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RUBRICEM_HOME }}"}}
+    assert step == {"flows.checkout.set_checkout_directory": {"directory": "{{ $RUBRICEM_HOME }}"}}
 
 
-@pytest.mark.parametrize("name", list(FLOW_DEPLOYMENTS))
-def test_deployment_form_is_profile_and_overrides(name):
-    """What `prefect deploy` stores as parameter_openapi_schema: the UI form of the deployment. It asks
-    for a profile and overrides only (never a RunConfig pre-filled with built-in defaults that differ
-    from the profile it names); the config itself is resolved and recorded in the run directory."""
-    from prefect.utilities.callables import parameter_schema
+@pytest.mark.parametrize("home", ["set", "unset"])
+def test_the_pull_step_runs_from_rubricem_home_or_the_installed_checkout(tmp_path, monkeypatch, home):
+    """What a worker's flow run does first (prefect.yaml's pull step, its `{{ $RUBRICEM_HOME }}` rendered
+    from the environment, empty when unset): with RUBRICEM_HOME (start_worker.sh) that checkout; without
+    it (a bare `prefect worker start`, as `prefect deploy` suggests) the checkout of the installed package."""
+    from flows.checkout import set_checkout_directory
 
-    deployment = _deployments()[name]
-    flow = _flow(deployment["entrypoint"])
-    schema = parameter_schema(flow).model_dump_for_openapi()
-    # the common three first (evaluate adds checkpoint, benchmarks, retrieval after them)
-    assert list(schema["properties"])[:3] == ["run_dir", "profile", "overrides"]
-    assert "config" not in schema["properties"] and "RunConfig" not in schema.get("definitions", {})
-    assert schema["properties"]["overrides"]["default"] is None
-    # the form offers the profiles as a dropdown (an enum); a direct call may still name a YAML file
-    (choices,) = [a for a in schema["properties"]["profile"]["anyOf"] if "enum" in a]
-    assert choices["enum"] == sorted(p.stem for p in (REPO_ROOT / "data" / "profiles").glob("*.yaml"))
-    flow.validate_parameters({**deployment["parameters"], "profile": "data/profiles/tiny.yaml"})
-    # the deployment's defaults and a form's overrides are valid parameters
-    flow.validate_parameters(deployment["parameters"])
-    flow.validate_parameters({**deployment["parameters"], "overrides": {"teacher.max_rounds": 6}})
+    (step,) = _load_yaml("prefect.yaml")["pull"]
+    assert list(step) == ["flows.checkout.set_checkout_directory"]
+    other = tmp_path / "checkout"
+    other.mkdir()
+    (other / "prefect.yaml").write_text("name: rubricem\n")
+    monkeypatch.chdir(tmp_path)
+    output = set_checkout_directory(str(other) if home == "set" else "")
+    expected = (other if home == "set" else REPO_ROOT).resolve()
+    assert Path.cwd() == expected and output == {"directory": str(expected)}
+    with pytest.raises(FileNotFoundError, match="not a RubricEM checkout"):  # a clear error, not a chdir
+        set_checkout_directory(str(tmp_path))
+    assert Path.cwd() == expected
 
 
 # --- the GPU example without a cluster --------------------------------------------------------------
@@ -409,7 +407,8 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         state = flow_run["state"]["type"]
         assert state == "COMPLETED", f"flow run ended {state}: {flow_run['state']['message']}\n{worker.tail()}"
         print(f"flow run completed after {time.monotonic() - started:.0f} s")
-        first_tasks = _task_runs(api, [flow_run["id"]])
+        first = {name: t["state"]["name"] for name, t in _newest_by_name(_task_runs(api, [flow_run["id"]])).items()}
+        assert first and "Cached" not in first.values(), first  # the first run computed everything
 
         # the UI's Retry: the same flow run again; what its Parquet already holds ends Cached
         retried = api.post(
@@ -422,13 +421,12 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         assert retried.status_code in (200, 201), retried.text
         retry = _wait_terminal(api, flow_run["id"], worker)
         assert retry["state"]["type"] == "COMPLETED" and retry["run_count"] == 2, retry["state"]
-        again = [t for t in _task_runs(api, [flow_run["id"]]) if t["id"] not in {f["id"] for f in first_tasks}]
-        states = {name: t["state"]["name"] for name, t in _newest_by_name(again).items()}
+        # (the retry's task runs are the first run's, by their task keys: their newest state is the retry's)
+        states = {name: t["state"]["name"] for name, t in _newest_by_name(_task_runs(api, [flow_run["id"]])).items()}
         rounds = [name for name in states if name.startswith("teacher-round-")]
         assert rounds and all(states[name] == "Cached" for name in rounds), states
         assert states["prepare-inputs"] == "Cached", states
         assert states["filter-trajectories"] == "Completed", states  # it always recomputes: never Cached
-        assert all(t["state"]["name"] != "Cached" for t in first_tasks)  # the first run computed everything
         print(f"retry completed after {time.monotonic() - started:.0f} s")
 
         _check_a_killed_pipeline_ends_its_subflows(api, worker, tmp_path / "killed")
