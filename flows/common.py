@@ -78,7 +78,11 @@ def writes_run_dir(flow_fn: F) -> F:
     def locked(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        with run_dir_lock(bound.arguments["run_dir"], command=flow_fn.__name__):
+        from prefect.runtime import flow_run
+
+        # a refused run names the Prefect flow run holding the directory, not only its process
+        holder = f"{flow_fn.__name__} (Prefect flow run '{flow_run.name}')" if flow_run.name else flow_fn.__name__
+        with run_dir_lock(bound.arguments["run_dir"], command=holder):
             route_core_logs()
             _crash_stale_runs(bound.arguments["run_dir"])
             return flow_fn(*args, **kwargs)
