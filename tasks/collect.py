@@ -256,7 +256,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     }
 
 
-@task(name="filter-trajectories", cache_policy=NO_CACHE)
+@task(name="filter-trajectories", task_run_name="filter-trajectories", cache_policy=NO_CACHE)
 def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[str, Any]:
     """Rejection filtering of every trajectory → `sft_trajectories` (accepted and rejected rows)."""
     log = get_run_logger()
@@ -330,7 +330,7 @@ def _policy_tokenizer(run_dir: str, cfg: RunConfig, log: Any) -> Any:
     return load_policy_tokenizer(base_policy(run_dir, cfg, log))
 
 
-@parquet_task(name="teacher-reflections", retries=1, retry_delay_seconds=2)
+@parquet_task(name="teacher-reflections", task_run_name="teacher-reflections", retries=1, retry_delay_seconds=2)
 def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any] | State:
     """The teacher's reflection on every accepted trajectory → `teacher_reflections` (one round through
     the same Batch API / concurrent path). A rerun asks again only for the rows whose call failed."""

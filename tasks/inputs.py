@@ -50,7 +50,7 @@ def build_inputs(cfg: RunConfig) -> tuple[pa.Table, pa.Table]:
     return queries_table, corpus
 
 
-@parquet_task(name="prepare-inputs")
+@parquet_task(name="prepare-inputs", task_run_name="prepare-inputs")
 def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any] | State:
     """Write `corpus` then `queries` (once; a rerun reuses them, so ids and splits never shift)."""
     log = get_run_logger()

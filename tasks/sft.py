@@ -44,7 +44,7 @@ def base_policy(run_dir: str, cfg: RunConfig, log: Any) -> Path:
     return prepare_policy(cfg.policy, out, texts, cfg.seed, doc_ids=doc_ids)
 
 
-@task(name="prepare-policy", cache_policy=NO_CACHE)
+@task(name="prepare-policy", task_run_name="prepare-policy", cache_policy=NO_CACHE)
 def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
     """The tiny policy is built once per run directory from its corpus; real models are used as named."""
     log = get_run_logger()
@@ -53,7 +53,7 @@ def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
     return str(path)
 
 
-@parquet_task(name="train-sft")
+@parquet_task(name="train-sft", task_run_name="train-sft")
 def train_sft_task(
     run_dir: str, cfg: RunConfig, policy_dir: str, log_metrics: Callable[[dict[str, float], int], None] | None = None
 ) -> dict[str, Any] | State:

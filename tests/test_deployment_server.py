@@ -425,8 +425,8 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         states = {name: t["state"]["name"] for name, t in _newest_by_name(_task_runs(api, [flow_run["id"]])).items()}
         rounds = [name for name in states if name.startswith("teacher-round-")]
         assert rounds and all(states[name] == "Cached" for name in rounds), states
-        assert states["prepare-inputs"] == "Cached", states
-        assert states["filter-trajectories"] == "Completed", states  # it always recomputes: never Cached
+        assert states.get("prepare-inputs") == "Cached", states
+        assert states.get("filter-trajectories") == "Completed", states  # it always recomputes: never Cached
         print(f"retry completed after {time.monotonic() - started:.0f} s")
 
         _check_a_killed_pipeline_ends_its_subflows(api, worker, tmp_path / "killed")

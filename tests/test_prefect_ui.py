@@ -325,3 +325,21 @@ def test_the_pipeline_run_logs_stage_progress_and_a_summary_and_publishes_an_art
     (summary,) = [m for m in logs if "pipeline finished" in m]
     assert "report:" in summary and "MLflow:" in summary and "workflowType=machine_learning" in summary
     assert artifact.flow_run_id == run.id and artifact.data.startswith(f"# Pipeline of `{run_dir}`")
+
+
+@pytest.mark.slow
+def test_a_flow_run_holding_its_run_directory_is_named_in_the_lock(prefect_harness, tmp_path):
+    """A second run on the directory is refused with the holder's info (rubricem_core.runlock): for a
+    flow, that names its Prefect flow run, so the UI user sees which run holds it."""
+    from prefect import flow
+
+    from flows.common import writes_run_dir
+    from rubricem_core.runlock import lock_holder
+
+    @flow(name="holder-probe", flow_run_name="holder · {run_dir}")
+    @writes_run_dir
+    def probe(run_dir: str) -> str:
+        return lock_holder(run_dir)["command"]
+
+    run_dir = tmp_path / "run"
+    assert probe(run_dir=str(run_dir)) == f"probe (Prefect flow run 'holder · {run_dir}')"
