@@ -439,9 +439,11 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
     names = {t["name"] for t in tasks}
     assert {"teacher-round-0", "teacher-round-1"} <= names, names
     artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}).json()
-    (summary,) = [a for a in artifacts if a["type"] == "markdown"]
-    assert summary["key"].startswith("collect-sft-data-run-")
-    assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
+    summaries = [a for a in artifacts if a["type"] == "markdown"]
+    assert len(summaries) == 2 and len({a["key"] for a in summaries}) == 1  # one version per attempt, one key
+    for summary in summaries:
+        assert summary["key"].startswith("collect-sft-data-run-")
+        assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
 
     rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
     assert len(rows) == 3 * 2  # 3 train queries x trajectories_per_query 2 of the tiny profile
