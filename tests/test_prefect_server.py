@@ -273,10 +273,11 @@ def test_a_failure_inside_a_flow_prints_one_line(tmp_path):
     """`rubricem sft` on an empty run directory fails inside the flow (no SFT data yet): the terminal
     gets the CLI's one line, not Prefect's traceback (that stays in the Prefect run's log)."""
     run_dir = tmp_path / "run"
+    env = {**_clean_env(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "100"}  # a busy CI box
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "sft", "--run-dir", str(run_dir)],
         cwd=REPO_ROOT,
-        env=_clean_env(tmp_path),
+        env=env,
         capture_output=True,
         text=True,
         timeout=140,
