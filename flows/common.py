@@ -242,7 +242,7 @@ def _end_runs(
     return len(live), len(tasks)
 
 
-def _descendants(client: Any, root_id: Any) -> list[Any]:
+def subflow_runs(client: Any, root_id: Any) -> list[Any]:
     """Every subflow run below the flow run ``root_id``, at any depth (pipeline → rl → rl_step)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
@@ -262,7 +262,11 @@ def _descendants(client: Any, root_id: Any) -> list[Any]:
 def killed_by(message: str | None) -> str | None:
     """The signal a crashed run's process died of, from the state message the worker writes
     ("Process exited with status code: -9"; a shell's 128 + N too), e.g. "signal SIGKILL (9)"."""
-    match = re.search(r"(?:status|exit) code:? (-?\d+)", message or "")
+    text = message or ""
+    for words, name in (("termination signal", "SIGTERM"), ("interrupt signal", "SIGINT")):  # in-process
+        if words in text:
+            return f"signal {name} ({signal.Signals[name].value})"
+    match = re.search(r"(?:status|exit) code:? (-?\d+)", text)
     if not match:
         return None
     code = int(match.group(1))
@@ -299,7 +303,7 @@ def end_subruns(flow: Any, flow_run: Any, state: Any) -> None:
     )
     try:
         with get_client(sync_client=True) as client:
-            subflows = _descendants(client, flow_run.id)
+            subflows = subflow_runs(client, flow_run.id)
             root = client.read_flow_run(flow_run.id)
             ended = Crashed if crashed else Cancelled
             n_flows, n_tasks = _end_runs(client, [root, *subflows], ended, what, spare=root.id)

@@ -208,6 +208,7 @@ def test_end_of_run_printout_explains_the_profile():
         ("Process exited with status code: -15.", "signal SIGTERM (15)"),
         ("Process exited with status code: 137", "signal SIGKILL (9)"),  # a shell's 128 + N
         ("Process exited with status code: 1", None),  # an exit, not a signal
+        ("Execution was aborted by a termination signal.", "signal SIGTERM (15)"),  # Prefect, in-process
         ("Flow run encountered an exception: ValueError: x", None),
         (None, None),
     ],
