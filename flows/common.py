@@ -196,7 +196,7 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
     message = "its process died (found by a later run of the same run directory, which holds its lock)"
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_LIVE))),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_RUNNING))),
             limit=200,
         )
         stale = [
@@ -206,20 +206,26 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
             and isinstance(r.parameters.get("run_dir"), str)
             and str(Path(r.parameters["run_dir"]).resolve()) == here
         ]
-        _end_runs(client, stale, Crashed, message)
+        _end_runs(client, stale, Crashed, message, live_states=_RUNNING)
     return len(stale)
 
 
 # ---- a top-level run that crashes or is cancelled ends its subflows and task runs too ---------------
-_LIVE = ["RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING"]  # what a dead process leaves behind
+_RUNNING = ["RUNNING", "PENDING"]  # a run of another flow run's process (a Scheduled one may wait for a worker)
+_LIVE = [*_RUNNING, "SCHEDULED", "PAUSED", "CANCELLING"]  # what a dead parent leaves under it (task retries too)
 
 
 def _end_runs(
-    client: Any, flow_runs: list[Any], state: Callable[..., Any], message: str, spare: Any = None
+    client: Any,
+    flow_runs: list[Any],
+    state: Callable[..., Any],
+    message: str,
+    spare: Any = None,
+    live_states: list[str] = _LIVE,
 ) -> tuple[int, int]:
-    """Put ``flow_runs`` (those still live, but ``spare``: the run whose hook this is, which its engine
-    ends) and their live task runs into ``state`` (Crashed or Cancelled), forced: the process that
-    would have finished them is gone. Returns the counts."""
+    """Put ``flow_runs`` (those in ``live_states``, but ``spare``: the run whose hook this is, which its
+    engine ends) and their task runs in ``live_states`` into ``state`` (Crashed or Cancelled), forced: the
+    process that would have finished them is gone. Returns the counts."""
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterId,
@@ -228,14 +234,14 @@ def _end_runs(
         TaskRunFilterStateType,
     )
 
-    live = [r for r in flow_runs if r.id != spare and (r.state is None or r.state.type.value in _LIVE)]
+    live = [r for r in flow_runs if r.id != spare and (r.state is None or r.state.type.value in live_states)]
     for run in live:
         client.set_flow_run_state(run.id, state(message=f"flow run {run.name}: {message}"), force=True)
     if not flow_runs:
         return len(live), 0
     tasks = client.read_task_runs(
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs])),
-        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=_LIVE))),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live_states))),
     )
     for task_run in tasks:
         client.set_task_run_state(task_run.id, state(message=f"task run {task_run.name}: {message}"), force=True)
