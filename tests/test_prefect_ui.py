@@ -344,3 +344,16 @@ def test_a_flow_run_holding_its_run_directory_is_named_in_the_lock(prefect_harne
 
     run_dir = tmp_path / "run"
     assert probe(run_dir=str(run_dir)) == f"probe (Prefect flow run 'holder · {run_dir}')"
+
+
+@pytest.mark.slow
+def test_a_flow_run_refused_by_a_bad_override_leaves_nothing_behind(prefect_harness, tmp_path):
+    """What a deployment run from the UI form with a misspelt override key does: fails naming the
+    nearest valid key, and leaves no run directory (not even its lock file)."""
+    from flows.collect_sft_data import collect_sft_data
+    from rubricem_core.config import ConfigError
+
+    run_dir = tmp_path / "runs" / "ui"
+    with pytest.raises(ConfigError, match="teacher.max_round: unknown key; did you mean teacher.max_rounds"):
+        collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides={"teacher.max_round": 3})
+    assert not (tmp_path / "runs").exists()
