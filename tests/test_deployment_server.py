@@ -101,6 +101,29 @@ def test_the_pull_step_runs_from_rubricem_home_or_the_installed_checkout(tmp_pat
     assert Path.cwd() == expected
 
 
+@pytest.mark.parametrize("name", list(FLOW_DEPLOYMENTS))
+def test_deployment_form_is_profile_and_overrides(name):
+    """What `prefect deploy` stores as parameter_openapi_schema: the UI form of the deployment. It asks
+    for a profile and overrides only (never a RunConfig pre-filled with built-in defaults that differ
+    from the profile it names); the config itself is resolved and recorded in the run directory."""
+    from prefect.utilities.callables import parameter_schema
+
+    deployment = _deployments()[name]
+    flow = _flow(deployment["entrypoint"])
+    schema = parameter_schema(flow).model_dump_for_openapi()
+    # the common three first (evaluate adds checkpoint, benchmarks, retrieval after them)
+    assert list(schema["properties"])[:3] == ["run_dir", "profile", "overrides"]
+    assert "config" not in schema["properties"] and "RunConfig" not in schema.get("definitions", {})
+    assert schema["properties"]["overrides"]["default"] is None
+    # the form offers the profiles as a dropdown (an enum); a direct call may still name a YAML file
+    (choices,) = [a for a in schema["properties"]["profile"]["anyOf"] if "enum" in a]
+    assert choices["enum"] == sorted(p.stem for p in (REPO_ROOT / "data" / "profiles").glob("*.yaml"))
+    flow.validate_parameters({**deployment["parameters"], "profile": "data/profiles/tiny.yaml"})
+    # the deployment's defaults and a form's overrides are valid parameters
+    flow.validate_parameters(deployment["parameters"])
+    flow.validate_parameters({**deployment["parameters"], "overrides": {"teacher.max_rounds": 6}})
+
+
 # --- the GPU example without a cluster --------------------------------------------------------------
 
 
