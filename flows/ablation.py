@@ -19,7 +19,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, Profile, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, ablation_rows, final_rows
@@ -58,11 +58,11 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
     return str(sub.root)
 
 
-@flow(name="ablation", flow_run_name="{run_dir}")
+@flow(name="ablation", flow_run_name="ablation · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def ablation(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
     recipes: list[str] | None = None,
     benchmarks: list[str] | None = None,

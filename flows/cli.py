@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -53,8 +54,33 @@ def _writing(args: argparse.Namespace) -> Iterator[None]:
     (flows/prefect_server.py); main() already holds the run directory."""
     from flows.prefect_server import owned_ephemeral_server
 
+    if not args.debug:
+        _console_without_tracebacks()
     with owned_ephemeral_server(log_path=RunLayout(args.run_dir).prefect_server_log):
         yield
+
+
+class _NoTracebacks(logging.Filter):
+    """Drops the log records that carry a traceback (a failed task or flow run): the terminal gets the
+    CLI's one line instead; the Prefect run's log (its API handler) keeps the whole record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info or record.exc_text)
+
+
+def _console_without_tracebacks() -> None:
+    """Prefect's console handlers (configured when prefect is imported) without tracebacks."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, _NoTracebacks) for f in handler.filters
+            ):
+                handler.addFilter(_NoTracebacks())
 
 
 def _config(args: argparse.Namespace):

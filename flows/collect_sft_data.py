@@ -7,7 +7,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import (
+    RUN_HOOKS,
+    Profile,
+    mlflow_links,
+    prefect_links,
+    publish_markdown,
+    resolve_config,
+    writes_run_dir,
+)
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import collection_markdown
 from rubricem_core.tracking import Tracker
@@ -16,11 +24,11 @@ from tasks.inputs import prepare_inputs
 from tasks.secrets import check_endpoint_keys
 
 
-@flow(name="collect_sft_data", flow_run_name="{run_dir}")
+@flow(name="collect_sft_data", flow_run_name="collect_sft_data · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def collect_sft_data(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Collect stage-structured teacher trajectories and filter them for SFT.

@@ -8,11 +8,14 @@ import hashlib
 import inspect
 import logging
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from rubricem_core.config import ConfigError, RunConfig
+from pydantic import WithJsonSchema
+
+from rubricem_core.config import PROFILES_DIR, ConfigError, RunConfig
 from rubricem_core.offline import apply_offline_defaults
 from rubricem_core.run_config import base_config, record_config
 from rubricem_core.runlock import run_dir_lock
@@ -21,6 +24,26 @@ from rubricem_core.store import RunStore, StoreError
 apply_offline_defaults()
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def profile_names() -> list[str]:
+    """The profiles under data/profiles (tiny, small, gpu, research, ...)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+# The `profile` parameter of every flow. The deployment form (its JSON schema) offers the profiles
+# under data/profiles as a dropdown; a direct call (the CLI) may also name a YAML file, which the
+# config loader reads. The form's list is fixed when the deployment is registered (`prefect deploy`).
+Profile = Annotated[
+    str | None,
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "string", "enum": profile_names()}, {"type": "null"}],
+            "title": "profile",
+            "description": "a profile under data/profiles; empty: the run directory's own config.yaml",
+        }
+    ),
+]
 
 
 def resolve_config(
@@ -54,7 +77,11 @@ def writes_run_dir(flow_fn: F) -> F:
     def locked(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        with run_dir_lock(bound.arguments["run_dir"], command=flow_fn.__name__):
+        from prefect.runtime import flow_run
+
+        # a refused run names the Prefect flow run holding the directory, not only its process
+        holder = f"{flow_fn.__name__} (Prefect flow run '{flow_run.name}')" if flow_run.name else flow_fn.__name__
+        with run_dir_lock(bound.arguments["run_dir"], command=holder):
             route_core_logs()
             _crash_stale_runs(bound.arguments["run_dir"])
             return flow_fn(*args, **kwargs)
@@ -136,32 +163,37 @@ def mlflow_links(tracker: Any, child: Any) -> dict[str, str | None]:
     return tracker.links(child)
 
 
+def experiment_links(cfg: RunConfig, run_dir: str) -> dict[str, str | None]:
+    """The links section of the pipeline run's summary: the run directory's MLflow experiment (its
+    parent run and one child run per stage) and the store to start `mlflow ui` on; None when untracked."""
+    from rubricem_core.tracking import Tracker
+
+    tracker = Tracker.from_config(run_dir, cfg.tracking)
+    if tracker is None:
+        return {"mlflow_url": None, "mlflow_db": None}
+    return {
+        "mlflow_url": tracker.experiment_ui_url(),
+        "mlflow_db": tracker.tracking_uri if tracker.is_local else None,
+    }
+
+
 def mark_stale_runs_crashed(run_dir: str) -> int:
     """Flow and task runs of this run directory that the server still shows Running or Pending, left
     by a process that died (a SIGKILL, a lost node) — this flow run holds the run directory's lock, so
     nothing else is writing it. Marked Crashed, so the UI does not show a dead subflow running forever
     under its completed retry. Returns how many flow runs were marked."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.runtime import flow_run
     from prefect.states import Crashed
 
     here = str(Path(run_dir).resolve())
-    live = [StateType.RUNNING, StateType.PENDING]
     own = {str(flow_run.id)}
     message = "its process died (found by a later run of the same run directory, which holds its lock)"
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=live))), limit=200
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_RUNNING))),
+            limit=200,
         )
         stale = [
             r
@@ -170,15 +202,124 @@ def mark_stale_runs_crashed(run_dir: str) -> int:
             and isinstance(r.parameters.get("run_dir"), str)
             and str(Path(r.parameters["run_dir"]).resolve()) == here
         ]
-        for run in stale:
-            client.set_flow_run_state(run.id, Crashed(message=f"flow run {run.name}: {message}"), force=True)
-        if stale:
-            tasks = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in stale])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live))),
-            )
-            for task_run in tasks:
-                client.set_task_run_state(
-                    task_run.id, Crashed(message=f"task run {task_run.name}: {message}"), force=True
-                )
+        _end_runs(client, stale, Crashed, message, live_states=_RUNNING)
     return len(stale)
+
+
+# ---- a top-level run that crashes or is cancelled ends its subflows and task runs too ---------------
+_RUNNING = ["RUNNING", "PENDING"]  # a run of another flow run's process (a Scheduled one may wait for a worker)
+_LIVE = [*_RUNNING, "SCHEDULED", "PAUSED", "CANCELLING"]  # what a dead parent leaves under it (task retries too)
+
+
+def _end_runs(
+    client: Any,
+    flow_runs: list[Any],
+    state: Callable[..., Any],
+    message: str,
+    spare: Any = None,
+    live_states: list[str] = _LIVE,
+) -> tuple[int, int]:
+    """Put ``flow_runs`` (those in ``live_states``, but ``spare``: the run whose hook this is, which its
+    engine ends) and their task runs in ``live_states`` into ``state`` (Crashed or Cancelled), forced: the
+    process that would have finished them is gone. Returns the counts."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+
+    live = [r for r in flow_runs if r.id != spare and (r.state is None or r.state.type.value in live_states)]
+    for run in live:
+        client.set_flow_run_state(run.id, state(message=f"flow run {run.name}: {message}"), force=True)
+    if not flow_runs:
+        return len(live), 0
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs])),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live_states))),
+    )
+    for task_run in tasks:
+        client.set_task_run_state(task_run.id, state(message=f"task run {task_run.name}: {message}"), force=True)
+    return len(live), len(tasks)
+
+
+def subflow_runs(client: Any, root_id: Any) -> list[Any]:
+    """Every subflow run below the flow run ``root_id``, at any depth (pipeline → rl → rl_step)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    found: list[Any] = []
+    parents = [root_id]
+    while parents:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)),
+            limit=200,
+        )
+        children = [c for c in children if c.id not in {f.id for f in found}]
+        found += children
+        parents = [c.id for c in children]
+    return found
+
+
+def killed_by(message: str | None) -> str | None:
+    """The signal a crashed run's process died of, from the state message the worker writes
+    ("Process exited with status code: -9"; a shell's 128 + N too), e.g. "signal SIGKILL (9)"."""
+    text = message or ""
+    for words, name in (("termination signal", "SIGTERM"), ("interrupt signal", "SIGINT")):  # in-process
+        if words in text:
+            return f"signal {name} ({signal.Signals[name].value})"
+    match = re.search(r"(?:status|exit) code:? (-?\d+)", text)
+    if not match:
+        return None
+    code = int(match.group(1))
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    if number is None:
+        return None
+    try:
+        return f"signal {signal.Signals(number).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def end_subruns(flow: Any, flow_run: Any, state: Any) -> None:
+    """on_crashed / on_cancellation hook of every flow: the subflow and task runs under a flow run that
+    crashed (its process was killed; the worker runs this hook) or is being cancelled are ended with
+    it, so none stays Running in the UI until the next run of the run directory. The run's log says
+    which signal killed it, where the state message tells."""
+    from prefect import get_client
+    from prefect.logging.loggers import flow_run_logger
+    from prefect.states import Cancelled, Crashed
+
+    log = flow_run_logger(flow_run, flow)
+    crashed = state.is_crashed()
+    signal_name = killed_by(state.message) if crashed else None
+    if signal_name:
+        log.error(
+            "flow run %s was killed by %s (an OOM killer, `kill -9`, a preempted node): no clean-up ran; "
+            "a retry resumes from the Parquet already written",
+            flow_run.name,
+            signal_name,
+        )
+    what = f"its parent flow run {flow_run.name} " + (
+        f"crashed ({signal_name or state.message or 'process died'})" if crashed else "was cancelled"
+    )
+    try:
+        with get_client(sync_client=True) as client:
+            subflows = subflow_runs(client, flow_run.id)
+            root = client.read_flow_run(flow_run.id)
+            ended = Crashed if crashed else Cancelled
+            n_flows, n_tasks = _end_runs(client, [root, *subflows], ended, what, spare=root.id)
+    except Exception as exc:  # noqa: BLE001 - bookkeeping on the server; the next run does it too
+        log.warning("could not end the subflow and task runs of %s: %s", flow_run.name, exc)
+        return
+    if n_flows or n_tasks:
+        log.info(
+            "marked %d subflow run(s) and %d task run(s) of %s %s",
+            n_flows,
+            n_tasks,
+            flow_run.name,
+            "Crashed" if crashed else "Cancelled",
+        )
+
+
+RUN_HOOKS: dict[str, Any] = {"on_crashed": [end_subruns], "on_cancellation": [end_subruns]}

@@ -13,7 +13,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_links, prefect_links, publish_markdown, resolve_config, writes_run_dir
+from flows.common import (
+    RUN_HOOKS,
+    Profile,
+    mlflow_links,
+    prefect_links,
+    publish_markdown,
+    resolve_config,
+    writes_run_dir,
+)
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
@@ -34,11 +42,11 @@ def _fleet_ends_with_flow(cfg: RunConfig) -> Iterator[None]:
             drop_engines()
 
 
-@flow(name="evaluate", flow_run_name="{run_dir}")
+@flow(name="evaluate", flow_run_name="evaluate · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def evaluate(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
     checkpoint: str | None = None,
     benchmarks: list[str] | None = None,

@@ -3,7 +3,8 @@
 collect_sft_data → sft → rl → evaluate (held-out queries, graded independently of training rewards; with
 rl.eval_every also the SFT policy and every learning-curve checkpoint, oldest first, the final one last).
 Each stage is a subflow, so the Prefect UI shows them nested under one pipeline run, and MLflow shows
-one child run per stage under the run directory's parent run.
+one child run per stage under the run directory's parent run. The pipeline run's own log has a progress
+line per stage and the end summary with its links; its Markdown artifact has the same.
 """
 
 from __future__ import annotations
@@ -11,16 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.collect_sft_data import collect_sft_data
-from flows.common import resolve_config, writes_run_dir
+from flows.common import RUN_HOOKS, Profile, experiment_links, publish_markdown, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
 from rubricem_core.config import RunConfig
+from rubricem_core.progress import Progress
 from rubricem_core.report import write_report
+from rubricem_core.report.markdown import pipeline_markdown
+from rubricem_core.report.summary import pipeline_summary
+from rubricem_core.tracking import mlflow_ui_command
 from tasks.rl import curve_checkpoints, drop_sessions, start_policy
+
+STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 
 
 def learning_curve_checkpoints(run_dir: str, cfg: RunConfig, final: str) -> list[Path]:
@@ -32,11 +39,11 @@ def learning_curve_checkpoints(run_dir: str, cfg: RunConfig, final: str) -> list
     return [start_policy(run_dir), *(c for c in curve_checkpoints(run_dir, cfg) if c.resolve() != final_path)]
 
 
-@flow(name="pipeline", flow_run_name="{run_dir}")
+@flow(name="pipeline", flow_run_name="pipeline · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def pipeline(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every built stage in order on one run directory.
@@ -47,13 +54,30 @@ def pipeline(
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides of the profile, e.g. {"rl.recipe": "baseline"}.
     """
+    log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it
+    stages = Progress("pipeline stage", len(STAGES), log.info, every_s=0.0)
     collected = collect_sft_data(run_dir=run_dir)
+    stages.update(1, f"collect_sft_data: {collected['accepted']} of {collected['trajectories']} trajectories accepted")
     tuned = sft(run_dir=run_dir)
+    stages.update(2, f"sft: {tuned['final_dir']}" + (" (read back)" if tuned.get("cached") else ""))
     trained = rl(run_dir=run_dir)
+    stages.update(3, f"rl: {trained['steps']} steps of {trained['recipe']}")
     drop_sessions()  # free the RL models before evaluation loads the final checkpoint
     for checkpoint in learning_curve_checkpoints(run_dir, cfg, trained["final_checkpoint"]):
         evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
     evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])
+    stages.update(4, f"evaluate: {evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")
     report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
-    return {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}
+    stages.update(5, f"report: {report}")
+    result = {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}
+    links = experiment_links(cfg, run_dir)
+    summary = pipeline_summary(result, cfg.profile, run_dir)
+    if links["mlflow_url"]:
+        start = f" ({mlflow_ui_command(links['mlflow_db'])})" if links["mlflow_db"] else ""
+        summary += f"\n  MLflow:     {links['mlflow_url']}{start}"
+    log.info("%s", summary)
+    publish_markdown(
+        "pipeline", run_dir, pipeline_markdown(result, cfg.profile, run_dir, **links), f"pipeline of {run_dir}"
+    )
+    return result

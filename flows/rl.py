@@ -21,7 +21,16 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_links, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
+from flows.common import (
+    RUN_HOOKS,
+    Profile,
+    mlflow_links,
+    prefect_links,
+    publish_markdown,
+    require_tables,
+    resolve_config,
+    writes_run_dir,
+)
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.progress import Progress
@@ -48,7 +57,7 @@ from tasks.rl import (
 from tasks.secrets import check_endpoint_keys
 
 
-@flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}")
+@flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}", **RUN_HOOKS)
 def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> dict[str, float]:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections."""
@@ -137,11 +146,11 @@ def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
     )
 
 
-@flow(name="rl", flow_run_name="{run_dir}")
+@flow(name="rl", flow_run_name="rl · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def rl(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Windowed RL from the run's SFT checkpoint.

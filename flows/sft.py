@@ -7,18 +7,27 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import mlflow_links, prefect_links, publish_markdown, require_tables, resolve_config, writes_run_dir
+from flows.common import (
+    RUN_HOOKS,
+    Profile,
+    mlflow_links,
+    prefect_links,
+    publish_markdown,
+    require_tables,
+    resolve_config,
+    writes_run_dir,
+)
 from rubricem_core.config import flatten
 from rubricem_core.report.markdown import sft_markdown
 from rubricem_core.tracking import Tracker
 from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
 
 
-@flow(name="sft", flow_run_name="{run_dir}")
+@flow(name="sft", flow_run_name="sft · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
 def sft(
     run_dir: str = "runs/tiny",
-    profile: str | None = None,
+    profile: Profile = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Supervised fine-tuning of the policy on the run's accepted teacher trajectories.

@@ -8,8 +8,10 @@ Secret block) that holds a key, and the key is resolved at the point of use.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -1059,6 +1061,44 @@ def profile_path(profile: str | os.PathLike[str]) -> Path:
     return candidate
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The config section class a field holds (``X``, ``X | None``), None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def config_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the run config, sections and values (``teacher``, ``teacher.max_rounds``)."""
+    model = RunConfig if model is None else model
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        section = _model_of(field.annotation)
+        if section is not None:
+            out += config_keys(section, f"{prefix}{name}.")
+    return out
+
+
+def nearest_key(loc: tuple[str, ...], value: Any = None) -> str | None:
+    """The valid dotted key closest to an unknown one at the same depth (difflib), e.g.
+    ``teacher.max_round`` → ``teacher.max_rounds``; a misspelt section holding one key is completed
+    (``teachr.max_rounds`` → ``teacher.max_rounds``). None when nothing is close."""
+    keys = config_keys()
+    wanted = ".".join(loc)
+    same_depth = [k for k in keys if k.count(".") == wanted.count(".")]
+    found = difflib.get_close_matches(wanted, same_depth, n=1, cutoff=0.6)
+    if not found:
+        return None
+    if isinstance(value, dict) and len(value) == 1 and f"{found[0]}.{next(iter(value))}" in keys:
+        return f"{found[0]}.{next(iter(value))}"
+    return found[0]
+
+
 def format_validation_error(err: ValidationError, origin: str) -> str:
     """One line per invalid field, naming it; values of secret-like fields or that look like keys are not shown
     (pydantic's own text repeats every input)."""
@@ -1071,7 +1111,8 @@ def format_validation_error(err: ValidationError, origin: str) -> str:
                 f"it in {field.rsplit('.', 1)[0]}.api_key_env)"
             )
         elif item["type"] == "extra_forbidden":
-            lines.append(f"  {field}: unknown key")
+            near = nearest_key(tuple(str(p) for p in item["loc"]), item.get("input"))
+            lines.append(f"  {field}: unknown key" + (f"; did you mean {near}?" if near else ""))
         else:  # the root's input is the whole config; a key-like value is never repeated
             got = f" (got {shown_value(field, item.get('input'))})" if item["loc"] else ""
             lines.append(f"  {field}: {item['msg']}{got}")

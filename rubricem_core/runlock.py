@@ -54,6 +54,7 @@ class RunDirLocked(RuntimeError):
 class _Held:
     fd: int
     count: int
+    created: Path | None = None  # the topmost directory this acquisition created (None: it existed)
 
 
 _held: dict[Path, _Held] = {}
@@ -84,8 +85,8 @@ def run_dir_lock(run_dir: str | os.PathLike[str], command: str) -> Iterator[Path
     :class:`RunDirLocked` at once if another process holds it, and ``ConfigError`` if the
     run-dir path is an existing file.
     """
-    path = _prepare_dir(run_dir)
-    _acquire(path, command)
+    path, created = _prepare_dir(run_dir)
+    _acquire(path, command, created)
     try:
         yield path
     finally:
@@ -114,19 +115,22 @@ def lock_holder(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def _prepare_dir(run_dir: str | os.PathLike[str]) -> Path:
-    """Create the run dir if needed and resolve it; a file in its place is a ConfigError."""
+def _prepare_dir(run_dir: str | os.PathLike[str]) -> tuple[Path, Path | None]:
+    """Create the run dir if needed and resolve it; a file in its place is a ConfigError. Returns it and
+    the topmost directory created here (None when it existed), removed again if nothing is written."""
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run dir {str(path)!r} is an existing file, not a directory; pass a directory path")
+    absolute = path.absolute()
+    missing = [d for d in (absolute, *absolute.parents) if not d.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:
         raise ConfigError(f"run dir {str(path)!r} cannot be created: {exc}") from None
-    return path.resolve()
+    return path.resolve(), (missing[-1].resolve() if missing else None)
 
 
-def _acquire(path: Path, command: str) -> None:
+def _acquire(path: Path, command: str, created: Path | None = None) -> None:
     with _guard:
         held = _held.get(path)
         if held is not None:
@@ -137,8 +141,9 @@ def _acquire(path: Path, command: str) -> None:
             _write_info(fd, _holder_info(command))
         except BaseException:
             _unlock_and_close(fd)
+            _remove_if_unused(path, created)
             raise
-        _held[path] = _Held(fd=fd, count=1)
+        _held[path] = _Held(fd=fd, count=1, created=created)
 
 
 def _release(path: Path) -> None:
@@ -155,7 +160,28 @@ def _release(path: Path) -> None:
             os.ftruncate(held.fd, 0)
         except OSError:
             pass
+        if held.created is not None:  # a run refused before writing anything leaves no directory behind
+            _remove_if_unused(path, held.created)
         _unlock_and_close(held.fd)
+
+
+def _remove_if_unused(path: Path, created: Path | None) -> None:
+    """Remove the run dir this process created, and the parents it created with it, when it holds
+    nothing but its lock file (the run was refused, e.g. by a bad override, before writing anything).
+    The lock file goes while still locked, so no other process can be holding it."""
+    if created is None:
+        return
+    lock = RunLayout(path).lock_file
+    try:
+        if {p.name for p in path.iterdir()} - {lock.name}:
+            return
+        lock.unlink(missing_ok=True)
+        for directory in (path, *path.parents):
+            directory.rmdir()  # fails (and stops) at the first one that is not empty
+            if directory == created:
+                break
+    except OSError:
+        pass
 
 
 def _lock_fd(path: Path) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import pyarrow as pa
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rubricem_core.schemas import CORPUS_SCHEMA, Query, queries_to_table
 
@@ -40,6 +40,8 @@ ALL_QUERY_KINDS: tuple[str, ...] = ("comparison", "multi_hop", "aggregation", "t
 
 class WorldConfig(BaseModel):
     """Parameters of a synthetic research world; the same config always yields the same bytes."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
 
     seed: int = Field(0, description="Random seed; the whole world is a pure function of the config.")
     n_documents: int = Field(2000, ge=50, le=100_000, description="Number of passages in the rendered corpus (exact).")

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from rubricem_core.config import RunConfig
 from rubricem_core.environment import policy_system_prompt
@@ -41,6 +42,7 @@ from rubricem_core.teacher.rounds import (
     tool_outputs,
 )
 from tasks.inputs import search_env
+from tasks.readback import parquet_task, read_back
 from tasks.secrets import resolve_api_key
 
 
@@ -100,14 +102,8 @@ def _answered(store: RunStore, round_index: int) -> dict[str, ChatResult]:
     }
 
 
-@task(
-    name="teacher-round",
-    task_run_name="teacher-round-{round_index}",
-    cache_policy=NO_CACHE,
-    retries=1,
-    retry_delay_seconds=2,
-)
-def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any]:
+@parquet_task(name="teacher-round", task_run_name="teacher-round-{round_index}", retries=1, retry_delay_seconds=2)
+def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, Any] | State:
     """One teacher round over all unfinished trajectories.
 
     Writes requests, responses, then state: the state partition is written last and marks the round
@@ -125,7 +121,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             if store.has("teacher_responses", _round_key(round_index))
             else []
         )
-        return {
+        figures = {
             "round": round_index,
             "cached": True,
             "unfinished": unfinished,
@@ -135,6 +131,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
             "cost_usd": sum(r["cost_usd"] or 0.0 for r in resp),
         }
+        return read_back(figures, store.partition_path("teacher_state", _round_key(round_index)).parent, run_dir)
 
     states = load_states(store, cfg, round_index - 1)
     active = [s for s in states if not s.finished]
@@ -260,7 +257,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     }
 
 
-@task(name="filter-trajectories", cache_policy=NO_CACHE)
+@task(name="filter-trajectories", task_run_name="filter-trajectories", cache_policy=NO_CACHE)
 def filter_trajectories(run_dir: str, cfg: RunConfig, last_round: int) -> dict[str, Any]:
     """Rejection filtering of every trajectory → `sft_trajectories` (accepted and rejected rows)."""
     log = get_run_logger()
@@ -334,8 +331,8 @@ def _policy_tokenizer(run_dir: str, cfg: RunConfig, log: Any) -> Any:
     return load_policy_tokenizer(base_policy(run_dir, cfg, log))
 
 
-@task(name="teacher-reflections", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
-def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
+@parquet_task(name="teacher-reflections", task_run_name="teacher-reflections", retries=1, retry_delay_seconds=2)
+def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any] | State:
     """The teacher's reflection on every accepted trajectory → `teacher_reflections` (one round through
     the same Batch API / concurrent path). A rerun asks again only for the rows whose call failed."""
     log = get_run_logger()
@@ -368,7 +365,7 @@ def teacher_reflections(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
             stats["reflections_valid"],
             stats["reflections"],
         )
-        return {**stats, "cached": True}
+        return read_back({**stats, "cached": True}, store.table_dir("teacher_reflections"), run_dir)
     settings = endpoint_for(tcfg, api_key=resolve_api_key(tcfg), max_tool_calls=cfg.tools.max_tool_calls)
     marker, resume_batch_id, on_submitted = batch_marker(store, "teacher_reflections", "reflections", len(requests))
 

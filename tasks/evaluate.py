@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
+from prefect.states import State
 
 from rubricem_core.config import EVAL_PROTOCOL_SETTINGS, RunConfig
 from rubricem_core.eval.prompts import reference_article
@@ -41,6 +41,7 @@ from rubricem_core.schemas import EVAL_REFLECTIONS_SCHEMA, queries_from_table
 from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
 from tasks.inputs import search_env
+from tasks.readback import parquet_task, read_back
 from tasks.rl import completed_step, newest_checkpoint
 from tasks.secrets import resolve_api_key
 
@@ -220,8 +221,10 @@ def grading_settings(cfg: RunConfig, benchmark: str, queries: list) -> dict[str,
     return out
 
 
-@task(name="evaluate-benchmark", cache_policy=NO_CACHE)
-def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark: str, retrieval: str) -> dict[str, Any]:
+@parquet_task(name="evaluate-benchmark", task_run_name="evaluate-{benchmark}-{retrieval}")
+def evaluate_benchmark(
+    run_dir: str, cfg: RunConfig, checkpoint: str, benchmark: str, retrieval: str
+) -> dict[str, Any] | State:
     """Sample and grade one benchmark → an `eval_results` part; returns its summary."""
     log = get_run_logger()
     store = RunStore(run_dir)
@@ -262,11 +265,12 @@ def evaluate_benchmark(run_dir: str, cfg: RunConfig, checkpoint: str, benchmark:
     if store.has(TABLE, {}, part):
         rows = store.read_table(TABLE, {}, part).to_pylist()
         if all(r.get("settings") == settings for r in rows):
-            return {
+            summary = {
                 "cached": True,
                 **summarize(rows),
                 **_reflection_validity(run_dir, cfg, checkpoint, part, rows, queries),
             }
+            return read_back(summary, store.partition_path(TABLE, {}, part), run_dir)
         log.info("%s: the settings changed since %s was evaluated; evaluating again", part, tag)
         store.partition_path(REFLECTIONS_TABLE, {}, part).unlink(missing_ok=True)  # of the old results
     engine, tokenizer = _engine(checkpoint, cfg)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
+from prefect.states import State
 
 from rubricem_core.config import RunConfig
 from rubricem_core.corpus import load_corpus
@@ -18,6 +18,7 @@ from rubricem_core.schemas import CORPUS_SCHEMA, queries_to_table
 from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.world import generate_world
+from tasks.readback import parquet_task, read_back
 
 
 class InputError(ValueError):
@@ -49,12 +50,13 @@ def build_inputs(cfg: RunConfig) -> tuple[pa.Table, pa.Table]:
     return queries_table, corpus
 
 
-@task(name="prepare-inputs", cache_policy=NO_CACHE)
-def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
+@parquet_task(name="prepare-inputs", task_run_name="prepare-inputs")
+def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any] | State:
     """Write `corpus` then `queries` (once; a rerun reuses them, so ids and splits never shift)."""
     log = get_run_logger()
     store = RunStore(run_dir)
-    if not (store.has("queries") and store.has("corpus")):
+    written_before = store.has("queries") and store.has("corpus")
+    if not written_before:
         queries, corpus = build_inputs(cfg)
         store.write_table("corpus", corpus)
         store.write_table("queries", queries)
@@ -70,7 +72,8 @@ def prepare_inputs(run_dir: str, cfg: RunConfig) -> dict[str, Any]:
         n_sft,
         queries.num_rows - n_train - n_sft,
     )
-    return {"documents": n_docs, "queries": queries.num_rows, "train_queries": n_train}
+    figures = {"documents": n_docs, "queries": queries.num_rows, "train_queries": n_train}
+    return read_back(figures, store.tables_dir, run_dir) if written_before else figures
 
 
 _ENV_CACHE: dict[tuple, ToolEnv] = {}

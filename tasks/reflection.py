@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
+from prefect.states import State
 
 from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
@@ -43,6 +43,7 @@ from rubricem_core.seeds import REFLECTION_SAMPLING, derive_seed
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
+from tasks.readback import parquet_task, read_back
 from tasks.rl import (
     cached_task_metrics,
     completed_step,
@@ -75,8 +76,8 @@ def _judge(cfg: RunConfig) -> ReflectionJudge:
     return ReflectionJudge(settings, options)
 
 
-@task(name="reflect", task_run_name="reflect-step-{plan.step}", cache_policy=NO_CACHE)
-def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
+@parquet_task(name="reflect", task_run_name="reflect-step-{plan.step}")
+def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any] | State:
     """Write, judge and bank the reflections of a new-query step (weights: checkpoint step−1)."""
     log = get_run_logger()
     store = RunStore(run_dir)
@@ -86,7 +87,9 @@ def reflect_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]
         metrics = cached_task_metrics(store, "reflect", plan.step)
         if session.bank is not None:
             metrics["bank/size"] = float(len(session.bank))
-        return {"cached": True, "metrics": metrics}
+        return read_back(
+            {"cached": True, "metrics": metrics}, store.partition_path("reflections", _key(plan.step)), run_dir
+        )
     # the live session, unless a resumed run lost the weights of step−1 (no checkpoint kept them):
     # then one replayed to step−1 from the tables
     session = sampling_session(run_dir, cfg, plan.step - 1)
@@ -190,17 +193,21 @@ def _write_bank(store: RunStore, bank: ReflectionBank) -> None:
     bank.save(bank_dir(store.run_dir))  # with its embedder's name: evaluation rebuilds the same one
 
 
-@task(name="reflection-update", task_run_name="reflection-update-of-step-{source.step}", cache_policy=NO_CACHE)
-def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_step: int) -> dict[str, Any]:
+@parquet_task(name="reflection-update", task_run_name="reflection-update-of-step-{source.step}")
+def reflection_update_task(run_dir: str, cfg: RunConfig, source: StepPlan, at_step: int) -> dict[str, Any] | State:
     """GRPO on the reflection tokens of step ``source.step``'s candidates, applied during ``at_step``
     (before that step's task update; the engine keeps sampling with the weights it was synced to)."""
     log = get_run_logger()
     store = RunStore(run_dir)
     if completed_step(run_dir) >= at_step:
-        return {"cached": True, "metrics": cached_task_metrics(store, "reflection-update", at_step)}
+        metrics = cached_task_metrics(store, "reflection-update", at_step)
+        return read_back({"cached": True, "metrics": metrics}, store.layout.rl_progress_file, run_dir)
     session = get_session(run_dir, cfg, at_step - 1)
-    if at_step in session.reflection_updates:
-        return {"cached": True, "metrics": cached_task_metrics(store, "reflection-update", at_step)}
+    if at_step in session.reflection_updates:  # replayed from the tables when the session was rebuilt
+        metrics = cached_task_metrics(store, "reflection-update", at_step)
+        return read_back(
+            {"cached": True, "metrics": metrics}, store.partition_path("reflections", _key(source.step)), run_dir
+        )
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
     batch = reflection_batch(store.read_rows("reflections", _key(source.step)))

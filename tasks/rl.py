@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
+from prefect.states import State
 
 from rubricem_core.config import RunConfig
 from rubricem_core.encoding import encode_prompt
@@ -62,6 +62,7 @@ from rubricem_core.seeds import ROLLOUT, derive_seed
 from rubricem_core.store import RunStore, atomic_write_text
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
+from tasks.readback import parquet_task, read_back
 from tasks.secrets import resolve_api_key
 
 
@@ -103,15 +104,18 @@ def step_metrics_logged(store: RunStore, flow: str, step: int) -> bool:
 
 
 # ---- tasks --------------------------------------------------------------------------------------
-@task(name="rollout", task_run_name="rollout-step-{plan.step}", cache_policy=NO_CACHE)
-def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
+@parquet_task(name="rollout", task_run_name="rollout-step-{plan.step}")
+def rollout_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any] | State:
     """Sample a group per query with the current weights and the real tools → `rollouts`. With
     `judge.stream` each query's group is handed to the step's StreamingJudge the moment it ends (kept on
     the session for the judge task), so judging overlaps the groups still sampling."""
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("rollouts", _key(plan.step)):
-        return {"cached": True, "metrics": cached_task_metrics(store, "rollout", plan.step)}
+        metrics = cached_task_metrics(store, "rollout", plan.step)
+        return read_back(
+            {"cached": True, "metrics": metrics}, store.partition_path("rollouts", _key(plan.step)), run_dir
+        )
     session = get_session(run_dir, cfg, plan.step - 1)
     ensure_engine_weights(session, plan.step - 1, cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
@@ -265,8 +269,8 @@ def judge_options(cfg: RunConfig, judged_stages: tuple[str, ...], builtin: bool)
     )
 
 
-@task(name="judge", task_run_name="judge-step-{plan.step}", cache_policy=NO_CACHE)
-def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
+@parquet_task(name="judge", task_run_name="judge-step-{plan.step}")
+def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any] | State:
     """Rubric generation (one call per query) and scoring (one call per rollout), buffer update and
     pruning → `judge_rubrics`, `judge_scores`, and `stage_rewards` (R, and from it G = RΛᵀ and the
     per-stage advantages A); failed judgments are marked in `rollouts` and get no G or A. The judgments
@@ -275,7 +279,9 @@ def judge_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
     log = get_run_logger()
     store = RunStore(run_dir)
     if store.has("stage_rewards", _key(plan.step)):
-        return {"cached": True, "metrics": cached_task_metrics(store, "judge", plan.step)}
+        metrics = cached_task_metrics(store, "judge", plan.step)
+        where = store.partition_path("stage_rewards", _key(plan.step))
+        return read_back({"cached": True, "metrics": metrics}, where, run_dir)
     session = get_session(run_dir, cfg, plan.step - 1)
     rs = recipe_settings(cfg)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
@@ -374,14 +380,15 @@ def _check_streamed(results: list[GroupJudgment], rollouts: list[dict[str, Any]]
         raise RuntimeError(f"the streamed judge judged rollouts {judged[:4]}..., the table holds others")
 
 
-@task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}", cache_policy=NO_CACHE)
-def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any]:
+@parquet_task(name="ss-grpo-update", task_run_name="ss-grpo-update-step-{plan.step}")
+def update_task(run_dir: str, cfg: RunConfig, plan: StepPlan) -> dict[str, Any] | State:
     """One clipped policy-gradient step on the judged rollouts with the judge task's advantages; a
     resumable checkpoint (with the rubric buffers) when rl.checkpoint_every says so and at the last step."""
     log = get_run_logger()
     store = RunStore(run_dir)
-    if completed_step(run_dir) >= plan.step:
-        return {"cached": True, "metrics": cached_task_metrics(store, "update", plan.step)}
+    if completed_step(run_dir) >= plan.step:  # in a checkpoint, or replayed from the step's tables
+        metrics = cached_task_metrics(store, "update", plan.step)
+        return read_back({"cached": True, "metrics": metrics}, store.layout.rl_progress_file, run_dir)
     session = get_session(run_dir, cfg, plan.step - 1)
     batch = training_batch(
         store.read_rows("rollouts", _key(plan.step)), store.read_rows("stage_rewards", _key(plan.step))

@@ -8,6 +8,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.nodes import announce_no_launch
@@ -15,6 +16,7 @@ from rubricem_core.distributed.sft_worker import launch_sft
 from rubricem_core.layout import RunLayout, final_checkpoint_dir
 from rubricem_core.sft import prepare_policy, run_sft, sft_inputs
 from rubricem_core.store import RunStore
+from tasks.readback import parquet_task, read_back
 
 ARTIFACT_MAX_BYTES = 200 * 2**20  # larger checkpoints are tracked by path, not copied into MLflow
 
@@ -42,7 +44,7 @@ def base_policy(run_dir: str, cfg: RunConfig, log: Any) -> Path:
     return prepare_policy(cfg.policy, out, texts, cfg.seed, doc_ids=doc_ids)
 
 
-@task(name="prepare-policy", cache_policy=NO_CACHE)
+@task(name="prepare-policy", task_run_name="prepare-policy", cache_policy=NO_CACHE)
 def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
     """The tiny policy is built once per run directory from its corpus; real models are used as named."""
     log = get_run_logger()
@@ -51,10 +53,10 @@ def prepare_policy_task(run_dir: str, cfg: RunConfig) -> str:
     return str(path)
 
 
-@task(name="train-sft", cache_policy=NO_CACHE)
+@parquet_task(name="train-sft", task_run_name="train-sft")
 def train_sft_task(
     run_dir: str, cfg: RunConfig, policy_dir: str, log_metrics: Callable[[dict[str, float], int], None] | None = None
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     log = get_run_logger()
     root = sft_checkpoint_root(run_dir)
     final = final_checkpoint_dir(root)
@@ -62,7 +64,7 @@ def train_sft_task(
         log.info("SFT already finished: %s (cached)", final)
         if cfg.distributed.nnodes > 1:
             announce_no_launch(run_dir, "sft", f"SFT already finished: {final}")
-        return {"final_dir": str(final), "cached": True}
+        return read_back({"final_dir": str(final), "cached": True}, final, run_dir)
 
     def log_and_print(metrics: dict[str, float], step: int) -> None:  # progress lines come from the core's log
         if log_metrics is not None:

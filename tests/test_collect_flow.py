@@ -135,7 +135,23 @@ def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provi
     uploaded_before = [line["custom_id"] for line in fake_provider.uploaded_lines]
 
     monkeypatch.setattr(collect_tasks, "apply_result", real_apply)
-    result = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
+    state = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides, return_state=True)
+    result = state.result()
+    # the rerun reads the finished rounds back (Prefect's Cached state); the round that failed is
+    # computed again, never reported Cached
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    states = {t.name: t.state.name for t in tasks}
+    assert states["teacher-round-0"] == states["teacher-round-1"] == "Cached", states
+    assert states["teacher-round-2"] == "Completed" and states["prepare-inputs"] == "Cached", states
+    assert (
+        "read back from tables/teacher_state/round=0001" in {t.name: t.state.message for t in tasks}["teacher-round-1"]
+    )
     uploaded_after = [line["custom_id"] for line in fake_provider.uploaded_lines][len(uploaded_before) :]
     assert not any(cid.endswith((":r00", ":r01", ":r02")) for cid in uploaded_after), "completed rounds re-requested"
     assert result["trajectories"] == 16

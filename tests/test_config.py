@@ -41,6 +41,27 @@ def test_unknown_key_names_the_field_and_file(tmp_path):
     assert str(bad) in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("teacher.max_round=3", "did you mean teacher.max_rounds?"),
+        ("rl.recipee=full", "did you mean rl.recipe?"),
+        ("data.world.n_document=60", "did you mean data.world.n_documents?"),
+        ("teachr.max_rounds=3", "did you mean teacher.max_rounds?"),  # a misspelt section, completed
+        ("zzzzzz=1", None),  # nothing close: no guess
+    ],
+)
+def test_unknown_override_key_gets_the_nearest_valid_key(override, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    text = str(err.value)
+    assert f"{override.split('=')[0].split('.')[0]}" in text and "unknown key" in text
+    if suggestion is None:
+        assert "did you mean" not in text
+    else:
+        assert suggestion in text
+
+
 def test_wrong_type_is_reported_with_field():
     with pytest.raises(ConfigError, match=r"teacher\.max_rounds"):
         load_config("tiny", ["teacher.max_rounds=many"])

@@ -42,6 +42,7 @@ FLOW_DEPLOYMENTS = {  # deployment name → entrypoint, one per flow
 # A world small enough that the flow run is dominated by process start-up: 3 train queries x 2 traces.
 TINY = {"data.world.n_documents": 50, "data.world.n_queries": 4, "data.world.eval_fraction": 0.25}
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+LIVE = {"RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING"}
 
 
 def _load_yaml(relative: str) -> dict:
@@ -76,7 +77,28 @@ def test_prefect_yaml_has_one_deployment_per_flow_on_the_process_pool():
     assert len({run_dirs["collect-sft-data"], run_dirs["pipeline"], run_dirs["ablation"]}) == 3
     # workers run the checkout named by their own environment, resolved at run time
     (step,) = spec["pull"]
-    assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $RUBRICEM_HOME }}"}}
+    assert step == {"flows.checkout.set_checkout_directory": {"directory": "{{ $RUBRICEM_HOME }}"}}
+
+
+@pytest.mark.parametrize("home", ["set", "unset"])
+def test_the_pull_step_runs_from_rubricem_home_or_the_installed_checkout(tmp_path, monkeypatch, home):
+    """What a worker's flow run does first (prefect.yaml's pull step, its `{{ $RUBRICEM_HOME }}` rendered
+    from the environment, empty when unset): with RUBRICEM_HOME (start_worker.sh) that checkout; without
+    it (a bare `prefect worker start`, as `prefect deploy` suggests) the checkout of the installed package."""
+    from flows.checkout import set_checkout_directory
+
+    (step,) = _load_yaml("prefect.yaml")["pull"]
+    assert list(step) == ["flows.checkout.set_checkout_directory"]
+    other = tmp_path / "checkout"
+    other.mkdir()
+    (other / "prefect.yaml").write_text("name: rubricem\n")
+    monkeypatch.chdir(tmp_path)
+    output = set_checkout_directory(str(other) if home == "set" else "")
+    expected = (other if home == "set" else REPO_ROOT).resolve()
+    assert Path.cwd() == expected and output == {"directory": str(expected)}
+    with pytest.raises(FileNotFoundError, match="not a RubricEM checkout"):  # a clear error, not a chdir
+        set_checkout_directory(str(tmp_path))
+    assert Path.cwd() == expected
 
 
 @pytest.mark.parametrize("name", list(FLOW_DEPLOYMENTS))
@@ -93,6 +115,10 @@ def test_deployment_form_is_profile_and_overrides(name):
     assert list(schema["properties"])[:3] == ["run_dir", "profile", "overrides"]
     assert "config" not in schema["properties"] and "RunConfig" not in schema.get("definitions", {})
     assert schema["properties"]["overrides"]["default"] is None
+    # the form offers the profiles as a dropdown (an enum); a direct call may still name a YAML file
+    (choices,) = [a for a in schema["properties"]["profile"]["anyOf"] if "enum" in a]
+    assert choices["enum"] == sorted(p.stem for p in (REPO_ROOT / "data" / "profiles").glob("*.yaml"))
+    flow.validate_parameters({**deployment["parameters"], "profile": "data/profiles/tiny.yaml"})
     # the deployment's defaults and a form's overrides are valid parameters
     flow.validate_parameters(deployment["parameters"])
     flow.validate_parameters({**deployment["parameters"], "overrides": {"teacher.max_rounds": 6}})
@@ -266,6 +292,32 @@ class _Api:
         return self.request("POST", path, json=json)
 
 
+def _wait_terminal(api: _Api, flow_run_id: str, worker: _Background, seconds: float = 300) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        flow_run = api.get(f"/flow_runs/{flow_run_id}").json()
+        state = flow_run["state"]["type"]
+        if state in TERMINAL:
+            return flow_run
+        assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
+        assert time.monotonic() < deadline, f"flow run still {state} after {seconds} s:\n{worker.tail()}"
+        time.sleep(1)
+
+
+def _task_runs(api: _Api, flow_run_ids: list[str]) -> list[dict]:
+    return api.post(
+        "/task_runs/filter", json={"flow_runs": {"id": {"any_": flow_run_ids}}, "sort": "EXPECTED_START_TIME_ASC"}
+    ).json()
+
+
+def _newest_by_name(task_runs: list[dict]) -> dict[str, dict]:
+    """The latest task run of each name (a retried flow run holds its first attempt's task runs too)."""
+    out: dict[str, dict] = {}
+    for t in sorted(task_runs, key=lambda t: t["created"]):
+        out[t["name"]] = t
+    return out
+
+
 def _run(args: list[str], env: dict[str, str], timeout: float = 240) -> str:
     done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
@@ -349,7 +401,7 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
     # deploy.sh's create_pool.sh must then accept
     worker = _Background(["bash", "deployments/start_worker.sh"], env, tmp_path / "worker.log")
     try:
-        _run(["bash", "deployments/deploy.sh", "collect-sft-data"], env)
+        _run(["bash", "deployments/deploy.sh", "collect-sft-data", "pipeline"], env)
         print(f"deployed after {time.monotonic() - started:.0f} s")
         assert api.get(f"/work_pools/{POOL}").json()["type"] == "process"
         deployment = api.get("/deployments/name/collect_sft_data/collect-sft-data").json()
@@ -374,29 +426,47 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
         assert f"work pool '{POOL}' exists" in _run(["bash", "deployments/create_pool.sh"], env)
         _check_gpu_pool_on_the_server(api)
 
-        deadline = time.monotonic() + 300
-        while True:
-            flow_run = api.get(f"/flow_runs/{flow_run['id']}").json()
-            state = flow_run["state"]["type"]
-            if state in TERMINAL:
-                break
-            assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
-            assert time.monotonic() < deadline, f"flow run still {state} after 300 s:\n{worker.tail()}"
-            time.sleep(1)
+        flow_run = _wait_terminal(api, flow_run["id"], worker)
+        state = flow_run["state"]["type"]
         assert state == "COMPLETED", f"flow run ended {state}: {flow_run['state']['message']}\n{worker.tail()}"
         print(f"flow run completed after {time.monotonic() - started:.0f} s")
+        first = {name: t["state"]["name"] for name, t in _newest_by_name(_task_runs(api, [flow_run["id"]])).items()}
+        assert first and "Cached" not in first.values(), first  # the first run computed everything
+
+        # the UI's Retry: the same flow run again; what its Parquet already holds ends Cached
+        retried = api.post(
+            f"/flow_runs/{flow_run['id']}/set_state",
+            json={
+                "state": {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"},
+                "force": True,
+            },
+        )
+        assert retried.status_code in (200, 201), retried.text
+        retry = _wait_terminal(api, flow_run["id"], worker)
+        assert retry["state"]["type"] == "COMPLETED" and retry["run_count"] == 2, retry["state"]
+        # (the retry's task runs are the first run's, by their task keys: their newest state is the retry's)
+        states = {name: t["state"]["name"] for name, t in _newest_by_name(_task_runs(api, [flow_run["id"]])).items()}
+        rounds = [name for name in states if name.startswith("teacher-round-")]
+        assert rounds and all(states[name] == "Cached" for name in rounds), states
+        assert states.get("prepare-inputs") == "Cached", states
+        assert states.get("filter-trajectories") == "Completed", states  # it always recomputes: never Cached
+        print(f"retry completed after {time.monotonic() - started:.0f} s")
+
+        _check_a_killed_pipeline_ends_its_subflows(api, worker, tmp_path / "killed")
     finally:
         worker.stop()
 
     # what the UI shows of the run: its name, readable task run names, the Markdown summary
-    assert flow_run["name"] == str(run_dir)
+    assert flow_run["name"] == f"collect_sft_data · {run_dir}"
     tasks = api.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}}).json()
     names = {t["name"] for t in tasks}
     assert {"teacher-round-0", "teacher-round-1"} <= names, names
     artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}).json()
-    (summary,) = [a for a in artifacts if a["type"] == "markdown"]
-    assert summary["key"].startswith("collect-sft-data-run-")
-    assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
+    summaries = [a for a in artifacts if a["type"] == "markdown"]
+    assert len(summaries) == 2 and len({a["key"] for a in summaries}) == 1  # one version per attempt, one key
+    for summary in summaries:
+        assert summary["key"].startswith("collect-sft-data-run-")
+        assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
 
     rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
     assert len(rows) == 3 * 2  # 3 train queries x trajectories_per_query 2 of the tiny profile
@@ -404,3 +474,45 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
     assert (run_dir / "config.yaml").is_file()
     # the flow ran in a process the worker started, not in this one
     assert flow_run["infrastructure_pid"] and not flow_run["infrastructure_pid"].endswith(f":{os.getpid()}")
+
+
+def _check_a_killed_pipeline_ends_its_subflows(api: _Api, worker: _Background, run_dir: Path) -> None:
+    """A pipeline run SIGKILLed inside its collect_sft_data subflow (a fault point set through the run's
+    job variables): the worker marks the pipeline run Crashed and runs its crash hook, which ends the
+    subflow and its task run Crashed too — without another run of the run directory — and the
+    pipeline run's log names the signal."""
+    deployment = api.get("/deployments/name/pipeline/pipeline").json()
+    created = api.post(
+        f"/deployments/{deployment['id']}/create_flow_run",
+        json={
+            "parameters": {"run_dir": str(run_dir), "overrides": TINY},
+            "job_variables": {"env": {"RUBRICEM_FAULT_POINT": "collect.round_written:1"}},
+        },
+    )
+    assert created.status_code == 201, created.text
+    top = _wait_terminal(api, created.json()["id"], worker)
+    assert top["state"]["type"] == "CRASHED", top["state"]
+    assert top["name"] == f"pipeline · {run_dir}"
+    deadline = time.monotonic() + 60  # the hook runs in the worker right after it marks the run Crashed
+    while True:
+        subflows = api.post(
+            "/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [top["id"]]}}}
+        ).json()
+        tasks = _task_runs(api, [top["id"], *[f["id"] for f in subflows]])
+        if subflows and all(r["state"]["type"] not in LIVE for r in subflows + tasks):
+            break
+        assert time.monotonic() < deadline, (
+            f"still live: {[(r['name'], r['state']['type']) for r in subflows + tasks]}\n{worker.tail()}"
+        )
+        time.sleep(1)
+    assert [f["name"] for f in subflows] == [f"collect_sft_data · {run_dir}"]
+    assert subflows[0]["state"]["type"] == "CRASHED"
+    assert {t["name"]: t["state"]["type"] for t in tasks}["teacher-round-0"] == "CRASHED"  # it was running
+    assert "crashed" in subflows[0]["state"]["message"] and "SIGKILL" in subflows[0]["state"]["message"]
+    deadline = time.monotonic() + 30  # logs reach the API in batches
+    while True:
+        logs = api.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [top["id"]]}}}).json()
+        if any("killed by signal SIGKILL" in log["message"] for log in logs):
+            break
+        assert time.monotonic() < deadline, [log["message"] for log in logs][-10:]
+        time.sleep(1)

@@ -312,3 +312,6 @@ def test_a_missing_prerequisite_names_the_command_to_run(tmp_path, command, miss
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"has no {missing} yet: run `rubricem collect-sft-data --run-dir {run}` first" in out.stderr
+    # a failure inside a flow prints the CLI's one line, not Prefect's traceback (that is in the run's log)
+    assert "Traceback" not in out.stdout + out.stderr and 'File "' not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert len([line for line in out.stderr.splitlines() if line.startswith("rubricem:")]) == 1, out.stderr[-3000:]

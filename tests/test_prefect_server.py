@@ -265,3 +265,14 @@ def test_a_killed_cli_leaves_no_prefect_server(tmp_path):
     finally:
         for pid in _servers_with_home(tmp_path / "prefect-home"):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_an_unknown_override_key_is_refused_with_a_suggestion_and_leaves_nothing(tmp_path, capsys):
+    """A bad --set fails before Prefect starts, names the nearest valid key, and leaves no run directory."""
+    from flows.cli import main
+
+    run_dir = tmp_path / "runs" / "new"
+    assert main(["run", "--run-dir", str(run_dir), "--set", "teacher.max_round=3"]) == 2
+    err = capsys.readouterr().err
+    assert "teacher.max_round: unknown key; did you mean teacher.max_rounds?" in err
+    assert not (tmp_path / "runs").exists()

@@ -199,3 +199,161 @@ def test_end_of_run_printout_explains_the_profile():
     assert "plumbing check" in text and "next:\n  rubricem run --run-dir runs/small --profile small" in text
     assert "report:     runs/t/report/report.html" in text
     assert "what these figures mean" not in pipeline_summary(result, "my-profile", "runs/t")
+
+
+@pytest.mark.parametrize(
+    "message, signal_name",
+    [
+        ("Process exited with status code: -9. Process was terminated due to a signal.", "signal SIGKILL (9)"),
+        ("Process exited with status code: -15.", "signal SIGTERM (15)"),
+        ("Process exited with status code: 137", "signal SIGKILL (9)"),  # a shell's 128 + N
+        ("Process exited with status code: 1", None),  # an exit, not a signal
+        ("Execution was aborted by a termination signal.", "signal SIGTERM (15)"),  # Prefect, in-process
+        ("Flow run encountered an exception: ValueError: x", None),
+        (None, None),
+    ],
+)
+def test_killed_by_reads_the_signal_from_the_crash_message(message, signal_name):
+    from flows.common import killed_by
+
+    assert killed_by(message) == signal_name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["crashed", "cancelling"])
+def test_a_crashed_or_cancelled_run_ends_its_subflows_and_task_runs(prefect_harness, ending):
+    """The flows' crash / cancellation hook (the worker runs it when it finds the process dead): live
+    subflow runs at any depth and live task runs under the run end with it; finished ones stay."""
+    from prefect import flow
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling, Completed, Crashed, Running
+
+    from flows.common import end_subruns
+
+    @flow(name="hook-probe")
+    def probe(run_dir: str) -> None:
+        return None
+
+    rollout = _a_task()
+    with _client() as client:
+        top = client.create_flow_run(flow=probe, parameters={"run_dir": "x"}, name="pipeline · x")
+        mid_task = client.create_task_run(task=rollout, flow_run_id=top.id, dynamic_key="0", name="rl-subflow")
+        mid = client.create_flow_run(flow=probe, parameters={}, name="rl · x", parent_task_run_id=mid_task.id)
+        leaf_task = client.create_task_run(task=rollout, flow_run_id=mid.id, dynamic_key="1", name="rl_step-0")
+        leaf = client.create_flow_run(flow=probe, parameters={}, name="step-0-new", parent_task_run_id=leaf_task.id)
+        running = client.create_task_run(task=rollout, flow_run_id=leaf.id, dynamic_key="2", name="rollout-step-0")
+        done = client.create_task_run(task=rollout, flow_run_id=leaf.id, dynamic_key="3", name="judge-step-0")
+        for run in (top, mid, leaf):
+            client.set_flow_run_state(run.id, Running(), force=True)
+        for task_run in (mid_task, leaf_task, running):
+            client.set_task_run_state(task_run.id, Running(), force=True)
+        client.set_task_run_state(done.id, Completed(), force=True)
+        final = Crashed(message="Process exited with status code: -9.") if ending == "crashed" else Cancelling()
+        client.set_flow_run_state(top.id, final, force=True)
+        top = client.read_flow_run(top.id)
+
+    end_subruns(probe, top, final)
+
+    expected = StateType.CRASHED if ending == "crashed" else StateType.CANCELLED
+    with _client() as client:
+        for run in (mid, leaf):
+            assert client.read_flow_run(run.id).state.type == expected, run.name
+        for task_run in (mid_task, leaf_task, running):
+            assert client.read_task_run(task_run.id).state.type == expected, task_run.name
+        assert client.read_task_run(done.id).state.type == StateType.COMPLETED
+        assert client.read_flow_run(top.id).state.type == final.type  # its own engine ends it
+        message = client.read_flow_run(leaf.id).state.message
+    assert "pipeline · x" in message and ("SIGKILL" in message if ending == "crashed" else "cancelled" in message)
+
+
+def test_pipeline_markdown_has_a_row_per_stage_and_the_links():
+    from rubricem_core.report.markdown import pipeline_markdown
+
+    result = {
+        "collect_sft_data": {"accepted": 30, "trajectories": 36},
+        "sft": {"final_dir": "runs/t/checkpoints/sft/final", "cached": True},
+        "rl": {"steps": 4, "recipe": "full", "final_checkpoint": "runs/t/checkpoints/rl/step-000003"},
+        "evaluate": {"tag": "rl-step-000003", "retrieval": "none", "benchmarks": {"synthetic": {"score_mean": 0.25}}},
+        "report": "runs/t/report/report.html",
+    }
+    text = pipeline_markdown(result, "tiny", "runs/t", "http://127.0.0.1:5000/#/experiments/1", "sqlite:///m.db")
+    assert text.startswith("# Pipeline of `runs/t` (tiny profile)")
+    assert "| sft | `runs/t/checkpoints/sft/final` (read back) |" in text
+    assert "30 of 36 trajectories accepted" in text and "synthetic 0.25" in text
+    assert "- MLflow experiment: [http://127.0.0.1:5000/#/experiments/1]" in text
+    assert "- report: `runs/t/report/report.html`" in text
+    assert "MLflow" not in pipeline_markdown(result, "tiny", "runs/t")
+
+
+@pytest.mark.slow
+def test_the_pipeline_run_logs_stage_progress_and_a_summary_and_publishes_an_artifact(tiny_pipeline_run):
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    from flows.common import artifact_key
+
+    run_dir = str(tiny_pipeline_run)
+    with _client() as client:
+        (run,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"pipeline · {run_dir}"]))
+        )
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[f"{f} · {run_dir}" for f in ("collect_sft_data", "sft", "rl", "evaluate")])
+            )
+        )
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("pipeline", run_dir)]))
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            logs = [
+                log.message
+                for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            ]
+            if any("pipeline finished" in m for m in logs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert len(subflows) == 4  # each stage's run is named after its flow and the run directory
+    assert any(m.startswith("pipeline stage 1/5 (20%): collect_sft_data:") for m in logs), logs
+    assert any(m.startswith("pipeline stage 5/5 (100%): report:") for m in logs), logs
+    (summary,) = [m for m in logs if "pipeline finished" in m]
+    assert "report:" in summary and "MLflow:" in summary and "workflowType=machine_learning" in summary
+    assert artifact.flow_run_id == run.id and artifact.data.startswith(f"# Pipeline of `{run_dir}`")
+
+
+@pytest.mark.slow
+def test_a_flow_run_holding_its_run_directory_is_named_in_the_lock(prefect_harness, tmp_path):
+    """A second run on the directory is refused with the holder's info (rubricem_core.runlock): for a
+    flow, that names its Prefect flow run, so the UI user sees which run holds it."""
+    from prefect import flow
+
+    from flows.common import writes_run_dir
+    from rubricem_core.runlock import lock_holder
+
+    @flow(name="holder-probe", flow_run_name="holder · {run_dir}")
+    @writes_run_dir
+    def probe(run_dir: str) -> str:
+        return lock_holder(run_dir)["command"]
+
+    run_dir = tmp_path / "run"
+    assert probe(run_dir=str(run_dir)) == f"probe (Prefect flow run 'holder · {run_dir}')"
+
+
+@pytest.mark.slow
+def test_a_flow_run_refused_by_a_bad_override_leaves_nothing_behind(prefect_harness, tmp_path):
+    """What a deployment run from the UI form with a misspelt override key does: fails naming the
+    nearest valid key, and leaves no run directory (not even its lock file)."""
+    from flows.collect_sft_data import collect_sft_data
+    from rubricem_core.config import ConfigError
+
+    run_dir = tmp_path / "runs" / "ui"
+    with pytest.raises(ConfigError, match="teacher.max_round: unknown key; did you mean teacher.max_rounds"):
+        collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides={"teacher.max_round": 3})
+    assert not (tmp_path / "runs").exists()

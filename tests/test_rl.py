@@ -235,7 +235,20 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
         rl(run_dir=resumed, profile="tiny", overrides=SMALL)
     monkeypatch.setattr(rl_session, "ss_grpo_update", real)
     rl_tasks.drop_sessions()  # a fresh process: rebuild from the step-0 checkpoint
-    rl(run_dir=resumed, profile="tiny", overrides=SMALL)
+    state = rl(run_dir=resumed, profile="tiny", overrides=SMALL, return_state=True)
+    # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,
+    # runs again and is never reported Cached
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.common import subflow_runs
+
+    with get_client(sync_client=True) as client:
+        runs = [state.state_details.flow_run_id, *[r.id for r in subflow_runs(client, state.state_details.flow_run_id)]]
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=runs)))
+    states = {t.name: t.state.name for t in tasks}
+    assert states["rollout-step-1"] == states["judge-step-1"] == "Cached", states
+    assert states["ss-grpo-update-step-1"] == "Completed", states
 
     from safetensors.torch import load_file
 

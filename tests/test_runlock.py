@@ -97,8 +97,26 @@ def test_reentrant_in_process_and_released_by_outermost(tmp_path):
         worker.join(10)
         assert seen == ["pipeline"]
         assert lock_holder(run_dir) is not None
+        (run_dir / "config.yaml").write_text("seed: 0\n")  # the run wrote something: the directory stays
     assert lock_holder(run_dir) is None
     assert (run_dir / LOCK_NAME).read_text() == ""  # no stale holder info left behind
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_run_that_writes_nothing_leaves_nothing_behind(tmp_path, existed):
+    """A run refused before writing (a bad --set, an unknown profile) removes the run directory it
+    created, and the parents it created with it; a directory that was there before stays."""
+    run_dir = tmp_path / "runs" / "new"
+    if existed:
+        run_dir.mkdir(parents=True)
+    with pytest.raises(ValueError, match="bad override"):
+        with run_dir_lock(run_dir, "rubricem run"):
+            assert (run_dir / LOCK_NAME).is_file()
+            raise ValueError("bad override")
+    assert run_dir.is_dir() == existed
+    assert (tmp_path / "runs").is_dir() == existed
+    if existed:  # its own lock file (empty: no holder) is all it keeps
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME] and lock_holder(run_dir) is None
 
 
 def test_other_process_refused_while_held_then_succeeds(tmp_path):

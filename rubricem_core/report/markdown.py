@@ -32,11 +32,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def links(run_dir: str, mlflow_url: str | None, mlflow_db: str | None = None) -> str:
+def links(run_dir: str, mlflow_url: str | None, mlflow_db: str | None = None, label: str = "MLflow run") -> str:
     parts = [f'- run directory: `{run_dir}` (tables: `rubricem sql --run-dir {run_dir} "SHOW TABLES"`)']
     if mlflow_url:
         where = f" (start it with `{mlflow_ui_command(mlflow_db)}`)" if mlflow_db else ""
-        parts.append(f"- MLflow run: [{mlflow_url}]({mlflow_url}){where}")
+        parts.append(f"- {label}: [{mlflow_url}]({mlflow_url}){where}")
     return "\n".join(parts)
 
 
@@ -168,6 +168,37 @@ def eval_markdown(
                 table(["benchmark", *shown, "cached"], rows),
                 "## Links",
                 links(run_dir, mlflow_url, mlflow_db),
+            ]
+        )
+        + "\n"
+    )
+
+
+def pipeline_markdown(
+    result: Mapping[str, Any],
+    profile: str,
+    run_dir: str,
+    mlflow_url: str | None = None,
+    mlflow_db: str | None = None,
+) -> str:
+    """The pipeline run's own summary: one row per stage (what it produced, whether it was read back)
+    and the links to MLflow and the HTML report. ``result`` is the pipeline flow's return value."""
+    collected, tuned, trained, evaluated = (result[k] for k in ("collect_sft_data", "sft", "rl", "evaluate"))
+    scores = ", ".join(f"{name} {cell(s.get('score_mean'))}" for name, s in evaluated["benchmarks"].items())
+    rows = [
+        ["collect_sft_data", f"{collected['accepted']} of {collected['trajectories']} trajectories accepted"],
+        ["sft", f"`{tuned['final_dir']}`" + (" (read back)" if tuned.get("cached") else f", {tuned['steps']} steps")],
+        ["rl", f"{trained['steps']} steps of {trained['recipe']}; `{trained['final_checkpoint']}`"],
+        ["evaluate", f"{evaluated['tag']} (retrieval {evaluated['retrieval']}): {scores}"],
+    ]
+    extra = [f"- report: `{result['report']}` (`rubricem report --run-dir {run_dir}` writes it again)"]
+    return (
+        "\n\n".join(
+            [
+                f"# Pipeline of `{run_dir}` ({profile} profile)",
+                table(["stage", "result"], rows),
+                "## Links",
+                links(run_dir, mlflow_url, mlflow_db, label="MLflow experiment") + "\n" + "\n".join(extra),
             ]
         )
         + "\n"
