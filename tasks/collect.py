@@ -20,7 +20,7 @@ from rubricem_core.environment import policy_system_prompt
 from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.endpoints import endpoint_for
-from rubricem_core.llm.types import ChatResult
+from rubricem_core.llm.types import ChatResult, RetryStats
 from rubricem_core.progress import Progress
 from rubricem_core.schemas import (
     SFT_TRAJECTORIES_SCHEMA,
@@ -133,6 +133,8 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in resp),
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
             "cost_usd": sum(r["cost_usd"] or 0.0 for r in resp),
+            # 429s and waits are not in the table; retries are (attempts past the first)
+            "llm_retries": sum(max((r["attempts"] or 0) - 1, 0) for r in resp),
         }
 
     states = load_states(store, cfg, round_index - 1)
@@ -160,7 +162,10 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         tcfg.model,
         f", {len(answered)} answered before" if answered else "",
     )
-    results = run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else []
+    retry_stats = RetryStats()  # how hard the endpoint pushed back: metrics teacher/llm_*
+    results = (
+        run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result, retry_stats) if to_send else []
+    )
     results += [answered[r.custom_id] for r in requests if r.custom_id in answered]
     by_id = {r.custom_id: r for r in results}
     missing = [r.custom_id for r in requests if r.custom_id not in by_id]
@@ -241,11 +246,15 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     failed = sum(r.status != "ok" for r in results)
     unfinished = sum(not s.finished for s in load_states(store, cfg, round_index))
     log.info(
-        "round %d done: %d requests, %d failed, %d trajectories still unfinished",
+        "round %d done: %d requests, %d failed, %d trajectories still unfinished; %d retries, %d rate-limited "
+        "answers, %.1fs waited",
         round_index,
         len(requests),
         failed,
         unfinished,
+        retry_stats.retries,
+        retry_stats.rate_limited,
+        retry_stats.wait_s,
     )
     return {
         "round": round_index,
@@ -256,6 +265,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
         "completion_tokens": sum(r.completion_tokens or 0 for r in results),
         "cost_usd": sum(r.cost_usd or 0.0 for r in results),
+        **retry_stats.retry_metrics(""),
     }
 
 
