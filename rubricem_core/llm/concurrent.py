@@ -176,8 +176,10 @@ class TokenBudget:
         self.level = min(self.capacity, self.level + estimated - used)
 
 
-SLOW_START_LIMIT = 8  # in-flight calls an endpoint starts at; +1 per success until its first 429
-DECREASE_FACTOR = 0.5
+SLOW_START_LIMIT = 8  # in-flight calls an endpoint starts at
+SLOW_START_STEP = 1.0  # growth per success until the first 429 (x2 per round of calls)
+SLOW_START_EXIT_FACTOR = 0.5  # the first decrease
+DECREASE_FACTOR = 0.7  # every later one (a sawtooth of +-15% around what the endpoint serves)
 
 
 @dataclass
@@ -199,7 +201,7 @@ class EndpointState:
         only while the limit is what holds calls back."""
         if not self.adaptive or in_flight < int(self.limit):
             return
-        step = 1.0 if self.slow_start else 1.0 / self.limit
+        step = SLOW_START_STEP if self.slow_start else 1.0 / self.limit
         self.limit = min(float(self.ceiling), self.limit + step)
 
     def on_rate_limited(self, sent_at: float, hint: float | None, in_flight: int, now: float) -> None:
@@ -209,7 +211,9 @@ class EndpointState:
         if hint is not None:
             self.not_before = max(self.not_before, now + hint)
         if sent_at >= self.last_decrease:
-            self.limit = max(1.0, min(self.limit, float(in_flight)) * DECREASE_FACTOR)
+            # slow start may have overshot twofold within one round of calls: halve; later, gentler
+            factor = SLOW_START_EXIT_FACTOR if self.slow_start else DECREASE_FACTOR
+            self.limit = max(1.0, min(self.limit, float(in_flight)) * factor)
             self.last_decrease = now
             self.slow_start = False
 
