@@ -16,7 +16,7 @@ from tasks.inputs import prepare_inputs
 from tasks.secrets import check_endpoint_keys
 
 # how hard the teacher's endpoint pushed back in a round (a cached round has only the retries)
-RETRY_METRICS = ("llm_retries", "llm_rate_limited", "llm_wait_s")
+RETRY_METRICS = ("llm_retries", "llm_rate_limited", "llm_wait_seconds")
 
 
 @flow(name="collect_sft_data", flow_run_name="{run_dir}")

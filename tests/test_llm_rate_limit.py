@@ -70,7 +70,8 @@ def test_retry_after_is_waited_out_before_the_retry(headers: dict[str, Any]) -> 
     assert refused.status == 429 and retried.status == 200
     assert refused.retry_at is not None and refused.retry_after_s >= 0.5
     assert retried.arrived >= refused.retry_at - 1e-3  # no earlier than the server asked
-    assert result.wait_s >= refused.retry_at - refused.ended - 1e-3
+    # it slept the hint (counted from when the 429 reached it, a moment after the server sent it)
+    assert refused.retry_at - refused.ended - 0.05 <= result.wait_s <= retried.arrived - refused.ended
 
 
 def test_a_retry_after_past_backoff_max_fails_the_call_unsent() -> None:
@@ -101,7 +102,7 @@ def test_in_flight_limit_falls_under_429s_and_recovers(adaptive: bool) -> None:
             assert state.limit == 16 and len(refused) > 60  # 16 at once against 3: most calls are refused
             return
         # the limit fell to what the endpoint serves; refusals are a few per halving, not per call
-        assert state.limit <= 4
+        assert int(state.limit) <= 4  # calls at once: about the 3 it serves (the sawtooth: +-30%)
         assert len(refused) < 20
         late = [e for e in server.chat_events[len(server.chat_events) // 2 :]]
         assert sum(e.status == 429 for e in late) <= 6
@@ -172,8 +173,8 @@ def test_no_answered_request_is_sent_twice_and_every_call_is_counted() -> None:
     metrics = usage.metrics()
     assert metrics["judge/llm_retries"] == len(events) - 80
     assert metrics["judge/llm_rate_limited"] == statuses.count(429)
-    assert metrics["judge/llm_wait_s"] == pytest.approx(sum(r.wait_s for r in results))
-    assert metrics["judge/llm_wait_s"] > 0
+    assert metrics["judge/llm_wait_seconds"] == pytest.approx(sum(r.wait_s for r in results))
+    assert metrics["judge/llm_wait_seconds"] > 0
     merged = JudgeUsage().merge(usage)
     assert merged.metrics() == metrics
 
@@ -189,7 +190,7 @@ def test_teacher_round_reports_retries_rate_limits_and_waits() -> None:
     assert stats.retry_metrics("teacher/") == {
         "teacher/llm_retries": 2.0,
         "teacher/llm_rate_limited": 1.0,
-        "teacher/llm_wait_s": stats.wait_s,
+        "teacher/llm_wait_seconds": stats.wait_s,
     }
 
 

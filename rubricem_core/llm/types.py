@@ -98,7 +98,7 @@ class RetryStats:
         return {
             f"{prefix}llm_retries": float(self.retries),
             f"{prefix}llm_rate_limited": float(self.rate_limited),
-            f"{prefix}llm_wait_s": float(self.wait_s),
+            f"{prefix}llm_wait_seconds": float(self.wait_s),
         }
 
 
