@@ -75,11 +75,13 @@ def test_retry_after_is_waited_out_before_the_retry(headers: dict[str, Any]) -> 
 
 
 def test_a_retry_after_past_backoff_max_fails_the_call_unsent() -> None:
+    # the first call is told to come back in 2 minutes: it fails at once and does not pause the others
     with FakeOpenAIServer(echo, api_key=API_KEY, http_errors=[(429, {"Retry-After": "120"})]) as server:
-        [result] = run_concurrent(make_requests(1), settings_for(server, backoff_max_s=5.0))
-        assert len(server.chat_events) == 1
-    assert result.status == "failed" and result.attempts == 1 and result.rate_limited == 1
-    assert "asks to wait 120s, more than backoff_max_s=5" in result.error
+        results = run_concurrent(make_requests(3), settings_for(server, backoff_max_s=5.0, max_concurrency=1))
+        assert [e.status for e in server.chat_events] == [429, 200, 200]
+    assert results[0].status == "failed" and results[0].attempts == 1 and results[0].rate_limited == 1
+    assert "asks to wait 120s, more than backoff_max_s=5" in results[0].error
+    assert all(r.ok and r.wait_s == 0 for r in results[1:])
 
 
 def slow_echo(body: dict[str, Any]) -> str:

@@ -392,7 +392,9 @@ async def _call_with_retries(request: ChatRequest, settings: EndpointSettings) -
             if error_status(exc) == 429:
                 rate_limited += 1
                 hint = retry_after_s(exc)
-                state.on_rate_limited(sent_at, hint, gate.in_flight, time.monotonic())
+                # a pause past the retry cap is a quota, not a burst: this call fails (below), others go on
+                pause = hint if hint is not None and hint <= settings.backoff_max_s else None
+                state.on_rate_limited(sent_at, pause, gate.in_flight, time.monotonic())
             if state.budget is not None:
                 state.budget.settle(estimate, 0)  # a refused call used no tokens
             gate.release()
