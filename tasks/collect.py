@@ -28,7 +28,7 @@ from rubricem_core.schemas import (
     TEACHER_REQUESTS_SCHEMA,
     TEACHER_RESPONSES_SCHEMA,
 )
-from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.store import RunStore, atomic_write_text, cached_task_metrics, save_task_metrics
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (
@@ -71,6 +71,9 @@ def batch_marker(store: RunStore, name: str, what: str, n_requests: int) -> tupl
         get_run_logger().info("%s: batch %s submitted with %d requests", what, batch_id, n_requests)
 
     return marker, resume_batch_id, on_submitted
+
+
+ROUND_METRICS_TASK = "teacher-round"  # state/…/teacher-round-NNNN.json: a round's llm_* metrics
 
 
 class TeacherRoundError(RuntimeError):
@@ -133,8 +136,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in resp),
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
             "cost_usd": sum(r["cost_usd"] or 0.0 for r in resp),
-            # 429s and waits are not in the table; retries are (attempts past the first)
-            "llm_retries": sum(max((r["attempts"] or 0) - 1, 0) for r in resp),
+            **cached_task_metrics(store, ROUND_METRICS_TASK, round_index),  # retries, 429s, waits
         }
 
     states = load_states(store, cfg, round_index - 1)
@@ -238,6 +240,8 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             f"(teacher.min_ok_fraction={tcfg.min_ok_fraction}); fix the endpoint ({tcfg.model}) and rerun: only the "
             f"failed requests are sent again. First errors: {first}"
         )
+    # before the state, which marks the round done: a rerun that skips the round still reports them
+    save_task_metrics(store, ROUND_METRICS_TASK, round_index, retry_stats.retry_metrics(""))
     state_rows = [dict(s.to_row(), round=round_index) for s in active]
     store.write_table("teacher_state", state_rows, _round_key(round_index))
     fault_point("collect.round_written")
