@@ -104,6 +104,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("duckdb_latency", quick_args=("--quick",)),
     Script("judge_calls", quick_args=("--queries", "3", "--rollouts", "4")),
     Script("judge_stream", quick_args=("--quick",)),
+    Script("load_judge", quick_args=("--quick",)),
     Script("rollout_engine", quick_args=("--queries", "2", "--n", "2", "--layers", "2")),
     Script("reflection_deferral", quick_args=("--quick",), needs_run_dir=True),
     Script("rl_improvement", quick_args=("--quick",), needs_run_dir=True),

@@ -23,6 +23,9 @@ from tasks.collect import filter_trajectories, teacher_reflections, teacher_roun
 from tasks.inputs import prepare_inputs
 from tasks.secrets import check_endpoint_keys
 
+# how hard the teacher's endpoint pushed back in a round (a cached round has only the retries)
+RETRY_METRICS = ("llm_retries", "llm_rate_limited", "llm_wait_seconds")
+
 
 @flow(name="collect_sft_data", flow_run_name="collect_sft_data · {run_dir}", **RUN_HOOKS)
 @writes_run_dir
@@ -58,10 +61,8 @@ def collect_sft_data(
             for k in totals:
                 totals[k] += summary.get(k, 0)
             if child is not None:  # cached rounds too: a killed run may not have mirrored them (same rows, replaced)
-                child.log_metrics(
-                    {f"teacher/{k}": float(summary[k]) for k in ("requests", "failed", "unfinished", "cost_usd")},
-                    step=r,
-                )
+                logged = ("requests", "failed", "unfinished", "cost_usd", *RETRY_METRICS)
+                child.log_metrics({f"teacher/{k}": float(summary[k]) for k in logged if k in summary}, step=r)
             if summary["unfinished"] == 0:
                 break
         stats = filter_trajectories(run_dir, cfg, last_round)

@@ -132,7 +132,17 @@ class EndpointConfig(_Strict):
         default=None, description="Prefect Secret block name to read the key from when the variable is unset."
     )
     custom_llm_provider: str | None = Field(default=None, description="litellm provider override.")
-    max_concurrency: int = Field(default=16, ge=1, description="Concurrent requests.")
+    max_concurrency: int = Field(
+        default=16,
+        ge=1,
+        description="Concurrent requests at most; under 429s fewer (halved per 429, grown back by successes).",
+    )
+    max_tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="Client-side token budget per minute (a call counts prompt characters / 4 + max_tokens, "
+        "corrected with the usage it reports); None: no budget. Concurrent calls only.",
+    )
     timeout_s: float = Field(default=120.0, gt=0, description="Per-request timeout.")
     max_retries: int = Field(default=4, ge=0, description="Retries on 429/5xx/timeouts.")
     input_cost_per_token: float | None = Field(default=None, description="Price for models unknown to litellm.")

@@ -46,6 +46,7 @@ _OPERATIONAL_SUFFIXES = (
     "api_key_env",
     "api_key_secret_block",
     "max_concurrency",
+    "max_tokens_per_minute",
     "timeout_s",
     "max_retries",
     "batch_poll_interval_s",

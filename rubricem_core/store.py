@@ -14,6 +14,7 @@ readers do not need hive partitioning to see them.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -138,6 +139,18 @@ class RunStore:
             if p.is_dir() and p.name.startswith(f"{key}=") and any(p.glob("*.parquet")):
                 out.append(int(p.name.split("=", 1)[1]))
         return sorted(out)
+
+
+def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, float]) -> None:
+    """A task's metrics next to its Parquet, so a retried run that skips the task still logs them."""
+    path = store.layout.task_metrics_file(task, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(metrics))
+
+
+def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
+    path = store.layout.task_metrics_file(task, step)
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def read_parquet_file(path: Path) -> pa.Table:

@@ -21,7 +21,7 @@ from rubricem_core.environment import policy_system_prompt
 from rubricem_core.faults import fault_point
 from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.endpoints import endpoint_for
-from rubricem_core.llm.types import ChatResult
+from rubricem_core.llm.types import ChatResult, RetryStats
 from rubricem_core.progress import Progress
 from rubricem_core.schemas import (
     SFT_TRAJECTORIES_SCHEMA,
@@ -30,7 +30,7 @@ from rubricem_core.schemas import (
     TEACHER_RESPONSES_SCHEMA,
 )
 from rubricem_core.splits import sft_queries
-from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.store import RunStore, atomic_write_text, cached_task_metrics, save_task_metrics
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.teacher.reflections import reflection_requests, reflection_row, reflection_sources, reflection_stats
 from rubricem_core.teacher.rounds import (
@@ -74,6 +74,9 @@ def batch_marker(store: RunStore, name: str, what: str, n_requests: int) -> tupl
         get_run_logger().info("%s: batch %s submitted with %d requests", what, batch_id, n_requests)
 
     return marker, resume_batch_id, on_submitted
+
+
+ROUND_METRICS_TASK = "teacher-round"  # state/…/teacher-round-NNNN.json: a round's llm_* metrics
 
 
 class TeacherRoundError(RuntimeError):
@@ -130,6 +133,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in resp),
             "completion_tokens": sum(r["completion_tokens"] or 0 for r in resp),
             "cost_usd": sum(r["cost_usd"] or 0.0 for r in resp),
+            **cached_task_metrics(store, ROUND_METRICS_TASK, round_index),  # retries, 429s, waits
         }
         return read_back(figures, store.partition_path("teacher_state", _round_key(round_index)).parent, run_dir)
 
@@ -158,7 +162,10 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         tcfg.model,
         f", {len(answered)} answered before" if answered else "",
     )
-    results = run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result) if to_send else []
+    retry_stats = RetryStats()  # how hard the endpoint pushed back: metrics teacher/llm_*
+    results = (
+        run_round(to_send, tcfg, settings, resume_batch_id, on_submitted, on_result, retry_stats) if to_send else []
+    )
     results += [answered[r.custom_id] for r in requests if r.custom_id in answered]
     by_id = {r.custom_id: r for r in results}
     missing = [r.custom_id for r in requests if r.custom_id not in by_id]
@@ -231,6 +238,8 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
             f"(teacher.min_ok_fraction={tcfg.min_ok_fraction}); fix the endpoint ({tcfg.model}) and rerun: only the "
             f"failed requests are sent again. First errors: {first}"
         )
+    # before the state, which marks the round done: a rerun that skips the round still reports them
+    save_task_metrics(store, ROUND_METRICS_TASK, round_index, retry_stats.retry_metrics(""))
     state_rows = [dict(s.to_row(), round=round_index) for s in active]
     store.write_table("teacher_state", state_rows, _round_key(round_index))
     fault_point("collect.round_written")
@@ -239,11 +248,15 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
     failed = sum(r.status != "ok" for r in results)
     unfinished = sum(not s.finished for s in load_states(store, cfg, round_index))
     log.info(
-        "round %d done: %d requests, %d failed, %d trajectories still unfinished",
+        "round %d done: %d requests, %d failed, %d trajectories still unfinished; %d retries, %d rate-limited "
+        "answers, %.1fs waited",
         round_index,
         len(requests),
         failed,
         unfinished,
+        retry_stats.retries,
+        retry_stats.rate_limited,
+        retry_stats.wait_s,
     )
     return {
         "round": round_index,
@@ -254,6 +267,7 @@ def teacher_round(run_dir: str, cfg: RunConfig, round_index: int) -> dict[str, A
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in results),
         "completion_tokens": sum(r.completion_tokens or 0 for r in results),
         "cost_usd": sum(r.cost_usd or 0.0 for r in results),
+        **retry_stats.retry_metrics(""),
     }
 
 

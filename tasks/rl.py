@@ -59,7 +59,7 @@ from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES
 from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA  # noqa: F401
 from rubricem_core.seeds import ROLLOUT, derive_seed
-from rubricem_core.store import RunStore, atomic_write_text
+from rubricem_core.store import RunStore, atomic_write_text, cached_task_metrics, save_task_metrics
 from rubricem_core.trajectory import TokenTrajectory
 from tasks.inputs import search_env
 from tasks.readback import parquet_task, read_back
@@ -72,18 +72,6 @@ class JudgeStepError(RuntimeError):
 
 def _key(step: int) -> dict[str, int]:
     return {"step": step}
-
-
-def save_task_metrics(store: RunStore, task: str, step: int, metrics: dict[str, float]) -> None:
-    """A task's metrics next to its Parquet, so a retried run that skips the task still logs them."""
-    path = store.layout.task_metrics_file(task, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(metrics))
-
-
-def cached_task_metrics(store: RunStore, task: str, step: int) -> dict[str, float]:
-    path = store.layout.task_metrics_file(task, step)
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 STEP_TASKS = ("rollout", "judge", "update", "reflection-update", "reflect")  # rl_step's merge order

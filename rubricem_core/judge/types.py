@@ -237,6 +237,7 @@ class JudgeUsage(Traffic):
         self.record(
             kind, result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts, repair=repair
         )
+        self.add_result_retries(result)
 
     def fail(self, kind: str) -> None:
         self.failures[kind] += 1
@@ -252,6 +253,7 @@ class JudgeUsage(Traffic):
             for kind, count in theirs.items():
                 mine[kind] = mine.get(kind, 0) + count
         self.add_traffic(other.prompt_tokens, other.completion_tokens, other.cost_usd, other.attempts)
+        self.add_retries(other.retries, other.rate_limited, other.wait_s)
         return self
 
     def metrics(self, prefix: str = "judge/") -> dict[str, float]:
@@ -265,4 +267,5 @@ class JudgeUsage(Traffic):
         out[f"{prefix}prompt_tokens"] = float(self.prompt_tokens)
         out[f"{prefix}completion_tokens"] = float(self.completion_tokens)
         out[f"{prefix}cost_usd"] = float(self.cost_usd)
+        out.update(self.retry_metrics(prefix))
         return out

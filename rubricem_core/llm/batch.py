@@ -7,6 +7,10 @@ turns every line into a ``ChatResult``. Requests that failed for a transient rea
 rate limit, expired batch, malformed output) go into a new batch holding only them, up to
 ``settings.max_batch_resubmits`` times; after that they are returned as failed.
 
+The file and batch calls themselves are retried on 429/5xx, a 429's Retry-After waited out (one longer
+than ``backoff_max_s`` fails the call); ``stats`` counts those retries, 429s and seconds slept, and each
+result its rate-limited lines (``rate_limited``) and batches (``attempts``).
+
 Terminal batch statuses: ``completed``; ``expired`` and ``failed`` (partial output kept, the rest
 resubmitted); ``cancelled`` (partial output kept, the rest failed without resubmission: a cancel
 is a deliberate stop).
@@ -24,9 +28,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rubricem_core.llm._litellm import litellm
-from rubricem_core.llm.concurrent import backoff_delay, error_status, error_text, is_retryable_error
+from rubricem_core.llm.concurrent import error_status, error_text, is_retryable_error, retry_after_s, retry_delay
 from rubricem_core.llm.cost import call_cost
-from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
+from rubricem_core.llm.types import (
+    ChatRequest,
+    ChatResult,
+    EndpointSettings,
+    RetryStats,
+    content_problem,
+    validate_requests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,7 @@ class BatchTimeoutError(BatchError):
 class _LineOutcome:
     result: ChatResult
     retryable: bool
+    rate_limited: int = 0  # 1: the line failed on the provider's rate limit
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -95,6 +107,7 @@ class BatchClient:
         self.provider = provider
         self._sleep = sleep
         self._clock = clock
+        self.stats = RetryStats()  # the file and batch calls' retries, 429s and backoff sleeps
 
     # ---- public ----------------------------------------------------------------------------
     def run(
@@ -115,6 +128,7 @@ class BatchClient:
         batches_seen: Counter[str] = Counter()
         paid_usd: defaultdict[str, float] = defaultdict(float)
         first_sent: dict[str, float] = {}
+        rate_limited: Counter[str] = Counter()
         batch_id = resume_batch_id
         resubmits = 0
         while pending:
@@ -138,6 +152,8 @@ class BatchClient:
                 result.attempts = batches_seen[custom_id]
                 result.latency_s = finished_at - first_sent[custom_id]
                 result.batch_id = batch_id
+                rate_limited[custom_id] += outcome.rate_limited
+                result.rate_limited = rate_limited[custom_id]
                 if result.ok or not outcome.retryable or resubmits >= self.settings.max_batch_resubmits:
                     if not result.ok and outcome.retryable:
                         result.error = f"{result.error} (gave up after {result.attempts} batches)"
@@ -173,9 +189,19 @@ class BatchClient:
             try:
                 return call()
             except Exception as exc:
+                hint = retry_after_s(exc) if error_status(exc) == 429 else None
+                self.stats.add_retries(0, int(error_status(exc) == 429), 0.0)
                 if not retry_on(exc) or attempt > self.settings.max_retries:
                     raise BatchError(error_text(exc, self.settings, context=f"{what}: ")) from exc
-                self._sleep(backoff_delay(attempt, self.settings))
+                if hint is not None and hint > self.settings.backoff_max_s:
+                    raise BatchError(
+                        error_text(exc, self.settings, context=f"{what}: ")
+                        + f" (the endpoint asks to wait {hint:.0f}s, more than backoff_max_s="
+                        f"{self.settings.backoff_max_s:g})"
+                    ) from exc
+                delay = retry_delay(exc, attempt, self.settings, hint)
+                self.stats.add_retries(1, 0, delay)
+                self._sleep(delay)
 
     def body_model(self, request: ChatRequest) -> str:
         """The model name the provider expects inside a batch line (no litellm provider prefix)."""
@@ -235,6 +261,7 @@ class BatchClient:
             except Exception as exc:
                 if not is_retryable_error(exc):
                     raise BatchError(error_text(exc, self.settings, context=f"polling batch {batch_id}: ")) from exc
+                self.stats.add_retries(0, int(error_status(exc) == 429), 0.0)
                 log.warning("polling batch %s failed transiently: %s", batch_id, type(exc).__name__)
             else:
                 status = str(_field(batch, "status"))
@@ -329,13 +356,17 @@ class BatchClient:
             message = detail.get("message") or json.dumps(body)[:500]
             retryable = status_code in (408, 409, 429) or status_code >= 500
             return custom_id, _LineOutcome(
-                self._failed(custom_id, batch_id, f"status {status_code}: {message}"), retryable
+                self._failed(custom_id, batch_id, f"status {status_code}: {message}"),
+                retryable,
+                int(status_code == 429),
             )
         if error:
             code = error.get("code") if isinstance(error, dict) else None
             message = error.get("message") if isinstance(error, dict) else str(error)
             return custom_id, _LineOutcome(
-                self._failed(custom_id, batch_id, f"error {code}: {message}"), code in RETRYABLE_LINE_CODES
+                self._failed(custom_id, batch_id, f"error {code}: {message}"),
+                code in RETRYABLE_LINE_CODES,
+                int(code == "rate_limit_exceeded"),
             )
         return custom_id, self._parse_response_body(custom_id, batch_id, pending[custom_id], response.get("body"))
 

@@ -65,6 +65,13 @@ class ChatResult:
     attempts: int = 0  # calls made (concurrent path) or batches the request was part of (batch path)
     latency_s: float = 0.0  # wall time from the first attempt to the final outcome
     batch_id: str | None = None  # the batch whose output decided this result (batch path only)
+    rate_limited: int = 0  # 429 answers (rate-limited batch lines) this request got before its outcome
+    wait_s: float = 0.0  # seconds it slept on backoff, a Retry-After, the endpoint's pause or its token budget
+
+    @property
+    def retries(self) -> int:
+        """Calls (batches) sent again after the first: failures retried and unusable replies resampled."""
+        return max(self.attempts - 1, 0)
 
     @property
     def ok(self) -> bool:
@@ -72,7 +79,31 @@ class ChatResult:
 
 
 @dataclass
-class Traffic:
+class RetryStats:
+    """How hard an endpoint pushed back: retries, 429s seen and seconds slept (``llm_*`` metrics)."""
+
+    retries: int = 0  # calls sent again (failures retried, unusable replies resampled, batches resubmitted)
+    rate_limited: int = 0  # 429 answers (and rate-limited batch lines)
+    wait_s: float = 0.0  # seconds slept on backoff, Retry-After, the endpoint's pause and its token budget
+
+    def add_retries(self, retries: int, rate_limited: int, wait_s: float) -> None:
+        self.retries += retries
+        self.rate_limited += rate_limited
+        self.wait_s += wait_s
+
+    def add_result_retries(self, result: ChatResult) -> None:
+        self.add_retries(result.retries, result.rate_limited, result.wait_s)
+
+    def retry_metrics(self, prefix: str) -> dict[str, float]:
+        return {
+            f"{prefix}llm_retries": float(self.retries),
+            f"{prefix}llm_rate_limited": float(self.rate_limited),
+            f"{prefix}llm_wait_seconds": float(self.wait_s),
+        }
+
+
+@dataclass
+class Traffic(RetryStats):
     """HTTP attempts, tokens and dollars of the calls a client made; callers' usage records extend it."""
 
     attempts: int = 0
@@ -89,6 +120,7 @@ class Traffic:
     def add_result(self, result: ChatResult) -> None:
         """The traffic of one answered call (repairs are billed like first tries)."""
         self.add_traffic(result.prompt_tokens, result.completion_tokens, result.cost_usd, result.attempts)
+        self.add_result_retries(result)
 
 
 @dataclass
@@ -119,7 +151,11 @@ class EndpointSettings:
     max_retries: int = 5
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
-    max_concurrency: int = 8
+    max_concurrency: int = 8  # the most calls in flight; under 429s the runner keeps fewer (AIMD)
+    max_tokens_per_minute: int | None = None  # client-side token budget (prompt chars/4 + max_tokens per call)
+    # False: a fixed pool of max_concurrency calls, each backing off alone (the runner before #34;
+    # bench/load_judge.py --no-adaptive); True: one in-flight limit and pause per endpoint (concurrent.py).
+    adaptive_concurrency: bool = True
     batch_poll_interval_s: float = 10.0
     batch_poll_max_interval_s: float = 300.0
     batch_timeout_s: float = 26 * 3600.0  # a 24 h completion window plus the time to finalize
@@ -150,6 +186,9 @@ class EndpointSettings:
             raise LLMSettingsError(
                 f"EndpointSettings.max_concurrency must be an int >= 1, got {self.max_concurrency!r}"
             )
+        tpm = self.max_tokens_per_minute
+        if tpm is not None and (not isinstance(tpm, int) or tpm < 1):
+            raise LLMSettingsError(f"EndpointSettings.max_tokens_per_minute must be None or an int >= 1, got {tpm!r}")
         if self.backoff_base_s < 0:
             raise LLMSettingsError(f"EndpointSettings.backoff_base_s must be >= 0, got {self.backoff_base_s!r}")
         if self.batch_poll_max_interval_s < self.batch_poll_interval_s:

@@ -127,7 +127,9 @@ class ReflectionJudgeUsage(CallUsage):
     )
 
     def metrics(self, prefix: str = "reflection_judge/") -> dict[str, float]:
-        return {f"{prefix}{name}": float(getattr(self, name)) for name in self.METRICS}
+        out = {f"{prefix}{name}": float(getattr(self, name)) for name in self.METRICS}
+        out.update(self.retry_metrics(prefix))
+        return out
 
 
 @dataclass

@@ -12,7 +12,7 @@ from rubricem_core.config import TeacherConfig
 from rubricem_core.llm.batch import BatchClient
 from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.endpoints import endpoint_settings
-from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings
+from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, RetryStats
 
 BUILTIN_PREFIX = "rubricem-teacher/"
 
@@ -30,8 +30,10 @@ def run_round(
     resume_batch_id: str | None = None,
     on_submitted: Callable[[str], None] | None = None,
     on_result: Callable[[ChatResult], None] | None = None,
+    stats: RetryStats | None = None,
 ) -> list[ChatResult]:
-    """One round: a single Batch API job (mode=batch) or bounded concurrent calls."""
+    """One round: a single Batch API job (mode=batch) or bounded concurrent calls. ``stats`` gets the
+    round's retries, 429s and seconds waited (per request, and the batch path's file and batch calls)."""
     if not requests:
         return []
     if cfg.mode == "batch":
@@ -41,5 +43,12 @@ def run_round(
                 "(rubricem-teacher/...) runs with teacher.mode=concurrent"
             )
         client = BatchClient(settings)
-        return client.run(requests, resume_batch_id=resume_batch_id, on_submitted=on_submitted)
-    return run_concurrent(requests, settings, on_result=on_result)
+        results = client.run(requests, resume_batch_id=resume_batch_id, on_submitted=on_submitted)
+        if stats is not None:
+            stats.add_retries(client.stats.retries, client.stats.rate_limited, client.stats.wait_s)
+    else:
+        results = run_concurrent(requests, settings, on_result=on_result)
+    if stats is not None:
+        for result in results:
+            stats.add_result_retries(result)
+    return results

@@ -25,8 +25,16 @@ Fault injection (all mutable attributes, change them between calls):
 - ``bad_request_ids``: batch lines answered with status_code 400 (a permanent error).
 - ``malformed_ids``: batch lines that come back broken; ``malformed_style`` ``"truncated_line"``
   writes a cut-off JSON line, ``"bad_content"`` returns content that is truncated JSON text.
-- ``http_errors``: a queue of status codes; each of the next chat calls pops one and returns it
-  as an error response instead of answering.
+- ``http_errors``: a queue of status codes (or ``(status, headers)`` pairs, a header value may be a
+  function called when the error is sent, e.g. an HTTP-date); each of the next chat calls pops one and
+  returns it as an error response instead of answering.
+- ``rate_limit``: a ``RateLimit`` token bucket (``per_second`` calls, ``burst`` at once): a chat call
+  that finds it empty gets 429 with the time to the next token as ``Retry-After`` (whole seconds,
+  rounded up), ``retry-after-ms`` beside it, or an HTTP-date (``RateLimit.retry_after``).
+- ``concurrency_limit``: a chat call that arrives while this many are being answered gets 429 with
+  ``retry-after-ms: 20`` (an endpoint that serves a few calls at a time).
+- ``upload_errors``: like ``http_errors``, for the next file uploads (POST /v1/files).
+- ``server_error_rate``: the share of admitted chat calls answered 500 instead (seeded by ``seed``).
 - ``expire_next_batch``: the next created batch ends "expired" with output for only the first
   half of its lines (the flag resets itself). ``fail_next_batch``: the next batch ends "failed"
   with a validation error and no output.
@@ -34,6 +42,8 @@ Fault injection (all mutable attributes, change them between calls):
 - ``api_key``: when set, requests without ``Authorization: Bearer <api_key>`` get a 401.
 
 Records for assertions: ``chat_calls`` (bodies of chat calls that were answered or failed),
+``chat_events`` (one ``ChatEvent`` per chat call: arrival and end times, status, calls in flight, the
+Retry-After it was told, a digest of its messages), ``max_in_flight`` (most calls being answered at once),
 ``uploaded_lines`` (every parsed JSONL line of every batch upload, in order), ``uploads`` (file
 metadata), ``batches`` (the live batch objects, each with an extra ``custom_ids`` list),
 ``request_log`` ((method, path) of every HTTP request).
@@ -44,12 +54,17 @@ from __future__ import annotations
 import collections
 import email.parser
 import email.policy
+import email.utils
+import hashlib
 import json
+import math
+import random
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -62,6 +77,42 @@ _TERMINAL = {"completed", "expired", "failed", "cancelled"}
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+RETRY_AFTER_STYLES = ("seconds", "ms", "http-date")
+
+
+@dataclass
+class RateLimit:
+    """A provider's request limit: ``per_second`` calls on average, ``burst`` at once (default: one
+    second's worth); ``retry_after`` is how a 429 says when to come back (``RETRY_AFTER_STYLES``)."""
+
+    per_second: float
+    burst: float | None = None
+    retry_after: str = "ms"
+
+    def __post_init__(self) -> None:
+        if self.retry_after not in RETRY_AFTER_STYLES:
+            raise ValueError(f"retry_after must be one of {RETRY_AFTER_STYLES}, got {self.retry_after!r}")
+        if self.burst is None:
+            self.burst = max(1.0, self.per_second)
+
+
+@dataclass
+class ChatEvent:
+    """One chat call as the server saw it."""
+
+    arrived: float  # time.time() at arrival
+    status: int
+    in_flight: int  # calls being answered when it arrived (itself included when admitted)
+    digest: str  # of its messages: the same request sent twice has the same digest
+    retry_after_s: float | None = None  # what a 429 asked for (an HTTP-date: seconds from arrival to it)
+    retry_at: float | None = None  # time.time() before which a 429 asked not to come back
+    ended: float = 0.0
+
+
+def messages_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True).encode()).hexdigest()[:16]
 
 
 class FakeOpenAIServer:
@@ -78,7 +129,12 @@ class FakeOpenAIServer:
         bad_request_ids: Iterable[str] = (),
         malformed_ids: Iterable[str] = (),
         malformed_style: str = "truncated_line",
-        http_errors: Iterable[int] = (),
+        http_errors: Iterable[int | tuple[int, dict[str, Any]]] = (),
+        rate_limit: RateLimit | None = None,
+        concurrency_limit: int | None = None,
+        upload_errors: Iterable[int | tuple[int, dict[str, Any]]] = (),
+        server_error_rate: float = 0.0,
+        seed: int = 0,
         expire_next_batch: bool = False,
         fail_next_batch: bool = False,
         delay_s: float = 0.0,
@@ -97,7 +153,17 @@ class FakeOpenAIServer:
         self.bad_request_ids: set[str] = set(bad_request_ids)
         self.malformed_ids: set[str] = set(malformed_ids)
         self.malformed_style = malformed_style
-        self.http_errors: collections.deque[int] = collections.deque(http_errors)
+        self.http_errors: collections.deque[int | tuple[int, dict[str, Any]]] = collections.deque(http_errors)
+        self.rate_limit = rate_limit
+        self.concurrency_limit = concurrency_limit
+        self.upload_errors: collections.deque[int | tuple[int, dict[str, Any]]] = collections.deque(upload_errors)
+        self.server_error_rate = server_error_rate
+        self._rng = random.Random(seed)
+        self._tokens = rate_limit.burst if rate_limit is not None else 0.0
+        self._tokens_at = time.monotonic()
+        self.chat_events: list[ChatEvent] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.expire_next_batch = expire_next_batch
         self.fail_next_batch = fail_next_batch
         self.delay_s = delay_s
@@ -191,15 +257,77 @@ class FakeOpenAIServer:
             },
         }
 
-    def handle_chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _take_token(self) -> float | None:
+        """None when the rate limit admits a call now, else the seconds to the next token."""
+        limit = self.rate_limit
+        if limit is None:
+            return None
+        now = time.monotonic()
+        assert limit.burst is not None
+        self._tokens = min(limit.burst, self._tokens + (now - self._tokens_at) * limit.per_second)
+        self._tokens_at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return None
+        return (1.0 - self._tokens) / limit.per_second
+
+    def _rate_limited(self, wait: float, event: ChatEvent) -> tuple[int, dict[str, Any], dict[str, str]]:
+        assert self.rate_limit is not None
+        style = self.rate_limit.retry_after
+        if style == "http-date":  # whole seconds: the date is rounded up so it never comes too early
+            event.retry_at = math.ceil(event.arrived + wait)
+            headers = {"Retry-After": email.utils.formatdate(event.retry_at, usegmt=True)}
+        else:
+            event.retry_at = event.arrived + (wait if style == "ms" else math.ceil(wait))
+            headers = {"Retry-After": str(math.ceil(wait))}
+            if style == "ms":
+                headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
+        event.retry_after_s = event.retry_at - event.arrived
+        return 429, _error_payload(429, "Rate limit reached; try again later"), headers
+
+    def handle_chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        event = ChatEvent(arrived=time.time(), status=200, in_flight=0, digest=messages_digest(body))
         with self._lock:
             self.chat_calls.append(body)
+            self.chat_events.append(event)
             injected = self.http_errors.popleft() if self.http_errors else None
-        if injected is not None:
-            return injected, _error_payload(injected, "injected error")
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return 200, self.completion_body(body)
+            if injected is None and self.concurrency_limit is not None and self.in_flight >= self.concurrency_limit:
+                injected = (429, {"Retry-After": "1", "retry-after-ms": "20"})
+            wait = self._take_token() if injected is None else None
+            admitted = injected is None and wait is None
+            if admitted:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            event.in_flight = self.in_flight
+            server_error = admitted and self.server_error_rate > 0 and self._rng.random() < self.server_error_rate
+        try:
+            if injected is not None:
+                status, values = _injected(injected)
+                event.status = status
+                if status == 429 and "Retry-After" in values:
+                    event.retry_at = _retry_at(values, event.arrived)
+                    event.retry_after_s = event.retry_at - event.arrived
+                return status, _error_payload(status, "injected error"), values
+            if wait is not None:
+                event.status = 429
+                return self._rate_limited(wait, event)
+            if server_error:
+                event.status = 500
+                return 500, _error_payload(500, "injected server error"), {}
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            return 200, self.completion_body(body), {}
+        finally:
+            event.ended = time.time()
+            if admitted:
+                with self._lock:
+                    self.in_flight -= 1
+
+    def answered_twice(self) -> list[str]:
+        """Digests of messages that got more than one 200 answer."""
+        with self._lock:
+            counts = collections.Counter(e.digest for e in self.chat_events if e.status == 200)
+        return [digest for digest, n in counts.items() if n > 1]
 
     # ---- files -----------------------------------------------------------------------------
     def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
@@ -220,10 +348,15 @@ class FakeOpenAIServer:
             self._file_bytes[file_id] = data
         return meta
 
-    def handle_upload(self, content_type: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+    def handle_upload(self, content_type: str, raw: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
+        with self._lock:
+            injected = self.upload_errors.popleft() if self.upload_errors else None
+        if injected is not None:
+            status, headers = _injected(injected)
+            return status, _error_payload(status, "injected error"), headers
         fields = _parse_multipart(content_type, raw)
         if "file" not in fields:
-            return 400, _error_payload(400, "multipart upload has no 'file' part")
+            return 400, _error_payload(400, "multipart upload has no 'file' part"), {}
         purpose = fields.get("purpose", (None, b"batch"))[1].decode("utf-8")
         filename, data = fields["file"]
         meta = self.add_file(data, filename or "upload.jsonl", purpose)
@@ -233,7 +366,7 @@ class FakeOpenAIServer:
                 for line in data.decode("utf-8").splitlines():
                     if line.strip():
                         self.uploaded_lines.append(json.loads(line))
-        return 200, meta
+        return 200, meta, {}
 
     # ---- batches ---------------------------------------------------------------------------
     def handle_create_batch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -443,6 +576,23 @@ def _error_payload(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
 
 
+def _injected(entry: int | tuple[int, dict[str, Any]]) -> tuple[int, dict[str, str]]:
+    """An injected error's status and headers (a header value may be a function, called now)."""
+    status, headers = entry if isinstance(entry, tuple) else (entry, {})
+    return status, {name: str(value() if callable(value) else value) for name, value in headers.items()}
+
+
+def _retry_at(headers: dict[str, str], arrived: float) -> float:
+    """The time before which a 429 with these headers asked not to come back."""
+    if "retry-after-ms" in headers:
+        return arrived + float(headers["retry-after-ms"]) / 1000
+    value = headers["Retry-After"]
+    try:
+        return arrived + float(value)
+    except ValueError:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+
+
 def _parse_multipart(content_type: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
     """{field name: (filename, bytes)} of a multipart/form-data body."""
     parser = email.parser.BytesParser(policy=email.policy.HTTP)
@@ -468,11 +618,13 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
             return
 
-        def _send_json(self, status: int, payload: dict[str, Any]) -> None:
+        def _send_json(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload).encode("utf-8")
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(data)
 
