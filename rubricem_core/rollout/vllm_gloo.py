@@ -53,6 +53,7 @@ def gloo_engine_class() -> type:
         rank_offset: int
         world_size: int
         timeout_s: float = 600.0
+        group_prefix: str = GROUP_PREFIX  # the trainer's secret name for this group's keys in its store
 
     @dataclass
     class GlooUpdateInfo(WeightTransferUpdateInfo):
@@ -84,7 +85,7 @@ def gloo_engine_class() -> type:
             timeout = timedelta(seconds=init_info.timeout_s)
             store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
             self.group = dist.ProcessGroupGloo(
-                dist.PrefixStore(GROUP_PREFIX, store), rank, init_info.world_size, timeout
+                dist.PrefixStore(init_info.group_prefix, store), rank, init_info.world_size, timeout
             )
 
         def start_weight_update(self) -> None:

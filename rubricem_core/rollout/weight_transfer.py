@@ -29,6 +29,7 @@ group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tes
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from rubricem_core.distributed.launch import free_port
+from rubricem_core.distributed.secret import bound_store, group_token, vllm_api_key
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
 
@@ -94,13 +96,15 @@ class ModelWeights:
 
 
 class ServerWeightSync:
-    """vLLM's weight-sync control plane over its HTTP routes (served with ``VLLM_SERVER_DEV_MODE=1``)."""
+    """vLLM's weight-sync control plane over its HTTP routes (served with ``VLLM_SERVER_DEV_MODE=1``),
+    with the launch's API key (the server refuses any request without it)."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         import httpx
 
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key or vllm_api_key()}"}
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
         response = self.http.post(path, json=body)
@@ -223,19 +227,23 @@ class GlooSender:
             return cls(None, source, None)
         import torch.distributed as dist
 
-        port, timeout = free_port(), timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        timeout = timedelta(seconds=timeout_s)
+        # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group
+        # meets under a name only this launch knows (sent to the workers over the key-guarded HTTP route)
+        store = bound_store("127.0.0.1", timeout_s)
+        prefix = f"{GROUP_PREFIX}/{group_token(purpose='vllm-push')}/{secrets.token_hex(8)}"
         init = {
-            "master_address": "127.0.0.1",  # the server runs beside rank 0, on node 0
-            "master_port": port,
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
             "rank_offset": 1,
             "world_size": world_size,
             "timeout_s": timeout_s,
+            "group_prefix": prefix,
         }
         # the workers block in the rendezvous until this rank joins: ask them from a side thread
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, init)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world_size, timeout)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, world_size, timeout)
             joined.result()
         return cls(client, source, group, store)
 
