@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from rubricem_core.config import load_config
 from rubricem_core.distributed import nodes, rl_ranks
-from rubricem_core.distributed.launch import RankFailure
-from rubricem_core.distributed.secret import (
+from rubricem_core.distributed.guard import (
     SECRET_ENV,
     ForgedCommand,
     bound_store,
@@ -37,6 +36,7 @@ from rubricem_core.distributed.secret import (
     vllm_api_key,
     write_secret_file,
 )
+from rubricem_core.distributed.launch import RankFailure
 from rubricem_core.distributed.spec import launch_path
 from rubricem_core.rollout.vllm_auth import RequireApiKey
 from rubricem_core.store import atomic_write_text
@@ -66,6 +66,28 @@ def _listeners(port: int) -> set[str]:
     return found
 
 
+def _my_listeners() -> set[str]:
+    """The local addresses of this process's listening TCP sockets (matched by inode through /proc/self/fd)."""
+    mine = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in mine:
+                found.add(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
 def _outbound_address() -> str | None:
     """An address of this machine other than loopback (None when it has none)."""
     try:
@@ -85,6 +107,8 @@ def test_the_control_store_listens_on_loopback_only():
     assert _listeners(plain.port) - {"0100007F"}  # the reason for bound_store: all interfaces
     store = bound_store("127.0.0.1", 5)
     assert _listeners(store.port) == {"0100007F"}
+    mine = _my_listeners() - _listeners(plain.port)
+    assert mine and mine <= LOOPBACK, mine
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
     client.set("k", "v")
     assert store.get("k") == b"v"
@@ -139,8 +163,43 @@ def test_a_pickled_payload_runs_nothing(tmp_path):
     assert rl_ranks.load_payload(tmp_path / "good.pt")["token_advs"][0].tolist() == [0.5, 1.0]
 
 
+def test_a_loopback_weights_group_listens_on_loopback_only(tmp_path):
+    """The transfer groups of one machine (the flow process and rank 0; rank 0 and a vLLM server's
+    workers): their store and their gloo connections listen on 127.0.0.1 only."""
+    import subprocess
+    import sys
+
+    from rubricem_core.distributed.guard import gloo_group
+
+    store = bound_store("127.0.0.1", 60)
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, torch, torch.distributed as dist\n"
+            "from datetime import timedelta\n"
+            "from rubricem_core.distributed.guard import gloo_group\n"
+            f"s = dist.TCPStore('127.0.0.1', {store.port}, is_master=False, timeout=timedelta(seconds=60))\n"
+            "g = gloo_group(dist.PrefixStore('p', s), 1, 2, 60, loopback=True)\n"
+            "t = torch.zeros(3); g.broadcast(t, 0).wait(); print(t.tolist())\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        group = gloo_group(dist.PrefixStore("p", store), 0, 2, 60, loopback=True)
+        group.broadcast(torch.tensor([1.0, 2.0, 3.0]), 0).wait()
+        mine = _my_listeners()
+        assert mine and mine <= LOOPBACK, mine
+        out, _ = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+    assert out.strip() == "[1.0, 2.0, 3.0]"
+
+
 def test_the_weights_groups_meet_under_secret_names():
-    from rubricem_core.distributed.secret import group_token
+    from rubricem_core.distributed.guard import group_token
 
     a, b = rl_ranks.weights_prefix("secret-a"), rl_ranks.weights_prefix("secret-b")
     assert a != b and "secret" not in a and a.startswith(rl_ranks.WEIGHTS_PREFIX)

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import RunConfig
+from rubricem_core.distributed.guard import SECRET_ENV, SECRET_FILE, read_secret_file
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
-from rubricem_core.distributed.secret import SECRET_ENV, SECRET_FILE, read_secret_file
 from rubricem_core.distributed.spec import launch_path, launch_spec
 
 LAUNCHES = {

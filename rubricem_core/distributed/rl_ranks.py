@@ -8,7 +8,7 @@ commands; the channel is two kinds of keys:
     cmd/<n>    {"op": "update" | "save" | "load" | "weights" | "push" | "stop", ...}  set by the flow process, read by every rank
     reply/<n>  {...}                                                      set by rank 0 once every rank is done
 
-Every value carries an HMAC with the launch secret (rubricem_core.distributed.secret; the ranks get the
+Every value carries an HMAC with the launch secret (rubricem_core.distributed.guard; the ranks get the
 secret through their environment, never through the store): a rank refuses a command without it and the
 launch fails with ``ForgedCommand``. A command's paths must lie inside the run directory; a push goes
 only to a loopback URL (the servers run beside rank 0); the update payload is read with
@@ -43,12 +43,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
-from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
-from rubricem_core.distributed.nodes import with_launch_id
-from rubricem_core.distributed.ranks import is_main, shutdown
-from rubricem_core.distributed.secret import (
+from rubricem_core.distributed.guard import (
     SECRET_ENV,
     bound_store,
+    gloo_group,
     group_token,
     launch_secret,
     node_address,
@@ -56,6 +54,9 @@ from rubricem_core.distributed.secret import (
     unseal,
     write_secret_file,
 )
+from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
+from rubricem_core.distributed.nodes import with_launch_id
+from rubricem_core.distributed.ranks import is_main, shutdown
 from rubricem_core.distributed.spec import launch_path, launch_spec, resolve_master, start_rank
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.rollout.weight_transfer import (
@@ -83,7 +84,7 @@ class RankPolicy:
     def __init__(self, run_dir: str, cfg: RunConfig, base: Path) -> None:
         cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
         d = cfg.distributed
-        self.timeout_s = d.timeout_s
+        self.timeout_s, self._nnodes = d.timeout_s, d.nnodes
         self.tokenizer = load_tokenizer(base)
         self.on_line: Callable[[str], None] = log.info
         self._lock = threading.Lock()
@@ -201,11 +202,13 @@ class RankPolicy:
         with self._lock:
             seq = self._send("weights")
             if self._weights_group is None:
-                self._weights_group = dist.ProcessGroupGloo(
+                # rank 0 runs on this node: the group listens on loopback when every rank does too
+                self._weights_group = gloo_group(
                     dist.PrefixStore(weights_prefix(self._secret), self._control),
                     1,
                     2,
-                    timedelta(seconds=self.timeout_s),
+                    self.timeout_s,
+                    loopback=self._nnodes == 1,
                 )
             meta = meta_from_rows(self._reply(f"{WEIGHTS_PREFIX}meta/{seq}", "weights")["meta"])
             deadline = time.monotonic() + self.timeout_s
@@ -312,11 +315,12 @@ def main(argv: list[str] | None = None) -> None:
             meta = source.metadata()
             if is_main():
                 if to_flow is None:
-                    to_flow = dist.ProcessGroupGloo(
+                    to_flow = gloo_group(
                         dist.PrefixStore(weights_prefix(secret), control),
                         0,
                         2,
-                        timedelta(seconds=cfg.distributed.timeout_s),
+                        cfg.distributed.timeout_s,
+                        loopback=cfg.distributed.nnodes == 1,
                     )
                 meta_key = f"{WEIGHTS_PREFIX}meta/{seq}"
                 control.set(meta_key, seal(secret, session, meta_key, {"meta": meta_rows(meta)}))

@@ -80,12 +80,19 @@ def gloo_engine_class() -> type:
             self.group: Any = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            from rubricem_core.distributed.guard import gloo_group
+
             parallel = self.parallel_config
             rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
             timeout = timedelta(seconds=init_info.timeout_s)
             store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
-            self.group = dist.ProcessGroupGloo(
-                dist.PrefixStore(init_info.group_prefix, store), rank, init_info.world_size, timeout
+            # the trainer's rank 0 runs on this machine: the group's connections listen on loopback only
+            self.group = gloo_group(
+                dist.PrefixStore(init_info.group_prefix, store),
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
+                loopback=True,
             )
 
         def start_weight_update(self) -> None:

@@ -34,14 +34,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from rubricem_core.distributed.guard import bound_store, gloo_group, group_token, vllm_api_key
 from rubricem_core.distributed.launch import free_port
-from rubricem_core.distributed.secret import bound_store, group_token, vllm_api_key
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
 
@@ -227,7 +226,6 @@ class GlooSender:
             return cls(None, source, None)
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=timeout_s)
         # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group
         # meets under a name only this launch knows (sent to the workers over the key-guarded HTTP route)
         store = bound_store("127.0.0.1", timeout_s)
@@ -243,7 +241,7 @@ class GlooSender:
         # the workers block in the rendezvous until this rank joins: ask them from a side thread
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, init)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 0, world_size, timeout)
+            group = gloo_group(dist.PrefixStore(prefix, store), 0, world_size, timeout_s, loopback=True)
             joined.result()
         return cls(client, source, group, store)
 

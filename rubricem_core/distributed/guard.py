@@ -1,4 +1,4 @@
-"""The launch secret: what every listener of a run checks, so that no other process or node can drive it.
+"""What guards a run's listeners: the launch secret, and stores and groups bound to the address they need.
 
 One random secret per flow process (``RUBRICEM_LAUNCH_SECRET`` when the environment sets it, e.g. a
 Kubernetes Secret mounted into every pod of a multi-node Job; else generated at first use). It reaches
@@ -10,6 +10,10 @@ the trainer ranks through their environment, never through the control store or 
 - the vLLM servers' API key (``vllm_api_key``), which trainer rank 0 needs for its weight pushes;
 - the names under which weight-transfer groups meet in their stores (``group_token``): a process
   without the secret cannot find, join or read them.
+
+Listeners are bound to the address they need: ``bound_store`` gives a TCPStore server a socket bound to
+one address (torch's own binds every interface, whatever host it is told), ``gloo_group(loopback=True)``
+a gloo group whose connections listen on 127.0.0.1 only (both ends on one machine).
 
 A TCPStore has no authentication of its own: a stranger who reaches its port can read a key whose name
 it knows and write any key. The HMAC makes what it writes worthless, and the secret names keep it from
@@ -174,3 +178,18 @@ def node_address(name: str) -> str:
         return addr
     except OSError:
         return ""
+
+
+def gloo_group(store: Any, rank: int, size: int, timeout_s: float, loopback: bool) -> Any:
+    """A gloo process group over ``store``; with ``loopback`` its connections listen on 127.0.0.1 only
+    (every member on this machine), else on the address gloo picks (this host name's)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not loopback:
+        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, size, options)
