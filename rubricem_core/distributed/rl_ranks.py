@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     spec, cfg = start_rank("One RL trainer rank (started by the rl flow with torchrun).", argv)
     secret = os.environ.get(SECRET_ENV)
     if not secret:
-        raise RuntimeError(f"this rank has no launch secret ({SECRET_ENV}): it cannot tell the flow's commands")
+        raise RuntimeError(
+            f"this rank has no launch secret ({SECRET_ENV}): it cannot tell the flow's commands from a stranger's; "
+            f"set {SECRET_ENV} to the same value on every node, or on none (node 0 then writes state/launch/secret)"
+        )
     session, run_dir = os.environ[SESSION_ENV], Path(spec["run_dir"]).resolve()
     policy = LocalPolicy(Path(spec["base"]), cfg)
     where = spec["env"][CONTROL_ENV]
