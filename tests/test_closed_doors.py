@@ -163,24 +163,26 @@ def test_a_pickled_payload_runs_nothing(tmp_path):
     assert rl_ranks.load_payload(tmp_path / "good.pt")["token_advs"][0].tolist() == [0.5, 1.0]
 
 
-def test_a_loopback_weights_group_listens_on_loopback_only(tmp_path):
+def test_a_weights_group_listens_on_loopback_and_refuses_a_strangers_address(tmp_path):
     """The transfer groups of one machine (the flow process and rank 0; rank 0 and a vLLM server's
-    workers): their store and their gloo connections listen on 127.0.0.1 only."""
+    workers) meet through a store on 127.0.0.1 whose values are sealed with the group's key, and their
+    gloo connections listen on 127.0.0.1. A stranger on the store can list and read its keys, but an
+    address it writes there (to be sent the weights) makes the member refuse the group."""
     import subprocess
     import sys
 
-    from rubricem_core.distributed.guard import gloo_group
+    from rubricem_core.distributed.guard import gloo_group, sealed_store
 
     store = bound_store("127.0.0.1", 60)
     peer = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, torch, torch.distributed as dist\n"
+            "import torch, torch.distributed as dist\n"
             "from datetime import timedelta\n"
-            "from rubricem_core.distributed.guard import gloo_group\n"
+            "from rubricem_core.distributed.guard import gloo_group, sealed_store\n"
             f"s = dist.TCPStore('127.0.0.1', {store.port}, is_master=False, timeout=timedelta(seconds=60))\n"
-            "g = gloo_group(dist.PrefixStore('p', s), 1, 2, 60, loopback=True)\n"
+            "r = sealed_store(s, 'key', 'p'); g = gloo_group(r, 1, 2, 60, loopback=True)\n"
             "t = torch.zeros(3); g.broadcast(t, 0).wait(); print(t.tolist())\n",
         ],
         stdout=subprocess.PIPE,
@@ -188,7 +190,8 @@ def test_a_loopback_weights_group_listens_on_loopback_only(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        group = gloo_group(dist.PrefixStore("p", store), 0, 2, 60, loopback=True)
+        rendezvous = sealed_store(store, "key", "p")  # kept as long as the group
+        group = gloo_group(rendezvous, 0, 2, 60, loopback=True)
         group.broadcast(torch.tensor([1.0, 2.0, 3.0]), 0).wait()
         mine = _my_listeners()
         assert mine and mine <= LOOPBACK, mine
@@ -197,13 +200,14 @@ def test_a_loopback_weights_group_listens_on_loopback_only(tmp_path):
         peer.kill()
     assert out.strip() == "[1.0, 2.0, 3.0]"
 
-
-def test_the_weights_groups_meet_under_secret_names():
-    from rubricem_core.distributed.guard import group_token
-
-    a, b = rl_ranks.weights_prefix("secret-a"), rl_ranks.weights_prefix("secret-b")
-    assert a != b and "secret" not in a and a.startswith(rl_ranks.WEIGHTS_PREFIX)
-    assert group_token("secret-a", "vllm-push") != group_token("secret-a")
+    stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    assert "p/0/1" in stranger.list_keys()  # a TCPStore hides nothing: names are no secret
+    stranger.set("q/0/1", stranger.get("p/0/1"))  # a real member's sealed address, replayed under another key
+    with pytest.raises(ForgedCommand, match="does not carry the group's HMAC"):
+        gloo_group(sealed_store(store, "key", "q"), 0, 2, 10, loopback=True)
+    stranger.set("r/0/1", b"\x00" * 64)
+    with pytest.raises(ForgedCommand, match="does not carry the group's HMAC"):
+        gloo_group(sealed_store(store, "key", "r"), 0, 2, 10, loopback=True)
 
 
 @pytest.fixture(scope="module")

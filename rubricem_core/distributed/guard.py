@@ -15,9 +15,10 @@ Listeners are bound to the address they need: ``bound_store`` gives a TCPStore s
 one address (torch's own binds every interface, whatever host it is told), ``gloo_group(loopback=True)``
 a gloo group whose connections listen on 127.0.0.1 only (both ends on one machine).
 
-A TCPStore has no authentication of its own: a stranger who reaches its port can read a key whose name
-it knows and write any key. The HMAC makes what it writes worthless, and the secret names keep it from
-the weight transfers' rendezvous.
+A TCPStore has no authentication of its own: a stranger who reaches its port can list and read every
+key and write any. The HMAC makes what it writes worthless; the weight transfers' gloo groups meet through
+a ``SealedStore`` (every value MAC'd), so a stranger cannot put its own address in a group's rendezvous
+and be sent the weights.
 """
 
 from __future__ import annotations
@@ -193,3 +194,55 @@ def gloo_group(store: Any, rank: int, size: int, timeout_s: float, loopback: boo
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     options._timeout = timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def sealed_store(inner: Any, key: str, prefix: str) -> Any:
+    """``inner`` (a torch.distributed Store) seen under ``prefix/``, every value carrying an HMAC under
+    ``key`` over its full name: what a member reads was written there by a holder of the key, or the read
+    raises ForgedCommand. For a gloo group's rendezvous (it uses set, get and wait), so a stranger on the
+    store cannot announce itself as a member. Keep the returned object as long as the group: torch holds
+    only its C++ half, and a call into a collected Python store fails."""
+    import torch.distributed as dist
+
+    secret = key.encode()
+
+    class SealedStore(dist.Store):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def _full(self, name: str) -> str:
+            return f"{prefix}/{name}"
+
+        def _tag(self, full: str, value: bytes) -> bytes:
+            return hmac.new(secret, full.encode() + b"\0" + value, hashlib.sha256).digest()
+
+        def set(self, name: str, value: Any) -> None:
+            data = value.encode() if isinstance(value, str) else bytes(value)
+            full = self._full(name)
+            inner.set(full, self._tag(full, data) + data)
+
+        def get(self, name: str) -> bytes:
+            full = self._full(name)
+            raw = bytes(inner.get(full))
+            tag, data = raw[:32], raw[32:]
+            if not hmac.compare_digest(tag, self._tag(full, data)):
+                raise ForgedCommand(
+                    f"refused {full!r} from a weight-transfer rendezvous: it does not carry the group's HMAC; "
+                    "a process without the key wrote it"
+                )
+            return data
+
+        def wait(self, names: list[str], timeout: Any = None) -> None:
+            full = [self._full(n) for n in names]
+            inner.wait(full) if timeout is None else inner.wait(full, timeout)
+
+        def check(self, names: list[str]) -> bool:
+            return bool(inner.check([self._full(n) for n in names]))
+
+        def set_timeout(self, timeout: Any) -> None:
+            inner.set_timeout(timeout)
+
+        def delete_key(self, name: str) -> bool:
+            return bool(inner.delete_key(self._full(name)))
+
+    return SealedStore()

@@ -46,11 +46,13 @@ from rubricem_core.config import RunConfig
 from rubricem_core.distributed.guard import (
     SECRET_ENV,
     bound_store,
+    derive,
     gloo_group,
     group_token,
     launch_secret,
     node_address,
     seal,
+    sealed_store,
     unseal,
     write_secret_file,
 )
@@ -91,6 +93,7 @@ class RankPolicy:
         self._seq = 0
         self._run_dir = run_dir
         self._weights_group: Any = None  # gloo, this process and trainer rank 0: weights() receives over it
+        self._weights_rendezvous: Any = None  # its sealed store (kept as long as the group)
         self._secret, self._session = launch_secret(), secrets.token_hex(8)
         # the ranks of every node connect to this store: on one node it listens on loopback only, on
         # several on node 0's address (every interface when that is not one of this machine's)
@@ -202,9 +205,10 @@ class RankPolicy:
         with self._lock:
             seq = self._send("weights")
             if self._weights_group is None:
+                self._weights_rendezvous = weights_store(self._secret, self._session, self._control)
                 # rank 0 runs on this node: the group listens on loopback when every rank does too
                 self._weights_group = gloo_group(
-                    dist.PrefixStore(weights_prefix(self._secret), self._control),
+                    self._weights_rendezvous,
                     1,
                     2,
                     self.timeout_s,
@@ -229,14 +233,20 @@ class RankPolicy:
                 log.warning("trainer ranks did not stop cleanly: %s", exc)
             finally:
                 self._ranks.stop()
-        self._weights_group = None
+        self._weights_group = self._weights_rendezvous = None
         end_launch_file(self._spec_file)
 
 
 def weights_prefix(secret: str) -> str:
-    """Where the flow process and rank 0 meet for ``weights``: a name only holders of the secret know, so
-    no stranger on the control store can take rank 1 of that group and receive the weights."""
+    """Where the flow process and rank 0 meet for ``weights`` in the control store."""
     return f"{WEIGHTS_PREFIX}{group_token(secret)}/"
+
+
+def weights_store(secret: str, session: str, control: Any) -> Any:
+    """The ``weights`` group's rendezvous: every value sealed (over its full key) with a key from the secret
+    and this launch's session, so no stranger on the control store can announce itself as rank 1 and be
+    sent the weights, nor replay a past launch's address."""
+    return sealed_store(control, derive(secret, f"weights-group:{session}"), weights_prefix(secret).rstrip("/"))
 
 
 # ---- the ranks ----------------------------------------------------------------------------------
@@ -295,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     # between two commands the flow runs rollouts and the judge: wait as long as a run may take
     control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(days=7))
     to_flow: Any = None  # rank 0's gloo group with the flow process (the `weights` command)
+    to_flow_rendezvous: Any = None  # its sealed store, kept as long as the group
     seq = 0
     while True:
         key = f"cmd/{seq}"
@@ -318,8 +329,9 @@ def main(argv: list[str] | None = None) -> None:
             meta = source.metadata()
             if is_main():
                 if to_flow is None:
+                    to_flow_rendezvous = weights_store(secret, session, control)
                     to_flow = gloo_group(
-                        dist.PrefixStore(weights_prefix(secret), control),
+                        to_flow_rendezvous,
                         0,
                         2,
                         cfg.distributed.timeout_s,

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rubricem_core.distributed.guard import bound_store, gloo_group, group_token, vllm_api_key
+from rubricem_core.distributed.guard import bound_store, gloo_group, group_token, sealed_store, vllm_api_key
 from rubricem_core.distributed.launch import free_port
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
@@ -215,7 +215,7 @@ class GlooSender:
 
     def __init__(self, client: FleetWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
         self.client, self.source, self.group = client, source, group
-        self.store = store  # the workers' rendezvous store lives as long as the group
+        self.store = store  # the workers' rendezvous store (and its sealed view) live as long as the group
         self.pending: Any = None  # the broadcast under way
 
     @classmethod
@@ -224,12 +224,12 @@ class GlooSender:
     ) -> GlooSender:
         if client is None:
             return cls(None, source, None)
-        import torch.distributed as dist
 
-        # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group
-        # meets under a name only this launch knows (sent to the workers over the key-guarded HTTP route)
+        # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group's
+        # name and rendezvous key travel to the workers only over the API-key-guarded HTTP route
         store = bound_store("127.0.0.1", timeout_s)
         prefix = f"{GROUP_PREFIX}/{group_token(purpose='vllm-push')}/{secrets.token_hex(8)}"
+        group_key = secrets.token_hex(32)  # seals the rendezvous: no stranger on the store joins the group
         init = {
             "master_address": "127.0.0.1",
             "master_port": store.port,
@@ -237,13 +237,15 @@ class GlooSender:
             "world_size": world_size,
             "timeout_s": timeout_s,
             "group_prefix": prefix,
+            "group_key": group_key,
         }
         # the workers block in the rendezvous until this rank joins: ask them from a side thread
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, init)
-            group = gloo_group(dist.PrefixStore(prefix, store), 0, world_size, timeout_s, loopback=True)
+            rendezvous = sealed_store(store, group_key, prefix)
+            group = gloo_group(rendezvous, 0, world_size, timeout_s, loopback=True)
             joined.result()
-        return cls(client, source, group, store)
+        return cls(client, source, group, (store, rendezvous))
 
     def send_weights(self) -> None:
         if self.client is None:
