@@ -308,16 +308,20 @@ def _asgi_status(app, method: str, path: str, headers: dict[str, str]) -> int:
     "path", ["/collective_rpc", "/reset_prefix_cache", "/update_weights", "/v1/completions", "/health"]
 )
 def test_the_key_middleware_guards_every_route(monkeypatch, path):
-    """vLLM's own key check covers /v1 only; this one covers the dev routes (reload_weights) too."""
-    reached: list[str] = []
+    """vLLM's own key check covers /v1 only; this one covers the dev routes (reload_weights) too. Added
+    to a FastAPI app as vLLM adds a ``--middleware`` class (``app.add_middleware(cls)``)."""
+    from fastapi import FastAPI
 
-    async def inner(scope, receive, send):
-        reached.append(scope["path"])
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+    reached: list[str] = []
+    app = FastAPI()
+
+    @app.api_route(path.split("?")[0], methods=["GET", "POST"])
+    async def route() -> dict:
+        reached.append(path)
+        return {}
 
     monkeypatch.setenv("VLLM_API_KEY", "the-key")
-    app = RequireApiKey(inner)
+    app.add_middleware(RequireApiKey)
     for headers in (
         {},
         {"Authorization": "Bearer wrong"},
