@@ -32,7 +32,7 @@ def _write(path: Path, payload: dict, age_s: float = 0.0) -> Path:
 def _launch(run_dir: Path, launch_id: str | None, age_s: float = 0.0) -> Path:
     """A real sft.json as node 0 writes it (2 nodes), stamped with ``launch_id`` through the environment."""
     cfg = load_config("tiny", {"distributed.nnodes": 2, "distributed.master_port": 29500})
-    payload = {"config": cfg.model_dump(mode="json"), "env": {"K": "v"}}
+    payload = {"config": cfg.model_dump(mode="json"), "env": {"RUBRICEM_CONTROL": "node0:29501"}}
     with pytest.MonkeyPatch.context() as mp:
         if launch_id is None:
             mp.delenv(nodes.LAUNCH_ID_ENV, raising=False)
@@ -70,7 +70,9 @@ def test_an_old_launch_file_with_the_same_id_is_joined_at_once(tmp_path, ranks):
     nodes.join_launch(str(tmp_path), "sft", node_rank=1, wait_s=30, launch_id="job-a")
     assert time.monotonic() - t0 < 5
     (call,) = ranks
-    assert call["spec"].node_rank == 1 and call["spec"].nnodes == 2 and call["env"] == {"K": "v"}
+    assert (
+        call["spec"].node_rank == 1 and call["spec"].nnodes == 2 and call["env"] == {"RUBRICEM_CONTROL": "node0:29501"}
+    )
 
 
 def test_a_launch_file_with_another_id_is_waited_past(tmp_path, ranks):

@@ -14,6 +14,12 @@ default that variable), a node takes a launch file if and only if it carries the
 one with another id, or none, is a past launch's. Without a launch id, a launch file written more than a
 minute before the command started is a past launch's. Either way a launch file marked ended (its ranks
 have exited) is never joined.
+
+A launch file sets only the variables of ``LAUNCH_ENV`` in the ranks' environment (the control store's
+address and session); any other (``PYTHONPATH``, ``LD_PRELOAD``...) is refused with ``LaunchFileError``,
+so whoever can write the shared volume cannot choose what another node's Python imports. The launch
+secret comes from this node's own ``RUBRICEM_LAUNCH_SECRET``, else from ``state/launch/secret``, which
+node 0 writes with mode 0600 (a file others may read is refused).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import RunConfig
+from rubricem_core.distributed.guard import SECRET_ENV, SECRET_FILE, read_secret_file
 from rubricem_core.distributed.launch import run_ranks, wait_for_launch_file
 from rubricem_core.distributed.spec import launch_path, launch_spec
 
@@ -31,6 +39,39 @@ LAUNCHES = {
     "sft": ("sft.json", "rubricem_core.distributed.sft_worker"),
     "rl": ("rl.json", "rubricem_core.distributed.rl_ranks"),
 }
+
+
+# the only variables a launch file may set in the ranks' environment (rl_ranks' control store and session)
+LAUNCH_ENV = frozenset({"RUBRICEM_CONTROL", "RUBRICEM_CONTROL_SESSION"})
+
+
+class LaunchFileError(ValueError):
+    """A launch file asks for something no launch of this project writes."""
+
+
+def launch_environment(path: Path, env: Any) -> dict[str, str]:
+    """The ``env`` of launch file ``path``, refused unless every name is in ``LAUNCH_ENV`` and every value a string."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise LaunchFileError(f"{path}: 'env' must be an object of variable names to strings")
+    refused = sorted(str(k) for k in env if k not in LAUNCH_ENV)
+    if refused:
+        raise LaunchFileError(
+            f"{path}: refused to set {', '.join(refused)} from a launch file: a launch file may set only "
+            f"{', '.join(sorted(LAUNCH_ENV))}"
+        )
+    if not all(isinstance(v, str) for v in env.values()):
+        raise LaunchFileError(f"{path}: every 'env' value must be a string")
+    return dict(env)
+
+
+def node_secret(run_dir: str) -> dict[str, str]:
+    """The launch secret for this node's ranks: this node's own variable, else node 0's 0600 file (none: {})."""
+    if os.environ.get(SECRET_ENV):
+        return {}  # the ranks inherit it
+    path = launch_path(run_dir, SECRET_FILE)
+    return {SECRET_ENV: read_secret_file(path)} if path.exists() else {}
 
 
 STALE_SLACK_S = 60.0  # without a launch id: a launch file written up to this long before the command counts
@@ -68,6 +109,7 @@ def join_launch(
     if spec.get("nothing_to_do"):
         print(f"node 0 has nothing to train for {kind} ({spec['nothing_to_do']}): no ranks started", flush=True)
         return
+    env = launch_environment(path, spec.get("env"))
     cfg = RunConfig.model_validate(spec["config"])
     if not 0 < node_rank < cfg.distributed.nnodes:
         raise ValueError(
@@ -79,7 +121,7 @@ def join_launch(
         module,
         ["--spec", str(path.resolve())],
         on_line=lambda line: print(line, flush=True),
-        env=spec.get("env"),
+        env={**env, **node_secret(run_dir)} if env else None,
     )
 
 

@@ -8,6 +8,12 @@ commands; the channel is two kinds of keys:
     cmd/<n>    {"op": "update" | "save" | "load" | "weights" | "push" | "stop", ...}  set by the flow process, read by every rank
     reply/<n>  {...}                                                      set by rank 0 once every rank is done
 
+Every value carries an HMAC with the launch secret (rubricem_core.distributed.guard; the ranks get the
+secret through their environment, never through the store): a rank refuses a command without it and the
+launch fails with ``ForgedCommand``. A command's paths must lie inside the run directory; a push goes
+only to a loopback URL (the servers run beside rank 0); the update payload is read with
+``torch.load(weights_only=True)`` (tensors and plain containers only: nothing in it can run code).
+
 ``update`` names a payload file (the step's trajectories and token advantages, written by the flow
 process under ``state/launch/``), which every rank reads and trains on its shard of; ``save`` is the
 collective resumable checkpoint (every ``rl.checkpoint_every`` steps) whose HF weights rank 0 writes
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +43,19 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rubricem_core.config import RunConfig
+from rubricem_core.distributed.guard import (
+    SECRET_ENV,
+    bound_store,
+    derive,
+    gloo_group,
+    group_token,
+    launch_secret,
+    node_address,
+    seal,
+    sealed_store,
+    unseal,
+    write_secret_file,
+)
 from rubricem_core.distributed.launch import RankFailure, RankGroup, end_launch_file
 from rubricem_core.distributed.nodes import with_launch_id
 from rubricem_core.distributed.ranks import is_main, shutdown
@@ -53,7 +73,9 @@ from rubricem_core.trajectory import TokenTrajectory
 
 MODULE = "rubricem_core.distributed.rl_ranks"
 CONTROL_ENV = "RUBRICEM_CONTROL"  # host:port of the flow process's TCPStore
+SESSION_ENV = "RUBRICEM_CONTROL_SESSION"  # this launch's id in every HMAC: no value replays into another launch
 TOKEN_ARRAYS = ("token_ids", "loss_mask", "stage_ids", "logprobs")  # all an update reads of a trajectory
+ARRAY_DTYPES = {"token_ids": torch.int64, "loss_mask": torch.int64, "stage_ids": torch.int64, "logprobs": torch.float64}
 WEIGHTS_PREFIX = "weights/"  # the control store's keys of the weights transfer to the flow process
 log = logging.getLogger(__name__)
 
@@ -64,33 +86,44 @@ class RankPolicy:
     def __init__(self, run_dir: str, cfg: RunConfig, base: Path) -> None:
         cfg = resolve_master(cfg)  # the other nodes read the address from the launch file
         d = cfg.distributed
-        self.timeout_s = d.timeout_s
+        self.timeout_s, self._nnodes = d.timeout_s, d.nnodes
         self.tokenizer = load_tokenizer(base)
         self.on_line: Callable[[str], None] = log.info
         self._lock = threading.Lock()
         self._seq = 0
         self._run_dir = run_dir
         self._weights_group: Any = None  # gloo, this process and trainer rank 0: weights() receives over it
-        # the ranks of every node connect to this store; on one node over loopback
-        self._control = dist.TCPStore(
-            "0.0.0.0" if d.nnodes > 1 else "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=d.timeout_s),
-        )
+        self._weights_rendezvous: Any = None  # its sealed store (kept as long as the group)
+        self._secret, self._session = launch_secret(), secrets.token_hex(8)
+        # the ranks of every node connect to this store: on one node it listens on loopback only, on
+        # several on node 0's address (every interface when that is not one of this machine's)
+        host = node_address(d.master_addr or "") if d.nnodes > 1 else "127.0.0.1"
+        self._control = bound_store(host, d.timeout_s)
         control_host = d.master_addr if d.nnodes > 1 else "127.0.0.1"
+        self._where = f"{control_host}:{self._control.port}"
         spec_file = self._spec_file = launch_path(run_dir, "rl.json")
-        control = {CONTROL_ENV: f"{control_host}:{self._control.port}"}
+        control = {CONTROL_ENV: self._where, SESSION_ENV: self._session}
+        if d.nnodes > 1 and not os.environ.get(SECRET_ENV):  # the other nodes read it there (0600)
+            write_secret_file(launch_path(run_dir, "secret"), self._secret)
         atomic_write_text(
             spec_file,
             json.dumps(
                 with_launch_id(
-                    {"config": cfg.model_dump(mode="json"), "base": str(Path(base).resolve()), "env": control}
+                    {
+                        "config": cfg.model_dump(mode="json"),
+                        "base": str(Path(base).resolve()),
+                        "run_dir": str(Path(run_dir).resolve()),
+                        "env": control,
+                    }
                 )
             ),
         )
-        self._ranks = RankGroup(launch_spec(cfg), MODULE, ["--spec", str(spec_file.resolve())], env=control)
+        self._ranks = RankGroup(
+            launch_spec(cfg),
+            MODULE,
+            ["--spec", str(spec_file.resolve())],
+            env={**control, SECRET_ENV: self._secret},
+        )
         try:
             self._call("ready")
         except BaseException:
@@ -103,13 +136,18 @@ class RankPolicy:
         """Send one command to every rank and wait for rank 0's reply, streaming the ranks' output."""
         with self._lock:
             seq = self._send(op, **args)
-            return json.loads(self._await(f"reply/{seq}", op))
+            return self._reply(f"reply/{seq}", op)
 
     def _send(self, op: str, **args: Any) -> int:
         seq = self._seq
         self._seq += 1
-        self._control.set(f"cmd/{seq}", json.dumps({"op": op, **args}))
+        key = f"cmd/{seq}"
+        self._control.set(key, seal(self._secret, self._session, key, {"op": op, **args}))
         return seq
+
+    def _reply(self, key: str, op: str) -> dict[str, Any]:
+        """Rank 0's sealed answer under ``key`` (ForgedCommand when a stranger wrote it)."""
+        return unseal(self._secret, self._session, key, self._await(key, op), f"at {self._where}")
 
     def _await(self, key: str, op: str) -> bytes:
         """The value of ``key`` once a rank sets it, streaming the ranks' output meanwhile."""
@@ -147,8 +185,10 @@ class RankPolicy:
     ) -> dict[str, float]:
         payload = launch_path(self._run_dir, "rl-update.pt")
         tmp = payload.with_suffix(".tmp")
-        arrays = [{k: getattr(t, k) for k in TOKEN_ARRAYS} for t in trajectories]
-        torch.save({"trajectories": arrays, "token_advs": token_advs}, tmp)
+        # tensors (float64 keeps every logprob and advantage exact): the ranks load it weights_only
+        arrays = [{k: torch.tensor(getattr(t, k), dtype=ARRAY_DTYPES[k]) for k in TOKEN_ARRAYS} for t in trajectories]
+        advs = [torch.tensor(a, dtype=torch.float64) for a in token_advs]
+        torch.save({"trajectories": arrays, "token_advs": advs}, tmp)
         os.replace(tmp, payload)
         return self._call("update", payload=str(payload.resolve()), settings=asdict(settings))["metrics"]
 
@@ -165,13 +205,19 @@ class RankPolicy:
         with self._lock:
             seq = self._send("weights")
             if self._weights_group is None:
-                self._weights_group = dist.ProcessGroupGloo(
-                    dist.PrefixStore(WEIGHTS_PREFIX, self._control), 1, 2, timedelta(seconds=self.timeout_s)
+                self._weights_rendezvous = weights_store(self._secret, self._session, self._control)
+                # rank 0 runs on this node: the group listens on loopback when every rank does too
+                self._weights_group = gloo_group(
+                    self._weights_rendezvous,
+                    1,
+                    2,
+                    self.timeout_s,
+                    loopback=self._nnodes == 1,
                 )
-            meta = meta_from_rows(json.loads(self._await(f"{WEIGHTS_PREFIX}meta/{seq}", "weights")))
+            meta = meta_from_rows(self._reply(f"{WEIGHTS_PREFIX}meta/{seq}", "weights")["meta"])
             deadline = time.monotonic() + self.timeout_s
             weights = receive_weights(self._weights_group, meta, lambda work: self._wait_work(work, deadline))
-            self._await(f"reply/{seq}", "weights")
+            self._reply(f"reply/{seq}", "weights")
         return weights
 
     def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
@@ -187,13 +233,57 @@ class RankPolicy:
                 log.warning("trainer ranks did not stop cleanly: %s", exc)
             finally:
                 self._ranks.stop()
-        self._weights_group = None
+        self._weights_group = self._weights_rendezvous = None
         end_launch_file(self._spec_file)
+
+
+def weights_prefix(secret: str) -> str:
+    """Where the flow process and rank 0 meet for ``weights`` in the control store."""
+    return f"{WEIGHTS_PREFIX}{group_token(secret)}/"
+
+
+def weights_store(secret: str, session: str, control: Any) -> Any:
+    """The ``weights`` group's rendezvous: every value sealed (over its full key) with a key from the secret
+    and this launch's session, so no stranger on the control store can announce itself as rank 1 and be
+    sent the weights, nor replay a past launch's address."""
+    return sealed_store(control, derive(secret, f"weights-group:{session}"), weights_prefix(secret).rstrip("/"))
 
 
 # ---- the ranks ----------------------------------------------------------------------------------
 def _trajectory(d: dict[str, Any]) -> TokenTrajectory:
-    return TokenTrajectory(**{k: d[k] for k in TOKEN_ARRAYS})
+    return TokenTrajectory(**{k: d[k].tolist() for k in TOKEN_ARRAYS})
+
+
+class RefusedCommand(RuntimeError):
+    """A sealed command that names something outside what the launch allows."""
+
+
+def inside(run_dir: Path, path: str, what: str) -> Path:
+    """``path`` resolved, refused (RefusedCommand) unless it lies inside the run directory."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(run_dir):
+        raise RefusedCommand(f"refused {what} {path!r}: it is not inside the run directory {run_dir}")
+    return resolved
+
+
+def loopback_urls(urls: Any) -> Any:
+    """A push's server URL(s), refused (RefusedCommand) unless each is http on loopback: every vLLM
+    server this launch starts listens on 127.0.0.1 beside rank 0."""
+    from urllib.parse import urlsplit
+
+    for url in [urls] if isinstance(urls, str) else list(urls):
+        parts = urlsplit(str(url))
+        if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise RefusedCommand(f"refused push to {url!r}: the launch's vLLM servers listen on http://127.0.0.1 only")
+    return urls
+
+
+def load_payload(path: Path) -> dict[str, Any]:
+    """An update payload: tensors and plain containers only (``weights_only``: nothing in it can run code)."""
+    payload = torch.load(path, weights_only=True)
+    if not isinstance(payload, dict) or not {"trajectories", "token_advs"} <= payload.keys():
+        raise RefusedCommand(f"refused update payload {path}: not a trajectories/token_advs mapping")
+    return payload
 
 
 @record
@@ -202,41 +292,59 @@ def main(argv: list[str] | None = None) -> None:
     from rubricem_core.rl.update import UpdateConfig
 
     spec, cfg = start_rank("One RL trainer rank (started by the rl flow with torchrun).", argv)
+    secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        raise RuntimeError(
+            f"this rank has no launch secret ({SECRET_ENV}): it cannot tell the flow's commands from a stranger's; "
+            f"set {SECRET_ENV} to the same value on every node, or on none (node 0 then writes state/launch/secret)"
+        )
+    session, run_dir = os.environ[SESSION_ENV], Path(spec["run_dir"]).resolve()
     policy = LocalPolicy(Path(spec["base"]), cfg)
-    host, port = spec["env"][CONTROL_ENV].rsplit(":", 1)
+    where = spec["env"][CONTROL_ENV]
+    host, port = where.rsplit(":", 1)
     # between two commands the flow runs rollouts and the judge: wait as long as a run may take
     control = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(days=7))
     to_flow: Any = None  # rank 0's gloo group with the flow process (the `weights` command)
+    to_flow_rendezvous: Any = None  # its sealed store, kept as long as the group
     seq = 0
     while True:
-        cmd = json.loads(control.get(f"cmd/{seq}"))
+        key = f"cmd/{seq}"
+        cmd = unseal(secret, session, key, control.get(key), f"at {where}")
         op = cmd["op"]
         reply: dict[str, Any] = {}
         if op == "update":
-            payload = torch.load(cmd["payload"], weights_only=False)
+            payload = load_payload(inside(run_dir, cmd["payload"], "update payload"))
             trajs = [_trajectory(t) for t in payload["trajectories"]]
-            reply["metrics"] = policy.update(trajs, payload["token_advs"], UpdateConfig(**cmd["settings"]))
+            advs = [a.tolist() for a in payload["token_advs"]]
+            reply["metrics"] = policy.update(trajs, advs, UpdateConfig(**cmd["settings"]))
         elif op == "save":
-            policy.save(Path(cmd["directory"]), cmd["extra"])
+            policy.save(inside(run_dir, cmd["directory"], "checkpoint directory"), cmd["extra"])
         elif op == "load":
-            reply["extra"] = policy.load(Path(cmd["directory"]))
+            reply["extra"] = policy.load(inside(run_dir, cmd["directory"], "checkpoint directory"))
         elif op == "push":
-            reply["seconds"] = policy.push_weights(cmd["url"], cmd["backend"], cmd["workers"], is_sender=is_main())
+            url = loopback_urls(cmd["url"])
+            reply["seconds"] = policy.push_weights(url, cmd["backend"], cmd["workers"], is_sender=is_main())
         elif op == "weights":  # to the flow process's engine (RankPolicy.weights)
             source = ModelWeights(policy.trainer.model)
             meta = source.metadata()
             if is_main():
                 if to_flow is None:
-                    to_flow = dist.ProcessGroupGloo(
-                        dist.PrefixStore(WEIGHTS_PREFIX, control), 0, 2, timedelta(seconds=cfg.distributed.timeout_s)
+                    to_flow_rendezvous = weights_store(secret, session, control)
+                    to_flow = gloo_group(
+                        to_flow_rendezvous,
+                        0,
+                        2,
+                        cfg.distributed.timeout_s,
+                        loopback=cfg.distributed.nnodes == 1,
                     )
-                control.set(f"{WEIGHTS_PREFIX}meta/{seq}", json.dumps(meta_rows(meta)))
+                meta_key = f"{WEIGHTS_PREFIX}meta/{seq}"
+                control.set(meta_key, seal(secret, session, meta_key, {"meta": meta_rows(meta)}))
             broadcast_weights(source, meta, to_flow if is_main() else None)
         elif op not in ("ready", "stop"):
-            raise ValueError(f"unknown trainer-rank command {op!r}")
+            raise RefusedCommand(f"unknown trainer-rank command {op!r}")
         dist.barrier()  # every rank is done before rank 0 says so
         if is_main():
-            control.set(f"reply/{seq}", json.dumps(reply))
+            control.set(f"reply/{seq}", seal(secret, session, f"reply/{seq}", reply))
         if op == "stop":
             break
         seq += 1

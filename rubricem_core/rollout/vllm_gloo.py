@@ -53,6 +53,8 @@ def gloo_engine_class() -> type:
         rank_offset: int
         world_size: int
         timeout_s: float = 600.0
+        group_prefix: str = GROUP_PREFIX  # this group's keys in the trainer's store
+        group_key: str = ""  # the trainer's key sealing the rendezvous (rubricem_core.distributed.guard.sealed_store)
 
     @dataclass
     class GlooUpdateInfo(WeightTransferUpdateInfo):
@@ -77,14 +79,27 @@ def gloo_engine_class() -> type:
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
             self.group: Any = None
+            self.rendezvous: Any = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            from rubricem_core.distributed.guard import gloo_group, sealed_store
+
             parallel = self.parallel_config
             rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
             timeout = timedelta(seconds=init_info.timeout_s)
             store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
-            self.group = dist.ProcessGroupGloo(
-                dist.PrefixStore(GROUP_PREFIX, store), rank, init_info.world_size, timeout
+            # the trainer's rank 0 runs on this machine: the group's connections listen on loopback only
+            if not init_info.group_key:
+                raise ValueError(
+                    "gloo weight transfer: init_info.group_key is missing (the trainer seals the rendezvous)"
+                )
+            self.rendezvous = sealed_store(store, init_info.group_key, init_info.group_prefix)  # kept with the group
+            self.group = gloo_group(
+                self.rendezvous,
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
+                loopback=True,
             )
 
         def start_weight_update(self) -> None:
@@ -117,6 +132,6 @@ def gloo_engine_class() -> type:
                 raise failure
 
         def shutdown(self) -> None:
-            self.group = None
+            self.group = self.rendezvous = None
 
     return GlooWeightTransferEngine

@@ -6,7 +6,10 @@ driven over its HTTP API; the turn loop, tools and token bookkeeping are VLLMRol
     engine.generate(requests, tools)                    # POST /v1/completions, prompt = token ids
     engine.load_weights_from_dir(step_checkpoint)       # POST /collective_rpc reload_weights, /reset_prefix_cache
 
-The server runs with ``VLLM_SERVER_DEV_MODE=1``, which serves vLLM's own ``/collective_rpc`` and
+The server listens on 127.0.0.1 and answers only requests that carry its API key (the launch's
+``vllm_api_key``, in ``VLLM_API_KEY``): vLLM's own key check covers ``/v1`` paths only, so
+``--middleware rubricem_core.rollout.vllm_auth.RequireApiKey`` checks every other route too. It runs with
+``VLLM_SERVER_DEV_MODE=1``, which serves vLLM's own ``/collective_rpc`` and
 ``/reset_prefix_cache``: after each update the workers reload the weights in place from the checkpoint
 directory rank 0 wrote (gathered, ZeRO-3 included) and the prefix cache is dropped, so no KV computed
 with old weights is reused. Its Python may be another environment's (``python``), e.g. the CPU build's
@@ -45,11 +48,13 @@ from typing import Any, TypeVar
 
 import httpx
 
+from rubricem_core.distributed.guard import SECRET_ENV, vllm_api_key
 from rubricem_core.distributed.launch import free_port, stop_process_group
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample, VLLMRolloutEngine
 
 SERVED_NAME = "policy"
+AUTH_MIDDLEWARE = "rubricem_core.rollout.vllm_auth.RequireApiKey"  # the key on every route, not only /v1
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -81,7 +86,9 @@ class VLLMServer:
         max_concurrency: int = 64,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
+        api_key: str | None = None,
     ) -> None:
+        self.api_key = api_key or vllm_api_key()  # trainer rank 0 derives the same from the launch secret
         self.model_dir = Path(model_dir)
         self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
         self.weight_transfer = weight_transfer
@@ -100,6 +107,8 @@ class VLLMServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--middleware",
+            AUTH_MIDDLEWARE,
             "--enable-prefix-caching",
             "--logprobs-mode",
             LOGPROBS_MODE,
@@ -125,7 +134,9 @@ class VLLMServer:
             cmd += ["--enable-sleep-mode"]
         self.asleep = False
         cmd += list(extra_args)
-        full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        # the key in the environment (a command line is public on this machine); the launch secret stays out
+        full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": self.api_key}
+        full_env.pop(SECRET_ENV, None)
         if devices is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         self.log_path = Path(log_path) if log_path is not None else None
@@ -144,7 +155,8 @@ class VLLMServer:
         atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
         # one connection per call in flight (httpx's default pool of 100 would queue the rest)
         limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
-        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s, limits=limits)
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
+        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s, limits=limits, headers=self.headers)
         self._side_dir: Path | None = None
         try:
             self._wait_ready(startup_timeout_s)
@@ -181,7 +193,7 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 raise self._failure(f"exited with code {self.proc.returncode} while starting")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=5, headers=self.headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

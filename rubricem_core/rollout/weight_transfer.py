@@ -29,16 +29,17 @@ group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tes
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
+from rubricem_core.distributed.guard import bound_store, gloo_group, group_token, sealed_store, vllm_api_key
 from rubricem_core.distributed.launch import free_port
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
@@ -94,13 +95,15 @@ class ModelWeights:
 
 
 class ServerWeightSync:
-    """vLLM's weight-sync control plane over its HTTP routes (served with ``VLLM_SERVER_DEV_MODE=1``)."""
+    """vLLM's weight-sync control plane over its HTTP routes (served with ``VLLM_SERVER_DEV_MODE=1``),
+    with the launch's API key (the server refuses any request without it)."""
 
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         import httpx
 
         self.base_url = base_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key or vllm_api_key()}"}
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> None:
         response = self.http.post(path, json=body)
@@ -212,7 +215,7 @@ class GlooSender:
 
     def __init__(self, client: FleetWeightSync | None, source: ModelWeights, group: Any, store: Any = None) -> None:
         self.client, self.source, self.group = client, source, group
-        self.store = store  # the workers' rendezvous store lives as long as the group
+        self.store = store  # the workers' rendezvous store (and its sealed view) live as long as the group
         self.pending: Any = None  # the broadcast under way
 
     @classmethod
@@ -221,23 +224,28 @@ class GlooSender:
     ) -> GlooSender:
         if client is None:
             return cls(None, source, None)
-        import torch.distributed as dist
 
-        port, timeout = free_port(), timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
+        # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group's
+        # name and rendezvous key travel to the workers only over the API-key-guarded HTTP route
+        store = bound_store("127.0.0.1", timeout_s)
+        prefix = f"{GROUP_PREFIX}/{group_token(purpose='vllm-push')}/{secrets.token_hex(8)}"
+        group_key = secrets.token_hex(32)  # seals the rendezvous: no stranger on the store joins the group
         init = {
-            "master_address": "127.0.0.1",  # the server runs beside rank 0, on node 0
-            "master_port": port,
+            "master_address": "127.0.0.1",
+            "master_port": store.port,
             "rank_offset": 1,
             "world_size": world_size,
             "timeout_s": timeout_s,
+            "group_prefix": prefix,
+            "group_key": group_key,
         }
         # the workers block in the rendezvous until this rank joins: ask them from a side thread
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, init)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world_size, timeout)
+            rendezvous = sealed_store(store, group_key, prefix)
+            group = gloo_group(rendezvous, 0, world_size, timeout_s, loopback=True)
             joined.result()
-        return cls(client, source, group, store)
+        return cls(client, source, group, (store, rendezvous))
 
     def send_weights(self) -> None:
         if self.client is None:
