@@ -66,8 +66,8 @@ def _listeners(port: int) -> set[str]:
     return found
 
 
-def _my_listeners() -> set[str]:
-    """The local addresses of this process's listening TCP sockets (matched by inode through /proc/self/fd)."""
+def _my_listening_sockets() -> dict[str, str]:
+    """This process's listening TCP sockets: inode → local address (matched through /proc/self/fd)."""
     mine = set()
     for fd in Path("/proc/self/fd").iterdir():
         try:
@@ -76,13 +76,19 @@ def _my_listeners() -> set[str]:
             continue
         if target.startswith("socket:["):
             mine.add(target[len("socket:[") : -1])
-    found = set()
+    found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in mine:
-                found.add(fields[1].rsplit(":", 1)[0])
+                found[fields[9]] = fields[1].rsplit(":", 1)[0]
     return found
+
+
+def _my_listeners(before: dict[str, str] | None = None) -> set[str]:
+    """The local addresses of this process's listening TCP sockets, those open in ``before`` left out (in a
+    whole-suite run, other tests' servers share this process)."""
+    return {address for inode, address in _my_listening_sockets().items() if inode not in (before or {})}
 
 
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
@@ -103,11 +109,12 @@ def _outbound_address() -> str | None:
 def test_the_control_store_listens_on_loopback_only():
     """torch's TCPStore listens on every interface whatever host it is given; the store the launch makes
     adopts a socket bound to 127.0.0.1, so another address of this machine is refused."""
+    before = _my_listening_sockets()
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     assert _listeners(plain.port) - {"0100007F"}  # the reason for bound_store: all interfaces
     store = bound_store("127.0.0.1", 5)
     assert _listeners(store.port) == {"0100007F"}
-    mine = _my_listeners() - _listeners(plain.port)
+    mine = _my_listeners(before) - _listeners(plain.port)
     assert mine and mine <= LOOPBACK, mine
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
     client.set("k", "v")
@@ -173,6 +180,7 @@ def test_a_weights_group_listens_on_loopback_and_refuses_a_strangers_address(tmp
 
     from rubricem_core.distributed.guard import gloo_group, sealed_store
 
+    before = _my_listening_sockets()
     store = bound_store("127.0.0.1", 60)
     peer = subprocess.Popen(
         [
@@ -193,7 +201,7 @@ def test_a_weights_group_listens_on_loopback_and_refuses_a_strangers_address(tmp
         rendezvous = sealed_store(store, "key", "p")  # kept as long as the group
         group = gloo_group(rendezvous, 0, 2, 60, loopback=True)
         group.broadcast(torch.tensor([1.0, 2.0, 3.0]), 0).wait()
-        mine = _my_listeners()
+        mine = _my_listeners(before)
         assert mine and mine <= LOOPBACK, mine
         out, _ = peer.communicate(timeout=60)
     finally:
