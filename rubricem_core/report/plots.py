@@ -407,6 +407,7 @@ def plot_eval_curve(data: RunData, path: Path) -> Path | None:
             label=_label(" · ".join(part for part in key if part)),
         )
     ax.set_ylabel("mean score", fontsize=9)
+    ax.set_ylim(min(0.0, *(float(r["mean"]) for r in rows)), max(1.0, *(float(r["mean"]) for r in rows)) * 1.05)
     _steps_axis(ax, sorted({r["updates"] for r in rows}), "RL steps (policy updates; SFT = 0)")
     _legend(ax)
     return _save(fig, path)
