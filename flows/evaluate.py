@@ -82,7 +82,9 @@ def evaluate(
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})
     results: dict[str, dict[str, Any]] = {}
     with (
-        tracker.child_run("evaluate", params=params, tags=prefect_links()) if tracker else nullcontext() as child,
+        tracker.child_run("evaluate", params=params, tags=prefect_links(), label=tag)
+        if tracker
+        else nullcontext() as child,
         _fleet_ends_with_flow(cfg),
     ):
         for benchmark in cfg.eval.benchmarks:

@@ -778,7 +778,7 @@ class Tracker:
         a new attempt under the parent (the stage's current run from now on)."""
         return self._child_run_id(flow_name, claim=False)
 
-    def _child_run_id(self, flow_name: str, claim: bool) -> str:
+    def _child_run_id(self, flow_name: str, claim: bool, label: str | None = None) -> str:
         if not flow_name or not flow_name.strip():
             raise ValueError("flow_name must be a non-empty string")
         parent = self.parent_run_id()
@@ -789,16 +789,17 @@ class Tracker:
             if previous is not None and previous.info.status == "RUNNING" and _is_live(previous.info.run_id):
                 run_id = previous.info.run_id  # nested in a run of this process: the same attempt
             else:
-                run_id = self._new_attempt(parent, flow_name, previous)
+                run_id = self._new_attempt(parent, flow_name, previous, label)
                 children[flow_name] = run_id
                 self._write_state(state)
             if claim:  # under the lock, so a concurrent caller sees it open, not crashed
                 _claim_live(run_id)
             return run_id
 
-    def _new_attempt(self, parent: str, flow_name: str, previous: Run | None) -> str:
+    def _new_attempt(self, parent: str, flow_name: str, previous: Run | None, label: str | None = None) -> str:
         """A new child run for ``flow_name``: attempt 1, or the one after ``previous`` (closed FAILED
-        if a crash left it RUNNING, and no longer the stage's current run)."""
+        if a crash left it RUNNING, and no longer the stage's current run). ``label`` names what this run
+        does instead of its attempt number (an evaluation's checkpoint: several in a row are no retries)."""
         tags = {"mlflow.parentRunId": parent, FLOW_TAG: flow_name, CURRENT_TAG: "true"}
         attempt = 1
         if previous is not None:
@@ -809,12 +810,16 @@ class Tracker:
             attempt = _attempt_of(previous) + 1
             tags[RETRY_OF_TAG] = previous.info.run_id
         tags[ATTEMPT_TAG] = str(attempt)
-        name = flow_name if attempt == 1 else f"{flow_name} · attempt {attempt}"
+        name = f"{flow_name} · {label}" if label else flow_name if attempt == 1 else f"{flow_name} · attempt {attempt}"
         return _retry(self.client.create_run, self.experiment_id(), run_name=name, tags=tags).info.run_id
 
     @contextlib.contextmanager
     def child_run(
-        self, flow_name: str, params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None
+        self,
+        flow_name: str,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+        label: str | None = None,
     ) -> Iterator[ChildRun]:
         """Run a flow inside a new attempt run: RUNNING while inside, then FINISHED, FAILED or KILLED.
 
@@ -827,7 +832,7 @@ class Tracker:
         # refused before any run is created or reopened
         _refuse_secrets(list(flatten_params(params or {})), "param(s)")
         _refuse_secrets([str(k) for k in (tags or {})], "tag(s)")
-        run_id = self._child_run_id(flow_name, claim=True)
+        run_id = self._child_run_id(flow_name, claim=True, label=label)
         try:
             parent = self.parent_run_id()
             self.log_headline_params()

@@ -266,6 +266,18 @@ def test_artifacts(tracker: Tracker, tmp_path: Path):
     assert list(artifact_root.rglob("summary.json"))[0].read_text().strip().startswith("{")
 
 
+def test_evaluations_of_several_checkpoints_are_named_by_checkpoint_not_attempt(tracker: Tracker):
+    names = []
+    for tag in ("sft", "rl-step-000001", "rl-step-000003"):  # rl.eval_every: one evaluate run per checkpoint
+        with tracker.child_run("evaluate", label=tag) as child:
+            child.log_metrics({"eval/synthetic/none/score_mean": 0.1}, step=0 if tag == "sft" else int(tag[-1]) + 1)
+        names.append(tracker.client.get_run(child.run_id).info.run_name)
+    assert names == ["evaluate · sft", "evaluate · rl-step-000001", "evaluate · rl-step-000003"]
+    # still one stage: the newest run carries the curve's earlier points forward
+    history = tracker.client.get_metric_history(child.run_id, "eval/synthetic/none/score_mean")
+    assert sorted(m.step for m in history) == [0, 2, 4]
+
+
 def test_concurrent_children_in_threads(tracker: Tracker, run_dir: Path):
     errors: list[BaseException] = []
 
