@@ -6,24 +6,28 @@ The run is the CLI as users run it: `rubricem collect-sft-data` and `rubricem sf
 ``--run-dir`` already has an SFT policy), then `rubricem rl` in a subprocess. A sampler thread here
 watches the progress file (state/rl_progress.json) and, each time a step is marked done, records:
 
-- the step's wall time (since the previous step was marked done) and the flow process's CPU seconds;
-- RSS of the flow process, of its Prefect API server (the CLI's own uvicorn child) and of any other
-  descendants (trainer ranks with distributed.nproc_per_node > 1);
-- the flow process's open file descriptors (/proc/<pid>/fd);
-- Parquet files and bytes under tables/, the MLflow store's bytes (mlflow/), RL checkpoints kept,
-  and the reflection bank's size (the rollout task's bank/size metric).
+- the step's wall time (since the previous step was marked done), CPU seconds of the flow process and
+  of its Prefect API server (the CLI's own uvicorn child) and ranks, and the flow process's read()
+  calls and bytes (/proc/<pid>/io: a step that reads every earlier step's Parquet shows here whatever
+  the machine's load);
+- RSS of the flow process, of its Prefect server and of any other descendants (trainer ranks with
+  distributed.nproc_per_node > 1); the flow process's open file descriptors (/proc/<pid>/fd);
+- Parquet files and bytes under tables/, the MLflow store's bytes (mlflow/), the local Prefect
+  server's database (shared by every run of this user), RL checkpoints kept, and the reflection
+  bank's size (the rollout task's bank/size metric).
 
 Rows are appended to ``<run-dir>/soak.jsonl``; rerunning with the same ``--run-dir`` after a kill
 resumes the RL run (the flow resumes itself) and keeps the rows already recorded.
 
-    .venv/bin/python bench/soak.py                 # 40 steps (~20 min on 2 busy cores)
-    .venv/bin/python bench/soak.py --quick         # 10 steps (a few minutes)
+    .venv/bin/python bench/soak.py                 # 40 steps (~5 min on 2 busy cores, 1 of it SFT)
+    .venv/bin/python bench/soak.py --quick         # 10 steps (~2 min)
     .venv/bin/python bench/soak.py --steps 60 --run-dir /tmp/soak --set rollout.max_new_tokens=96
 
-Figures compare the last 5 steps with the first 5 after step 0 (step 0 also loads the models):
-wall time (goal ≤ 1.1×), flow RSS growth (goal ≤ 10%), open fds (goal: flat, +2 at most), and Parquet
-files and bytes added per step. Both windows hold the same mix of new-query and replay steps (steps
-1..5 and the last 5 have the same parity when the step count is even).
+Figures compare the last 5 steps with the first 5 after step 0 (step 0 also loads the models; windows
+of 3 with --quick): CPU seconds per step of the flow process and its Prefect server (the figure, goal
+≤ 1.1×: on a shared machine the wall time follows the other processes' load, so it is printed but not
+judged), flow RSS growth (goal ≤ 10%), open fds (goal: flat, +2 at most), and Parquet files and bytes
+added per step. Both windows hold the same mix of new-query and replay steps (an even step count).
 """
 
 from __future__ import annotations
