@@ -299,6 +299,7 @@ class Summary:
     reads: tuple[float, float, float]  # read() calls of the flow process (medians)
     rss: tuple[float, float, float]  # flow RSS MiB (means)
     server_rss: tuple[float, float, float]
+    ranks_rss: tuple[float, float, float]  # all trainer ranks together (0: none)
     fds: tuple[float, float, float]
     parquet_files: tuple[float, float]  # added per step, first and last window
     parquet_kib: tuple[float, float]
@@ -334,6 +335,7 @@ def summarize(rows: list[dict[str, Any]]) -> Summary:
         reads=ratio(rows, "read_calls", statistics.median),
         rss=ratio(rows, "rss_flow_mib"),
         server_rss=ratio(rows, "rss_server_mib"),
+        ranks_rss=ratio([{**r, "rss_ranks_mib": r.get("rss_ranks_mib", 0.0)} for r in rows], "rss_ranks_mib"),
         fds=ratio(rows, "fds"),
         parquet_files=(per_step_growth(rows, "parquet_files", first), per_step_growth(rows, "parquet_files", last)),
         parquet_kib=(
@@ -349,10 +351,12 @@ def print_summary(rows: list[dict[str, Any]], s: Summary) -> None:
     w = s.window
     print(
         f"last {w} / first {w} steps (1-{w} vs {rows[-w]['step']}-{rows[-1]['step']}; medians of time, means of "
-        f"the rest): CPU of flow + Prefect server {s.cpu[0]:.2f}s -> {s.cpu[1]:.2f}s ({s.cpu[2]:.2f}x), wall "
+        f"the rest): CPU of flow + Prefect server + ranks {s.cpu[0]:.2f}s -> {s.cpu[1]:.2f}s ({s.cpu[2]:.2f}x), wall "
         f"{s.wall[0]:.2f}s -> {s.wall[1]:.2f}s ({s.wall[2]:.2f}x), read calls {s.reads[0]:.0f} -> {s.reads[1]:.0f}, "
         f"flow RSS {s.rss[0]:.0f} -> {s.rss[1]:.0f} MiB ({100 * s.rss_growth:+.1f}%), Prefect server RSS "
-        f"{s.server_rss[0]:.0f} -> {s.server_rss[1]:.0f} MiB, fds {s.fds[0]:.1f} -> {s.fds[1]:.1f}"
+        f"{s.server_rss[0]:.0f} -> {s.server_rss[1]:.0f} MiB, "
+        + (f"ranks' RSS {s.ranks_rss[0]:.0f} -> {s.ranks_rss[1]:.0f} MiB, " if s.ranks_rss[0] else "")
+        + f"fds {s.fds[0]:.1f} -> {s.fds[1]:.1f}"
     )
     print(
         f"added per step (first vs last {w}): Parquet {s.parquet_files[0]:.1f} -> {s.parquet_files[1]:.1f} files, "
