@@ -121,6 +121,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("step_timeline", quick_args=("--quick",)),
     Script("fault_matrix", quick_args=("--quick",)),
     Script("step_bytes", quick_args=("--quick",)),
+    Script("soak", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),
 )
 

@@ -58,25 +58,25 @@ from tasks.secrets import check_endpoint_keys
 
 
 @flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}", **RUN_HOOKS)
-def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> dict[str, float]:
+def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> None:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
-    the reflection loop the deferred reflection update of ``previous`` and this step's reflections."""
+    the reflection loop the deferred reflection update of ``previous`` and this step's reflections.
+
+    Returns nothing: the step's metrics are its tasks' saved ones (``step_metrics``). Prefect links
+    whatever a subflow returns to the parent flow run (``FlowRunContext.run_results``, one entry per
+    value) for the parent's whole life, so a returned metrics dict grew the `rl` flow by ~16 KiB a step."""
     overlap = cfg.reflection.schedule == "deferred"
     pending = _reflections_to_train(run_dir, cfg, previous)
     reflecting_now = reflection_on(cfg) and plan.phase == "new"
-    rolled, updated_reflections = _alongside(
+    _alongside(
         overlap,
         (rollout_task, run_dir, cfg, plan),
         (reflection_update_task, run_dir, cfg, pending, plan.step) if pending else None,
     )
-    judged = judge_task(run_dir, cfg, plan)
-    updated, reflected = _alongside(
+    judge_task(run_dir, cfg, plan)
+    _alongside(
         overlap, (update_task, run_dir, cfg, plan), (reflect_task, run_dir, cfg, plan) if reflecting_now else None
     )
-    metrics: dict[str, float] = {}
-    for part in (rolled, judged, updated, updated_reflections, reflected):
-        metrics.update((part or {}).get("metrics", {}))
-    return metrics
 
 
 def _reflections_to_train(run_dir: str, cfg: RunConfig, previous: StepPlan | None) -> StepPlan | None:
@@ -192,7 +192,8 @@ def rl(
             if plan.step <= done:  # its update is in the newest checkpoint or replayed from its tables
                 _finish_done_step(run_dir, cfg, plan, child)
                 continue
-            metrics = rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)
+            rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)
+            metrics = step_metrics(RunStore(run_dir), plan.step)  # what the step's tasks returned
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last

@@ -10,6 +10,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -251,3 +252,68 @@ def test_learning_curve_chunks_end_on_windows():
     for steps, every, per_window in ((24, 4, 6), (10, 4, 2)):  # a chunk ends mid-window / steps not a multiple
         with pytest.raises(SystemExit, match="multiple of"):
             chunk_ends(steps, every, per_window)
+
+
+def _soak_rows(n: int, cpu_growth: float, rss_growth: float, fds_growth: int) -> list[dict]:
+    """Synthetic soak rows: step 0 is slow (model load), new-query (even) steps cost twice a replay."""
+    rows = []
+    for step in range(n):
+        base = 2.0 if step % 2 == 0 else 1.0
+        rows.append(
+            {
+                "step": step,
+                "seconds": 20.0 if step == 0 else base * (1 + cpu_growth * step),
+                "cpu_s": 10.0 if step == 0 else base * (1 + cpu_growth * step),
+                "cpu_server_s": 0.1,
+                "read_calls": 100,
+                "rss_flow_mib": 1000.0 * (1 + rss_growth * step),
+                "rss_server_mib": 200.0,
+                "fds": 17 + fds_growth * step,
+                "parquet_files": 20 + 5 * step,
+                "parquet_mib": 0.3 + 0.04 * step,
+                "mlflow_mib": 2.5 + 0.02 * step,
+                "checkpoints": 2,
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize(
+    "n, cpu_growth, rss_growth, fds_growth, met",
+    [
+        (40, 0.0, 0.0, 0, True),
+        (40, 0.01, 0.0, 0, False),  # +34% CPU per step by the end
+        (40, 0.0, 0.005, 0, False),  # +17% RSS
+        (40, 0.0, 0.0, 1, False),  # a leaked fd per step
+        (10, 0.0, 0.0, 0, True),  # --quick: windows of 3
+    ],
+)
+def test_soak_summary_compares_like_steps(n, cpu_growth, rss_growth, fds_growth, met):
+    from bench.soak import summarize
+
+    rows = _soak_rows(n, cpu_growth, rss_growth, fds_growth)
+    s = summarize(rows)
+    assert s.window == (5 if n >= 12 else 3)
+    # step 0 (model load) is left out and both windows hold the same new/replay mix: flat costs give 1.0
+    if cpu_growth == 0:
+        assert s.cpu[2] == pytest.approx(1.0) and s.wall[2] == pytest.approx(1.0)
+    else:
+        assert s.cpu[2] > 1.1
+    assert s.parquet_files == (5.0, 5.0)
+    assert s.met is met
+
+
+def test_soak_samples_a_process_tree(tmp_path):
+    from bench.soak import process_tree, sample
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = process_tree(child.pid)
+        assert tree["rss_flow_mib"] > 1 and tree["fds"] >= 3 and tree["n_ranks"] == 0
+        (tmp_path / "tables" / "t" / "step=0000").mkdir(parents=True)
+        pq.write_table(pa.table({"x": [1, 2, 3]}), tmp_path / "tables" / "t" / "step=0000" / "part.parquet")
+        row = sample(tmp_path, child.pid, 0, 1.0, {})
+        assert row["parquet_files"] == 1 and row["parquet_mib"] > 0 and row["checkpoints"] == 0
+    finally:
+        child.kill()
+        child.wait()

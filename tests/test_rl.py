@@ -341,3 +341,33 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
     rl(run_dir=failing, profile="tiny", overrides=SMALL)  # same process, same session
     assert batch_calls == [0]  # step 0 re-judged from the tables, step 1 streamed
     _assert_same_judging(_judge_view(failing), reference)
+
+
+@pytest.mark.slow
+def test_rl_flow_holds_nothing_per_step(sft_run, tmp_path, monkeypatch):
+    """The `rl` flow run's Prefect context does not grow with the steps: a subflow's return value stays
+    linked in the parent's ``run_results`` (one entry per returned value) for the parent's whole life,
+    which with a metrics dict per step grew a days-long run without bound (bench/soak.py)."""
+    from prefect.context import FlowRunContext
+
+    import flows.rl as rl_flow
+
+    sizes: list[int] = []
+
+    class CountingProgress(rl_flow.Progress):
+        def update(self, *args, **kwargs):
+            sizes.append(len(FlowRunContext.get().run_results))  # in the `rl` flow run, after each step
+            return super().update(*args, **kwargs)
+
+    monkeypatch.setattr(rl_flow, "Progress", CountingProgress)
+    run_dir = _copy_run(sft_run, tmp_path / "four_steps")
+    result = rl_flow.rl(run_dir=run_dir, profile="tiny", overrides={**SMALL, "rl.n_windows": 2})
+    assert result["steps"] == 4 and len(sizes) == 4
+    assert sizes[-1] == sizes[0], sizes
+    logged = json.loads(
+        run_sql(run_dir, "SELECT DISTINCT step FROM metrics WHERE flow = 'rl' ORDER BY step", fmt="json")
+    )
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]  # the steps' metrics still reach MLflow and `metrics`
+    from tasks.rl import step_metrics
+
+    assert result["last_metrics"]["rl/loss"] == pytest.approx(step_metrics(RunStore(run_dir), 3)["rl/loss"])
