@@ -42,7 +42,18 @@ def _fleet_ends_with_flow(cfg: RunConfig) -> Iterator[None]:
             drop_engines()
 
 
-@flow(name="evaluate", flow_run_name="evaluate · {run_dir}", **RUN_HOOKS)
+def evaluate_run_name() -> str:
+    """``evaluate · runs/x``, and the checkpoint when one is named (``… · rl-step-000003``): a learning
+    curve evaluates several checkpoints of one run directory in a row."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    name = f"evaluate · {params.get('run_dir')}"
+    checkpoint = params.get("checkpoint")
+    return f"{name} · {checkpoint_tag(params['run_dir'], checkpoint)}" if checkpoint else name
+
+
+@flow(name="evaluate", flow_run_name=evaluate_run_name, **RUN_HOOKS)
 @writes_run_dir
 def evaluate(
     run_dir: str = "runs/tiny",

@@ -115,3 +115,16 @@ def test_the_report_draws_the_curve_from_two_checkpoints_on(tmp_path: Path):
         points = data.rows("SELECT step, avg(score) AS mean FROM eval_results GROUP BY step ORDER BY step NULLS FIRST")
     assert png is not None and imread(png).shape[0] > 100
     assert [(r["step"], round(r["mean"], 3)) for r in points] == [(None, 0.2), (1, 0.4), (3, 0.6)]
+
+
+def test_an_evaluate_flow_run_is_named_by_its_checkpoint(tmp_path: Path, monkeypatch):
+    import prefect.runtime.flow_run as flow_run
+
+    from flows.evaluate import evaluate_run_name
+
+    run_dir = str(tmp_path / "run")
+    monkeypatch.setattr(flow_run, "parameters", {"run_dir": run_dir, "checkpoint": None}, raising=False)
+    assert evaluate_run_name() == f"evaluate · {run_dir}"
+    checkpoint = str(step_checkpoint(run_dir, 3))
+    monkeypatch.setattr(flow_run, "parameters", {"run_dir": run_dir, "checkpoint": checkpoint}, raising=False)
+    assert evaluate_run_name() == f"evaluate · {run_dir} · rl-step-000003"
