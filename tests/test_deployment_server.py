@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -467,6 +468,9 @@ def test_deploy_and_run_through_the_api(prefect_server, tmp_path):
     for summary in summaries:
         assert summary["key"].startswith("collect-sft-data-run-")
         assert "accepted" in summary["data"] and "Reject codes" in summary["data"]
+        # its MLflow link opens the model-training view, not MLflow's GenAI default
+        links = re.findall(r"https?://[^\s)\]]+/#/experiments[^\s)\]]*", summary["data"])
+        assert links and all(link.endswith("?workflowType=machine_learning") for link in links), links
 
     rows = RunStore(str(run_dir)).read_rows("sft_trajectories")
     assert len(rows) == 3 * 2  # 3 train queries x trajectories_per_query 2 of the tiny profile
