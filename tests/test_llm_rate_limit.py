@@ -101,7 +101,7 @@ def test_in_flight_limit_falls_under_429s_and_recovers(adaptive: bool) -> None:
         state = endpoint_state(settings)
         assert state is not None
         if not adaptive:
-            assert state.limit == 16 and len(refused) > 60  # 16 at once against 3: most calls are refused
+            assert state.limit == 16 and len(refused) > 20  # 16 at once against 3: many calls are refused
             return
         # the limit fell to what the endpoint serves; refusals are a few per halving, not per call
         assert int(state.limit) <= 4  # calls at once: about the 3 it serves (the sawtooth: +-30%)

@@ -303,10 +303,12 @@ def test_the_pipeline_run_logs_stage_progress_and_a_summary_and_publishes_an_art
         (run,) = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"pipeline · {run_dir}"]))
         )
+        # each stage's run is named after its flow and the run directory; an evaluation also names its
+        # checkpoint (rl.eval_every=1: the SFT policy and both RL steps, the final one last)
+        evaluations = [f"evaluate · {run_dir} · {tag}" for tag in ("sft", "rl-step-000000", "rl-step-000001")]
+        stages = [f"{f} · {run_dir}" for f in ("collect_sft_data", "sft", "rl")]
         subflows = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(any_=[f"{f} · {run_dir}" for f in ("collect_sft_data", "sft", "rl", "evaluate")])
-            )
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=stages + evaluations))
         )
         (artifact,) = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("pipeline", run_dir)]))
@@ -320,7 +322,7 @@ def test_the_pipeline_run_logs_stage_progress_and_a_summary_and_publishes_an_art
             if any("pipeline finished" in m for m in logs) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-    assert len(subflows) == 4  # each stage's run is named after its flow and the run directory
+    assert sorted(r.name for r in subflows) == sorted(stages + evaluations)
     assert any(m.startswith("pipeline stage 1/5 (20%): collect_sft_data:") for m in logs), logs
     assert any(m.startswith("pipeline stage 5/5 (100%): report:") for m in logs), logs
     (summary,) = [m for m in logs if "pipeline finished" in m]
