@@ -306,8 +306,13 @@ def test_soak_summary_compares_like_steps(n, cpu_growth, rss_growth, fds_growth,
 def test_soak_samples_a_process_tree(tmp_path):
     from bench.soak import process_tree, sample
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"  # a started interpreter
         tree = process_tree(child.pid)
         assert tree["rss_flow_mib"] > 1 and tree["fds"] >= 3 and tree["n_ranks"] == 0
         (tmp_path / "tables" / "t" / "step=0000").mkdir(parents=True)
