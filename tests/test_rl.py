@@ -249,6 +249,20 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     states = {t.name: t.state.name for t in tasks}
     assert states["rollout-step-1"] == states["judge-step-1"] == "Cached", states
     assert states["ss-grpo-update-step-1"] == "Completed", states
+    # MLflow: the retry is a new `rl` run, the stage's current one, holding the whole curve (step 0 from the
+    # failed attempt carried forward, step 1 its own); the failed attempt keeps what it logged
+    from rubricem_core.tracking import Tracker
+
+    tracker = Tracker(resumed)
+    attempts = tracker.client.search_runs(
+        [tracker.experiment_id()], "tags.`rubricem.flow` = 'rl'", order_by=["attributes.start_time ASC"]
+    )
+    assert [(r.info.run_name, r.info.status, r.data.tags["rubricem.current"]) for r in attempts] == [
+        ("rl", "FAILED", "false"),
+        ("rl · attempt 2", "FINISHED", "true"),
+    ]
+    steps = [sorted(m.step for m in tracker.client.get_metric_history(r.info.run_id, "reward/R/answer_mean")) for r in attempts]
+    assert steps == [[0], [0, 1]], steps
 
     from safetensors.torch import load_file
 
