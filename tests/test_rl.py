@@ -261,7 +261,10 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
         ("rl", "FAILED", "false"),
         ("rl · attempt 2", "FINISHED", "true"),
     ]
-    steps = [sorted(m.step for m in tracker.client.get_metric_history(r.info.run_id, "reward/R/answer_mean")) for r in attempts]
+    steps = [
+        sorted(m.step for m in tracker.client.get_metric_history(r.info.run_id, "reward/R/answer_mean"))
+        for r in attempts
+    ]
     assert steps == [[0], [0, 1]], steps
 
     from safetensors.torch import load_file
