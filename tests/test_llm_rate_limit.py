@@ -18,34 +18,13 @@ from rubricem_core.llm.concurrent import TokenBudget, endpoint_state, estimate_t
 from rubricem_core.llm.types import ChatRequest, EndpointSettings, RetryStats
 from rubricem_core.teacher.endpoint import run_round
 from tests.fakes.openai_server import FakeOpenAIServer, RateLimit
-
-API_KEY = "sk-test-rate-0123456789"
-
-
-def echo(body: dict[str, Any]) -> str:
-    return "echo: " + body["messages"][-1]["content"]
+from tests.test_llm_concurrent import API_KEY, echo, make_requests, make_settings
 
 
 def settings_for(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/fake-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=10.0,
-        max_retries=5,
-        backoff_base_s=0.01,
-        backoff_max_s=5.0,
-        max_concurrency=16,
-    )
-    values.update(overrides)
-    return EndpointSettings(**values)
-
-
-def make_requests(n: int, **fields: Any) -> list[ChatRequest]:
-    return [
-        ChatRequest(custom_id=f"r{i}", model="", messages=[{"role": "user", "content": f"question {i}"}], **fields)
-        for i in range(n)
-    ]
+    """test_llm_concurrent's endpoint with room for rate limits: more calls at once, more retries, longer waits."""
+    values: dict[str, Any] = dict(timeout_s=10.0, max_retries=5, backoff_max_s=5.0, max_concurrency=16)
+    return make_settings(server, **{**values, **overrides})
 
 
 def http_date_in(seconds: float) -> Any:
