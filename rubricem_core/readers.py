@@ -297,6 +297,9 @@ class _Collector:
         self.seen: dict[str, str] = {}
 
     def add(self, where: str, **fields: Any) -> None:
+        """One query; unless given, its prompt is the question as a single user turn (rubrics, reference,
+        spec and metadata default as `Query`'s)."""
+        fields.setdefault("messages", [{"role": "user", "content": fields["question"]}])
         query_id = fields["query_id"]
         if query_id in self.seen:
             raise QueryFileError(self.path, where, f"duplicate query id {query_id!r} (first at {self.seen[query_id]})")
@@ -385,7 +388,6 @@ def read_dr_tulu(path: str | os.PathLike[str], split: str = "train") -> list[Que
             messages=messages,
             rubrics=rubrics,
             reference_answer=reference,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -442,7 +444,6 @@ def read_healthbench(path: str | os.PathLike[str], split: str = "eval") -> list[
             messages=messages,
             rubrics=rubrics,
             reference_answer=reference if isinstance(reference, str) else None,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -501,10 +502,7 @@ def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list
             split=split,
             kind="long_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=rubrics,
-            reference_answer=None,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -597,10 +595,7 @@ def read_deep_research_bench(
             split=split,
             kind="long_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=rubrics_by_id.get(query_id, []),
-            reference_answer=None,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -732,10 +727,8 @@ def read_2wiki(path: str | os.PathLike[str], split: str = "eval") -> list[Query]
             split=split,
             kind="short_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=[_final_rubric(aliases[0], aliases)],
             reference_answer=aliases[0],
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -788,10 +781,7 @@ def read_researchqa(path: str | os.PathLike[str], split: str = "eval") -> list[Q
             split=split,
             kind="long_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=rubrics,
-            reference_answer=None,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -851,10 +841,7 @@ def read_researchrubrics(path: str | os.PathLike[str], split: str = "eval") -> l
             split=split,
             kind="long_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=rubrics,
-            reference_answer=None,
-            spec={},
             metadata={k: data[k] for k in labels if data.get(k) is not None},
         )
     return out.result()
@@ -894,10 +881,8 @@ def read_webwalkerqa(path: str | os.PathLike[str], split: str = "eval") -> list[
             split=split,
             kind="short_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=[_final_rubric(answer, [answer])],
             reference_answer=answer,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -934,10 +919,8 @@ def read_deepsearchqa(path: str | os.PathLike[str], split: str = "eval") -> list
             split=split,
             kind="short_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
             rubrics=[_final_rubric(answer, [answer])],
             reference_answer=answer,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -994,9 +977,6 @@ def read_searcharena(path: str | os.PathLike[str], split: str = "sft") -> list[Q
             kind="short_form" if isinstance(intent, str) and intent.strip().lower() in _SHORT_INTENTS else "long_form",
             question=first,
             messages=[{"role": "user", "content": first}],
-            rubrics=[],
-            reference_answer=None,
-            spec={},
             metadata=metadata,
         )
     return out.result()
@@ -1020,11 +1000,6 @@ def read_openscholar(path: str | os.PathLike[str], split: str = "sft") -> list[Q
             split=split,
             kind="long_form",
             question=question,
-            messages=[{"role": "user", "content": question}],
-            rubrics=[],
-            reference_answer=None,
-            spec={},
-            metadata={},
         )
     return out.result()
 
