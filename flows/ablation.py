@@ -102,8 +102,7 @@ def ablation(
         with run_dir_lock(sub, command="ablation"):
             resolve_config(sub, config=sub_cfg, command="ablation")  # the recipe's run reads it from its directory
             trained = rl(run_dir=sub)
-            final = Path(trained["final_checkpoint"]).resolve()
-            for checkpoint in [c for c in curve_checkpoints(sub, sub_cfg) if c.resolve() != final]:
+            for checkpoint in curve_checkpoints(sub, sub_cfg, before_last=True):
                 evaluation = evaluate(
                     run_dir=sub, checkpoint=str(checkpoint), benchmarks=benchmarks, retrieval=retrieval
                 )

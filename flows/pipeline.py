@@ -30,13 +30,12 @@ from tasks.rl import curve_checkpoints, drop_sessions, start_policy
 STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 
 
-def learning_curve_checkpoints(run_dir: str, cfg: RunConfig, final: str) -> list[Path]:
+def learning_curve_checkpoints(run_dir: str, cfg: RunConfig) -> list[Path]:
     """What rl.eval_every evaluates before the final checkpoint: the SFT policy, then the curve's RL
     checkpoints, oldest first ([] without rl.eval_every)."""
     if cfg.rl.eval_every is None:
         return []
-    final_path = Path(final).resolve()
-    return [start_policy(run_dir), *(c for c in curve_checkpoints(run_dir, cfg) if c.resolve() != final_path)]
+    return [start_policy(run_dir), *curve_checkpoints(run_dir, cfg, before_last=True)]
 
 
 @flow(name="pipeline", flow_run_name="pipeline · {run_dir}", **RUN_HOOKS)
@@ -64,7 +63,7 @@ def pipeline(
     trained = rl(run_dir=run_dir)
     stages.update(3, f"rl: {trained['steps']} steps of {trained['recipe']}")
     drop_sessions()  # free the RL models before evaluation loads the final checkpoint
-    for checkpoint in learning_curve_checkpoints(run_dir, cfg, trained["final_checkpoint"]):
+    for checkpoint in learning_curve_checkpoints(run_dir, cfg):
         evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
     evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])
     stages.update(4, f"evaluate: {evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")

@@ -122,9 +122,11 @@ def curve_steps(cfg: RunConfig) -> list[int]:
     return sorted({*range(every - 1, last + 1, every), last})
 
 
-def curve_checkpoints(run_dir: str, cfg: RunConfig) -> list[Path]:
-    """The learning-curve checkpoints a run has written (rl.eval_every), oldest first."""
-    return [step_checkpoint(run_dir, step) for step in curve_steps(cfg) if has_checkpoint(run_dir, step)]
+def curve_checkpoints(run_dir: str, cfg: RunConfig, before_last: bool = False) -> list[Path]:
+    """The learning-curve checkpoints a run has written (rl.eval_every), oldest first; ``before_last``
+    leaves out the last step's (the final checkpoint, which evaluation takes last on its own)."""
+    steps = [s for s in curve_steps(cfg) if not (before_last and s >= last_step(cfg))]
+    return [step_checkpoint(run_dir, step) for step in steps if has_checkpoint(run_dir, step)]
 
 
 def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
