@@ -889,44 +889,53 @@ class ReflectionConfig(_Strict):
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 
 
+# keys of the torchrun launch files, gone with them: nodes join through Ray (docs/distributed.md)
+REMOVED_DISTRIBUTED_KEYS = {
+    "node_rank": "every node joins the Ray cluster (`ray start --address`); the flow runs on the head node only",
+    "master_addr": "Ray places the ranks and tells them rank 0's address",
+    "master_port": "Ray places the ranks and picks rank 0's port",
+    "rdzv_backend": "Ray places the ranks; there is no torchrun rendezvous",
+}
+
+
 class DistributedConfig(_Strict):
     nproc_per_node: int = Field(
         default=1,
         ge=1,
-        description="Trainer ranks per node. 1: train inside the flow's own process; N > 1: the sft task and the "
-        "rl flow start N ranks with torchrun themselves (one per GPU; gloo ranks on a CPU).",
+        description="Trainer ranks per node. 1 (with nnodes 1): train inside the flow's own process, no Ray; "
+        "more: the sft task and the rl flow run nnodes × nproc_per_node ranks as Ray actors in one placement "
+        "group (one GPU each; gloo ranks on CPUs).",
     )
-    nnodes: int = Field(default=1, ge=1, description="Nodes taking part; every node runs this many ranks.")
-    node_rank: int = Field(
-        default=0,
-        ge=0,
-        description="This node's index (0: the node whose flow run writes Parquet, MLflow and logs; others run "
-        "`rubricem ranks`).",
+    nnodes: int = Field(
+        default=1, ge=1, description="Nodes the trainer ranks span (Ray places nproc_per_node ranks per node)."
     )
-    master_addr: str | None = Field(
+    ray_address: str | None = Field(
         default=None,
-        description="Address of node 0 (rendezvous host). None: node 0's own host name (FQDN) on several nodes, "
-        "loopback on one.",
-    )
-    master_port: int | None = Field(
-        default=None, ge=1, le=65535, description="Rendezvous port on node 0 (None on one node: a free port)."
-    )
-    rdzv_backend: Literal["static", "c10d"] = Field(
-        default="static",
-        description="static: node_rank 0 holds global ranks 0..N-1 (deterministic rank 0); c10d: torchrun's "
-        "elastic rendezvous at master_addr:master_port.",
+        description="The Ray cluster the flow joins as its driver, e.g. 'auto' on a cluster's head node or "
+        "'ray://head:10001'. None: the RAY_ADDRESS variable, else a local Ray on 127.0.0.1 that the flow starts "
+        "with this machine's CPUs and GPUs (dashboard and usage stats off).",
     )
     train_devices: list[int] | None = Field(
-        default=None, description="CUDA devices of the trainer ranks (CUDA_VISIBLE_DEVICES; None: all visible)."
+        default=None,
+        description="A local Ray only: the CUDA devices it offers the trainer ranks (None: all visible). Give "
+        "vllm_server rollouts the others (rollout.devices).",
     )
     timeout_s: float = Field(default=1800.0, gt=0, description="Seconds a collective may wait for a slow rank.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in REMOVED_DISTRIBUTED_KEYS.items():
+                if key in data:
+                    raise ValueError(
+                        f"distributed.{key} was removed: {why} (docs/distributed.md, 'Moving from torchrun launch "
+                        "files')"
+                    )
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Any:
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
-        if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("nnodes > 1 needs master_port (a port on node 0 every node can reach)")
         if self.train_devices is not None and len(self.train_devices) < self.nproc_per_node:
             raise ValueError(
                 f"train_devices lists {len(self.train_devices)} devices for nproc_per_node {self.nproc_per_node}"

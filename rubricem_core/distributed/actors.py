@@ -1,0 +1,414 @@
+"""Trainer ranks as Ray actors in one placement group, driven by remote calls from the flow process.
+
+    group = RankGroup("rl", world_size=2, log_dir=layout.rank_logs_dir, timeout_s=1800)
+    group.build("rubricem_core.rl.ray_policy:RLRank", base, cfg)     # every rank builds one
+    metrics = group.call("update", ...)[0]                            # every rank, same arguments
+    group.call_each("update", [args_of_rank_0, args_of_rank_1])       # each rank its own
+    group.close()
+
+Each rank is a ``RankWorker`` actor holding one bundle of the group's placement group (a GPU each when
+the cluster has GPUs, else a CPU), with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` (rank 0's
+node) and ``MASTER_PORT`` set before it starts torch.distributed (NCCL on GPUs, gloo on CPUs); DeepSpeed
+adopts that process group. A rank's stdout and stderr (C libraries included) go to its own file,
+``<log_dir>/<kind>-rank<k>.log``; the driver tails the files while it waits, hands their lines to
+``on_line`` and the ``emit_metrics`` lines of rank 0 to ``on_metrics``.
+
+A rank that dies (its process is killed, its node is lost) or raises fails the call at once: Ray reports
+a dead actor within milliseconds, the other ranks (who may be waiting in a collective) are killed with the
+whole group, and ``RankFailure`` names the rank, its node and pid and ends with its log's last lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rubricem_core.distributed.cluster import uses_gpus
+
+METRICS_PREFIX = "@@rubricem-metrics "
+TAIL_LINES = 120
+POLL_S = 0.2
+log = logging.getLogger(__name__)
+
+
+class RankFailure(RuntimeError):
+    """A trainer rank died or raised; the message names it and holds the end of its output."""
+
+
+def emit_metrics(metrics: dict[str, float], step: int) -> None:
+    """Print one metrics line for the driver (call it on rank 0 only)."""
+    print(METRICS_PREFIX + json.dumps({"step": step, "metrics": metrics}), flush=True)
+
+
+def resolve(target: str) -> Any:
+    """``"package.module:attr"`` → the attribute."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class RankWorker:
+    """One trainer rank (a Ray actor: ``ray.remote(RankWorker)``)."""
+
+    def __init__(self, rank: int, world_size: int, log_file: str, env: dict[str, str]) -> None:
+        self.rank, self.world_size = rank, world_size
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        out = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)  # C-level writes too (gloo, NCCL, DeepSpeed's native code)
+        os.dup2(out, 2)
+        os.close(out)
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        logging.basicConfig(
+            level=logging.INFO if rank == 0 else logging.WARNING,
+            stream=sys.stdout,
+            format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+            force=True,
+        )
+        self.obj: Any = None
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": _node_address(ctx.get_node_id()),
+            "node_id": ctx.get_node_id(),
+            "pid": os.getpid(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def open_rendezvous(self, host: str, timeout_s: float) -> int:
+        """Rank 0: the process group's TCPStore, listening on ``host`` only (loopback when every rank is on
+        this node); its port."""
+        from rubricem_core.distributed.guard import bound_store
+
+        self._server = bound_store(host, timeout_s)
+        return int(self._server.port)
+
+    def init_process_group(
+        self, host: str, port: int, local_rank: int, timeout_s: float, key: str, loopback: bool
+    ) -> None:
+        """torch.distributed among the group's ranks (NCCL on GPUs, gloo on CPUs), meeting at rank 0's store
+        through values sealed with the group's key: a stranger who reaches the port cannot join."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from rubricem_core.distributed.guard import sealed_store
+
+        os.environ.update({"MASTER_ADDR": host, "MASTER_PORT": str(port), "LOCAL_RANK": str(local_rank)})
+        if loopback:  # every rank on this machine: gloo and NCCL's bootstrap listen on 127.0.0.1 only
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        inner = (
+            self._server
+            if self.rank == 0
+            else dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+        )
+        self._store = (inner, sealed_store(inner, key, "pg"))  # kept as long as the group
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend,
+            store=self._store[1],
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def build(self, target: str, *args: Any, **kwargs: Any) -> None:
+        """The object this rank serves calls on: ``target(*args, **kwargs)`` (``"module:Class"``)."""
+        self.obj = resolve(target)(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.obj, method)(*args, **kwargs)
+        finally:
+            sys.stdout.flush()
+
+    def run(self, target: str, *args: Any, **kwargs: Any) -> Any:
+        """One function on this rank (``"module:function"``), e.g. a whole SFT run."""
+        try:
+            return resolve(target)(*args, **kwargs)
+        finally:
+            sys.stdout.flush()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.obj is not None and hasattr(self.obj, "close"):
+            self.obj.close()
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+        sys.stdout.flush()
+
+
+class _LogTail:
+    """Follows one rank's log file from where it was when the group started."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._partial = ""
+
+    def read(self) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        text = self._partial + data.decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        return lines
+
+
+class RankGroup:
+    """``world_size`` RankWorker actors in one placement group, torch.distributed started among them."""
+
+    def __init__(
+        self,
+        kind: str,
+        world_size: int,
+        log_dir: Path,
+        timeout_s: float = 1800.0,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] = lambda line: None,
+        on_metrics: Callable[[dict[str, float], int], None] | None = None,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.kind, self.world_size, self.timeout_s = kind, world_size, timeout_s
+        self.on_line, self.on_metrics = on_line, on_metrics
+        gpu = uses_gpus()
+        bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+        self._pg = placement_group([dict(bundle)] * world_size, strategy="PACK", name=f"rubricem-{kind}")
+        self.actors: list[Any] = []
+        self.where: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        self.log_files = [Path(log_dir) / f"{kind}-rank{r}.log" for r in range(world_size)]
+        self._tails = [_LogTail(p) for p in self.log_files]
+        try:
+            self._wait_placed()
+            worker = ray.remote(RankWorker)
+            rank_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+            rank_env.update(env or {})
+            for r in range(world_size):
+                self.actors.append(
+                    worker.options(
+                        num_cpus=1,
+                        num_gpus=1 if gpu else 0,
+                        max_concurrency=2,  # a call and `where`/`shutdown` may overlap
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self._pg, placement_group_bundle_index=r
+                        ),
+                        name=None,
+                    ).remote(r, world_size, str(self.log_files[r]), rank_env)
+                )
+            self.where = self._gather([a.where.remote() for a in self.actors], "start")
+            one_node = len({w["node_id"] for w in self.where}) == 1
+            master = "127.0.0.1" if one_node else self.where[0]["ip"]
+            key = secrets.token_hex(32)  # reaches the ranks through Ray's authenticated calls only
+            port = self._gather([self.actors[0].open_rendezvous.remote(master, timeout_s)], "start", ranks=[0])[0]
+            # on GPUs Ray shows each rank only its own device, which is then cuda:0 to it
+            local = [0] * world_size if gpu else _local_ranks([w["node_id"] for w in self.where])
+            self._gather(
+                [
+                    a.init_process_group.remote(master, port, local[r], timeout_s, key, one_node)
+                    for r, a in enumerate(self.actors)
+                ],
+                "init_process_group",
+            )
+        except BaseException:
+            self.kill()
+            raise
+        nodes = sorted({w["ip"] for w in self.where})
+        log.info("%d %s ranks on %d node(s) %s, logs in %s", world_size, kind, len(nodes), nodes, log_dir)
+
+    def _wait_placed(self) -> None:
+        import ray
+
+        ready = self._pg.ready()
+        deadline = time.monotonic() + self.timeout_s
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if time.monotonic() > deadline:
+                raise RankFailure(
+                    f"Ray could not place {self.world_size} {self.kind} ranks within {self.timeout_s:.0f}s "
+                    f"(each needs {self._pg.bundle_specs[0]}); cluster has {ray.cluster_resources()}"
+                )
+
+    # ---- calls -----------------------------------------------------------------------------------
+    def build(self, target: str, *args: Any, **kwargs: Any) -> None:
+        self._gather([a.build.remote(target, *args, **kwargs) for a in self.actors], "build")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method`` of every rank's object with the same arguments; the ranks' results in rank order."""
+        return self._gather([a.call.remote(method, *args, **kwargs) for a in self.actors], method)
+
+    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``method`` of every rank's object, rank r with ``args_per_rank[r]`` (only its own data)."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"{len(args_per_rank)} argument tuples for {self.world_size} ranks")
+        return self._gather([a.call.remote(method, *args) for a, args in zip(self.actors, args_per_rank)], method)
+
+    def run(self, target: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``target(*args, **kwargs)`` on every rank (a function: ``"module:function"``)."""
+        return self._gather([a.run.remote(target, *args, **kwargs) for a in self.actors], target)
+
+    def drain(self) -> None:
+        """Hand over what the ranks wrote since the last call."""
+        for r, tail in enumerate(self._tails):
+            for line in tail.read():
+                if line.startswith(METRICS_PREFIX):
+                    if r == 0 and self.on_metrics is not None:
+                        record = json.loads(line[len(METRICS_PREFIX) :])
+                        self.on_metrics(record["metrics"], int(record["step"]))
+                    continue
+                tail.tail.append(line)
+                self.on_line(line if line.startswith("[rank") else f"[rank {r}] {line}")
+
+    def _gather(self, refs: list[Any], what: str, ranks: list[int] | None = None) -> list[Any]:
+        """The refs' values in order, streaming the logs meanwhile; RankFailure (and the group killed) as soon
+        as one rank fails."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            self.drain()
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as exc:  # a dead actor, or an exception it raised
+                    rank, exc = self._first_cause(rank, exc, pending)
+                    failure = self._failure(rank, what, exc)
+                    self.kill()
+                    raise failure from None
+        return [results[r] for r in ranks]
+
+    def _first_cause(self, rank: int, exc: BaseException, pending: dict[Any, int]) -> tuple[int, BaseException]:
+        """The failure to report: a rank that died rather than one whose collective broke because of it
+        (the survivors' gloo/NCCL errors often arrive first), waiting a moment for the others' outcomes."""
+        import ray
+
+        if not _raised(exc):
+            return rank, exc
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=2.0) if pending else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as other:
+                if not _raised(other):
+                    return pending[ref], other
+        return rank, exc
+
+    def _failure(self, rank: int, what: str, exc: BaseException) -> RankFailure:
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        time.sleep(0.2)  # the last lines a dying rank wrote
+        self.drain()
+        where = self.where[rank] if rank < len(self.where) else {}
+        node = f"node {where.get('ip', '?')} (pid {where.get('pid', '?')})"
+        if isinstance(exc, (ActorDiedError, RayActorError)) and not _raised(exc):
+            cause = f"died: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        else:
+            cause = f"raised {_cause(exc)}"
+        tail = list(self._tails[rank].tail) if rank < len(self._tails) else []
+        if _raised(exc):  # its traceback, as Ray carried it back
+            tail += ["--- traceback ---", *str(exc).splitlines()[-40:]]
+        return RankFailure(
+            f"{self.kind} trainer rank {rank} of {self.world_size} on {node} {cause} during {what!r}; "
+            f"the other ranks were stopped. last lines of {self.log_files[rank]}:\n" + "\n".join(tail)
+        )
+
+    # ---- end -------------------------------------------------------------------------------------
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the ranks cleanly (their objects closed, process group destroyed), then remove the group."""
+        import ray
+
+        if self.actors:
+            try:
+                refs = [a.shutdown.remote() for a in self.actors]
+                ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+                self.drain()
+            except Exception as exc:  # a rank that cannot stop cleanly is killed below
+                log.warning("%s ranks did not stop cleanly: %s", self.kind, exc)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank and remove the placement group (idempotent)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self._pg is not None:
+            try:
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+
+
+def _node_address(node_id: str) -> str:
+    """The address Ray knows a node by (127.0.0.1 on a local Ray), which its other nodes reach it at."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return str(node["NodeManagerAddress"])
+    return ray.util.get_node_ip_address()
+
+
+def _local_ranks(node_ids: list[str]) -> list[int]:
+    """Each rank's index among the ranks on its node (LOCAL_RANK)."""
+    seen: dict[str, int] = collections.Counter()
+    local = []
+    for node in node_ids:
+        local.append(seen[node])
+        seen[node] += 1
+    return local
+
+
+def _raised(exc: BaseException) -> bool:
+    """Whether a Ray error wraps an exception the rank's own code raised (not a death)."""
+    from ray.exceptions import RayTaskError
+
+    return isinstance(exc, RayTaskError)
+
+
+def _cause(exc: BaseException) -> str:
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        return f"{type(exc.cause).__name__}: {exc.cause}" if exc.cause is not None else str(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,91 @@
+"""The Ray cluster the flow process drives its trainer ranks (and rollout replicas) on.
+
+    connect(cfg.distributed)      # join distributed.ray_address / RAY_ADDRESS, else start a local Ray
+    ...                           # RankGroup(...) places actors on it
+    disconnect()                  # shut down only a Ray this process started
+
+A local Ray listens on 127.0.0.1 only, with no dashboard and no usage statistics, and offers the
+machine's CPUs and GPUs (``distributed.train_devices``: only those GPUs). A cluster (KubeRay, ``ray
+start``) is joined as it is: its own token authentication guards it (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from rubricem_core.config import DistributedConfig
+
+log = logging.getLogger(__name__)
+
+# what every process of ours on a Ray node needs: offline, quiet, no telemetry
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+_started_here = False
+_lock = threading.Lock()
+
+
+def cluster_address(d: DistributedConfig) -> str | None:
+    """The cluster to join: ``distributed.ray_address``, else ``RAY_ADDRESS`` (None: start a local Ray)."""
+    return d.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect(d: DistributedConfig) -> None:
+    """This process as the driver of a Ray cluster (idempotent)."""
+    global _started_here
+    import ray
+
+    with _lock:
+        if ray.is_initialized():
+            return
+        os.environ.update({k: v for k, v in RAY_ENV.items() if k not in os.environ})
+        address = cluster_address(d)
+        common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
+        if address is not None:
+            log.info("joining the Ray cluster at %s", address)
+            ray.init(address=address, **common)
+            return
+        import torch
+
+        gpus = torch.cuda.device_count() if d.train_devices is None else len(d.train_devices)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if d.train_devices is not None:  # the raylet starts with only these GPUs visible
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in d.train_devices)
+        try:
+            ray.init(
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                num_cpus=os.cpu_count() or 1,
+                num_gpus=gpus,
+                **common,
+            )
+        finally:
+            if d.train_devices is not None:
+                if visible is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        _started_here = True
+        log.info("started a local Ray on 127.0.0.1 (%d CPUs, %d GPUs)", os.cpu_count() or 1, gpus)
+
+
+def disconnect() -> None:
+    """Shut down the Ray this process started (a cluster it joined keeps running)."""
+    global _started_here
+    import ray
+
+    with _lock:
+        if ray.is_initialized() and _started_here:
+            ray.shutdown()
+        _started_here = False
+
+
+def uses_gpus() -> bool:
+    """Whether the cluster has GPUs for the trainer ranks (else they are gloo ranks on CPUs)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) > 0
