@@ -46,7 +46,7 @@ RL_PROGRESS_FILE = "rl_progress.json"
 CONFIG_REVISIONS_FILE = "config_revisions.jsonl"
 TRACKING_STATE_FILE = "mlflow_parent.json"
 PREFECT_SERVER_LOG = "prefect-server.log"
-LAUNCH_DIR = "launch"
+RANK_LOGS_DIR = "ranks"
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "artifacts"
 REPORT_FILE = "report.html"
@@ -133,8 +133,10 @@ class RunLayout:
         return self.state_dir / f"{name}.json"
 
     @property
-    def launch_dir(self) -> Path:
-        return self.state_dir / LAUNCH_DIR
+    def rank_logs_dir(self) -> Path:
+        """``state/ranks/``: each trainer rank's output (``<kind>-rank<k>.log``), written by the rank itself
+        (so a rank's last lines survive its death; on several nodes the run dir is a shared volume)."""
+        return self.state_dir / RANK_LOGS_DIR
 
     @property
     def prefect_server_log(self) -> Path:

@@ -168,7 +168,7 @@ def _reflection_row(rid: str, candidate: int, prompt: int, reflection: int, scor
 
 def test_show_research_sized_rollouts_and_reflections_batch_under_the_research_budgets():
     from rubricem_core.reflection.meta import reflection_batch
-    from rubricem_core.rl.update import _micro_batches
+    from rubricem_core.rl.update import UpdateConfig, _micro_batch, update_plan
     from rubricem_core.sft import step_schedule
 
     cfg = load_config("research")
@@ -204,7 +204,9 @@ def test_show_research_sized_rollouts_and_reflections_batch_under_the_research_b
         assert sorted(i for b in batches for i in b) == list(range(len(trajs)))
         assert all(len(b) * max(len(trajs[i]) for i in b) <= budget for b in batches)
         # what the RL update (and the reflection update) runs: bucket, then collate with the extras
-        micro = _micro_batches(trajs, advs, list(range(len(trajs))), 0, budget)
+        plan = update_plan(trajs, UpdateConfig(max_tokens_per_batch=budget))
+        micro = [_micro_batch(dict(enumerate(trajs)), dict(enumerate(advs)), picked, 0) for picked in plan.parts[0]]
+        assert plan.weights[0] == [float(b.loss_mask.sum()) for b in micro]  # the plan's weights: the trained tokens
         assert sum(b.batch_size for b in micro) == len(trajs)
         assert all(b.n_padded_tokens <= budget for b in micro)
         assert max(int(b.input_ids.shape[1]) for b in micro) == max(len(t) for t in trajs)

@@ -8,8 +8,8 @@
 ``session.policy`` is where the trainer and the frozen reference live:
 
 - ``LocalPolicy``: in this process (one device; ``distributed.nproc_per_node: 1``);
-- ``RankPolicy`` (rubricem_core.distributed.rl_ranks): in torchrun ranks that live as long as the
-  session (the whole ``rl`` flow run), driven through a torch.distributed TCPStore.
+- ``RayPolicy`` (rubricem_core.rl.ray_policy): in Ray actors that live as long as the session (the
+  whole ``rl`` flow run), driven by remote calls.
 
 The rollout engine always lives in this process. With a rank policy, or with the reflection loop
 (whose deferred update trains while the engine samples), the engine holds its own copy of the weights,
@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +43,7 @@ from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank, reflection_batch
-from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, training_batch
+from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update, training_batch
 from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.ssgrpo import as_lambda
@@ -279,10 +279,15 @@ class LocalPolicy:
         return self.trainer.device
 
     def update(
-        self, trajectories: list[TokenTrajectory], token_advs: list[list[float]], settings: UpdateConfig
+        self,
+        trajectories: Sequence[TokenTrajectory] | Mapping[int, TokenTrajectory],
+        token_advs: Sequence[list[float]] | Mapping[int, list[float]],
+        settings: UpdateConfig,
+        plan: UpdatePlan | None = None,
     ) -> dict[str, float]:
+        """``plan`` with a rank's share of the trajectories (RayPolicy); without, all of them."""
         return ss_grpo_update(
-            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id, settings
+            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id, settings, plan
         )
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None:
@@ -326,9 +331,9 @@ def shares_engine_module(cfg: RunConfig) -> bool:
 
 def make_policy(run_dir: str, cfg: RunConfig, base: Path) -> Policy:
     if cfg.distributed.world_size > 1:
-        from rubricem_core.distributed.rl_ranks import RankPolicy
+        from rubricem_core.rl.ray_policy import RayPolicy
 
-        return RankPolicy(run_dir, cfg, base)
+        return RayPolicy(run_dir, cfg, base)
     return LocalPolicy(base, cfg)
 
 
@@ -337,7 +342,7 @@ def make_policy(run_dir: str, cfg: RunConfig, base: Path) -> Policy:
 class RLSession:
     run_dir: str
     step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
-    policy: Any  # LocalPolicy or RankPolicy
+    policy: Any  # LocalPolicy or RayPolicy
     tokenizer: Any
     engine: Any  # HFRolloutEngine, VLLMRolloutEngine or VLLMServerEngine
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
@@ -607,7 +612,7 @@ def _checkpoint_source(session: RLSession, step: int) -> Path:
 def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
     """Make the engine sample with the weights after step ``step`` (-1: SFT). While the trainer holds
     them they come from it by transfer: its tensors in this process, a gloo broadcast from trainer
-    rank 0 (RankPolicy), or a push into the vLLM server's workers. Only for weights the trainer no
+    rank 0 through Ray (RayPolicy), or a push into the vLLM server's workers. Only for weights the trainer no
     longer holds (a resumed run sampling at an older step) is a checkpoint directory read.
 
     Callers that change the weights next call this first (the deferred reflection update of step N+1

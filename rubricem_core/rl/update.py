@@ -19,7 +19,7 @@ update moved the weights, or by an engine whose numerics differ).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,50 +230,90 @@ def minibatch_split(n: int, minibatches: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
-def _micro_batches(
-    trajectories: list[TokenTrajectory], token_advs: list[list[float]], idx: list[int], pad_id: int, max_tokens: int
-) -> list[TokenBatch]:
-    micro: list[TokenBatch] = []
-    for bucket in bucket_batches([len(trajectories[i]) for i in idx], max_tokens):
-        picked = [idx[j] for j in bucket]
-        trajs = [trajectories[i] for i in picked]
-        # the sampler's logprob on every trained token (NaN where it gave none: no importance weight)
-        sampled = [list(t.logprobs) for t in trajs]
-        micro.append(
-            collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in picked], "sampled_logprobs": sampled})
-        )
-    return micro
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Which trajectories make each micro-batch of each optimizer step, and each micro-batch's trained
+    tokens (its weight in the step's token mean): a function of the trajectories' lengths and loss masks
+    only, so the driver of several ranks computes it once and sends each rank just the trajectories of
+    its own micro-batches (``rank_indices``)."""
+
+    n_trajectories: int
+    parts: list[list[list[int]]]  # per minibatch, per micro-batch: trajectory indices
+    weights: list[list[float]]  # per minibatch, per micro-batch: trained tokens
+
+    def rank_indices(self, rank: int, world_size: int) -> list[int]:
+        """The trajectories rank ``rank`` of ``world_size`` trains on (its shard of every step, padding
+        copies included)."""
+        from rubricem_core.distributed.shard import shard_micro_batches
+
+        needed: set[int] = set()
+        for micro, w in zip(self.parts, self.weights):
+            for item in shard_micro_batches(len(micro), w, rank, world_size):
+                needed.update(micro[item.index])
+        return sorted(needed)
+
+
+def update_plan(trajectories: Sequence[TokenTrajectory], config: UpdateConfig) -> UpdatePlan:
+    lengths = [len(t) for t in trajectories]
+    trained = [float(sum(t.loss_mask)) for t in trajectories]
+    parts, weights = [], []
+    for idx in minibatch_split(len(trajectories), config.minibatches):
+        micro = [
+            [idx[j] for j in bucket]
+            for bucket in bucket_batches([lengths[i] for i in idx], config.max_tokens_per_batch)
+        ]
+        parts.append(micro)
+        weights.append([sum(trained[i] for i in picked) for picked in micro])
+    return UpdatePlan(len(trajectories), parts, weights)
+
+
+def _micro_batch(
+    trajectories: Mapping[int, TokenTrajectory], token_advs: Mapping[int, list[float]], picked: list[int], pad_id: int
+) -> TokenBatch | None:
+    """One micro-batch, or None when this rank was not given its trajectories (another rank trains it)."""
+    if not all(i in trajectories for i in picked):
+        return None
+    trajs = [trajectories[i] for i in picked]
+    # the sampler's logprob on every trained token (NaN where it gave none: no importance weight)
+    sampled = [list(t.logprobs) for t in trajs]
+    return collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in picked], "sampled_logprobs": sampled})
 
 
 def ss_grpo_update(
     trainer: Any,
     ref_model: torch.nn.Module | None,
-    trajectories: list[TokenTrajectory],
-    token_advs: list[list[float]],
+    trajectories: Sequence[TokenTrajectory] | Mapping[int, TokenTrajectory],
+    token_advs: Sequence[list[float]] | Mapping[int, list[float]],
     pad_id: int,
     config: UpdateConfig,
+    plan: UpdatePlan | None = None,
 ) -> dict[str, float]:
     """``config.epochs`` passes over the given (judged, non-failed) trajectories, one optimizer step per
-    minibatch of each pass. On several ranks every rank passes the same trajectories; each computes
-    the logprobs and gradients of its shard.
+    minibatch of each pass. On several ranks each rank is given ``plan`` and only the trajectories of its
+    own micro-batches (index → trajectory); each computes the logprobs and gradients of its shard.
 
     One step in all (the default): the old policy is the current one (no extra forward). Several steps
     reuse the samples, so the old logprobs (and the reference's) are computed first for every
     micro-batch, before any step changes the weights, under the loss's autocast."""
-    if not trajectories:
+    if plan is None:
+        if isinstance(trajectories, Mapping):
+            raise ValueError("a partial set of trajectories needs the step's UpdatePlan")
+        plan = update_plan(trajectories, config)
+    if plan.n_trajectories == 0:
         return {"skipped": 1.0}
-    parts = [
-        _micro_batches(trajectories, token_advs, idx, pad_id, config.max_tokens_per_batch)
-        for idx in minibatch_split(len(trajectories), config.minibatches)
-    ]
-    weights = [[float(b.loss_mask.sum()) for b in micro] for micro in parts]
+    trajs = trajectories if isinstance(trajectories, Mapping) else dict(enumerate(trajectories))
+    advs = token_advs if isinstance(token_advs, Mapping) else dict(enumerate(token_advs))
+    parts: list[list[Any]] = [[_micro_batch(trajs, advs, picked, pad_id) for picked in micro] for micro in plan.parts]
+    weights = plan.weights
     reuse = len(parts) * config.epochs > 1
     if reuse:
         cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         uid = 0
         for micro in parts:
-            for b in micro:
-                b.uid, uid = uid, uid + 1
+            for b in micro:  # by position, so every rank numbers a micro-batch alike
+                if b is not None:
+                    b.uid = uid
+                uid += 1
         first_pass = make_prepare_fn(ref_model, config.temperature, recompute_old=True)
 
         def remember(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
