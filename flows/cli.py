@@ -12,12 +12,9 @@ import argparse
 import json
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-
-STARTED = time.time()  # before the imports below: `rubricem ranks` counts launch files from here
 
 from rubricem_core.layout import RunLayout
 from rubricem_core.offline import apply_offline_defaults
@@ -141,19 +138,6 @@ def cmd_rl(args: argparse.Namespace) -> int:
     print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
     for name, value in sorted(result["last_metrics"].items()):
         print(f"  {name}: {value:.4f}")
-    return 0
-
-
-def cmd_ranks(args: argparse.Namespace) -> int:
-    from rubricem_core.distributed.launch import RankFailure
-    from rubricem_core.distributed.nodes import join_launch, launch_id_from_env
-
-    launch_id = launch_id_from_env() if args.launch_id is None else args.launch_id
-    try:
-        join_launch(args.run_dir, args.kind, args.node_rank, wait_s=args.wait_s, started=STARTED, launch_id=launch_id)
-    except (RankFailure, TimeoutError) as exc:
-        print(f"rubricem: error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 
@@ -284,22 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
     _common(p)
     p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser(
-        "ranks", help="this node's trainer ranks of a multi-node launch (nodes 1..N-1; node 0 runs the flow)"
-    )
-    p.add_argument("kind", choices=["sft", "rl"], help="which launch to join: the sft task's or the rl flow's")
-    p.add_argument("--run-dir", required=True, help="the run directory node 0's flow uses (a shared file system)")
-    p.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..distributed.nnodes-1")
-    p.add_argument("--wait-s", type=float, default=3600.0, help="how long to wait for node 0's launch file")
-    p.add_argument(
-        "--launch-id",
-        default=None,
-        help="take only the launch file node 0 wrote with this id, however old (default: $RUBRICEM_LAUNCH_ID; "
-        "with neither, a launch file counts if written at most a minute before this command started)",
-    )
-    _debug(p)
-    p.set_defaults(func=cmd_ranks)
 
     p = sub.add_parser("sql", help="read-only DuckDB SQL over a run's tables (one view per table)")
     p.add_argument("--run-dir", required=True, help="run directory")

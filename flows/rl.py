@@ -32,7 +32,6 @@ from flows.common import (
     writes_run_dir,
 )
 from rubricem_core.config import RunConfig, flatten
-from rubricem_core.distributed.nodes import announce_no_launch
 from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
 from rubricem_core.report.markdown import rl_markdown
@@ -186,8 +185,6 @@ def rl(
         if done >= 0:
             log.info("resuming RL after step %d", done)
         progress = Progress("RL step", len(plans), log.info, every_s=0.0, start_done=sum(p.step <= done for p in plans))
-        if done >= plans[-1].step and cfg.distributed.nnodes > 1:
-            announce_no_launch(run_dir, "rl", f"all {len(plans)} RL steps are done")
         for i, plan in enumerate(plans):
             if plan.step <= done:  # its update is in the newest checkpoint or replayed from its tables
                 _finish_done_step(run_dir, cfg, plan, child)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.batching import bucket_batches, collate
-from rubricem_core.config import PolicyConfig, SFTConfig
+from rubricem_core.config import PolicyConfig, RunConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
 from rubricem_core.faults import fault_point
 from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
@@ -312,3 +312,76 @@ def run_sft(
         "final_loss": float(metrics.get("loss", float("nan"))),
         "final_dir": str(final_dir),
     }
+
+
+def sft_rank(run_dir: str, cfg: dict[str, Any], policy_dir: str, checkpoint_root: str) -> dict[str, Any] | None:
+    """One SFT rank's whole run (inside a Ray actor): every rank reads the run's SFT rows and trains on its
+    shard of each step; rank 0 reports metrics to the driver and returns the result."""
+    from rubricem_core.distributed.actors import emit_metrics
+    from rubricem_core.distributed.ranks import is_main
+
+    run = RunConfig.model_validate(cfg)
+    rows, reflections = sft_inputs(run_dir)
+    doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if run.sft.relabel_doc_ids else []
+    result = run_sft(
+        Path(policy_dir),
+        rows,
+        Path(checkpoint_root),
+        run.policy,
+        run.sft,
+        run.seed,
+        log_metrics=emit_metrics if is_main() else None,
+        doc_ids=doc_ids,
+        reflection_rows=reflections,
+    )
+    return result if is_main() else None
+
+
+def train_sft(
+    run_dir: str,
+    cfg: RunConfig,
+    policy_dir: str,
+    checkpoint_root: Path,
+    log_metrics: MetricsFn | None = None,
+    on_line: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """SFT of the run: in this process (``distributed.world_size`` 1), else on that many Ray actor ranks
+    (their output lines to ``on_line``, rank 0's metrics to ``log_metrics``); the result of ``run_sft``."""
+    if cfg.distributed.world_size == 1:
+        rows, reflections = sft_inputs(run_dir)
+        doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
+        return run_sft(
+            Path(policy_dir),
+            rows,
+            checkpoint_root,
+            cfg.policy,
+            cfg.sft,
+            cfg.seed,
+            log_metrics=log_metrics,
+            doc_ids=doc_ids,
+            reflection_rows=reflections,
+        )
+    from rubricem_core.distributed.actors import RankGroup
+    from rubricem_core.distributed.cluster import connect
+
+    connect(cfg.distributed)
+    group = RankGroup(
+        "sft",
+        cfg.distributed.world_size,
+        RunStore(run_dir).layout.rank_logs_dir,
+        timeout_s=cfg.distributed.timeout_s,
+        on_line=on_line,
+        on_metrics=log_metrics,
+    )
+    try:
+        policy = str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir
+        result = group.run(
+            "rubricem_core.sft:sft_rank",
+            str(Path(run_dir).resolve()),
+            cfg.model_dump(mode="json"),
+            policy,
+            str(Path(checkpoint_root).resolve()),
+        )[0]
+    finally:
+        group.close()
+    return result

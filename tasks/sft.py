@@ -11,10 +11,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from rubricem_core.config import RunConfig
-from rubricem_core.distributed.nodes import announce_no_launch
-from rubricem_core.distributed.sft_worker import launch_sft
 from rubricem_core.layout import RunLayout, final_checkpoint_dir
-from rubricem_core.sft import prepare_policy, run_sft, sft_inputs
+from rubricem_core.sft import prepare_policy, train_sft
 from rubricem_core.store import RunStore
 from tasks.readback import parquet_task, read_back
 
@@ -62,36 +60,15 @@ def train_sft_task(
     final = final_checkpoint_dir(root)
     if (final / "config.json").exists():
         log.info("SFT already finished: %s (cached)", final)
-        if cfg.distributed.nnodes > 1:
-            announce_no_launch(run_dir, "sft", f"SFT already finished: {final}")
         return read_back({"final_dir": str(final), "cached": True}, final, run_dir)
 
     def log_and_print(metrics: dict[str, float], step: int) -> None:  # progress lines come from the core's log
         if log_metrics is not None:
             log_metrics(metrics, step)
 
-    if cfg.distributed.world_size > 1:
-        # the ranks are this task's children: their output is this task's log, their failure its failure
-        log.info(
-            "starting %d SFT ranks (%d per node) with torchrun",
-            cfg.distributed.world_size,
-            cfg.distributed.nproc_per_node,
-        )
-        result = launch_sft(run_dir, cfg, policy_dir, root, on_line=log.info, on_metrics=log_and_print)
-    else:
-        rows, reflections = sft_inputs(run_dir)
-        doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
-        result = run_sft(
-            Path(policy_dir),
-            rows,
-            root,
-            cfg.policy,
-            cfg.sft,
-            cfg.seed,
-            log_metrics=log_and_print,
-            doc_ids=doc_ids,
-            reflection_rows=reflections,
-        )
+    if cfg.distributed.world_size > 1:  # Ray actors: their output is this task's log, their failure its failure
+        log.info("starting %d SFT ranks on Ray", cfg.distributed.world_size)
+    result = train_sft(run_dir, cfg, policy_dir, root, log_metrics=log_and_print, on_line=log.info)
     log.info("SFT done: %s", {k: v for k, v in result.items() if k != "final_dir"})
     return {**result, "cached": False}
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rubricem_core.config import ConfigError, load_config
-from rubricem_core.distributed.launch import free_port
+from rubricem_core.processes import free_port
 from rubricem_core.rl import session as rl_session
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.rollout.weight_transfer import (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import DistributedConfig
@@ -59,6 +60,8 @@ def connect(d: DistributedConfig) -> None:
             ray.init(
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
+                # the workers import what this process imports (a checkout on sys.path, tests' helpers)
+                runtime_env={"env_vars": {"PYTHONPATH": import_path()}},
                 num_cpus=os.cpu_count() or 1,
                 num_gpus=gpus,
                 **common,
@@ -71,6 +74,18 @@ def connect(d: DistributedConfig) -> None:
                     os.environ["CUDA_VISIBLE_DEVICES"] = visible
         _started_here = True
         log.info("started a local Ray on 127.0.0.1 (%d CPUs, %d GPUs)", os.cpu_count() or 1, gpus)
+
+
+def import_path() -> str:
+    """This process's own import roots (sys.path minus the interpreter's), as a PYTHONPATH."""
+    import sys
+    import sysconfig
+
+    ours = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots = [str(Path(p or ".").resolve()) for p in sys.path if not p.endswith(".zip")]
+    keep = [p for p in roots if Path(p).is_dir() and p not in ours and not p.startswith(sys.base_prefix)]
+    extra = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(dict.fromkeys([*keep, *[e for e in extra.split(os.pathsep) if e]]))
 
 
 def disconnect() -> None:

@@ -1,44 +1,37 @@
-"""What guards a run's listeners: the launch secret, and stores and groups bound to the address they need.
+"""What guards a run's listeners: the run's secret, and stores and groups bound to the address they need.
 
 One random secret per flow process (``RUBRICEM_LAUNCH_SECRET`` when the environment sets it, e.g. a
-Kubernetes Secret mounted into every pod of a multi-node Job; else generated at first use). It reaches
-the trainer ranks through their environment, never through the control store or a launch file in clear
-(on several nodes without the variable it is written to ``state/launch/secret`` with mode 0600). From it:
+Kubernetes Secret; else generated at first use). It never travels in clear: from it come
 
-- every control command and reply (``rl_ranks``) carries an HMAC over its key, session and body; a rank
-  refuses, and fails the launch on, a command whose HMAC is missing or wrong (``ForgedCommand``);
-- the vLLM servers' API key (``vllm_api_key``), which trainer rank 0 needs for its weight pushes;
+- the vLLM servers' API key (``vllm_api_key``), which the process pushing weights needs too;
 - the names under which weight-transfer groups meet in their stores (``group_token``): a process
   without the secret cannot find, join or read them.
+
+The trainer ranks are Ray actors: their commands are Ray's remote calls (the cluster's own token
+authentication guards them) and their process group meets at a store rank 0 binds to the address it
+needs (``bound_store``: loopback when every rank is on one machine), every value sealed with a key the
+driver hands the ranks through Ray (``sealed_store``), so a stranger who reaches the port cannot join.
 
 Listeners are bound to the address they need: ``bound_store`` gives a TCPStore server a socket bound to
 one address (torch's own binds every interface, whatever host it is told), ``gloo_group(loopback=True)``
 a gloo group whose connections listen on 127.0.0.1 only (both ends on one machine).
-
-A TCPStore has no authentication of its own: a stranger who reaches its port can list and read every
-key and write any. The HMAC makes what it writes worthless; the weight transfers' gloo groups meet through
-a ``SealedStore`` (every value MAC'd), so a stranger cannot put its own address in a group's rendezvous
-and be sent the weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
-from pathlib import Path
 from typing import Any
 
 SECRET_ENV = "RUBRICEM_LAUNCH_SECRET"
-SECRET_FILE = "secret"  # under state/launch/, mode 0600: only where several nodes must share a generated secret
 _generated: str | None = None
 
 
 class ForgedCommand(RuntimeError):
-    """A control-store value that does not carry this launch's HMAC: written by a process without the secret."""
+    """A rendezvous value that does not carry its group's HMAC: written by a process without the key."""
 
 
 def launch_secret() -> str:
@@ -65,58 +58,6 @@ def vllm_api_key(secret: str | None = None) -> str:
 def group_token(secret: str | None = None, purpose: str = "weights") -> str:
     """A name part of a transfer group's store keys that only holders of the secret can compute."""
     return derive(secret or launch_secret(), f"group:{purpose}")[:32]
-
-
-def mac(secret: str, session: str, key: str, body: str) -> str:
-    return hmac.new(secret.encode(), f"{session}\n{key}\n{body}".encode(), hashlib.sha256).hexdigest()
-
-
-def seal(secret: str, session: str, key: str, value: dict[str, Any]) -> str:
-    """``value`` as a store value that carries its HMAC (bound to the store key and the session, so a
-    value cannot be replayed under another key or into another launch)."""
-    body = json.dumps(value)
-    return json.dumps({"body": body, "hmac": mac(secret, session, key, body)})
-
-
-def unseal(secret: str, session: str, key: str, raw: bytes | str, where: str) -> dict[str, Any]:
-    """The value ``seal`` made; ForgedCommand (naming the key and ``where``) when it carries no HMAC or a wrong one."""
-    try:
-        outer = json.loads(raw)
-        body, tag = outer["body"], outer["hmac"]
-        ok = (
-            isinstance(body, str) and isinstance(tag, str) and hmac.compare_digest(tag, mac(secret, session, key, body))
-        )
-    except (ValueError, TypeError, KeyError):
-        ok = False
-    if not ok:
-        raise ForgedCommand(
-            f"refused {key!r} from the control store {where}: it does not carry this launch's HMAC "
-            f"({SECRET_ENV}); a process without the launch secret wrote it. Stopping the launch."
-        )
-    value = json.loads(body)
-    if not isinstance(value, dict):
-        raise ForgedCommand(f"refused {key!r} from the control store {where}: not an object")
-    return value
-
-
-def write_secret_file(path: Path, secret: str) -> None:
-    """The secret for the other nodes, readable by this user only (created 0600, replaced atomically)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secret.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def read_secret_file(path: Path) -> str:
-    """The secret node 0 wrote; refused when others than its owner may read or write it."""
-    mode = path.stat().st_mode & 0o777
-    if mode & 0o077:
-        raise PermissionError(f"{path} has mode {mode:o}: the launch secret must be readable by its owner only (0600)")
-    return path.read_text().strip()
 
 
 def listening_socket(host: str) -> socket.socket:
@@ -161,24 +102,6 @@ def _every_interface() -> socket.socket:
     sock.bind(("", 0))
     sock.listen(512)
     return sock
-
-
-def node_address(name: str) -> str:
-    """The address of this machine that ``name`` (node 0's master_addr) resolves to, for a listener the
-    other nodes reach; "" (every interface) when it is not one this machine can bind."""
-    import ipaddress
-
-    try:
-        addr = socket.gethostbyname(name)
-        if ipaddress.ip_address(
-            addr
-        ).is_loopback:  # e.g. Debian's 127.0.1.1 for the host name: not what other nodes reach
-            return ""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((addr, 0))
-        return addr
-    except OSError:
-        return ""
 
 
 def gloo_group(store: Any, rank: int, size: int, timeout_s: float, loopback: bool) -> Any:

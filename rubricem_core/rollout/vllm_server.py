@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import httpx
 
 from rubricem_core.distributed.guard import SECRET_ENV, vllm_api_key
-from rubricem_core.distributed.launch import free_port, stop_process_group
+from rubricem_core.processes import free_port, stop_process_group
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample, VLLMRolloutEngine
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from rubricem_core.distributed.guard import bound_store, gloo_group, group_token, sealed_store, vllm_api_key
-from rubricem_core.distributed.launch import free_port
+from rubricem_core.processes import free_port
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
 

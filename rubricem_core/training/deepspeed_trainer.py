@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rubricem_core.distributed.launch import free_port
 from rubricem_core.distributed.ranks import init_process_group
+from rubricem_core.processes import free_port
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     capture_rng_state,
