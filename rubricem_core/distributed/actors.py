@@ -205,7 +205,12 @@ class RankGroup:
         self.on_line, self.on_metrics = on_line, on_metrics
         gpu = uses_gpus()
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
-        self._pg = placement_group([dict(bundle)] * world_size, strategy="PACK", name=f"rubricem-{kind}")
+        bundles = [dict(bundle) for _ in range(world_size)]
+        # rank 0 on the driver's node: it writes beside the flow and pushes weights to the servers it started
+        here = f"node:{ray.util.get_node_ip_address()}"
+        if here in ray.cluster_resources():
+            bundles[0][here] = 0.001
+        self._pg = placement_group(bundles, strategy="PACK", name=f"rubricem-{kind}")
         self.actors: list[Any] = []
         self.where: list[dict[str, Any]] = [{} for _ in range(world_size)]
         self.log_files = [Path(log_dir) / f"{kind}-rank{r}.log" for r in range(world_size)]
@@ -305,8 +310,8 @@ class RankGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as exc:  # a dead actor, or an exception it raised
-                    rank, exc = self._first_cause(rank, exc, pending)
-                    failure = self._failure(rank, what, exc)
+                    rank, cause = self._first_cause(rank, exc, pending)
+                    failure = self._failure(rank, what, cause)
                     self.kill()
                     raise failure from None
         return [results[r] for r in ranks]
