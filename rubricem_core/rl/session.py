@@ -39,7 +39,7 @@ from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.layout import RunLayout
-from rubricem_core.policy.loading import load_policy
+from rubricem_core.policy.loading import load_for_training, load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank, reflection_batch
@@ -48,7 +48,7 @@ from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore
-from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
+from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
 log = logging.getLogger(__name__)

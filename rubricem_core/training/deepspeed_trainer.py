@@ -55,6 +55,7 @@ from rubricem_core.training.checkpoint import (
     write_checkpoint_files,
 )
 from rubricem_core.training.config import TrainerConfig
+from rubricem_core.training.params import full_numel
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
 from rubricem_core.training.torch_trainer import (
     LossFn,
@@ -67,7 +68,6 @@ from rubricem_core.training.torch_trainer import (
     local_micro_batches,
     seed_everything,
 )
-from rubricem_core.training.zero_init import full_numel
 
 DS_DIR = "deepspeed"  # DeepSpeed's own checkpoint (module + optimizer shards) inside ours
 DS_TAG = "state"

@@ -49,8 +49,8 @@ from rubricem_core.training.checkpoint import (
     save_checkpoint,
 )
 from rubricem_core.training.config import TrainerConfig
+from rubricem_core.training.params import full_ndim
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
-from rubricem_core.training.zero_init import full_ndim
 
 log = logging.getLogger(__name__)
 
