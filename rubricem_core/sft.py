@@ -206,21 +206,9 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
 
 
 def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
-    return TrainerConfig(
-        lr=sft.lr,
-        weight_decay=sft.weight_decay,
-        warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
-        total_steps=total_steps,
-        min_lr_ratio=sft.min_lr_ratio,
-        max_grad_norm=sft.max_grad_norm,
-        precision=sft.precision,
-        seed=seed,
-        backend=sft.backend,
-        zero_stage=sft.zero_stage,
-        gradient_checkpointing=sft.gradient_checkpointing,
-        offload=sft.offload,
-        offload_params=sft.offload_params,
-    )
+    # warm-up shortened to fit a short run (a schedule needs one step after it)
+    warmup = min(sft.warmup_steps, max(0, total_steps - 1))
+    return TrainerConfig.from_settings(sft, total_steps=total_steps, seed=seed, warmup_steps=warmup)
 
 
 def run_sft(

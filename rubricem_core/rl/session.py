@@ -185,21 +185,7 @@ def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
 
 # ---- the trainer side --------------------------------------------------------------------------
 def rl_trainer_config(cfg: RunConfig) -> TrainerConfig:
-    return TrainerConfig(
-        lr=cfg.rl.lr,
-        weight_decay=0.0,
-        warmup_steps=cfg.rl.warmup_steps,
-        total_steps=max(1, total_updates(cfg)),
-        min_lr_ratio=1.0,
-        max_grad_norm=cfg.rl.max_grad_norm,
-        precision=cfg.rl.precision,
-        seed=cfg.seed,
-        backend=cfg.rl.backend,
-        zero_stage=cfg.rl.zero_stage,
-        gradient_checkpointing=cfg.rl.gradient_checkpointing,
-        offload=cfg.rl.offload,
-        offload_params=cfg.rl.offload_params,
-    )
+    return TrainerConfig.from_settings(cfg.rl, total_steps=max(1, total_updates(cfg)), seed=cfg.seed)
 
 
 class Policy(Protocol):

@@ -33,7 +33,6 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -239,7 +238,7 @@ class DeepSpeedTrainer:
                 "global_step": self.global_step,
                 "world_size": self.world_size,
                 "zero_stage": self.cfg.zero_stage,
-                "config": _plain(asdict(self.cfg)),
+                "config": _plain(self.cfg.model_dump()),
                 "extra": extra or {},
             }
             try:

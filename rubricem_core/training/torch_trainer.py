@@ -27,7 +27,6 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -314,7 +313,7 @@ class TorchTrainer:
             "global_step": self.global_step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "config": _plain(asdict(self.cfg)),
+            "config": _plain(self.cfg.model_dump()),
             "extra": extra or {},
         }
         return save_checkpoint(directory, self.model, tokenizer, state, meta={"backend": self.backend})
