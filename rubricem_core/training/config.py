@@ -77,5 +77,6 @@ def _describe(error: ValidationError, data: dict[str, Any]) -> str:
     why = first["msg"].removeprefix("Value error, ")
     if not first["loc"]:  # a check across fields: its message starts with the field it is about
         return f"TrainerConfig.{why}"
-    name = str(first["loc"][0])
-    return f"TrainerConfig.{name}={data.get(name)!r} {why}"
+    name, *inner = map(str, first["loc"])
+    where = f" (at {name}[{']['.join(inner)}])" if inner else ""
+    return f"TrainerConfig.{name}={data.get(name)!r} {why}{where}"
