@@ -52,9 +52,9 @@ REWRITTEN_IN_30 = {
     f"rubricem_core.distributed.{name}" for name in ("launch", "nodes", "spec", "rl_ranks", "sft_worker", "guard")
 }
 
-# RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ today (bench/ is
-# to use RunLayout for its paths, so it is not counted): the
-# issue (#35) wants a RunStore to travel instead of run_dir strings, so these counts may only go down.
+# RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ when this test was
+# written (#35 wants one RunStore to travel instead of run_dir strings): the counts may only go down.
+# bench/ is not counted (it is to build its paths with RunLayout).
 MAX_RUNSTORE_CALLS = 35
 MAX_RUNLAYOUT_CALLS = 33
 
