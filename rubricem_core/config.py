@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from rubricem_core.redact import (
     MissingSecretError,
@@ -256,24 +257,21 @@ class PolicyConfig(_Strict):
     )
 
 
-def check_offload(section: Any) -> None:
-    """Offload is DeepSpeed's: optimizer offload needs ZeRO >= 1, parameter offload ZeRO-3."""
-    if section.offload and not (section.backend == "deepspeed" and section.zero_stage >= 1):
-        raise ValueError(
-            "offload needs backend: deepspeed with zero_stage >= 1 (got "
-            f"backend {section.backend!r}, zero_stage {section.zero_stage})"
-        )
-    if section.offload_params and not (section.backend == "deepspeed" and section.zero_stage == 3):
-        raise ValueError(
-            "offload_params needs backend: deepspeed with zero_stage: 3 (got "
-            f"backend {section.backend!r}, zero_stage {section.zero_stage})"
-        )
+class TrainerSettings(_Strict):
+    """What the trainers read from a training section: the backend and its memory savers, the optimizer and
+    the LR schedule. ``sft`` and ``rl`` are TrainerSettings (these keys sit flat in each, beside the section's
+    own), and the trainers' TrainerConfig (rubricem_core/training/config.py) is TrainerSettings plus the
+    run's own numbers (total steps, seed): each setting is declared once and copied by name."""
 
-
-class SFTConfig(_Strict):
-    backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
-    zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
+    backend: Literal["torch", "deepspeed"] = Field(
+        default="torch", description="Trainer backend: torch (one process, plain AdamW) or deepspeed (ZeRO, any ranks)."
+    )
+    zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage 0-3 (deepspeed backend only).")
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="fp32, or bf16: torch backend = fp32 weights with bf16 autocast (fp32 with a warning where bf16 "
+        "autocast does not work); deepspeed backend = bf16 weights with fp32 master weights in the optimizer.",
+    )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass (less memory, ~1/3 more compute)."
     )
@@ -281,16 +279,47 @@ class SFTConfig(_Strict):
         default=False, description="DeepSpeed ZeRO 1-3: optimizer state in CPU memory (the optimizer step runs there)."
     )
     offload_params: bool = Field(default=False, description="DeepSpeed ZeRO-3: parameter partitions in CPU memory too.")
+    lr: float = Field(default=1e-5, gt=0, description="Peak learning rate (reached at the end of warm-up).")
+    weight_decay: float = Field(
+        default=0.0,
+        ge=0,
+        description="AdamW decoupled weight decay, applied to matrices only (not to biases or norm weights).",
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Optimizer steps of linear warm-up from lr/warmup_steps to lr."
+    )
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr, reached at the last step (1: constant)."
+    )
+    max_grad_norm: float = Field(
+        default=1.0, ge=0, description="Clip the global gradient 2-norm to this; 0: no clipping."
+    )
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> Any:
-        check_offload(self)
+        # offload is DeepSpeed's: optimizer offload needs ZeRO >= 1, parameter offload ZeRO-3
+        if self.offload and not (self.backend == "deepspeed" and self.zero_stage >= 1):
+            raise ValueError(
+                "offload=True needs backend: deepspeed with zero_stage >= 1 (got "
+                f"backend {self.backend!r}, zero_stage {self.zero_stage})"
+            )
+        if self.offload_params and not (self.backend == "deepspeed" and self.zero_stage == 3):
+            raise ValueError(
+                "offload_params=True needs backend: deepspeed with zero_stage: 3 (got "
+                f"backend {self.backend!r}, zero_stage {self.zero_stage})"
+            )
         return self
 
-    lr: float = Field(default=3e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(default=10, ge=0, description="Linear warmup steps.")
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+
+def trainer_default(name: str, value: Any) -> Any:
+    """TrainerSettings' field ``name`` (its checks and help text) with another default, for a section that
+    trains with other numbers: ``lr: float = trainer_default("lr", 3e-3)``."""
+    return FieldInfo.merge_field_infos(TrainerSettings.model_fields[name], default=value)
+
+
+class SFTConfig(TrainerSettings):
+    lr: float = trainer_default("lr", 3e-3)
+    warmup_steps: int = trainer_default("warmup_steps", 10)
     epochs: float = Field(default=12.0, gt=0, description="Passes over the accepted trajectories.")
     max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
     max_tokens_per_batch: int = Field(
@@ -300,7 +329,6 @@ class SFTConfig(_Strict):
         "when the config loads.",
     )
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     checkpoint_every: int = Field(default=50, ge=1, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(default=5, ge=1, description="Log metrics every N steps.")
     reflection_mix: float = Field(
@@ -514,7 +542,7 @@ class RolloutConfig(_Strict):
 REFLECTION_RECIPES = ("meta_policy", "full")  # recipes.py's with reflection=True (config loads without torch)
 
 
-class RLConfig(_Strict):
+class RLConfig(TrainerSettings):
     recipe: Literal["baseline", "ss_grpo", "meta_policy", "full"] = Field(
         default="ss_grpo",
         description="Paper recipe: Λ preset, judged stages, reflection on/off (meta_policy and full train the "
@@ -537,15 +565,14 @@ class RLConfig(_Strict):
     window: int = Field(default=3, ge=1, description="K: fresh steps per window, then the same K replayed.")
     n_windows: int = Field(default=2, ge=1, description="Windows to run (each is 2K steps).")
     queries_per_step: int = Field(default=6, ge=1, description="Queries per RL step.")
-    lr: float = Field(default=2e-4, gt=0, description="Learning rate.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    lr: float = trainer_default("lr", 2e-4)
+    min_lr_ratio: float = trainer_default("min_lr_ratio", 1.0)  # constant after warm-up
     max_tokens_per_batch: int = Field(
         default=16384,
         ge=256,
         description="Padded tokens per micro-batch; at least rollout.max_total_tokens (the longest rollout) and, "
         "with a reflection recipe, the longest reflection attempt + reflection, checked when the config loads.",
     )
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     kl_coef: float = Field(default=0.001, ge=0, description="β: weight of the k3 KL to the frozen reference policy.")
     clip_low: float = Field(
         default=0.2, ge=0, lt=1, description="PPO ratio clip below: ratios under 1 − clip_low get no gradient."
@@ -575,16 +602,6 @@ class RLConfig(_Strict):
         # run directories written before kl_coef had a value recorded `kl_coef: null` ("the recipe's": 0.001)
         return 0.001 if value is None else value
 
-    backend: Literal["torch", "deepspeed"] = Field(default="torch", description="Trainer backend.")
-    zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 autocast where supported.")
-    gradient_checkpointing: bool = Field(
-        default=False, description="Recompute activations in the backward pass (less memory, ~1/3 more compute)."
-    )
-    offload: bool = Field(
-        default=False, description="DeepSpeed ZeRO 1-3: optimizer state in CPU memory (the optimizer step runs there)."
-    )
-    offload_params: bool = Field(default=False, description="DeepSpeed ZeRO-3: parameter partitions in CPU memory too.")
     reference: Literal["replicated", "sharded", "cpu"] = Field(
         default="replicated",
         description="Where the frozen KL reference lives: replicated (a whole copy on every trainer rank's device), "
@@ -617,8 +634,7 @@ class RLConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _offload_needs_zero(self) -> Any:
-        check_offload(self)
+    def _sharded_reference_needs_deepspeed(self) -> Any:
         if self.reference == "sharded" and self.backend != "deepspeed":
             raise ValueError("reference: sharded needs backend: deepspeed (ZeRO-3 inference partitions it)")
         return self

@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import pyarrow.parquet as pq
 
@@ -164,6 +164,12 @@ class _Record:
             raise self.error("|".join(names), "missing")
         return names[0], None
 
+    @overload
+    def text(self, *names: str, required: Literal[True] = True) -> str: ...
+
+    @overload
+    def text(self, *names: str, required: bool) -> str | None: ...
+
     def text(self, *names: str, required: bool = True) -> str | None:
         name, value = self.first(*names, required=required)
         if value is None:
@@ -249,7 +255,7 @@ def _rubric(record: _Record, field: str, item: Any) -> dict[str, Any]:
     if check is not None and not isinstance(check, dict):
         raise record.error(f"{field}.check", "expected a JSON object or null")
     return {
-        "title": title or _short_title(description),
+        "title": title or _short_title(description or ""),  # without a title there is a description
         "description": description or title,
         "weight": abs(weight),
         "polarity": polarity,

@@ -194,8 +194,7 @@ def record_config(run_dir: str | os.PathLike[str], cfg: RunConfig, command: str)
     root = Path(run_dir)
     old = stored_config(root)
     changes = config_changes(old, cfg) if old is not None else []
-    refused = refused_changes(root, changes)
-    if refused:
+    if old is not None and (refused := refused_changes(root, changes)):  # no recorded config: nothing to refuse
         lines = "\n".join(f"  {c}  (already used by {stage})" for c, stage in refused)
         raise ConfigError(
             f"{command}: the config differs from {RunLayout(root).config_file} in fields that finished work was made with:\n"

@@ -25,6 +25,7 @@ from rubricem_core.faults import fault_point
 from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
+from rubricem_core.policy.loading import load_for_training
 from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.progress import Progress
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
@@ -32,7 +33,7 @@ from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
 from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
 from rubricem_core.store import RunStore
-from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
+from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.checkpoint import latest_checkpoint
 from rubricem_core.trajectory import REFLECTION_STAGE, TokenTrajectory
 
@@ -205,21 +206,9 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
 
 
 def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
-    return TrainerConfig(
-        lr=sft.lr,
-        weight_decay=sft.weight_decay,
-        warmup_steps=min(sft.warmup_steps, max(0, total_steps - 1)),
-        total_steps=total_steps,
-        min_lr_ratio=sft.min_lr_ratio,
-        max_grad_norm=sft.max_grad_norm,
-        precision=sft.precision,
-        seed=seed,
-        backend=sft.backend,
-        zero_stage=sft.zero_stage,
-        gradient_checkpointing=sft.gradient_checkpointing,
-        offload=sft.offload,
-        offload_params=sft.offload_params,
-    )
+    # warm-up shortened to fit a short run (a schedule needs one step after it)
+    warmup = min(sft.warmup_steps, max(0, total_steps - 1))
+    return TrainerConfig.from_settings(sft, total_steps=total_steps, seed=seed, warmup_steps=warmup)
 
 
 def run_sft(

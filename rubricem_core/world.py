@@ -569,9 +569,8 @@ class _QueryBuilder:
         fact = with_twin[0] if with_twin else required[0]
         entity, attribute, value = fact["entity"], fact["attribute"], fact["value"]
         label = _ATTRIBUTE_PHRASES[attribute][1]
-        confusable = None
-        if with_twin:
-            confusable = {"entity": self.distractor_of[entity].name, "value": twin_value(fact)}
+        twin = twin_value(fact)  # not None when with_twin (fact is its first)
+        confusable = None if twin is None else {"entity": self.distractor_of[entity].name, "value": twin}
         if confusable is not None:
             title = f"Confuses {entity} with {confusable['entity']}"
             description = (
@@ -635,9 +634,11 @@ class _QueryBuilder:
 
     def _multi_hop(self):
         attribute = self.rng.choice(["headquarters", "founded", "sector"])
+        start: Organization | Person
         if self.acquired and self.rng.random() < 0.3:
-            start = self.rng.choice(self.acquired)
-            target = self.org_by_name[start.acquired_by]
+            acquired = self.rng.choice(self.acquired)
+            assert acquired.acquired_by is not None  # self.acquired holds the acquired organizations only
+            start, target = acquired, self.org_by_name[acquired.acquired_by]
             relation, phrase = "acquired_by", f"the organization that acquired {start.name}"
         else:
             target = self.rng.choice(self.real_orgs)

@@ -81,7 +81,8 @@ def main() -> None:
         # the tiny model saved by the test, loaded straight into ZeRO-3 partitions, then trained
         from transformers import AutoModelForCausalLM
 
-        from rubricem_core.training.zero_init import full_numel, is_partitioned, partitioned_loading, policy_ds_config
+        from rubricem_core.training.params import full_numel, is_partitioned
+        from rubricem_core.training.zero_init import partitioned_loading, policy_ds_config
 
         model_dir = arg.pop("model_dir")
         with partitioned_loading(policy_ds_config(model_dir, TrainerConfig(**arg))):

@@ -293,3 +293,92 @@ def test_reflection_recipes_listed_in_the_config_are_the_recipes_with_reflection
     from rubricem_core.recipes import RECIPES
 
     assert set(REFLECTION_RECIPES) == {name for name, r in RECIPES.items() if r.reflection}
+
+
+# ---------------------------------------------------------------- trainer settings (sft and rl share them)
+# each TrainerSettings key with a value that differs from both sections' defaults
+TRAINER_OVERRIDES = {
+    "lr": 0.05,
+    "weight_decay": 0.1,
+    "warmup_steps": 2,
+    "min_lr_ratio": 0.5,
+    "max_grad_norm": 0.5,
+    "precision": "bf16",
+    "gradient_checkpointing": True,
+}
+DEEPSPEED_OVERRIDES = {"backend": "deepspeed", "zero_stage": 3, "offload": True, "offload_params": True}
+
+
+def trainer_config_of(cfg: RunConfig, section: str):
+    """The TrainerConfig the section's trainer is built with, through the function its stage calls."""
+    if section == "sft":
+        from rubricem_core.sft import trainer_config
+
+        return trainer_config(cfg.sft, total_steps=100, seed=cfg.seed)
+    from rubricem_core.rl.session import rl_trainer_config
+
+    return rl_trainer_config(cfg)
+
+
+def test_trainer_settings_cover_every_training_key_with_help():
+    from rubricem_core.config import TrainerSettings
+
+    assert set(TRAINER_OVERRIDES) | set(DEEPSPEED_OVERRIDES) == set(TrainerSettings.model_fields)
+    assert all(field.description for field in TrainerSettings.model_fields.values())
+
+
+@pytest.mark.parametrize("section", ["sft", "rl"])
+def test_trainer_settings_are_one_declaration_in_both_sections(section):
+    from rubricem_core.config import TrainerSettings
+    from rubricem_core.training import TrainerConfig
+
+    fields = RunConfig.model_fields[section].annotation.model_fields
+    for name, shared in TrainerSettings.model_fields.items():
+        # the same help text and checks (a section may only change the default), and the trainer reads them too
+        assert fields[name].description == shared.description == TrainerConfig.model_fields[name].description
+        assert fields[name].metadata == shared.metadata
+
+
+@pytest.mark.parametrize("section", ["sft", "rl"])
+@pytest.mark.parametrize("overrides", [TRAINER_OVERRIDES, DEEPSPEED_OVERRIDES], ids=["optimizer", "deepspeed"])
+def test_flat_trainer_keys_reach_the_trainer(section, overrides):
+    base = trainer_config_of(load_config("tiny"), section)
+    cfg = load_config("tiny", [f"{section}.{key}={str(value).lower()}" for key, value in overrides.items()])
+    trainer = trainer_config_of(cfg, section)
+    for key, value in overrides.items():
+        assert getattr(getattr(cfg, section), key) == value, key
+        if not (section == "sft" and key == "warmup_steps"):  # sft shortens warm-up to fit a short run
+            assert getattr(trainer, key) == value != getattr(base, key), key
+    # the run's own numbers come from the run, not the section
+    assert trainer.seed == cfg.seed and trainer.total_steps >= 1
+
+
+@pytest.mark.parametrize("section", ["sft", "rl"])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["backend=torch", "offload=true"], "offload"),
+        (["backend=deepspeed", "zero_stage=0", "offload=true"], "offload"),
+        (["backend=deepspeed", "zero_stage=2", "offload_params=true"], "offload_params"),
+        (["lr=0"], "lr"),
+        (["max_grad_norm=-1"], "max_grad_norm"),
+        (["min_lr_ratio=1.5"], "min_lr_ratio"),
+        (["precision=fp16"], "precision"),
+    ],
+)
+def test_bad_trainer_settings_are_rejected_naming_the_key(section, overrides, field):
+    with pytest.raises(ConfigError, match=rf"{section}\b.*{field}"):
+        load_config("tiny", [f"{section}.{item}" for item in overrides])
+
+
+@pytest.mark.parametrize(
+    "section, defaults",
+    [
+        # the sections' own defaults (what the trainers got before the settings were shared)
+        ("sft", {"lr": 3e-3, "warmup_steps": 10, "weight_decay": 0.0, "min_lr_ratio": 0.1, "max_grad_norm": 1.0}),
+        ("rl", {"lr": 2e-4, "warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 1.0, "max_grad_norm": 1.0}),
+    ],
+)
+def test_each_section_keeps_its_trainer_defaults(section, defaults):
+    section_cfg = RunConfig.model_fields[section].annotation()
+    assert {key: getattr(section_cfg, key) for key in defaults} == defaults

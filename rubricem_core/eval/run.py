@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ def sample_guided(
     queries: Sequence[Query],
     env: ToolEnv,
     options: EvalOptions,
-    guidance: dict[tuple[str, int], str | None],
+    guidance: Mapping[tuple[str, int], str | None],
     tag: str = "t2",
 ) -> list[list[EvalSample]]:
     """Like ``sample_queries``, but sample ``i`` of a query gets its own guidance ``guidance[(query_id, i)]``

@@ -64,7 +64,7 @@ def grade_synthetic(query: Query, text: str, max_tool_calls: int | None = None) 
             }
         )
     R = stage_scores([TrajectoryJudgment("eval", scores)], rubrics)[0]
-    judged = [R[STAGE_IDS[s]] for s in sorted({r.stage for r in rubrics}, key=STAGE_IDS.get)]
+    judged = [R[STAGE_IDS[s]] for s in sorted({r.stage for r in rubrics}, key=STAGE_IDS.__getitem__)]
     # persistent rubrics are answer-stage; a query with rubrics on several stages gets their mean.
     # No answer, no credit: an inverted negative rubric ("gives a wrong value") must not pay for silence.
     answered = bool(view.answer_plain.strip())

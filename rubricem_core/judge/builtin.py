@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -420,7 +421,7 @@ def _review_maps(view: TraceView, check: dict, ctx: Context) -> Score:
 
 def _id_like(view: TraceView) -> re.Pattern[str] | None:
     """Pattern of ids shaped like the retrieved ones (letters + digits), to spot invented ids."""
-    prefixes = {re.match(r"[A-Za-z]*", doc_id).group() for doc_id in view.snippets}
+    prefixes = {doc_id[: len(doc_id) - len(doc_id.lstrip(string.ascii_letters))] for doc_id in view.snippets}
     prefixes.discard("")
     if not prefixes:
         return None
@@ -547,8 +548,7 @@ def _lexical(view: TraceView, rubric: dict[str, Any]) -> Score:
 
 def score_rubric(view: TraceView, rubric: dict[str, Any], ctx: Context) -> Score:
     check = rubric.get("check")
-    criterion = _CHECKS.get((check or {}).get("type", "")) if isinstance(check, dict) else None
-    if criterion is None:
+    if not isinstance(check, dict) or (criterion := _CHECKS.get(check.get("type", ""))) is None:
         return _lexical(view, rubric)
     try:
         return criterion(view, check, ctx)

@@ -347,12 +347,15 @@ class BatchClient:
         if custom_id not in pending:
             log.warning("batch %s: output line for unknown custom_id %r ignored", batch_id, custom_id)
             return None
-        response = record.get("response") if isinstance(record.get("response"), dict) else {}
+        raw_response = record.get("response")
+        response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
         status_code = response.get("status_code")
         error = record.get("error")
         if status_code is not None and status_code != 200:
-            body = response.get("body") if isinstance(response.get("body"), dict) else {}
-            detail = body.get("error") if isinstance(body.get("error"), dict) else {}
+            raw_body, raw_detail = response.get("body"), None
+            body: dict[str, Any] = raw_body if isinstance(raw_body, dict) else {}
+            raw_detail = body.get("error")
+            detail: dict[str, Any] = raw_detail if isinstance(raw_detail, dict) else {}
             message = detail.get("message") or json.dumps(body)[:500]
             retryable = status_code in (408, 409, 429) or status_code >= 500
             return custom_id, _LineOutcome(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
 
 from rubricem_core.config import EndpointConfig, require_env
 from rubricem_core.llm.types import EndpointSettings
@@ -40,11 +39,12 @@ def register_builtin(cfg: EndpointConfig, max_tool_calls: int = 10) -> str:
     if provider is None:
         raise ValueError(f"model {cfg.model!r} names no built-in provider ({', '.join(BUILTIN_PROVIDERS)})")
     module, name = BUILTIN_PROVIDERS[provider]
-    register: Callable[..., str | None] = getattr(importlib.import_module(module), name)
-    if provider == "rubricem-teacher":
+    register = getattr(importlib.import_module(module), name)
+    if provider == "rubricem-teacher":  # configured from its section; answers the model as written
         register(cfg, max_tool_calls=max_tool_calls)
         return cfg.model
-    return register()
+    model: str = register()  # the others return the model to call
+    return model
 
 
 def endpoint_settings(cfg: EndpointConfig, api_key: str | None = None, model: str | None = None) -> EndpointSettings:

@@ -92,7 +92,7 @@ class _RespondingLLM(CustomLLM):
         self.respond = respond
 
     def _fill(self, model: str, messages: list, optional_params: dict, model_response: Any) -> Any:
-        params = {
+        params: dict[str, Any] = {
             "model": model,
             "stop": _normalize_stop(optional_params.get("stop")) or None,
             "max_tokens": optional_params.get("max_tokens", optional_params.get("max_completion_tokens")),

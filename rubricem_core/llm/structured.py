@@ -115,8 +115,11 @@ class StructuredClient:
         await self._send(calls, record, False, limit)
         if not self.options.repair:
             return
-        to_repair = [c for c in calls if c.error is not None and c.last_text is not None]
-        for call in to_repair:
+        to_repair = []
+        for call in calls:
+            if call.error is None or call.last_text is None:
+                continue
+            to_repair.append(call)
             messages = [
                 *call.request.messages,
                 {"role": "assistant", "content": call.last_text},

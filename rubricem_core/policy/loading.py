@@ -7,12 +7,13 @@ Everything downstream needs a chat template (prompts are rendered with it) and a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -30,6 +31,10 @@ WEIGHT_FILES: tuple[str, ...] = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+if TYPE_CHECKING:
+    from rubricem_core.training.config import TrainerConfig
+
+log = logging.getLogger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -68,8 +73,7 @@ def _check_recorded_sizes(path: Path) -> None:
     Without this a truncated model.safetensors fails deep in safetensors ("incomplete metadata")
     naming no file. Directories without checkpoint.json (converted or downloaded models) pass.
     """
-    # Imported here: rubricem_core.training's package imports the trainers, and policy loading
-    # must stay importable by them without a cycle.
+    # Imported here: rubricem_core.training's package loads the trainers, which plain loading does not need
     from rubricem_core.training.checkpoint import META_FILE, CheckpointError, read_meta
 
     if not (path / META_FILE).is_file():
@@ -137,6 +141,25 @@ def load_policy(
         )
     _ensure_pad_token(model, tokenizer, where)
     return model.to(device).eval(), tokenizer
+
+
+def load_for_training(
+    model_dir: str | Path, dtype: str, cfg: TrainerConfig
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` of a policy directory, for ``make_trainer(model, cfg)``. Under DeepSpeed
+    ZeRO-3 on several ranks the model is built straight into this rank's partition (zero_init.py), so
+    no rank ever holds the whole policy; otherwise it is loaded whole."""
+    # Imported here: the trainers' package is needed only by training code, not by plain loading
+    from rubricem_core.training.zero_init import loads_partitioned, partitioned_loading, policy_ds_config
+
+    if not loads_partitioned(cfg):
+        return load_policy(str(model_dir), dtype=dtype)
+    with partitioned_loading(policy_ds_config(model_dir, cfg)):
+        model, tokenizer = load_policy(str(model_dir), dtype=dtype)
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    total = sum(p.ds_numel for p in model.parameters())
+    log.info("%s built straight into ZeRO-3 partitions: this rank holds %d of %d parameters", model_dir, held, total)
+    return model, tokenizer
 
 
 def load_tokenizer(directory: str | os.PathLike[str]) -> PreTrainedTokenizerBase:

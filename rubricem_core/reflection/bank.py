@@ -299,10 +299,12 @@ class ReflectionBank:
             results: list[list[tuple[BankEntry, float]]] = [[] for _ in queries]
         elif mode == "within":
             results = self._search_within(queries, source_step)
-        else:
-            vectors = self._encode([text for _, text in queries]) if queries else None
+        elif queries:
+            vectors = self._encode([text for _, text in queries])
             with self._lock:
-                results = self._search_cross(queries, vectors, k, min_similarity) if queries else []
+                results = self._search_cross(queries, vectors, k, min_similarity)
+        else:
+            results = []
         with self._lock:
             counts = self._counts[mode]
             counts["requests"] += len(queries)

@@ -362,10 +362,12 @@ def best_candidate(scores: Sequence[CandidateScore], min_score: float = 0.0) -> 
 
     A candidate the judge found useless (score <= min_score) never enters the bank.
     """
-    eligible = [s for s in scores if s.valid and not s.judge_failed and s.score is not None and s.score > min_score]
+    eligible = [
+        (s.score, s) for s in scores if s.valid and not s.judge_failed and s.score is not None and s.score > min_score
+    ]
     if not eligible:
         return None
-    return min(eligible, key=lambda s: (-s.score, s.candidate))
+    return min(eligible, key=lambda e: (-e[0], e[1].candidate))[1]
 
 
 def candidate_rewards(scores: Sequence[CandidateScore]) -> np.ndarray:
@@ -517,7 +519,8 @@ def builtin_score(reflection: Reflection, question: str, rubrics: Sequence[dict[
     targets = (
         failed or views or [_RubricView(1.0, None, "the question", _terms(question) - _GENERIC, _entities(question))]
     )
-    weights = [v.weight * (2 - v.credit) if failed else v.weight for v in targets]
+    # (the targets are the failed views, all with a credit, when any failed)
+    weights = [v.weight * (2 - v.credit) if failed and v.credit is not None else v.weight for v in targets]
 
     items = list(reflection.items)
     all_text = "\n".join(items)

@@ -39,7 +39,7 @@ from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.layout import RunLayout
-from rubricem_core.policy.loading import load_policy
+from rubricem_core.policy.loading import load_for_training, load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank, reflection_batch
@@ -48,7 +48,7 @@ from rubricem_core.rollout import HFRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore
-from rubricem_core.training import TrainerConfig, load_for_training, make_trainer
+from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
 log = logging.getLogger(__name__)
@@ -185,21 +185,7 @@ def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
 
 # ---- the trainer side --------------------------------------------------------------------------
 def rl_trainer_config(cfg: RunConfig) -> TrainerConfig:
-    return TrainerConfig(
-        lr=cfg.rl.lr,
-        weight_decay=0.0,
-        warmup_steps=cfg.rl.warmup_steps,
-        total_steps=max(1, total_updates(cfg)),
-        min_lr_ratio=1.0,
-        max_grad_norm=cfg.rl.max_grad_norm,
-        precision=cfg.rl.precision,
-        seed=cfg.seed,
-        backend=cfg.rl.backend,
-        zero_stage=cfg.rl.zero_stage,
-        gradient_checkpointing=cfg.rl.gradient_checkpointing,
-        offload=cfg.rl.offload,
-        offload_params=cfg.rl.offload_params,
-    )
+    return TrainerConfig.from_settings(cfg.rl, total_steps=max(1, total_updates(cfg)), seed=cfg.seed)
 
 
 class Policy(Protocol):

@@ -210,11 +210,17 @@ def make_prepare_fn(ref_model: torch.nn.Module | None, temperature: float, recom
     return prepare
 
 
+def _uid(batch: TokenBatch) -> int:
+    if batch.uid is None:
+        raise RuntimeError("a micro-batch without a uid: the logprob pre-pass numbers every micro-batch")
+    return batch.uid
+
+
 def _cached_prepare(cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]]):
     """A prepare that attaches the logprobs the pre-pass computed for a micro-batch (keyed by its uid)."""
 
     def prepare(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
-        old, ref = cache[batch.uid]
+        old, ref = cache[_uid(batch)]
         batch.old_logprobs = old.to(batch.input_ids.device)
         batch.ref_logprobs = ref.to(batch.input_ids.device) if ref is not None else None
         return batch
@@ -319,7 +325,7 @@ def ss_grpo_update(
         def remember(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
             done = first_pass(model, batch)
             ref = done.ref_logprobs.cpu() if done.ref_logprobs is not None else None
-            cache[batch.uid] = (done.old_logprobs.cpu(), ref)
+            cache[_uid(batch)] = (done.old_logprobs.cpu(), ref)
             return done
 
         for micro, w in zip(parts, weights):

@@ -221,16 +221,19 @@ class HFRolloutEngine:
 
     def _sample(self, rows: list[RowState], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Draw one token per row; return the tokens and their logprobs under the sampled distribution."""
-        tokens, logp = draw(logits, [r.sampling for r in rows], [r.rng.random() for r in rows])
+        tokens, logp = draw(logits, [r.sampling for r in rows], [r.uniform() for r in rows])
         if self.forced_policy is not None:
             tokens = self._force(rows, tokens, logits.shape[-1])
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
     def _force(self, rows: list[RowState], tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+        policy = self.forced_policy
+        if policy is None:
+            return tokens
         tokens = tokens.clone()
         for i, row in enumerate(rows):
-            forced = self.forced_policy(row.forced_context())
+            forced = policy(row.forced_context())
             if forced is not None:
                 if not 0 <= int(forced) < vocab:
                     raise RolloutError(

@@ -110,20 +110,25 @@ def growing_layer_class() -> type:
             self._v: torch.Tensor | None = None
             self._len = 0
 
+        def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._k is None or self._v is None:
+                raise RuntimeError("GrowingLayer has no key/value buffers before its first update()")
+            return self._k, self._v
+
         def _reserve(self, need: int) -> None:
-            capacity = 0 if self._k is None else self._k.shape[-2]
-            if need <= capacity:
+            k, v = self._buffers()
+            if need <= k.shape[-2]:
                 return
             capacity = max(need + need // 2, 64)
-            k, v = self._k, self._v
             self._k = k.new_zeros((*k.shape[:2], capacity, k.shape[-1]))
             self._v = v.new_zeros((*v.shape[:2], capacity, v.shape[-1]))
             self._k[..., : self._len, :] = k[..., : self._len, :]
             self._v[..., : self._len, :] = v[..., : self._len, :]
 
         def _expose(self) -> None:
-            self.keys = self._k[..., : self._len, :]
-            self.values = self._v[..., : self._len, :]
+            k, v = self._buffers()
+            self.keys = k[..., : self._len, :]
+            self.values = v[..., : self._len, :]
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
             if not self.is_initialized:
@@ -132,8 +137,9 @@ def growing_layer_class() -> type:
                 self._k, self._v = key_states[..., :0, :], value_states[..., :0, :]
             end = self._len + key_states.shape[-2]
             self._reserve(end)
-            self._k[..., self._len : end, :] = key_states
-            self._v[..., self._len : end, :] = value_states
+            k, v = self._buffers()
+            k[..., self._len : end, :] = key_states
+            v[..., self._len : end, :] = value_states
             self._len = end
             self._expose()
             return self.keys, self.values
@@ -143,12 +149,14 @@ def growing_layer_class() -> type:
 
         # surgery used by BatchKVCache; each keeps the spare capacity where it can
         def select_rows(self, index: torch.Tensor) -> None:
-            self._k, self._v = self._k[index], self._v[index]
+            k, v = self._buffers()
+            self._k, self._v = k[index], v[index]
             self._expose()
 
         def add_rows(self, count: int) -> None:
-            self._k = torch.cat([self._k, self._k.new_zeros((count, *self._k.shape[1:]))], dim=0)
-            self._v = torch.cat([self._v, self._v.new_zeros((count, *self._v.shape[1:]))], dim=0)
+            k, v = self._buffers()
+            self._k = torch.cat([k, k.new_zeros((count, *k.shape[1:]))], dim=0)
+            self._v = torch.cat([v, v.new_zeros((count, *v.shape[1:]))], dim=0)
             self._expose()
 
         def gather_slots(self, order: torch.Tensor) -> None:

@@ -212,10 +212,22 @@ class RowState:
             self.blocks.append(turn)
         self.turn = None
 
+    def uniform(self) -> float:
+        """The row's next uniform draw from its own stream (engines that sample in-process give every row one)."""
+        if self.rng is None:
+            raise RuntimeError(f"row {self.request.request_id}/{self.sample_index} has no sampler stream (rng)")
+        return self.rng.random()
+
+    def open_turn(self) -> Block:
+        """The policy turn being sampled (there is one from the prompt until the row ends or calls a tool)."""
+        if self.turn is None:
+            raise RuntimeError(f"row {self.request.request_id}/{self.sample_index} has no open policy turn")
+        return self.turn
+
     def _next_text(self) -> str:
         """Text the newest token adds, decoded with a little left context (prefix/read offsets), so
         byte-level pieces of one character wait until the character is complete."""
-        turn = self.turn
+        turn = self.open_turn()
         prefix = self.decode(turn.ids[self.prefix_offset : self.read_offset])
         full = self.decode(turn.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -227,7 +239,7 @@ class RowState:
         """Feed generated text to the parser; True when a ``</call_tool>`` tag closed."""
         if not text:
             return False
-        self.turn.text += text
+        self.open_turn().text += text
         self.gen_len += len(text)
         closed = False
         for piece, stage, is_tool in self.parser.feed(text):
@@ -293,7 +305,7 @@ class RowState:
             request_id=self.request.request_id,
             sample_index=self.sample_index,
             turn=self.n_outputs,
-            turn_ids=list(self.turn.ids),
+            turn_ids=list(self.open_turn().ids),
             policy_turns=[b.text for b in self.blocks if b.kind == "policy"],
             tool_outputs=[b.text for b in self.blocks if b.kind == "tool_output"],
         )
@@ -364,10 +376,10 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
         thread.start()
         threads.append(thread)
     deadline = time.monotonic() + timeout_s
-    for i, (row, thread) in enumerate(zip(rows, threads)):
-        if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
+    for i, (row, worker) in enumerate(zip(rows, threads)):
+        if worker is not None:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
                 results[i] = error_result(f"tool timed out after {timeout_s:g} s")
         row.add_tool_result(results[i])
 

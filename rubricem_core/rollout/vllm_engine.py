@@ -408,7 +408,8 @@ class VLLMRolloutEngine:
     def _next_call(self, row: RowState) -> TurnCall | None:
         """The call that continues ``row``, or None when vLLM's context is full (row truncated)."""
         sampling = row.sampling
-        room = min(sampling.max_new_tokens - len(row.turn.ids), sampling.max_total_tokens - row.length)
+        turn = row.open_turn()
+        room = min(sampling.max_new_tokens - len(turn.ids), sampling.max_total_tokens - row.length)
         if self.max_model_len is not None:
             if row.length >= self.max_model_len:
                 row.end_turn()
@@ -422,10 +423,10 @@ class VLLMRolloutEngine:
             sample_index=row.sample_index,
             turn=row.n_outputs,
             prompt_ids=context,
-            turn_ids=list(row.turn.ids),
+            turn_ids=list(turn.ids),
             max_tokens=room,
             sampling=sampling,
-            seed=_call_seed(sampling.seed, row.request.request_id, row.sample_index, row.n_outputs, len(row.turn.ids)),
+            seed=_call_seed(sampling.seed, row.request.request_id, row.sample_index, row.n_outputs, len(turn.ids)),
             stop=(tuple(STOP_STRINGS) if row.request.scaffold else ()) + tuple(sampling.stop_texts),
             stop_token_ids=tuple(sorted(self.stop_token_ids)),
         )
@@ -458,6 +459,8 @@ class VLLMRolloutEngine:
         return samples
 
     def _vllm_sample(self, calls: list[TurnCall]) -> list[TurnSample]:
+        if self.llm is None:
+            raise RolloutError("sampling needs a vllm.LLM or a sampler; this engine was given neither")
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -26,7 +26,9 @@ def _could_become_tag(s: str) -> bool:
     closing = body.startswith("/")
     if closing:
         body = body[1:]
-    name = _NAME_CHARS_RE.match(body).group()
+    match = _NAME_CHARS_RE.match(body)
+    assert match is not None  # [a-z_]* matches at the start of any string (maybe empty)
+    name = match.group()
     rest = body[len(name) :]
     if not rest:
         return any(tag.startswith(name) for tag in TAG_NAMES)

@@ -260,6 +260,7 @@ class ScriptedTeacher:
 
     def _next_call(self, task: Task, calls: list, n_calls: int, errors: ErrorPlan, rng: random.Random) -> str:
         need = self._missing(task, calls)[0]
+        assert need.entity is not None  # _missing skips needs whose entity is not resolved yet
         previous = [c.query for c in calls if need.entity.lower() in c.query.lower()]
         words = _ATTRIBUTE_WORDS.get(need.attribute, need.attribute)
         if need.attribute == "founder_of":
@@ -310,14 +311,17 @@ class ScriptedTeacher:
             return None
         if task.op == "lookup":
             return f"The answer is {needs[1].value} ({needs[0].value})."
-        values = {n.entity: int(n.value.replace(",", "")) for n in needs}
+        # every value is known (checked above), so every entity is resolved
+        values = {
+            n.entity: int(n.value.replace(",", "")) for n in needs if n.entity is not None and n.value is not None
+        }
         if task.op == "earlier":
-            return f"{min(values, key=values.get)} was founded earlier."
+            return f"{min(values, key=values.__getitem__)} was founded earlier."
         if task.op == "more":
-            return f"{max(values, key=values.get)} has more employees."
+            return f"{max(values, key=values.__getitem__)} has more employees."
         if task.op == "sum":
             return f"The combined number of employees is {sum(values.values()):,}."
-        return "In order of founding year: " + ", ".join(sorted(values, key=values.get)) + "."
+        return "In order of founding year: " + ", ".join(sorted(values, key=values.__getitem__)) + "."
 
     def _claim(self, need: Need) -> str:
         if need.attribute == "founder_of":
@@ -340,6 +344,7 @@ class ScriptedTeacher:
         for i, n in enumerate(found):
             need = n
             if i == wrong:  # an ungrounded claim: a value its cited source does not state
+                assert n.value is not None  # found: the needs with a value
                 need = Need(n.entity, n.attribute, _perturb(n.value), n.doc_id)
             claim = self._claim(need)
             sentences.append(f"{claim}." if errors.uncited else f'<cite id="{n.doc_id}">{claim}</cite>.')

@@ -176,7 +176,7 @@ class LocalSearchTool(Tool):
         return sorted(hits, key=lambda h: (-h[1], h[0]))
 
     def _dense_passages(self, query: str) -> list[tuple[int, float]]:
-        if self._faiss_index is None or not len(self._passage_doc):
+        if self._faiss_index is None or self.embedder is None or not len(self._passage_doc):
             return []
         vector = np.ascontiguousarray(self.embedder.encode([query]), dtype=np.float32)
         scores, passages = self._faiss_index.search(vector, self._candidates())

@@ -241,6 +241,8 @@ class RobustTool(Tool):
         return self._finish(result)
 
     def _cache_get(self, name: str, query: str) -> ToolResult | None:
+        if self.cache is None:
+            return None
         try:
             return self.cache.get(name, query, self.fingerprint)
         except Exception:  # a broken cache degrades to calling the tool, never to a failed call
@@ -248,6 +250,8 @@ class RobustTool(Tool):
             return None
 
     def _cache_put(self, name: str, query: str, result: ToolResult) -> None:
+        if self.cache is None:
+            return
         try:
             self.cache.put(name, query, self.fingerprint, result)
         except Exception:

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 from html.parser import HTMLParser
-from typing import Any
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -88,6 +88,14 @@ class UrlBook:
     def __len__(self) -> int:
         with self._lock:
             return len(self._urls)
+
+
+@overload
+def _api_key(env_var: str, required: Literal[True], who: str) -> str: ...
+
+
+@overload
+def _api_key(env_var: str, required: bool, who: str) -> str | None: ...
 
 
 def _api_key(env_var: str, required: bool, who: str) -> str | None:

@@ -11,7 +11,6 @@ DeepSpeed is imported only when ``backend="deepspeed"`` is asked for.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,8 +21,6 @@ from torch import Tensor, nn
 from rubricem_core.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from rubricem_core.training.config import TrainerConfig, TrainerConfigError
 from rubricem_core.training.torch_trainer import LossFn, TorchTrainer
-
-log = logging.getLogger(__name__)
 
 
 class Trainer(Protocol):
@@ -50,23 +47,6 @@ class Trainer(Protocol):
     def state_dict_for_sync(self) -> dict[str, Tensor]: ...
 
 
-def load_for_training(model_dir: str | Path, dtype: str, cfg: TrainerConfig) -> tuple[nn.Module, Any]:
-    """``(model, tokenizer)`` of a policy directory, for ``make_trainer(model, cfg)``. Under DeepSpeed
-    ZeRO-3 on several ranks the model is built straight into this rank's partition (zero_init.py), so
-    no rank ever holds the whole policy; otherwise it is loaded whole."""
-    from rubricem_core.policy.loading import load_policy
-    from rubricem_core.training.zero_init import loads_partitioned, partitioned_loading, policy_ds_config
-
-    if not loads_partitioned(cfg):
-        return load_policy(str(model_dir), dtype=dtype)
-    with partitioned_loading(policy_ds_config(model_dir, cfg)):
-        model, tokenizer = load_policy(str(model_dir), dtype=dtype)
-    held = sum(p.ds_tensor.numel() for p in model.parameters())
-    total = sum(p.ds_numel for p in model.parameters())
-    log.info("%s built straight into ZeRO-3 partitions: this rank holds %d of %d parameters", model_dir, held, total)
-    return model, tokenizer
-
-
 def make_trainer(model: nn.Module, cfg: TrainerConfig) -> Trainer:
     """The trainer for ``cfg.backend``; seeds python/numpy/torch with ``cfg.seed``."""
     if cfg.backend == "deepspeed":
@@ -83,7 +63,6 @@ __all__ = [
     "TrainerConfig",
     "TrainerConfigError",
     "latest_checkpoint",
-    "load_for_training",
     "load_checkpoint",
     "make_trainer",
     "save_checkpoint",

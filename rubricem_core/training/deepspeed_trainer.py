@@ -33,7 +33,6 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from rubricem_core.training.checkpoint import (
     write_checkpoint_files,
 )
 from rubricem_core.training.config import TrainerConfig
+from rubricem_core.training.params import full_numel
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
 from rubricem_core.training.torch_trainer import (
     LossFn,
@@ -67,7 +67,6 @@ from rubricem_core.training.torch_trainer import (
     local_micro_batches,
     seed_everything,
 )
-from rubricem_core.training.zero_init import full_numel
 
 DS_DIR = "deepspeed"  # DeepSpeed's own checkpoint (module + optimizer shards) inside ours
 DS_TAG = "state"
@@ -239,7 +238,7 @@ class DeepSpeedTrainer:
                 "global_step": self.global_step,
                 "world_size": self.world_size,
                 "zero_stage": self.cfg.zero_stage,
-                "config": _plain(asdict(self.cfg)),
+                "config": _plain(self.cfg.model_dump()),
                 "extra": extra or {},
             }
             try:

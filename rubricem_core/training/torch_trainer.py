@@ -27,7 +27,6 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +48,8 @@ from rubricem_core.training.checkpoint import (
     save_checkpoint,
 )
 from rubricem_core.training.config import TrainerConfig
+from rubricem_core.training.params import full_ndim
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
-from rubricem_core.training.zero_init import full_ndim
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +313,7 @@ class TorchTrainer:
             "global_step": self.global_step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "config": _plain(asdict(self.cfg)),
+            "config": _plain(self.cfg.model_dump()),
             "extra": extra or {},
         }
         return save_checkpoint(directory, self.model, tokenizer, state, meta={"backend": self.backend})

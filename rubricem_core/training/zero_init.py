@@ -69,19 +69,3 @@ def partitioned_loading(ds_config: dict[str, Any]) -> Iterator[None]:
     finally:
         unset_hf_deepspeed_config()
         del active
-
-
-def is_partitioned(model: torch.nn.Module) -> bool:
-    """True for a module built under ``zero.Init`` (its parameters carry DeepSpeed ids)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-def full_numel(p: torch.nn.Parameter) -> int:
-    """A parameter's size, also for a ZeRO-3 placeholder (whose own numel is 0)."""
-    return int(getattr(p, "ds_numel", p.numel()))
-
-
-def full_ndim(p: torch.nn.Parameter) -> int:
-    """A parameter's number of dimensions, also for a ZeRO-3 placeholder (which is 1-D and empty)."""
-    shape = getattr(p, "ds_shape", None)
-    return len(shape) if shape is not None else p.ndim
