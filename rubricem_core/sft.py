@@ -336,9 +336,10 @@ def train_sft(
 ) -> dict[str, Any]:
     """SFT of the run: in this process (``distributed.world_size`` 1), else on that many Ray actor ranks
     (their output lines to ``on_line``, rank 0's metrics to ``log_metrics``); the result of ``run_sft``."""
+    store = RunStore(run_dir)
     if cfg.distributed.world_size == 1:
         rows, reflections = sft_inputs(run_dir)
-        doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
+        doc_ids = store.read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
         return run_sft(
             Path(policy_dir),
             rows,
@@ -357,7 +358,7 @@ def train_sft(
     group = RankGroup(
         "sft",
         cfg.distributed.world_size,
-        RunStore(run_dir).layout.rank_logs_dir,
+        store.layout.rank_logs_dir,
         timeout_s=cfg.distributed.timeout_s,
         on_line=on_line,
         on_metrics=log_metrics,

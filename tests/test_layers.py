@@ -48,9 +48,7 @@ CORE_LAYERS: list[list[str]] = [
 
 # distributed/'s torchrun launch files are being replaced by Ray actors (#30); their imports (rl_ranks ↔
 # rl/session is an import cycle, sft_worker imports sft) are not held to the rules until then.
-REWRITTEN_IN_30 = {
-    f"rubricem_core.distributed.{name}" for name in ("launch", "nodes", "spec", "rl_ranks", "sft_worker", "guard")
-}
+REWRITTEN_IN_30: set[str] = set()  # the torchrun launch modules were removed in #30
 
 # RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ when this test was
 # written (#35 wants one RunStore to travel instead of run_dir strings): the counts may only go down.
@@ -212,7 +210,6 @@ def test_core_rooms_import_their_own_floor_or_below():
 DISTRIBUTED_NEVER_IMPORTS = ("rl", "sft", "policy")
 
 
-@pytest.mark.xfail(strict=False, reason="distributed/ is rewritten for Ray in #30")
 def test_distributed_never_imports_rl_sft_or_policy():
     graph, _ = import_graph()
     hits = [

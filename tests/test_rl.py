@@ -221,19 +221,19 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     # a run that fails in step 1's update resumes to the same weights
     rl_tasks.drop_sessions()
     resumed = _copy_run(sft_run, tmp_path / "resumed")
-    import rubricem_core.rl.session as rl_session
+    import rubricem_core.rl.policy as rl_policy
 
-    real = rl_session.ss_grpo_update
+    real = rl_policy.ss_grpo_update
 
     def fail_step_1(*args, **kwargs):
         if rl_tasks.completed_step(resumed) == 0:
             raise RuntimeError("injected failure in step 1")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rl_session, "ss_grpo_update", fail_step_1)
+    monkeypatch.setattr(rl_policy, "ss_grpo_update", fail_step_1)
     with pytest.raises(RuntimeError, match="injected failure"):
         rl(run_dir=resumed, profile="tiny", overrides=SMALL)
-    monkeypatch.setattr(rl_session, "ss_grpo_update", real)
+    monkeypatch.setattr(rl_policy, "ss_grpo_update", real)
     rl_tasks.drop_sessions()  # a fresh process: rebuild from the step-0 checkpoint
     state = rl(run_dir=resumed, profile="tiny", overrides=SMALL, return_state=True)
     # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,

@@ -164,7 +164,7 @@ def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced
     from flows.rl import rl
 
     resumed = _copy(sft_run, tmp_path / "resumed")
-    from rubricem_core.rl.session import LocalPolicy
+    from rubricem_core.rl.policy import LocalPolicy
 
     real = LocalPolicy.save
 

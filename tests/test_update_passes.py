@@ -97,7 +97,7 @@ def test_no_kl_needs_no_reference_forward():
 
 def test_rl_session_loads_no_reference_without_kl(tmp_path):
     from rubricem_core.config import load_config
-    from rubricem_core.rl.session import LocalPolicy
+    from rubricem_core.rl.policy import LocalPolicy
     from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
     overrides = {**UNTRAINED_TINY, "data.world.n_queries": 4}

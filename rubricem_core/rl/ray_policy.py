@@ -30,6 +30,7 @@ from rubricem_core.distributed.actors import RankGroup
 from rubricem_core.distributed.cluster import connect
 from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_tokenizer
+from rubricem_core.rl.policy import LocalPolicy
 from rubricem_core.rl.update import UpdateConfig, update_plan
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -40,8 +41,6 @@ class RLRank:
     """One trainer rank's side (built inside a ``RankWorker`` actor)."""
 
     def __init__(self, base: str, cfg: dict[str, Any]) -> None:
-        from rubricem_core.rl.session import LocalPolicy  # the session module imports this one
-
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.policy = LocalPolicy(Path(base), RunConfig.model_validate(cfg))
 
