@@ -208,7 +208,6 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
                 "rollout.engine": "vllm_server",
                 "rollout.colocate": True,
                 "distributed.nnodes": 2,
-                "distributed.master_port": 29500,
             },
             r"distributed\.nnodes: 1",
         ),
@@ -315,7 +314,7 @@ def trainer_config_of(cfg: RunConfig, section: str):
         from rubricem_core.sft import trainer_config
 
         return trainer_config(cfg.sft, total_steps=100, seed=cfg.seed)
-    from rubricem_core.rl.session import rl_trainer_config
+    from rubricem_core.rl.policy import rl_trainer_config
 
     return rl_trainer_config(cfg)
 

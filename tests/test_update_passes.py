@@ -206,7 +206,7 @@ def test_tis_update_against_no_correction(shift):
 
 def test_rl_settings_reach_the_update_and_the_schedule():
     from rubricem_core.config import load_config
-    from rubricem_core.rl.session import rl_trainer_config, total_updates
+    from rubricem_core.rl.policy import rl_trainer_config, total_updates
 
     base = load_config("tiny")
     cfg = load_config(
