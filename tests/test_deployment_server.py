@@ -9,7 +9,9 @@ to its server with plain HTTP.
 
 The other tests check, without a server, what the UI form and the GPU example rest on: each
 deployment's flow signature yields a parameter schema of profile and overrides, its default
-parameters validate, and the Kubernetes base job template renders a GPU pod manifest.
+parameters validate, the Kubernetes base job template renders a GPU pod manifest, and the RayCluster of
+the multi-node deployment offers its ranks, authenticates every Ray process and is fenced by its
+NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rubricem_core.store import RunStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL = "rubricem-process"
+RAY_POOL = "rubricem-ray"  # the process pool whose worker runs in the RayCluster's head pod
 FLOW_DEPLOYMENTS = {  # deployment name → entrypoint, one per flow
     "collect-sft-data": "flows/collect_sft_data.py:collect_sft_data",
     "sft": "flows/sft.py:sft",
@@ -145,8 +148,8 @@ def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
     monkeypatch.setenv("RUBRICEM_IMAGE", image)  # deployments/gpu/deploy.sh requires it
     pods = {}
     for name, d in gpu_deployments.items():
-        if d["work_pool"]["name"] == "rubricem-gpu-multinode":
-            continue  # test_multinode_job_template_starts_one_pod_per_node
+        if d["work_pool"]["name"] == RAY_POOL:
+            continue  # test_raycluster_matches_the_multinode_deployment
         assert d["work_pool"]["name"] == "rubricem-gpu" and d["parameters"]["profile"] == "gpu", name
         job_variables = apply_values(
             d["work_pool"]["job_variables"], {}
@@ -167,63 +170,179 @@ def test_gpu_job_template_renders_a_gpu_pod_per_deployment(monkeypatch):
         validate({"gpus": "eight"}, variables, raise_on_error=True, ignore_required=True)
 
 
-def test_multinode_job_template_starts_one_pod_per_node(monkeypatch, tmp_path):
-    """The 2-node deployment renders an Indexed Job of 2 pods; pod 0 executes the flow run, pod 1 joins
-    its SFT and RL launches with `rubricem ranks` (the wrapper is run here with stand-in executables)."""
-    from prefect.server.schemas.actions import validate_base_job_template
-    from prefect.utilities.schema_tools import validate
-    from prefect.utilities.templating import apply_values
+def _ray_cluster() -> dict:
+    return _load_yaml("deployments/gpu/raycluster.yaml")
+
+
+def _groups(cluster: dict) -> list[tuple[dict, int]]:
+    """(group spec, pods) for the head group and each worker group."""
+    spec = cluster["spec"]
+    return [(spec["headGroupSpec"], 1), *[(g, g["replicas"]) for g in spec["workerGroupSpecs"]]]
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _driver(cluster: dict) -> dict:
+    """The head pod's container that runs the Prefect worker of the Ray pool (its flow runs: the drivers)."""
+    (driver,) = [
+        c
+        for c in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+        if c.get("command", [])[:3] == ["prefect", "worker", "start"]
+    ]
+    return driver
+
+
+def test_raycluster_matches_the_multinode_deployment():
+    """raycluster.yaml offers exactly the trainer ranks the 2-node deployment asks Ray to place, one GPU
+    each, on as many nodes as it names; the head pod's Prefect worker serves the deployment's pool, and
+    its flow runs join that Ray (RAY_ADDRESS=auto) with the fleet on the worker container's own GPUs."""
+    import ray
 
     from rubricem_core.config import load_config
 
-    template = json.loads((REPO_ROOT / "deployments" / "gpu" / "base-job-template-multinode.json").read_text())
-    validate_base_job_template(template)
-    variables = template["variables"]
-    defaults = {k: v["default"] for k, v in variables["properties"].items() if "default" in v}
-    monkeypatch.setenv("RUBRICEM_IMAGE", "registry.example.com/rubricem:gpu")
-    d = _deployments("deployments/gpu/prefect-gpu.yaml")["pipeline-gpu-2nodes"]
-    assert d["work_pool"]["name"] == "rubricem-gpu-multinode"
-    job_variables = apply_values(d["work_pool"]["job_variables"], {})
-    validate(job_variables, variables, raise_on_error=True, ignore_required=True)
-    job = apply_values(template["job_configuration"], {**defaults, **job_variables})["job_manifest"]
-    assert job["spec"]["completionMode"] == "Indexed"
-    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
-    pod = job["spec"]["template"]["spec"]
-    assert pod["subdomain"] == "rubricem-nodes" and pod["setHostnameAsFQDN"] is True
-    service = yaml.safe_load((REPO_ROOT / "deployments" / "gpu" / "headless-service.yaml").read_text())
-    assert service["metadata"]["name"] == pod["subdomain"] and service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["selector"].items() <= job["metadata"]["labels"].items()
-    # the flow parameters describe the same 2 nodes (a valid config)
-    cfg = load_config(d["parameters"]["profile"], d["parameters"]["overrides"])
-    assert cfg.distributed.nnodes == job["spec"]["completions"] and cfg.distributed.master_port
-    container = pod["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    assert all(isinstance(v, str) for v in env.values())  # Kubernetes takes string values only
-    assert env["RUBRICEM_RANKS_RUN_DIR"] == d["parameters"]["run_dir"]
-    # every pod (one container template for all indexes) knows its Job's uid: the launch id of the launch
-    # files pod 0 writes and pods 1..N-1 wait for, so a pod that starts late still takes them
-    uid = {"fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}
-    for each in pod["containers"]:
-        assert [e.get("valueFrom") for e in each["env"] if e["name"] == "RUBRICEM_LAUNCH_ID"] == [uid]
+    cluster = _ray_cluster()
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    # the image installs the Ray the project pins; KubeRay reads rayVersion to render the pods
+    assert cluster["spec"]["rayVersion"] == ray.__version__
+    assert f"ray[default]=={ray.__version__}" in (REPO_ROOT / "deployments" / "gpu" / "Dockerfile").read_text()
 
-    # run the pod's shell wrapper for index 0 and 1 with stand-ins for prefect and rubricem
+    (d,) = [d for d in _deployments("deployments/gpu/prefect-gpu.yaml").values() if d["work_pool"]["name"] == RAY_POOL]
+    assert d["name"] == "pipeline-gpu-2nodes" and d["entrypoint"] == FLOW_DEPLOYMENTS["pipeline"]
+    cfg = load_config(d["parameters"]["profile"], d["parameters"]["overrides"])
+    assert cfg.distributed.ray_address == "auto"
+
+    ray_gpus, pods = 0, 0
+    for group, replicas in _groups(cluster):
+        ray_container = group["template"]["spec"]["containers"][0]  # KubeRay starts Ray in the first one
+        assert ray_container["name"].startswith("ray-")
+        gpus = ray_container["resources"]["limits"]["nvidia.com/gpu"]
+        assert (
+            int(group["rayStartParams"]["num-gpus"]) == gpus == ray_container["resources"]["requests"]["nvidia.com/gpu"]
+        )
+        ray_gpus += gpus * replicas
+        pods += replicas
+        if replicas != 1 or group is not cluster["spec"]["headGroupSpec"]:
+            assert group["minReplicas"] == group["maxReplicas"] == group["replicas"]  # a fixed cluster
+    assert not cluster["spec"].get("enableInTreeAutoscaling")
+    assert pods == cfg.distributed.nnodes == 2
+    assert ray_gpus == cfg.distributed.nnodes * cfg.distributed.nproc_per_node == cfg.distributed.world_size
+
+    driver = _driver(cluster)
+    assert driver["command"] == ["prefect", "worker", "start", "--pool", RAY_POOL, "--type", "process"]
+    assert _env(driver)["RAY_ADDRESS"]["value"] == "auto"
+    assert _env(driver)["PREFECT_API_URL"]["valueFrom"]["secretKeyRef"]  # never a URL written in the manifest
+    # the rollout fleet runs beside the driver, on the driver container's own GPUs
+    fleet = cfg.rollout.replicas * cfg.rollout.tensor_parallel_size
+    assert cfg.rollout.engine == "vllm_server"
+    assert driver["resources"]["limits"]["nvidia.com/gpu"] == fleet
+    assert sorted(cfg.rollout.devices) == list(range(fleet))
+    # 2 × 8 GPUs in all
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert sum(c["resources"]["limits"].get("nvidia.com/gpu", 0) for c in head) == 8
+    assert [
+        g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        for g in cluster["spec"]["workerGroupSpecs"]
+    ] == [8]
+
+
+def test_raycluster_authenticates_every_ray_process_and_keeps_the_dashboard_inside():
+    cluster = _ray_cluster()
+    head = cluster["spec"]["headGroupSpec"]
+    secrets = set()
+    for group, _ in _groups(cluster):
+        pod = group["template"]["spec"]
+        assert pod["containers"], group
+        for container in pod["containers"]:  # Ray's containers and the driver's: one token, from a Secret
+            env = _env(container)
+            assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
+            ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert not ref.get("optional"), container["name"]  # a missing Secret stops the pod, not the auth
+            secrets.add((ref["name"], ref["key"]))
+            assert env["RAY_USAGE_STATS_ENABLED"]["value"] == "0"
+            assert "value" not in env["RAY_AUTH_TOKEN"]
+            # the same run directories at the same path everywhere: ranks write logs and shards the driver reads
+            runs = [m for m in container["volumeMounts"] if m["name"] == "runs"]
+            assert runs == [{"name": "runs", "mountPath": "/opt/rubricem/runs"}], container["name"]
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+        assert claims["runs"] == "rubricem-runs"
+        assert group["rayStartParams"]["disable-usage-stats"] == "true"
+    assert secrets == {("rubricem-ray-token", "auth_token")}
+    # the dashboard listens on the head pod's loopback (or not at all); no Service type reaches outside
+    params = head["rayStartParams"]
+    assert params.get("dashboard-host") == "127.0.0.1" or params.get("include-dashboard") == "false"
+    assert head["serviceType"] == "ClusterIP"
+    ports = [p for c in head["template"]["spec"]["containers"] for p in c.get("ports", [])]
+    assert all(p["containerPort"] != 8265 and "dashboard" not in p.get("name", "") for p in ports), ports
+    # the driver finds the head's session (RAY_ADDRESS=auto) and object store through shared volumes
+    for path in ("/tmp/ray", "/dev/shm"):
+        names = {
+            m["name"]
+            for c in head["template"]["spec"]["containers"]
+            for m in c["volumeMounts"]
+            if m["mountPath"] == path
+        }
+        assert len(names) == 1, (path, names)
+
+
+def test_networkpolicy_admits_only_the_clusters_own_pods():
+    cluster = _ray_cluster()
+    policy = _load_yaml("deployments/gpu/networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["namespace"] == cluster["metadata"]["namespace"]
+    own = {"ray.io/cluster": cluster["metadata"]["name"]}  # the label KubeRay puts on every pod of the cluster
+    assert policy["spec"]["podSelector"] == {"matchLabels": own}
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    # every ingress rule names peers, and each peer is a pod of this cluster (no ipBlock, no other namespace)
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), rule  # an empty from admits everyone
+        assert all(peer == {"podSelector": {"matchLabels": own}} for peer in rule["from"]), rule
+    egress = policy["spec"]["egress"]
+    assert {"to": [{"podSelector": {"matchLabels": own}}]} in egress
+    ports = {p["port"] for rule in egress for p in rule.get("ports", [])}
+    assert {53, 4200, 443} <= ports  # DNS, the Prefect API, the LLM providers
+
+
+def _stand_in_kubectl(tmp_path: Path, secret_exists: bool) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for exe in ("prefect", "rubricem"):
-        (bin_dir / exe).write_text(f'#!/bin/sh\necho "{exe} $*" >> "{tmp_path}/calls"\n')
-        (bin_dir / exe).chmod(0o755)
-    for index in ("0", "1"):
-        subprocess.run(
-            [*container["command"], *container["args"]],
-            check=True,
-            env={**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index},
-        )
+    (bin_dir / "kubectl").write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path}/calls"\n'
+        'case "$*" in\n'
+        f'  *"get secret"*) exit {0 if secret_exists else 1} ;;\n'
+        f'  *"apply -f -"*) cat > "{tmp_path}/applied.yaml" ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "kubectl").chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "RUBRICEM_IMAGE": "registry.example.com/rubricem:gpu"}
+
+
+def test_apply_cluster_sets_the_image_and_applies_the_policy_first(tmp_path):
+    env = _stand_in_kubectl(tmp_path, secret_exists=True)
+    script = str(REPO_ROOT / "deployments" / "gpu" / "apply_cluster.sh")
+    subprocess.run(["bash", script], check=True, env=env, capture_output=True)
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls == [
-        "prefect flow-run execute",
-        "rubricem ranks sft --run-dir runs/gpu-2nodes --node-rank 1 --wait-s 86400",
-        "rubricem ranks rl --run-dir runs/gpu-2nodes --node-rank 1 --wait-s 86400",
+        "-n rubricem get secret rubricem-ray-token",
+        "-n rubricem apply -f networkpolicy.yaml",
+        "-n rubricem apply -f -",
     ]
+    applied = yaml.safe_load((tmp_path / "applied.yaml").read_text())
+    images = [c["image"] for group, _ in _groups(applied) for c in group["template"]["spec"]["containers"]]
+    assert len(images) == 3 and set(images) == {env["RUBRICEM_IMAGE"]}
+    assert {**applied, "spec": None} == {**_ray_cluster(), "spec": None}
+
+    # without the token's Secret (or the image) nothing is applied
+    (tmp_path / "no-secret").mkdir()
+    env = _stand_in_kubectl(tmp_path / "no-secret", secret_exists=False)
+    refused = subprocess.run(["bash", script], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "rubricem-ray-token" in refused.stderr
+    assert (tmp_path / "no-secret" / "calls").read_text().splitlines() == ["-n rubricem get secret rubricem-ray-token"]
+    no_image = subprocess.run(["bash", script], env={**env, "RUBRICEM_IMAGE": ""}, capture_output=True, text=True)
+    assert no_image.returncode == 2 and "RUBRICEM_IMAGE" in no_image.stderr
 
 
 # --- a real server, the scripts, a worker ------------------------------------------------------------
@@ -367,19 +486,24 @@ def prefect_server(tmp_path):
 
 def _check_gpu_pool_on_the_server(api: _Api) -> None:
     """The server accepts the Kubernetes template and validates the GPU deployments' job variables
-    against it (what create_pool.sh and `prefect deploy` send, minus the CLI start-up)."""
+    against it (what create_pool.sh and `prefect deploy` send, minus the CLI start-up); the multi-node
+    deployment goes to the process pool of the RayCluster's head pod."""
     template = json.loads((REPO_ROOT / "deployments" / "gpu" / "base-job-template.json").read_text())
     pool = api.post("/work_pools/", json={"name": "rubricem-gpu", "type": "kubernetes", "base_job_template": template})
     assert pool.status_code == 201, pool.text
+    ray_pool = api.post("/work_pools/", json={"name": RAY_POOL, "type": "process"})
+    assert ray_pool.status_code == 201, ray_pool.text
     flow_id = api.post("/flows/", json={"name": "rl"}).json()["id"]
     for name, d in _deployments("deployments/gpu/prefect-gpu.yaml").items():
-        job_variables = {**d["work_pool"]["job_variables"], "image": "registry.example.com/rubricem:gpu"}
+        job_variables = d["work_pool"].get("job_variables", {})
+        if d["work_pool"]["name"] == "rubricem-gpu":
+            job_variables = {**job_variables, "image": "registry.example.com/rubricem:gpu"}
         created = api.post(
             "/deployments/",
             json={
                 "name": name,
                 "flow_id": flow_id,
-                "work_pool_name": "rubricem-gpu",
+                "work_pool_name": d["work_pool"]["name"],
                 "job_variables": job_variables,
                 "parameters": d["parameters"],
             },

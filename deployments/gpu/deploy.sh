@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Register deployments/gpu/prefect-gpu.yaml (creating/updating the pool first). The image must exist in
+# Register deployments/gpu/prefect-gpu.yaml (creating/updating the pools first). The image must exist in
 # a registry the cluster can pull from: RUBRICEM_IMAGE=registry.example.com/rubricem:gpu.
 #   bash deployments/gpu/deploy.sh                 # every GPU deployment
 #   bash deployments/gpu/deploy.sh sft-gpu rl-gpu  # only these
