@@ -144,7 +144,7 @@ class ServerProcess:
         api_key: str,
         python: str = sys.executable,
         host: str = "127.0.0.1",
-        devices: Sequence[int] | None = None,
+        devices: Sequence[int | str] | None = None,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
@@ -694,6 +694,14 @@ def split_devices(devices: Sequence[int] | None, replicas: int, tensor_parallel_
     return [devices[r * t : (r + 1) * t] for r in range(replicas)]
 
 
+def replica_log(log_path: str | Path | None, r: int) -> Path | None:
+    """Replica r's log: ``log_path`` for replica 0, ``<stem>-<r><suffix>`` beside it for the others."""
+    if log_path is None:
+        return None
+    path = Path(log_path)
+    return path if r == 0 else path.with_name(f"{path.stem}-{r}{path.suffix}")
+
+
 def start_fleet(
     model_dir: str | Path,
     replicas: int,
@@ -715,18 +723,12 @@ def start_fleet(
                 "without it every replica starts on the same visible devices"
             )
 
-    def log_of(r: int) -> Path | None:
-        if log_path is None:
-            return None
-        path = Path(log_path)
-        return path if r == 0 else path.with_name(f"{path.stem}-{r}{path.suffix}")
-
     def start(r: int) -> VLLMServer:
         return VLLMServer(
             model_dir,
             devices=parts[r],
             tensor_parallel_size=tensor_parallel_size,
-            log_path=log_of(r),
+            log_path=replica_log(log_path, r),
             **server_kwargs,
         )
 
