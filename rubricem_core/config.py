@@ -468,6 +468,15 @@ class RolloutConfig(_Strict):
         "devices when given). A query's group stays on one replica (prefix cache); groups are balanced by "
         "outstanding tokens; results equal one replica's token for token. See docs/rollout_fleet.md.",
     )
+    placement: Literal["local", "ray"] = Field(
+        default="local",
+        description="vllm_server: who starts the replicas. local: this process, on rollout.devices of this "
+        "machine; ray: a Ray actor per replica (the cluster distributed.ray_address / RAY_ADDRESS names, else a "
+        "local Ray) places it on a node with tensor_parallel_size GPUs of its own (rollout.devices is not used; a "
+        "local Ray offers only distributed.train_devices, so leave that unset), one placement group per fleet "
+        "(PACK). A replica on another node listens on its node's address behind the server's API key. See "
+        "docs/rollout_fleet.md.",
+    )
     schedule: Literal["lockstep", "async"] | None = Field(
         default=None,
         description="vllm_server: async (every trajectory is its own continuation: generate → tool → generate, "
@@ -522,6 +531,17 @@ class RolloutConfig(_Strict):
                     f"{name}: {getattr(self, name)} needs engine: vllm_server (got engine: {self.engine}, which "
                     "runs one engine in lockstep)"
                 )
+        if self.placement == "ray":
+            for name, bad in (
+                ("engine", self.engine != "vllm_server"),
+                ("devices", self.devices is not None),
+                ("colocate", self.colocate),
+            ):
+                if bad:
+                    raise ValueError(
+                        f"placement: ray lets Ray place the vllm_server replicas on GPUs of their own; it does not "
+                        f"go with {name}: {getattr(self, name)} (use placement: local for that)"
+                    )
         if self.replicas > 1 and self.devices is not None:
             need = self.replicas * self.tensor_parallel_size
             if len(self.devices) != need or len(set(self.devices)) != len(self.devices):

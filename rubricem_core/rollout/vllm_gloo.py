@@ -88,7 +88,8 @@ def gloo_engine_class() -> type:
             rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
             timeout = timedelta(seconds=init_info.timeout_s)
             store = dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False, timeout=timeout)
-            # the trainer's rank 0 runs on this machine: the group's connections listen on loopback only
+            # a trainer rank 0 on this machine (master on loopback): the group's connections listen on loopback
+            # only; else (replicas on other nodes) on the address gloo picks, as the trainer's side does
             if not init_info.group_key:
                 raise ValueError(
                     "gloo weight transfer: init_info.group_key is missing (the trainer seals the rendezvous)"
@@ -99,7 +100,7 @@ def gloo_engine_class() -> type:
                 rank,
                 init_info.world_size,
                 init_info.timeout_s,
-                loopback=True,
+                loopback=init_info.master_address in ("127.0.0.1", "localhost", "::1"),
             )
 
         def start_weight_update(self) -> None:

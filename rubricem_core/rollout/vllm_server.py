@@ -65,77 +65,115 @@ def _cuda_here() -> bool:
     return torch.cuda.is_available()
 
 
-class VLLMServer:
-    """One `vllm serve` process of ``model_dir`` on loopback (killed with its process group on close)."""
+def server_command(
+    model_dir: Path,
+    *,
+    python: str,
+    host: str,
+    port: int,
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
+    dtype: str | None,
+    weight_transfer: str | None,
+    sleep_mode: bool,
+    extra_args: Sequence[str],
+) -> list[str]:
+    """The `vllm serve` command line of one replica (no secret on it: ``ps`` shows it)."""
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--middleware",
+        AUTH_MIDDLEWARE,
+        "--enable-prefix-caching",
+        "--logprobs-mode",
+        LOGPROBS_MODE,
+        "--seed",
+        "0",
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+    ]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if not _cuda_here():
+        # vLLM's CPU build rewinds a seeded request's generator when it splits the request's prompt over
+        # two scheduler steps, and CPU generators cannot rewind ("CPU Generator does not use offset": the
+        # engine dies). Every row here is seeded, so prompts are prefilled whole.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
+    if weight_transfer is not None:  # the workers join a trainer's transfer group on request
+        cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+    if sleep_mode:  # CUDA only: vLLM refuses it on a CPU, where /sleep is accepted and does nothing
+        cmd += ["--enable-sleep-mode"]
+    return cmd + list(extra_args)
+
+
+def _die_with_parent(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (Linux
+    PR_SET_PDEATHSIG), so a server never outlives a Ray actor that is killed outright."""
+
+    def preexec() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG
+
+    return preexec
+
+
+class ServerProcess:
+    """One `vllm serve` process: its command and environment, its output (the log file and a tail, read by
+    one thread) and its exit. It listens on ``host`` (loopback unless a replica must be reached from another
+    node) and answers only requests that carry ``api_key`` (AUTH_MIDDLEWARE, every route)."""
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
+        api_key: str,
         python: str = sys.executable,
-        devices: Sequence[int] | None = None,
+        host: str = "127.0.0.1",
+        devices: Sequence[int | str] | None = None,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
         dtype: str | None = None,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
-        startup_timeout_s: float = 900.0,
-        request_timeout_s: float = 600.0,
         log_path: str | Path | None = None,
-        max_concurrency: int = 64,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
-        api_key: str | None = None,
+        parent_death_signal: int | None = None,
     ) -> None:
-        self.api_key = api_key or vllm_api_key()  # trainer rank 0 derives the same from the launch secret
         self.model_dir = Path(model_dir)
-        self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
-        self.weight_transfer = weight_transfer
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.max_concurrency = max_concurrency
-        cmd = [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            SERVED_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--middleware",
-            AUTH_MIDDLEWARE,
-            "--enable-prefix-caching",
-            "--logprobs-mode",
-            LOGPROBS_MODE,
-            "--seed",
-            "0",
-            "--tensor-parallel-size",
-            str(tensor_parallel_size),
-            "--gpu-memory-utilization",
-            str(gpu_memory_utilization),
-        ]
-        if max_model_len is not None:
-            cmd += ["--max-model-len", str(max_model_len)]
-        if not _cuda_here():
-            # vLLM's CPU build rewinds a seeded request's generator when it splits the request's prompt over
-            # two scheduler steps, and CPU generators cannot rewind ("CPU Generator does not use offset": the
-            # engine dies). Every row here is seeded, so prompts are prefilled whole.
-            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
-        if dtype is not None:
-            cmd += ["--dtype", dtype]
-        if weight_transfer is not None:  # the workers join a trainer's transfer group on request
-            cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
-        if sleep_mode:  # CUDA only: vLLM refuses it on a CPU, where /sleep is accepted and does nothing
-            cmd += ["--enable-sleep-mode"]
-        self.asleep = False
-        cmd += list(extra_args)
+        self.base_url = f"http://{host}:{self.port}"
+        cmd = server_command(
+            self.model_dir,
+            python=python,
+            host=host,
+            port=self.port,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            weight_transfer=weight_transfer,
+            sleep_mode=sleep_mode,
+            extra_args=extra_args,
+        )
         # the key in the environment (a command line is public on this machine); the launch secret stays out
-        full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": self.api_key}
+        full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
         full_env.pop(SECRET_ENV, None)
         if devices is not None:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -149,20 +187,10 @@ class VLLMServer:
             bufsize=1,
             env=full_env,
             start_new_session=True,
+            preexec_fn=_die_with_parent(parent_death_signal) if parent_death_signal is not None else None,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
-        # one connection per call in flight (httpx's default pool of 100 would queue the rest)
-        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
-        self.headers = {"Authorization": f"Bearer {self.api_key}"}
-        self.http = httpx.Client(base_url=self.base_url, timeout=request_timeout_s, limits=limits, headers=self.headers)
-        self._side_dir: Path | None = None
-        try:
-            self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
 
     def _read(self) -> None:
         # This thread is the only reader of the server's output pipe: if it died the server would block on a
@@ -181,49 +209,112 @@ class VLLMServer:
                 log.write(line)
                 log.flush()
 
-    def _failure(self, what: str) -> RolloutError:
-        return RolloutError(
-            f"vLLM server ({self.base_url}, model {self.model_dir}) {what}; last lines of its "
-            "output:\n" + "\n".join(self._tail)
-        )
+    def failure(self, what: str) -> RolloutError:
+        return server_failure(self.base_url, self.model_dir, what, self.tail())
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, api_key: str) -> None:
+        """Until the server answers /health (RolloutError with its output's tail if it exits or times out)."""
+        headers = {"Authorization": f"Bearer {api_key}"}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise self._failure(f"exited with code {self.proc.returncode} while starting")
+                raise self.failure(f"exited with code {self.proc.returncode} while starting")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=5, headers=self.headers).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=5, headers=headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise self._failure(f"did not answer /health within {timeout_s:.0f}s")
-
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        if self.proc.poll() is not None:
-            raise self._failure(f"exited with code {self.proc.returncode}")
-        response = self.http.post(path, json=body)
-        if response.status_code != 200:
-            raise self._failure(f"answered {path} with HTTP {response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
+        raise self.failure(f"did not answer /health within {timeout_s:.0f}s")
 
     def tail(self) -> str:
         """The last lines of the server's output."""
         return "\n".join(self._tail)
 
-    def dead(self, exc: BaseException | None = None, wait_s: float = 10.0) -> bool:
-        """Whether the process has exited; after a broken connection (``exc``) it is given ``wait_s``
-        to finish dying, so a killed replica is told from a refused request."""
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def dead(self, broken_connection: bool = False, wait_s: float = 10.0) -> bool:
+        """Whether the process has exited; after a broken connection it is given ``wait_s`` to finish
+        dying, so a killed replica is told from a refused request."""
         if self.proc.poll() is not None:
             return True
-        if isinstance(exc, httpx.TransportError):
+        if broken_connection:
             try:
                 self.proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 return False
             return True
         return False
+
+    def stop(self) -> None:
+        """Stop the server and its process group (idempotent)."""
+        stop_process_group(self.proc)
+
+
+def server_failure(base_url: str, model_dir: Path, what: str, tail: str) -> RolloutError:
+    return RolloutError(f"vLLM server ({base_url}, model {model_dir}) {what}; last lines of its output:\n{tail}")
+
+
+class ServerClient:
+    """The HTTP side of one `vllm serve` replica, whoever started its process (this process: VLLMServer; a
+    Ray actor on some node: ray_replicas.RayReplica): sampling, weights, sleep and prefix-cache resets, every
+    request with the server's API key. Subclasses say whether the process is gone (``dead``), what it last
+    wrote (``tail``) and why a lost replica was lost (``lost_reason``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str,
+        model_dir: str | Path,
+        tensor_parallel_size: int = 1,
+        weight_transfer: str | None = None,
+        max_concurrency: int = 64,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.model_dir = Path(model_dir)
+        self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
+        self.weight_transfer = weight_transfer
+        self.max_concurrency = max_concurrency
+        self.asleep = False
+        # one connection per call in flight (httpx's default pool of 100 would queue the rest)
+        limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.http = httpx.Client(base_url=base_url, timeout=request_timeout_s, limits=limits, headers=self.headers)
+        self._side_dir: Path | None = None
+
+    # ---- the process, as far as this client knows it -----------------------------------------------
+    def exit_code(self) -> int | None:
+        """The process's exit code when this client can tell it cheaply (before every request), else None."""
+        return None
+
+    def tail(self) -> str:
+        """The last lines of the server's output."""
+        return ""
+
+    def dead(self, exc: BaseException | None = None, wait_s: float = 10.0) -> bool:
+        """Whether the server is gone (after a call failed with ``exc``)."""
+        return False
+
+    def lost_reason(self) -> str:
+        """Why a dead replica is lost, with its output's last lines (for the fleet's report)."""
+        return f"exited with code {self.exit_code()}; last lines:\n{self.tail()}"
+
+    def _failure(self, what: str) -> RolloutError:
+        return server_failure(self.base_url, self.model_dir, what, self.tail())
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        code = self.exit_code()
+        if code is not None:
+            raise self._failure(f"exited with code {code}")
+        response = self.http.post(path, json=body)
+        if response.status_code != 200:
+            raise self._failure(f"answered {path} with HTTP {response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample_one(self, call: TurnCall) -> TurnSample:
@@ -260,7 +351,8 @@ class VLLMServer:
     # ---- weights --------------------------------------------------------------------------------
     def load_weights_from_dir(self, directory: str | Path) -> float:
         """Reload every worker's weights in place from an HF checkpoint directory, then drop the prefix
-        cache; returns the seconds it took."""
+        cache; returns the seconds it took. (A replica on another node reads the same path: the run
+        directory must be on storage every node mounts.)"""
         started = time.perf_counter()
         source = self._reload_source(Path(directory).resolve())
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
@@ -316,11 +408,86 @@ class VLLMServer:
         return side
 
     def close(self) -> None:
-        """Stop the server (idempotent)."""
+        """Close the client (idempotent); subclasses stop the server too."""
         self.http.close()
-        stop_process_group(self.proc)
         if self._side_dir is not None:
             shutil.rmtree(self._side_dir, ignore_errors=True)
+
+
+class VLLMServer(ServerClient):
+    """One `vllm serve` process of ``model_dir`` on loopback, started by this process (``rollout.placement:
+    local``), and its client; the process is killed with its process group on close."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        python: str = sys.executable,
+        devices: Sequence[int] | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        dtype: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 600.0,
+        log_path: str | Path | None = None,
+        max_concurrency: int = 64,
+        weight_transfer: str | None = None,
+        sleep_mode: bool = False,
+        api_key: str | None = None,
+    ) -> None:
+        api_key = api_key or vllm_api_key()  # trainer rank 0 derives the same from the launch secret
+        self.process = ServerProcess(
+            model_dir,
+            api_key=api_key,
+            python=python,
+            devices=devices,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            extra_args=extra_args,
+            env=env,
+            log_path=log_path,
+            weight_transfer=weight_transfer,
+            sleep_mode=sleep_mode,
+        )
+        self.proc = self.process.proc
+        self.port = self.process.port
+        self.log_path = self.process.log_path
+        super().__init__(
+            self.process.base_url,
+            api_key=api_key,
+            model_dir=model_dir,
+            tensor_parallel_size=tensor_parallel_size,
+            weight_transfer=weight_transfer,
+            max_concurrency=max_concurrency,
+            request_timeout_s=request_timeout_s,
+        )
+        atexit.register(self.close)  # never leave a server (and its GPUs) behind a process that exits
+        try:
+            self.process.wait_ready(startup_timeout_s, api_key)
+        except BaseException:
+            self.close()
+            raise
+
+    def exit_code(self) -> int | None:
+        return self.process.returncode
+
+    def tail(self) -> str:
+        return self.process.tail()
+
+    def dead(self, exc: BaseException | None = None, wait_s: float = 10.0) -> bool:
+        """Whether the process has exited; after a broken connection (``exc``) it is given ``wait_s``
+        to finish dying, so a killed replica is told from a refused request."""
+        return self.process.dead(isinstance(exc, httpx.TransportError), wait_s)
+
+    def close(self) -> None:
+        """Stop the server (idempotent)."""
+        super().close()
+        self.process.stop()
 
 
 def call_cost(call: TurnCall) -> int:
@@ -372,14 +539,16 @@ class ReplicaRouter:
 
 
 class VLLMFleet:
-    """Several VLLMServers of one model serving as one sampler: calls routed by ``ReplicaRouter``, at most
+    """Several replicas (ServerClients: VLLMServers, or ray_replicas.RayReplicas) of one model serving as one sampler: calls routed by ``ReplicaRouter``, at most
     ``server.max_concurrency`` in flight per replica; weights, prefix-cache resets, sleep and wake-up go
     to every live replica. A replica whose process exits has its calls re-sent to the others
     (``stats["resent_calls"]``; ``lost`` keeps why, with its log tail); when none is left, the call fails
-    with every replica's log tail."""
+    with every replica's log tail. ``on_close`` runs after every replica is closed (a Ray fleet: its
+    placement group removed)."""
 
-    def __init__(self, servers: Sequence[VLLMServer]) -> None:
+    def __init__(self, servers: Sequence[ServerClient], on_close: Callable[[], None] | None = None) -> None:
         self.servers = list(servers)
+        self._on_close = on_close
         self.router = ReplicaRouter(len(self.servers))
         first = self.servers[0]
         for server in self.servers[1:]:
@@ -457,7 +626,7 @@ class VLLMFleet:
             if replica in self.lost:
                 return
             server = self.servers[replica]
-            self.lost[replica] = f"exited with code {server.proc.returncode}; last lines:\n{server.tail()}"
+            self.lost[replica] = server.lost_reason()
         self.router.lose(replica)
         log.warning(
             "vLLM replica %d (%s) died; its calls go to replicas %s. %s",
@@ -468,7 +637,7 @@ class VLLMFleet:
         )
 
     # ---- every live replica -----------------------------------------------------------------------
-    def _each(self, fn: Callable[[VLLMServer], T]) -> list[T]:
+    def _each(self, fn: Callable[[ServerClient], T]) -> list[T]:
         servers = [self.servers[r] for r in self.live]
         if not servers:
             raise RolloutError("no live vLLM replica is left")
@@ -501,6 +670,9 @@ class VLLMFleet:
             pool.shutdown(wait=False, cancel_futures=True)
         for server in self.servers:
             server.close()
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
 
 
 def split_devices(devices: Sequence[int] | None, replicas: int, tensor_parallel_size: int) -> list[list[int] | None]:
@@ -520,6 +692,14 @@ def split_devices(devices: Sequence[int] | None, replicas: int, tensor_parallel_
         raise RolloutError(f"rollout.devices lists a device twice: {devices}")
     t = tensor_parallel_size
     return [devices[r * t : (r + 1) * t] for r in range(replicas)]
+
+
+def replica_log(log_path: str | Path | None, r: int) -> Path | None:
+    """Replica r's log: ``log_path`` for replica 0, ``<stem>-<r><suffix>`` beside it for the others."""
+    if log_path is None:
+        return None
+    path = Path(log_path)
+    return path if r == 0 else path.with_name(f"{path.stem}-{r}{path.suffix}")
 
 
 def start_fleet(
@@ -543,18 +723,12 @@ def start_fleet(
                 "without it every replica starts on the same visible devices"
             )
 
-    def log_of(r: int) -> Path | None:
-        if log_path is None:
-            return None
-        path = Path(log_path)
-        return path if r == 0 else path.with_name(f"{path.stem}-{r}{path.suffix}")
-
     def start(r: int) -> VLLMServer:
         return VLLMServer(
             model_dir,
             devices=parts[r],
             tensor_parallel_size=tensor_parallel_size,
-            log_path=log_of(r),
+            log_path=replica_log(log_path, r),
             **server_kwargs,
         )
 
@@ -579,7 +753,7 @@ class VLLMServerEngine(VLLMRolloutEngine):
 
     def __init__(
         self,
-        server: VLLMServer | VLLMFleet,
+        server: ServerClient | VLLMFleet,
         tokenizer: Any,
         tool_names: Sequence[str] | None = ("search", "browse"),
         *,

@@ -18,9 +18,8 @@ so every tensor is broadcast once, whatever the number of replicas (NCCL's broad
 the ring/tree; R groups would make rank 0 send R copies). It is what vLLM's own multi-engine client
 (RayVLLMWeightSyncClient) does for data-parallel engines.
 
-``broadcast_weights``/``receive_weights`` are the same walk over the parameters towards the process
-that drives the trainer ranks (rubricem_core.distributed.rl_ranks), whose in-process engine takes
-each step's weights from them over a gloo group with rank 0: no checkpoint is written for it.
+The flow process's own engine takes the Ray trainer ranks' weights through Ray's object store
+(rubricem_core.rl.ray_policy: ``RayPolicy.weights``): no checkpoint is written for it.
 
 Backends: ``nccl`` is vLLM's own trainer engine (NCCLTrainerWeightTransferEngine, imported from vLLM,
 which the trainer's environment must have: the ``gpu`` extra); ``gloo`` is the same protocol over a gloo
@@ -30,11 +29,13 @@ group (rubricem_core.rollout.vllm_gloo on the server side), for CPUs and the tes
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -45,6 +46,7 @@ from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
 
 BACKENDS = ("nccl", "gloo")
+LOOPBACK = "127.0.0.1"
 
 
 class WeightTransferError(RolloutError):
@@ -175,6 +177,23 @@ class FleetWeightSync:
             client.close()
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def master_address_for(server_url: str | Sequence[str]) -> str:
+    """The transfer group's master address for these servers, on trainer rank 0: 127.0.0.1 when every server
+    listens on loopback (the fleet runs beside rank 0), else the address this node reaches the first remote
+    server from (its route's source address: what that server's workers can connect back to)."""
+    remote = [u for u in server_urls(server_url) if not is_loopback(urlsplit(u).hostname or "")]
+    if not remote:
+        return LOOPBACK
+    parts = urlsplit(remote[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent: a route lookup
+        probe.connect((parts.hostname or "", parts.port or 80))
+        return str(probe.getsockname()[0])
+
+
 def server_urls(server_url: str | Sequence[str]) -> tuple[str, ...]:
     """One server's URL or a fleet's, as a tuple (the order fixes the replicas' ranks)."""
     urls = (server_url,) if isinstance(server_url, str) else tuple(server_url)
@@ -220,18 +239,24 @@ class GlooSender:
 
     @classmethod
     def trainer_init(
-        cls, client: FleetWeightSync | None, source: ModelWeights, world_size: int, timeout_s: float
+        cls,
+        client: FleetWeightSync | None,
+        source: ModelWeights,
+        world_size: int,
+        timeout_s: float,
+        master_address: str = LOOPBACK,
     ) -> GlooSender:
         if client is None:
             return cls(None, source, None)
 
-        # the server runs beside rank 0, on node 0: the store listens on loopback only, and the group's
-        # name and rendezvous key travel to the workers only over the API-key-guarded HTTP route
-        store = bound_store("127.0.0.1", timeout_s)
+        # The store listens on ``master_address`` only: loopback when every server runs beside rank 0, else
+        # rank 0's node address. Either way the group's name and rendezvous key travel to the workers only
+        # over the API-key-guarded HTTP route, and the rendezvous is sealed with that key.
+        store = bound_store(master_address, timeout_s)
         prefix = f"{GROUP_PREFIX}/{group_token(purpose='vllm-push')}/{secrets.token_hex(8)}"
         group_key = secrets.token_hex(32)  # seals the rendezvous: no stranger on the store joins the group
         init = {
-            "master_address": "127.0.0.1",
+            "master_address": master_address,
             "master_port": store.port,
             "rank_offset": 1,
             "world_size": world_size,
@@ -243,7 +268,7 @@ class GlooSender:
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, init)
             rendezvous = sealed_store(store, group_key, prefix)
-            group = gloo_group(rendezvous, 0, world_size, timeout_s, loopback=True)
+            group = gloo_group(rendezvous, 0, world_size, timeout_s, loopback=is_loopback(master_address))
             joined.result()
         return cls(client, source, group, (store, rendezvous))
 
@@ -285,7 +310,9 @@ def _wait(work: Any, received: Future[None]) -> None:
     work.wait()
 
 
-def _nccl_sender(client: FleetWeightSync | None, source: ModelWeights, world_size: int, is_sender: bool) -> Any:
+def _nccl_sender(
+    client: FleetWeightSync | None, source: ModelWeights, world_size: int, is_sender: bool, master_address: str
+) -> Any:
     try:
         from vllm.distributed.weight_transfer.nccl_engine import (
             NCCLTrainerInitInfo,
@@ -298,60 +325,28 @@ def _nccl_sender(client: FleetWeightSync | None, source: ModelWeights, world_siz
             "or use rollout.weight_transfer: checkpoint"
         ) from exc
     init = NCCLTrainerInitInfo(
-        master_address="127.0.0.1", master_port=free_port(), world_size=world_size, rank=0 if is_sender else 1
+        master_address=master_address, master_port=free_port(), world_size=world_size, rank=0 if is_sender else 1
     )
     return NCCLTrainerWeightTransferEngine.trainer_init(init, client=client, source=source)
-
-
-# ---- to the flow process: an engine in the process that drives the trainer ranks ------------------
-def meta_rows(meta: list[ParamMeta]) -> list[list[Any]]:
-    """ParamMeta as JSON (the receiver allocates from it)."""
-    return [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in meta]
-
-
-def meta_from_rows(rows: list[list[Any]]) -> list[ParamMeta]:
-    return [ParamMeta(name, getattr(torch, dtype), tuple(shape)) for name, dtype, shape in rows]
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    # raw bytes: gloo's broadcast does not take every dtype (bfloat16) on every build
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-def broadcast_weights(source: ModelWeights, meta: list[ParamMeta], group: Any | None) -> None:
-    """Every trainer rank iterates the source (ZeRO-3's gathers are collective: one whole parameter at
-    a time); rank 0, which holds ``group`` (itself rank 0, the receiving process rank 1), broadcasts
-    each tensor as it comes."""
-    for _name, tensor in checked(source, meta):
-        if group is not None:
-            group.broadcast(_as_bytes(tensor), 0).wait()
-
-
-def receive_weights(group: Any, meta: list[ParamMeta], wait: Any) -> dict[str, torch.Tensor]:
-    """The receiving end of ``broadcast_weights``: name → whole tensor (CPU), in ``meta``'s order;
-    ``wait(work)`` waits for one broadcast (and may raise when the sender is gone)."""
-    out: dict[str, torch.Tensor] = {}
-    for m in meta:
-        numel = 1
-        for d in m.shape:
-            numel *= d
-        buf = torch.empty(numel * torch.empty((), dtype=m.dtype).element_size(), dtype=torch.uint8)
-        wait(group.broadcast(buf, 0))
-        out[m.name] = buf.view(m.dtype).reshape(m.shape)
-    return out
 
 
 class WeightPusher:
     """One trainer rank's side of the transfer to one vLLM server or a fleet of them, opened on the first
     push and kept (the servers' workers stay in the group) until ``close`` or until the servers change
-    (a fleet that lost a replica: the next push opens a new group with the survivors)."""
+    (a fleet that lost a replica: the next push opens a new group with the survivors).
 
-    def __init__(self, model: nn.Module, backend: str, timeout_s: float) -> None:
+    ``master_address``: where rank 0 listens for the group's rendezvous (the gloo store, NCCL's bootstrap).
+    127.0.0.1, the default, serves a fleet beside rank 0; replicas on other nodes (``rollout.placement: ray``)
+    need rank 0's node address: ``master_address_for(urls)`` gives the right one for a fleet's URLs. A
+    loopback master with a server that is not on loopback is refused (its workers could never join)."""
+
+    def __init__(self, model: nn.Module, backend: str, timeout_s: float, master_address: str = LOOPBACK) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"rollout.weight_transfer: unknown backend {backend!r}; expected one of {BACKENDS}")
         self.source = ModelWeights(model)
         self.backend = backend
         self.timeout_s = timeout_s
+        self.master_address = master_address
         self._client: FleetWeightSync | None = None
         self._sender: Any = None
         self._urls: tuple[str, ...] | None = None
@@ -361,15 +356,24 @@ class WeightPusher:
         the seconds it took (every rank calls this; only the sender talks to the servers)."""
         started = time.perf_counter()
         urls = server_urls(server_url)
+        remote = [u for u in urls if not is_loopback(urlsplit(u).hostname or "")]
+        if remote and is_loopback(self.master_address):
+            raise WeightTransferError(
+                f"vLLM servers {remote} are on another node, but the weight-transfer group's master address is "
+                f"{self.master_address}, which they cannot reach: give WeightPusher master_address = trainer "
+                "rank 0's node address (master_address_for(urls))"
+            )
         if self._sender is None or self._urls != urls:
             self.close()
             self._urls = urls
             self._client = FleetWeightSync(urls, n_workers, self.timeout_s) if is_sender else None
             world_size = 1 + len(urls) * n_workers
             if self.backend == "nccl":
-                self._sender = _nccl_sender(self._client, self.source, world_size, is_sender)
+                self._sender = _nccl_sender(self._client, self.source, world_size, is_sender, self.master_address)
             else:
-                self._sender = GlooSender.trainer_init(self._client, self.source, world_size, self.timeout_s)
+                self._sender = GlooSender.trainer_init(
+                    self._client, self.source, world_size, self.timeout_s, self.master_address
+                )
         try:
             self._sender.send_weights()
         except BaseException:
