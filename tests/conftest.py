@@ -48,6 +48,18 @@ def deepspeed_ok():
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole pytest process (starting one costs seconds): tests that place trainer
+    ranks take this fixture; Ray is shut down once, at the end of the session."""
+    from rubricem_core.config import DistributedConfig
+    from rubricem_core.distributed.cluster import connect, disconnect
+
+    connect(DistributedConfig())
+    yield
+    disconnect()
+
+
+@pytest.fixture(scope="session")
 def prefect_harness():
     """One temporary Prefect API (SQLite) for every flow test of the session."""
     from prefect.testing.utilities import prefect_test_harness
