@@ -305,8 +305,8 @@ class RankGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as exc:  # a dead actor, or an exception it raised
-                    rank, exc = self._first_cause(rank, exc, pending)
-                    failure = self._failure(rank, what, exc)
+                    rank, cause = self._first_cause(rank, exc, pending)
+                    failure = self._failure(rank, what, cause)
                     self.kill()
                     raise failure from None
         return [results[r] for r in ranks]
