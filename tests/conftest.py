@@ -9,6 +9,7 @@ takes ``tiny_pipeline_run``, built under pytest's tmp dir (tests/test_isolation.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,9 @@ def ray_cluster():
     from rubricem_core.config import DistributedConfig
     from rubricem_core.distributed.cluster import connect, disconnect
 
+    # Ray's memory monitor kills the newest actors when the whole machine is over 95% full, whoever fills
+    # it; the test ranks are small, and on a shared machine that killed them mid-test
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     connect(DistributedConfig())
     yield
     disconnect()
