@@ -9,6 +9,7 @@ takes ``tiny_pipeline_run``, built under pytest's tmp dir (tests/test_isolation.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,21 @@ def deepspeed_ok():
         import_deepspeed()
     except ImportError as exc:
         pytest.skip(f"deepspeed is not importable ({exc}); install with pip install --no-build-isolation deepspeed")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole pytest process (starting one costs seconds): tests that place trainer
+    ranks take this fixture; Ray is shut down once, at the end of the session."""
+    from rubricem_core.config import DistributedConfig
+    from rubricem_core.distributed.cluster import connect, disconnect
+
+    # Ray's memory monitor kills the newest actors when the whole machine is over 95% full, whoever fills
+    # it; the test ranks are small, and on a shared machine that killed them mid-test
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    connect(DistributedConfig())
+    yield
+    disconnect()
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,19 @@
-"""Work that tests/test_distributed.py runs on several gloo ranks under torchrun (one case per call).
+"""Work that the 2-rank ≡ 1-rank tests run on every rank of a RankGroup (``group.run("dist_cases:<case>", arg)``).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_cases.py CASE OUT_FILE [JSON]
-
-Rank 0 writes what the test compares (weights, metrics, which micro-batches each rank trained on) to
-OUT_FILE with torch.save; the single-rank reference is computed by the test in its own process with
-the same functions, so "2 ranks ≡ 1 rank" compares two runs of one code path.
+Each case is a plain function of its arguments that returns what the test compares (weights, metrics,
+which micro-batches each rank trained on) from rank 0 (None from the others). The single-rank reference is
+computed by the test in its own process with the same functions, so "2 ranks ≡ 1 rank" compares two runs
+of one code path.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rubricem_core.distributed import shutdown
 from rubricem_core.training import TrainerConfig, make_trainer
 from tiny_models import PAD, VOCAB, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 
@@ -55,69 +52,71 @@ def trainer_steps(
 
 
 def ppo_update(cfg: dict, update: dict) -> tuple[dict, list[dict], list[list[int]]]:
-    """One SS-GRPO update with sample reuse (minibatches × epochs), the reference a copy of the start."""
+    """One SS-GRPO update with sample reuse (minibatches × epochs), the reference a copy of the start. On
+    several ranks each is given only the trajectories of its own micro-batches, as RayPolicy sends them."""
     import copy
 
-    from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
+    from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, update_plan
 
     torch.set_num_threads(1)
     model = tiny_model()
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     trajs = rl_trajectories(7)
     with_sampled_logprobs(trajs, model, shift=0.1)
+    advs = rl_advantages(trajs)
+    config = UpdateConfig(**update)
     trainer = make_trainer(model, TrainerConfig(**cfg))
-    metrics = ss_grpo_update(trainer, ref, trajs, rl_advantages(trajs), PAD, UpdateConfig(**update))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        plan = update_plan(trajs, config)
+        mine = plan.rank_indices(dist.get_rank(), dist.get_world_size())
+        assert len(mine) < len(trajs), mine  # the slice is a part, not the whole payload
+        metrics = ss_grpo_update(
+            trainer, ref, {i: trajs[i] for i in mine}, {i: advs[i] for i in mine}, PAD, config, plan=plan
+        )
+    else:
+        metrics = ss_grpo_update(trainer, ref, trajs, advs, PAD, config)
     weights = {k: v.detach().float().clone() for k, v in trainer.state_dict_for_sync().items()}
     return weights, [metrics], []
 
 
-def main() -> None:
-    case, out = sys.argv[1], sys.argv[2]
-    arg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    extra: dict = {}
-    if case == "trainer":
-        weights, history, seen = trainer_steps(arg)
-    elif case == "zero_init":
-        # the tiny model saved by the test, loaded straight into ZeRO-3 partitions, then trained
-        from transformers import AutoModelForCausalLM
+# ---- the cases, run on every rank ----------------------------------------------------------------
+def trainer(arg: dict) -> dict[str, Any] | None:
+    return _result(*trainer_steps(arg))
 
-        from rubricem_core.training.params import full_numel, is_partitioned
-        from rubricem_core.training.zero_init import partitioned_loading, policy_ds_config
 
-        model_dir = arg.pop("model_dir")
-        with partitioned_loading(policy_ds_config(model_dir, TrainerConfig(**arg))):
-            model = AutoModelForCausalLM.from_pretrained(model_dir)
-        whole = AutoModelForCausalLM.from_pretrained(model_dir)  # after the block: loaded whole again
-        params = list(model.parameters())
-        extra = {
-            "partitioned": is_partitioned(model),
-            "placeholder_numel": sum(p.numel() for p in params),  # what the module itself holds: nothing
-            "partition_numel": sum(p.ds_tensor.numel() for p in params),  # this rank's share
-            "full_numel": sum(full_numel(p) for p in params),
-            "after_block_partitioned": is_partitioned(whole),
-        }
-        weights, history, seen = trainer_steps(arg, model=model)
-    elif case == "ppo_update":
-        weights, history, seen = ppo_update(arg["trainer"], arg["update"])
-    else:
-        raise SystemExit(f"unknown case {case!r}")
+def zero_init(arg: dict) -> dict[str, Any] | None:
+    """The tiny model saved by the test, loaded straight into ZeRO-3 partitions, then trained."""
+    from transformers import AutoModelForCausalLM
+
+    from rubricem_core.training.params import full_numel, is_partitioned
+    from rubricem_core.training.zero_init import partitioned_loading, policy_ds_config
+
+    arg = dict(arg)
+    model_dir = arg.pop("model_dir")
+    with partitioned_loading(policy_ds_config(model_dir, TrainerConfig(**arg))):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    whole = AutoModelForCausalLM.from_pretrained(model_dir)  # after the block: loaded whole again
+    params = list(model.parameters())
+    extra = {
+        "partitioned": is_partitioned(model),
+        "placeholder_numel": sum(p.numel() for p in params),  # what the module itself holds: nothing
+        "partition_numel": sum(p.ds_tensor.numel() for p in params),  # this rank's share
+        "full_numel": sum(full_numel(p) for p in params),
+        "after_block_partitioned": is_partitioned(whole),
+    }
+    return _result(*trainer_steps(arg, model=model), extra=extra)
+
+
+def ppo(arg: dict) -> dict[str, Any] | None:
+    return _result(*ppo_update(arg["trainer"], arg["update"]))
+
+
+def _result(weights: dict, history: list[dict], seen: list[list[int]], extra: dict | None = None) -> dict | None:
+    """Rank 0: its weights and metrics, and every rank's micro-batches and ``extra``; None on the others."""
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, seen)
     loads: list = [None] * dist.get_world_size()
-    dist.all_gather_object(loads, extra)
-    if dist.get_rank() == 0:
-        torch.save(
-            {
-                "weights": weights,
-                "history": history,
-                "seen": parts,
-                "world_size": dist.get_world_size(),
-                "loads": loads,
-            },
-            out,
-        )
-    shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    dist.all_gather_object(loads, extra or {})
+    if dist.get_rank() != 0:
+        return None
+    return {"weights": weights, "history": history, "seen": parts, "world_size": dist.get_world_size(), "loads": loads}

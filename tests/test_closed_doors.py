@@ -1,21 +1,19 @@
 """Closed doors: a stranger (a process without the launch secret) is refused on every listener of a run.
 
-- the RL control store listens on loopback only (one node), and a command written to it without the
-  launch secret's HMAC makes the ranks refuse it and the launch fail with a message that says so;
-- a sealed command naming a path outside the run directory, or a pickled payload, runs nothing;
-- a launch file may set only the control store's variables in another node's ranks (no PYTHONPATH);
+- a rendezvous store (``bound_store``) listens on loopback only on one node;
+- a weight-transfer group meets through values sealed with its key and listens on loopback: an address a
+  stranger writes to its store makes the member refuse the group;
 - a vLLM server answers 401 on every route (the dev routes too) to a request without its API key.
+
+The trainer ranks' commands are Ray's remote calls (the cluster's token authentication guards them); their
+process group's rendezvous refusing a stranger is in tests/test_actors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 import socket
-import stat
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,35 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rubricem_core.config import load_config
-from rubricem_core.distributed import nodes, rl_ranks
-from rubricem_core.distributed.guard import (
-    SECRET_ENV,
-    ForgedCommand,
-    bound_store,
-    read_secret_file,
-    seal,
-    unseal,
-    vllm_api_key,
-    write_secret_file,
-)
-from rubricem_core.distributed.launch import RankFailure
-from rubricem_core.distributed.spec import launch_path
+from rubricem_core.distributed.guard import SECRET_ENV, ForgedCommand, bound_store, vllm_api_key
 from rubricem_core.rollout.vllm_auth import RequireApiKey
-from rubricem_core.store import atomic_write_text
-from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-
-
-class Planted:
-    """A pickle that, once unpickled, would run code: it creates the file it names."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _listeners(port: int) -> set[str]:
@@ -105,10 +78,11 @@ def _outbound_address() -> str | None:
     return None if addr.startswith("127.") else addr
 
 
-# ---- the control store ---------------------------------------------------------------------------
-def test_the_control_store_listens_on_loopback_only():
-    """torch's TCPStore listens on every interface whatever host it is given; the store the launch makes
-    adopts a socket bound to 127.0.0.1, so another address of this machine is refused."""
+# ---- rendezvous stores ---------------------------------------------------------------------------
+def test_a_bound_store_listens_on_loopback_only():
+    """torch's TCPStore listens on every interface whatever host it is given; a bound store (the trainer
+    ranks' rendezvous on one node, a weight-transfer group's) adopts a socket bound to 127.0.0.1, so another
+    address of this machine is refused."""
     before = _my_listening_sockets()
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     assert _listeners(plain.port) - {"0100007F"}  # the reason for bound_store: all interfaces
@@ -123,51 +97,6 @@ def test_the_control_store_listens_on_loopback_only():
     if other is not None:
         with pytest.raises(OSError):
             socket.create_connection((other, store.port), timeout=5).close()
-
-
-@pytest.mark.parametrize(
-    "forge",
-    [
-        lambda key, value: json.dumps(value),  # no HMAC at all
-        lambda key, value: seal("not-the-launch-secret", "s", key, value),  # another secret
-        lambda key, value: seal("secret", "s", "cmd/9", value),  # a sealed value replayed under another key
-        lambda key, value: seal("secret", "another-launch", key, value),  # ... or from another launch
-        lambda key, value: json.dumps({"body": json.dumps(value), "hmac": "00" * 32}),
-    ],
-    ids=["unsigned", "other-secret", "other-key", "other-session", "bad-hmac"],
-)
-def test_a_value_without_the_launch_hmac_is_refused(forge):
-    value = {"op": "update", "payload": "/tmp/x.pt"}
-    assert unseal("secret", "s", "cmd/0", seal("secret", "s", "cmd/0", value), "here") == value
-    with pytest.raises(ForgedCommand, match=r"'cmd/0' .* does not carry this launch's HMAC"):
-        unseal("secret", "s", "cmd/0", forge("cmd/0", value), "here")
-
-
-def test_command_paths_stay_in_the_run_dir_and_pushes_on_loopback(tmp_path):
-    run = tmp_path / "run"
-    (run / "state" / "launch").mkdir(parents=True)
-    assert rl_ranks.inside(run, str(run / "state" / "launch" / "p.pt"), "payload") == run / "state" / "launch" / "p.pt"
-    for outside in ("/etc/passwd", str(run / ".." / "elsewhere"), str(tmp_path / "run-other" / "x")):
-        with pytest.raises(rl_ranks.RefusedCommand, match="not inside the run directory"):
-            rl_ranks.inside(run, outside, "payload")
-    (run / "link").symlink_to(tmp_path)  # a link out of the run dir is outside too
-    with pytest.raises(rl_ranks.RefusedCommand):
-        rl_ranks.inside(run, str(run / "link" / "x"), "checkpoint directory")
-    assert rl_ranks.loopback_urls(["http://127.0.0.1:8000", "http://localhost:1"])
-    for url in ("http://10.0.0.5:8000", "https://127.0.0.1:8000", "http://evil.example:80", "file:///etc"):
-        with pytest.raises(rl_ranks.RefusedCommand, match="refused push"):
-            rl_ranks.loopback_urls(["http://127.0.0.1:8000", url])
-
-
-def test_a_pickled_payload_runs_nothing(tmp_path):
-    marker = tmp_path / "ran"
-    torch.save({"trajectories": [Planted(marker)], "token_advs": []}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="Weights only load failed"):
-        rl_ranks.load_payload(tmp_path / "evil.pt")
-    assert not marker.exists()
-    good = {"trajectories": [{"token_ids": torch.tensor([1, 2])}], "token_advs": [torch.tensor([0.5, 1.0])]}
-    torch.save(good, tmp_path / "good.pt")
-    assert rl_ranks.load_payload(tmp_path / "good.pt")["token_advs"][0].tolist() == [0.5, 1.0]
 
 
 def test_a_weights_group_listens_on_loopback_and_refuses_a_strangers_address(tmp_path):
@@ -216,90 +145,6 @@ def test_a_weights_group_listens_on_loopback_and_refuses_a_strangers_address(tmp
     stranger.set("r/0/1", b"\x00" * 64)
     with pytest.raises(ForgedCommand, match="does not carry the group's HMAC"):
         gloo_group(sealed_store(store, "key", "r"), 0, 2, 10, loopback=True)
-
-
-@pytest.fixture(scope="module")
-def untrained(tmp_path_factory):
-    run = tmp_path_factory.mktemp("doors") / "base"
-    write_untrained_run(load_config("tiny", UNTRAINED_TINY), run)
-    return run
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("attack", ["stranger", "pickle-inside"])  # payload-outside: the unit test above
-def test_the_ranks_refuse_and_the_launch_fails(untrained, tmp_path, attack):
-    """Two live trainer ranks. A stranger writes the next command to their control store without the
-    secret; or the command is sealed (as if the secret leaked) and names a pickle in the run dir. The
-    ranks refuse, nothing planted runs, and the next call fails saying why."""
-    from rubricem_core.rl import session as rl_session
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(untrained, run_dir)
-    cfg = load_config(
-        "tiny",
-        {
-            **UNTRAINED_TINY,
-            "rl.recipe": "ss_grpo",
-            "rl.max_tokens_per_batch": 256,
-            "rollout.max_total_tokens": 256,
-            "distributed.nproc_per_node": 2,
-        },
-    )
-    marker = tmp_path / "ran"
-    evil = launch_path(run_dir, "evil.pt")
-    torch.save({"trajectories": [Planted(marker)], "token_advs": []}, evil)
-    session = rl_session.get_session(str(run_dir), cfg, -1)
-    try:
-        policy = session.policy
-        assert isinstance(policy, rl_ranks.RankPolicy)
-        spec = json.loads(launch_path(run_dir, "rl.json").read_text())
-        assert SECRET_ENV not in json.dumps(spec) and policy._secret not in json.dumps(spec)
-        host, port = spec["env"][rl_ranks.CONTROL_ENV].rsplit(":", 1)
-        stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-        key = f"cmd/{policy._seq}"
-        command = {"op": "update", "payload": str(evil), "settings": {}}
-        if attack == "stranger":
-            stranger.set(key, json.dumps(command))
-            why = "does not carry this launch's HMAC"
-        else:
-            stranger.set(key, seal(policy._secret, policy._session, key, command))
-            why = "Weights only load failed"
-        deadline = time.monotonic() + 120
-        while policy._ranks.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with pytest.raises(RankFailure, match=why):
-            policy.save(run_dir / "checkpoints" / "x", {})
-        assert not marker.exists()
-    finally:
-        rl_session.drop_sessions()
-
-
-# ---- launch files --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["PYTHONPATH", "LD_PRELOAD", "RUBRICEM_LAUNCH_SECRET", "PATH"])
-def test_a_launch_file_cannot_set_other_variables(tmp_path, monkeypatch, name):
-    started: list = []
-    monkeypatch.setattr(nodes, "run_ranks", lambda *a, **kw: started.append(kw))
-    cfg = load_config("tiny", {"distributed.nnodes": 2, "distributed.master_port": 29500})
-    env = {"RUBRICEM_CONTROL": "node0:1", name: str(tmp_path / "planted")}
-    atomic_write_text(launch_path(tmp_path, "rl.json"), json.dumps({"config": cfg.model_dump(mode="json"), "env": env}))
-    with pytest.raises(nodes.LaunchFileError, match=rf"rl.json: refused to set {name} from a launch file"):
-        nodes.join_launch(str(tmp_path), "rl", 1, wait_s=5)
-    assert started == []
-    env.pop(name)
-    atomic_write_text(launch_path(tmp_path, "rl.json"), json.dumps({"config": cfg.model_dump(mode="json"), "env": env}))
-    monkeypatch.delenv(SECRET_ENV, raising=False)
-    write_secret_file(launch_path(tmp_path, "secret"), "s3cret")
-    nodes.join_launch(str(tmp_path), "rl", 1, wait_s=5)
-    assert started[0]["env"] == {**env, SECRET_ENV: "s3cret"}  # node 0's secret, from its 0600 file
-
-
-def test_the_secret_file_is_its_owners_only(tmp_path):
-    path = tmp_path / "secret"
-    write_secret_file(path, "abc")
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and read_secret_file(path) == "abc"
-    path.chmod(0o644)
-    with pytest.raises(PermissionError, match="0600"):
-        read_secret_file(path)
 
 
 # ---- vLLM servers --------------------------------------------------------------------------------

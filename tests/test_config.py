@@ -195,6 +195,36 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("node_rank", 1, r"ray start --address"),
+        ("master_addr", "10.0.0.5", r"tells them rank 0's address"),
+        ("master_port", 29500, r"picks rank 0's port"),
+        ("rdzv_backend", "c10d", r"no torchrun rendezvous"),
+    ],
+)
+def test_the_torchrun_launch_keys_are_refused_pointing_to_the_ray_docs(tmp_path, key, value, why):
+    with pytest.raises(ConfigError, match=rf"distributed\.{key} was removed: .*{why}.*docs/distributed\.md"):
+        load_config("tiny", {f"distributed.{key}": value, "distributed.nproc_per_node": 2})
+    profile = tmp_path / "old.yaml"  # an old profile file: the error names it
+    profile.write_text(f"profile: old\ndistributed:\n  nproc_per_node: 2\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"old\.yaml[\s\S]*distributed\.{key} was removed"):
+        load_config(profile)
+
+
+@pytest.mark.parametrize("address", ["auto", "ray://head:10001", None])
+def test_ray_address_joins_a_cluster_or_falls_back_to_the_environment(monkeypatch, address):
+    from rubricem_core.distributed.cluster import cluster_address
+
+    cfg = load_config("tiny", {"distributed.ray_address": address, "distributed.nproc_per_node": 2})
+    assert cfg.distributed.ray_address == address and cfg.distributed.world_size == 2
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_address(cfg.distributed) == address  # None: a local Ray
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    assert cluster_address(cfg.distributed) == (address or "10.0.0.9:6379")
+
+
+@pytest.mark.parametrize(
     "overrides, message",
     [
         ({"rollout.weight_transfer": "gloo"}, r"rollout[\s\S]*weight_transfer: gloo[\s\S]*engine: vllm_server"),

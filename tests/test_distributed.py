@@ -1,20 +1,15 @@
-"""Data parallel across gloo ranks: N ranks ≡ 1 rank on the same global batches, disjoint shards,
-the torchrun launcher (commands, streamed metrics, a failing rank's traceback)."""
+"""Data parallel across gloo ranks: N ranks ≡ 1 rank on the same global batches (2 ranks as Ray actors of a
+RankGroup), disjoint shards, the memory plan. The RankGroup itself (calls, failures, metric lines): tests/test_actors.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import dist_cases
-from rubricem_core.distributed.launch import LaunchSpec, RankFailure, run_ranks, torchrun_command
 from rubricem_core.distributed.shard import shard_micro_batches
 from tiny_models import one_thread  # noqa: F401  (autouse)
-
-CASES = str(Path(__file__).with_name("dist_cases.py"))
 
 
 # ------------------------------------------------------------------------------------ sharding
@@ -39,72 +34,6 @@ def test_shard_rejects_a_rank_outside_the_world():
         shard_micro_batches(4, None, 2, 2)
 
 
-# ------------------------------------------------------------------------------------ launcher
-def test_torchrun_commands_for_one_node_and_several():
-    one = torchrun_command(LaunchSpec(nproc_per_node=8), "rubricem_core.distributed.sft_worker", ["--spec", "s.json"])
-    assert one[1:6] == ["-m", "torch.distributed.run", "--nproc_per_node=8", "--nnodes=1", "--standalone"]
-    assert one[-4:] == ["-m", "rubricem_core.distributed.sft_worker", "--spec", "s.json"]
-    static = torchrun_command(LaunchSpec(8, nnodes=2, node_rank=1, master_addr="10.0.0.5", master_port=29500), "m", [])
-    assert "--node_rank=1" in static and "--master_addr=10.0.0.5" in static and "--master_port=29500" in static
-    c10d = torchrun_command(
-        LaunchSpec(8, nnodes=2, master_addr="head", master_port=29400, rdzv_backend="c10d"), "m", []
-    )
-    assert "--rdzv_backend=c10d" in c10d and "--rdzv_endpoint=head:29400" in c10d
-    with pytest.raises(ValueError, match="master_port"):
-        torchrun_command(LaunchSpec(8, nnodes=2), "m", [])
-
-
-def test_the_launch_follows_the_distributed_section():
-    from rubricem_core.config import load_config
-    from rubricem_core.distributed.launch import rank_environment
-    from rubricem_core.distributed.spec import launch_spec
-
-    cfg = load_config(
-        "tiny",
-        {
-            "distributed.nproc_per_node": 4,
-            "distributed.nnodes": 2,
-            "distributed.master_port": 29500,
-            "distributed.train_devices": [4, 5, 6, 7],
-            "distributed.timeout_s": 120,
-        },
-    )
-    spec = launch_spec(cfg, node_rank=1)
-    assert (spec.world_size, spec.node_rank, spec.master_port, spec.devices) == (8, 1, 29500, (4, 5, 6, 7))
-    assert spec.master_addr  # node 0's own name when not given
-    env = rank_environment(spec, base={})
-    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and env["RUBRICEM_COLLECTIVE_TIMEOUT_S"] == "120.0"
-
-
-@pytest.mark.slow
-def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text(
-        "import os, time\n"
-        "from torch.distributed.elastic.multiprocessing.errors import record\n"
-        "from rubricem_core.distributed.launch import emit_metrics\n"
-        "@record\n"
-        "def main():\n"
-        "    if os.environ['RANK'] == '0':\n"
-        "        emit_metrics({'x': 1.5}, 3)\n"
-        "        time.sleep(30)\n"
-        "    raise ValueError('rank one broke: bad shard 17')\n"
-        "main()\n"
-    )
-    lines, metrics = [], []
-    with pytest.raises(RankFailure, match="exit code") as err:
-        run_ranks(
-            LaunchSpec(nproc_per_node=2),
-            str(script),
-            [],
-            on_line=lines.append,
-            on_metrics=lambda m, s: metrics.append((m, s)),
-        )
-    assert "rank one broke: bad shard 17" in str(err.value)  # the traceback reaches the task's error
-    assert metrics == [({"x": 1.5}, 3)]  # rank 0's metric line was parsed, not logged as text
-    assert not any("@@rubricem-metrics" in line for line in lines)
-
-
 # --------------------------------------------------------------------------- 2 ranks ≡ 1 rank
 EQUIV = dict(lr=3e-3, weight_decay=0.1, warmup_steps=1, total_steps=5, max_grad_norm=1.0)
 
@@ -115,16 +44,23 @@ def one_rank_reference():
 
 
 def two_ranks(tmp_path: Path, case: str, arg: dict) -> dict:
-    out = tmp_path / f"{case}.pt"
-    run_ranks(LaunchSpec(nproc_per_node=2), CASES, [case, str(out), json.dumps(arg)])
-    return torch.load(out, weights_only=False)
+    """``dist_cases.<case>(arg)`` on 2 gloo ranks (Ray actors of the session's local Ray); rank 0's result."""
+    from rubricem_core.distributed.actors import RankGroup
+
+    group = RankGroup("dist", 2, tmp_path / "ranks", timeout_s=600)
+    try:
+        return group.run(f"dist_cases:{case}", arg)[0]
+    finally:
+        group.close()
 
 
 # Measured max |Δweight| after 2 steps: 3e-6 torch, 4e-6 ZeRO-1, 2e-5 ZeRO-3 (the steps move weights ~1e-2;
 # Adam magnifies the rounding of a different summation order on near-zero gradients).
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 1, 1e-5), ("deepspeed", 3, 1e-4)])
-def test_two_ranks_train_like_one_on_disjoint_micro_batches(tmp_path, one_rank_reference, backend, stage, tol):
+def test_two_ranks_train_like_one_on_disjoint_micro_batches(
+    ray_cluster, tmp_path, one_rank_reference, backend, stage, tol
+):
     ref_weights, ref_history, ref_seen = one_rank_reference
     got = two_ranks(tmp_path, "trainer", {**EQUIV, "backend": backend, "zero_stage": stage})
     assert got["world_size"] == 2
@@ -143,7 +79,7 @@ def test_two_ranks_train_like_one_on_disjoint_micro_batches(tmp_path, one_rank_r
 
 
 @pytest.mark.slow
-def test_zero3_ranks_load_straight_into_their_partitions_and_train_like_one(tmp_path, one_rank_reference):
+def test_zero3_ranks_load_straight_into_their_partitions_and_train_like_one(ray_cluster, tmp_path, one_rank_reference):
     """deepspeed.zero.Init loading: no rank ever holds the whole model (placeholders from the start, half
     the values each), and training from there is the 1-rank run, as loading whole then partitioning is."""
     ref_weights, ref_history, _ = one_rank_reference

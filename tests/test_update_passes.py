@@ -230,18 +230,18 @@ PPO_UPDATE = dict(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 3, 1e-4)])
-def test_ppo_reuse_on_two_ranks_equals_one(tmp_path, backend, stage, tol):
-    import json
-
+def test_ppo_reuse_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, stage, tol):
+    """Each rank is given only its micro-batches' trajectories (as RayPolicy sends them)."""
     import dist_cases
-    from rubricem_core.distributed.launch import LaunchSpec, run_ranks
+    from rubricem_core.distributed.actors import RankGroup
 
     trainer_cfg = {**PPO_TRAINER, "backend": backend, "zero_stage": stage}
     ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE)
-    out = tmp_path / "ppo.pt"
-    arg = json.dumps({"trainer": trainer_cfg, "update": PPO_UPDATE})
-    run_ranks(LaunchSpec(nproc_per_node=2), dist_cases.__file__, ["ppo_update", str(out), arg])
-    got = torch.load(out, weights_only=False)
+    group = RankGroup("ppo", 2, tmp_path / "ranks", timeout_s=600)
+    try:
+        got = group.run("dist_cases:ppo", {"trainer": trainer_cfg, "update": PPO_UPDATE})[0]
+    finally:
+        group.close()
     metrics = got["history"][0]
     assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == 4
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)

@@ -1,14 +1,13 @@
-"""Rank and world size, read from torch.distributed once it is up, else from the launcher's environment.
+"""Rank and world size, read from torch.distributed once it is up, else from the environment.
 
-torchrun and the DeepSpeed launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for
-every process they start; one process with none of them set is rank 0 of a world of 1.
+A RankGroup's actors (distributed/actors.py) start the process group and set RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT before any training code runs; one process with none of them set is rank 0 of
+a world of 1.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from datetime import timedelta
 
 import torch
@@ -39,22 +38,6 @@ def is_main() -> bool:
 def barrier() -> None:
     if _up() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def shutdown() -> None:
-    """End of a launched rank's work: wait for the others, destroy the process group, and leave the
-    process at once. Interpreter teardown with DeepSpeed's gloo groups aborts now and then
-    ("terminate called without an active exception", SIGABRT: 2 of 6 ZeRO-3 runs on a loaded CPU), which
-    torchrun reports as a failed launch after the work succeeded; so a finished rank exits with
-    os._exit(0) once its output is flushed. Call it last, from a torchrun worker's main only."""
-    if _up():
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 TIMEOUT_ENV = "RUBRICEM_COLLECTIVE_TIMEOUT_S"  # distributed.timeout_s, passed to the ranks by the launcher

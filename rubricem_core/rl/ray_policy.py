@@ -18,6 +18,7 @@ fails the call within a second with its rank, node and log tail (``RankFailure``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -44,6 +45,7 @@ class RLRank:
     def __init__(self, base: str, cfg: dict[str, Any]) -> None:
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.policy = LocalPolicy(Path(base), RunConfig.model_validate(cfg))
+        self.last_update_s = 0.0  # seconds the last update took inside this rank (bench: Ray's overhead)
 
     def update(
         self,
@@ -52,7 +54,14 @@ class RLRank:
         plan: Any,
         settings: dict[str, Any],
     ) -> dict[str, float]:
-        return self.policy.update(trajectories, token_advs, UpdateConfig(**settings), plan=plan)
+        start = time.perf_counter()
+        try:
+            return self.policy.update(trajectories, token_advs, UpdateConfig(**settings), plan=plan)
+        finally:
+            self.last_update_s = time.perf_counter() - start
+
+    def update_seconds(self) -> float:
+        return self.last_update_s
 
     def save(self, directory: str, extra: dict[str, Any]) -> None:
         self.policy.save(Path(directory), extra)
