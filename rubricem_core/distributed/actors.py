@@ -205,6 +205,7 @@ class RankGroup:
         self.on_line, self.on_metrics = on_line, on_metrics
         gpu = uses_gpus()
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+        self._bundle = bundle
         bundles = [dict(bundle) for _ in range(world_size)]
         # rank 0 on the driver's node: it writes beside the flow and pushes weights to the servers it started
         here = f"node:{ray.util.get_node_ip_address()}"
@@ -261,7 +262,7 @@ class RankGroup:
             if time.monotonic() > deadline:
                 raise RankFailure(
                     f"Ray could not place {self.world_size} {self.kind} ranks within {self.timeout_s:.0f}s "
-                    f"(each needs {self._pg.bundle_specs[0]}); cluster has {ray.cluster_resources()}"
+                    f"(each needs {self._bundle}, rank 0 on the driver's node); cluster has {ray.cluster_resources()}"
                 )
 
     # ---- calls -----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     disconnect()                  # shut down only a Ray this process started
 
 A local Ray is known by 127.0.0.1 (its ports listen on every interface, guarded by Ray's token
-authentication, which it always keeps on), has no dashboard and no usage statistics, and offers the
+authentication, on by default; a warning when RAY_AUTH_MODE=disabled turns it off), has no dashboard and no usage statistics, and offers the
 machine's CPUs and GPUs (``distributed.train_devices``: only those GPUs). A cluster (KubeRay, ``ray
 start``) is joined as it is: its own token authentication guards it (docs/distributed.md).
 """
@@ -53,13 +53,9 @@ def connect(d: DistributedConfig) -> None:
             return
         import torch
 
-        if os.environ.get("RAY_AUTH_MODE", "token") != "token":
-            # Ray's own ports listen on every interface: a local Ray we start keeps its token authentication
-            log.warning(
-                "RAY_AUTH_MODE=%s ignored: a local Ray is started with token authentication",
-                os.environ["RAY_AUTH_MODE"],
-            )
-        os.environ["RAY_AUTH_MODE"] = "token"
+        if os.environ.get("RAY_AUTH_MODE") == "disabled":
+            # Ray's ports listen on every interface; its token authentication is what guards them
+            log.warning("RAY_AUTH_MODE=disabled: this local Ray's ports are open to anyone who reaches this machine")
         gpus = torch.cuda.device_count() if d.train_devices is None else len(d.train_devices)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if d.train_devices is not None:  # the raylet starts with only these GPUs visible
