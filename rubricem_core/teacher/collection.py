@@ -228,7 +228,8 @@ def round_rows(
     submitted_at: Any,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The `teacher_requests` and `teacher_responses` rows of a round, one of each per request."""
-    req_rows, resp_rows = [], []
+    req_rows: list[dict[str, Any]] = []
+    resp_rows: list[dict[str, Any]] = []
     for req in requests:
         res = by_id[req.custom_id]
         tid = req.metadata["trajectory_id"]
@@ -296,7 +297,7 @@ class FilteredTrajectories:
 
 def filter_states(states: Sequence[TrajectoryState], cfg: RunConfig) -> FilteredTrajectories:
     """Rejection filtering of every trajectory (a trace the rounds ran out on ends as ``max_rounds``)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for s in states:
         if not s.finished:  # rounds ran out in the flow: the trace never reached an answer
             s.finish_reason = "max_rounds"
