@@ -302,7 +302,7 @@ def test_layout_paths_spelled_out() -> None:
     assert run.launch_dir == r / "state" / "launch"
     assert run.prefect_server_log == r / "state" / "prefect-server.log"
     assert run.mlflow_db == r / "mlflow" / "mlflow.db" and run.mlflow_artifacts_dir == r / "mlflow" / "artifacts"
-    assert run.policy_base_dir == r / "policy" / "base"
+    assert run.policy_base_dir == run.policy_dir / "base" == r / "policy" / "base"
     assert run.sft_final == r / "checkpoints" / "sft" / "final"
     assert step_checkpoint_dir(run.sft_checkpoints_dir, 40) == r / "checkpoints" / "sft" / "step-000040"
     assert final_checkpoint_dir(run.rl_checkpoints_dir) == r / "checkpoints" / "rl" / "final"
@@ -311,6 +311,15 @@ def test_layout_paths_spelled_out() -> None:
     assert (
         run.ablation_run_dir("full") == r / "ablation" / "full" and run.ablation_plot == r / "ablation" / "ablation.png"
     )
+
+
+def test_has_sft_policy_looks_for_the_checkpoint_config(tmp_path: Path) -> None:
+    run = RunLayout(tmp_path)
+    assert not run.has_sft_policy()
+    run.sft_final.mkdir(parents=True)
+    assert not run.has_sft_policy()  # a directory without a loadable checkpoint
+    (run.sft_final / "config.json").write_text("{}")
+    assert run.has_sft_policy()
 
 
 def test_layout_matches_what_the_store_writes(tmp_path: Path) -> None:
