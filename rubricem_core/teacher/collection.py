@@ -191,20 +191,8 @@ def run_teacher_round(
     if missing:
         raise RuntimeError(f"round {round_index}: provider returned no result for {missing[:5]} ({len(missing)} total)")
 
-    env = make_env()
-    for state in active:  # a round resumed in another process: web search ids of earlier rounds stay browsable
-        for output in tool_outputs(state):
-            env.observe(output)
     by_traj = {s.trajectory_id: s for s in active}
-    for req in requests:
-        apply_result(
-            by_traj[req.metadata["trajectory_id"]],
-            by_id[req.custom_id],
-            lambda call: env.execute(call).text,
-            round_index,
-            tcfg.max_rounds,
-            cfg.tools.max_tool_calls,
-        )
+    apply_answers(requests, by_id, by_traj, make_env(), round_index, tcfg.max_rounds, cfg.tools.max_tool_calls)
     req_rows, resp_rows = round_rows(requests, by_id, by_traj, round_index, tcfg.mode, submitted_at)
     return TeacherRound(
         round_index=round_index,
@@ -217,6 +205,32 @@ def run_teacher_round(
         marker=marker,
         failure=round_failure(resp_rows, round_index, tcfg.min_ok_fraction, tcfg.model),
     )
+
+
+def apply_answers(
+    requests: Sequence[ChatRequest],
+    by_id: dict[str, ChatResult],
+    by_traj: dict[str, TrajectoryState],
+    env: ToolEnv,
+    round_index: int,
+    max_rounds: int,
+    max_tool_calls: int,
+) -> None:
+    """Append each answer to its trajectory and run the tool call it ends in (``apply_result``)."""
+    for (
+        state
+    ) in by_traj.values():  # a round resumed in another process: web search ids of earlier rounds stay browsable
+        for output in tool_outputs(state):
+            env.observe(output)
+    for req in requests:
+        apply_result(
+            by_traj[req.metadata["trajectory_id"]],
+            by_id[req.custom_id],
+            lambda call: env.execute(call).text,
+            round_index,
+            max_rounds,
+            max_tool_calls,
+        )
 
 
 def round_rows(
