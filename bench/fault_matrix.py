@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -123,7 +124,7 @@ def differences(run: Path, ref: Path, checkpoints: tuple[str, ...] = ("step-0000
         elif got != want:
             out.append(f"{table}: rows differ")
     for name in checkpoints:
-        a, b = run / "checkpoints" / "rl" / name, ref / "checkpoints" / "rl" / name
+        a, b = RunLayout(run).rl_checkpoints_dir / name, RunLayout(ref).rl_checkpoints_dir / name
         if not (a / "model.safetensors").exists():
             out.append(f"checkpoint {name} missing")
             continue
@@ -218,7 +219,7 @@ def scenario_between_checkpoints(
             problems.append(f"kill at {point} not reached (rc {rc})")
     rc = cli("rl", run, env, log=log, extra=sparse)
     problems += differences(run, ref, checkpoints=("step-000001",)) if rc == 0 else [f"rerun exit {rc}"]
-    if (run / "checkpoints" / "rl" / "step-000000").exists():
+    if RunLayout(run).rl_step_checkpoint(0).exists():
         problems.append("step 0 wrote a checkpoint")
     return [("kill between two checkpoints (rl.checkpoint_every=2)", not problems, "; ".join(problems))]
 
@@ -308,7 +309,7 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
             problems.append(f"unexpected failure {type(exc).__name__}: {exc}")
     finally:
         concurrent.litellm.acompletion = real
-    if (run / "checkpoints" / "rl").exists():
+    if RunLayout(run).rl_checkpoints_dir.exists():
         problems.append("a checkpoint was written for the failed step")
     drop_sessions()
     rl(run_dir=str(run), profile="tiny", overrides=SMALL)

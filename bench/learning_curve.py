@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import has_sft_checkpoint  # noqa: E402
 from bench.rl_improvement import breakdown, copy_inputs, paired_gain  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -171,10 +172,12 @@ def main() -> int:
         work = Path(args.work_dir) if args.work_dir else Path(tmp) / "run"
         work.mkdir(parents=True, exist_ok=True)
         run_dir = copy_inputs(src, work)
-        cfg = resolve_config(run_dir, args.profile or str(src / "config.yaml"), overrides, command="learning_curve")
+        cfg = resolve_config(
+            run_dir, args.profile or str(RunLayout(src).config_file), overrides, command="learning_curve"
+        )
         per_window = 2 * cfg.rl.window
         ends = chunk_ends(args.steps, args.eval_every, per_window)
-        sft = evaluation(run_dir, str(work / "checkpoints" / "sft" / "final"))
+        sft = evaluation(run_dir, str(RunLayout(work).sft_final))
         print(f"SFT: score {sft['score']:.3f} on {sft['n']} graded trajectories", flush=True)
         subs = {r: prepare_recipe_run(run_dir, r) for r in recipes}
         points: dict[str, list[dict[str, Any]]] = {r: [] for r in recipes}

@@ -46,24 +46,25 @@ from prefect.logging import disable_run_logger  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from flows.rl import rl_step  # noqa: E402
 from rubricem_core.config import RunConfig, load_config, parse_override  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 from tasks.rl import drop_sessions, judge_task, rollout_task, update_task  # noqa: E402
 
 GOAL = 0.10
-NEEDED = ("config.yaml", "tables/queries", "tables/corpus", "checkpoints/sft/final")
 QUICK = {"rollout.group_size": 2, "rollout.max_new_tokens": 128, "rl.queries_per_step": 2}
 
 
 def copy_run(src: Path, dst: Path) -> str:
-    """Copy only what RL reads, so each path starts from the same clean state."""
-    for rel in NEEDED:
-        source = src / rel
+    """Copy only what RL reads (config, queries, corpus, SFT policy), so each path starts from the same
+    clean state."""
+    needed = lambda run: (run.config_file, run.table_dir("queries"), run.table_dir("corpus"), run.sft_final)  # noqa: E731
+    for source, target in zip(needed(RunLayout(src)), needed(RunLayout(dst))):
         if source.is_dir():
-            shutil.copytree(source, dst / rel)
+            shutil.copytree(source, target)
         else:
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dst / rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
     return str(dst)
 
 
@@ -162,14 +163,14 @@ def main() -> None:
         parser.error("--steps and --repeats must be >= 1")
     torch.set_num_threads(args.threads)
     src = Path(args.run_dir)
-    if not (src / "checkpoints" / "sft" / "final" / "config.json").exists():
-        raise SystemExit(f"{src} has no checkpoints/sft/final: run `make run` (or `rubricem run`) first")
+    if not RunLayout(src).has_sft_policy():
+        raise SystemExit(f"{src} has no {RunLayout(src).sft_final}: run `make run` (or `rubricem run`) first")
 
     # all steps fresh batches (window = steps); no MLflow (the `rl` parent flow owns tracking, not rl_step)
     overrides: dict = {"rl.recipe": "ss_grpo", "rl.window": args.steps, "rl.n_windows": 1, "tracking.enabled": False}
     if args.quick:
         overrides.update(QUICK)
-    cfg = load_config(src / "config.yaml", {**overrides, **dict(parse_override(s) for s in args.overrides)})
+    cfg = load_config(RunLayout(src).config_file, {**overrides, **dict(parse_override(s) for s in args.overrides)})
     train = [q["query_id"] for q in RunStore(src).read_rows("queries") if q["split"] == "train"]
     plans = windowed_schedule(
         train, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=False

@@ -33,6 +33,7 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 import tasks.rl as rl_tasks  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.reflection.judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
@@ -44,18 +45,19 @@ KEY_ENV = "RUBRICEM_BENCH_REFLECTION_JUDGE_KEY"
 
 def copy_base(src: Path, dst: Path) -> str:
     dst.mkdir(parents=True)
-    for name in ("tables", "policy", "config.yaml"):
-        if (src / name).is_dir():
+    a, b = RunLayout(src), RunLayout(dst)
+    for source, target in ((a.tables_dir, b.tables_dir), (a.policy_dir, b.policy_dir), (a.config_file, b.config_file)):
+        if source.is_dir():
             shutil.copytree(
-                src / name,
-                dst / name,
+                source,
+                target,
                 ignore=shutil.ignore_patterns(
                     "rollouts", "judge_*", "stage_rewards", "reflections", "bank", "metrics", "eval_results"
                 ),
             )
-        elif (src / name).exists():
-            shutil.copy2(src / name, dst / name)
-    shutil.copytree(src / "checkpoints" / "sft" / "final", dst / "checkpoints" / "sft" / "final")
+        elif source.exists():
+            shutil.copy2(source, target)
+    shutil.copytree(a.sft_final, b.sft_final)
     return str(dst)
 
 
@@ -116,7 +118,7 @@ def main() -> None:
             t0 = time.perf_counter()
             rl(
                 run_dir=run_dir,
-                profile=str(src / "config.yaml"),
+                profile=str(RunLayout(src).config_file),
                 overrides={**overrides, "reflection.schedule": schedule},
             )
             elapsed = time.perf_counter() - t0

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import has_sft_checkpoint  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -50,8 +51,8 @@ def main() -> int:
     if args.quick:
         args.max_queries, args.samples = 4, 1
     store = RunStore(args.run_dir)
-    cfg = load_config(Path(args.run_dir) / "config.yaml")
-    checkpoint = args.checkpoint or str(Path(args.run_dir) / "checkpoints" / "sft" / "final")
+    cfg = load_config(RunLayout(args.run_dir).config_file)
+    checkpoint = args.checkpoint or str(RunLayout(args.run_dir).sft_final)
     model, tokenizer = load_policy(checkpoint)
     engine = HFRolloutEngine(model, tokenizer)
     queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]

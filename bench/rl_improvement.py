@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import has_sft_checkpoint  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -37,9 +38,11 @@ apply_offline_defaults()
 def copy_inputs(src: Path, dst: Path) -> str:
     """The run's inputs and SFT policy into ``dst`` (and the teacher's reflections, which warm the
     reflection bank); parts already there (a resumed benchmark) are kept."""
-    for part in ("tables/queries", "tables/corpus", "checkpoints/sft/final", "tables/teacher_reflections"):
-        if (src / part).exists() and not (dst / part).exists():
-            shutil.copytree(src / part, dst / part)
+    a, b = RunLayout(src), RunLayout(dst)
+    parts = [(a.table_dir(t), b.table_dir(t)) for t in ("queries", "corpus", "teacher_reflections")]
+    for source, target in [*parts, (a.sft_final, b.sft_final)]:
+        if source.exists() and not target.exists():
+            shutil.copytree(source, target)
     return str(dst)
 
 
@@ -115,7 +118,7 @@ def main() -> None:
         run_dir = copy_inputs(src, Path(args.work_dir) if args.work_dir else Path(tmp) / "run")
         result = ablation(
             run_dir=run_dir,
-            profile=str(src / "config.yaml"),
+            profile=str(RunLayout(src).config_file),
             overrides=overrides,
             recipes=recipes,
             benchmarks=["synthetic"],

@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from rubricem_core.config import ToolsConfig  # noqa: E402
 from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.policy.loading import DTYPES, _ensure_pad_token, auto_device, load_policy  # noqa: E402
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> None:
     if args.policy is None:
         if not has_sft_checkpoint(Path(args.run_dir), figure_line("rl_step", float("nan"), "s", "report", None)):
             return
-        args.policy = str(Path(args.run_dir) / "checkpoints" / "sft" / "final")
+        args.policy = str(RunLayout(args.run_dir).sft_final)
 
     device = auto_device() if args.device == "auto" else torch.device(args.device)
     model, tokenizer = load(args.policy, args.random_init, args.dtype, device)

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rubricem_core.layout import RunLayout
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
@@ -160,7 +162,7 @@ def run_script(
     path = bench_dir / f"{script.name}.py"
     if not path.exists():
         return Result(script.name, "skipped", note=f"{path.name} does not exist")
-    if script.needs_run_dir and not (Path(run_dir) / "checkpoints" / "sft" / "final" / "config.json").exists():
+    if script.needs_run_dir and not RunLayout(run_dir).has_sft_policy():
         return Result(script.name, "skipped", note=f"no SFT checkpoint in {run_dir} (run `make run` first)")
     cmd = script_command(script, quick, run_dir, python, bench_dir)
     started = time.perf_counter()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -46,8 +47,8 @@ def main() -> None:
     args = parser.parse_args()
 
     store = RunStore(args.run_dir)
-    cfg = load_config(Path(args.run_dir) / "config.yaml")
-    checkpoint = args.checkpoint or str(Path(args.run_dir) / "checkpoints" / "sft" / "final")
+    cfg = load_config(RunLayout(args.run_dir).config_file)
+    checkpoint = args.checkpoint or str(RunLayout(args.run_dir).sft_final)
     model, tokenizer = load_policy(checkpoint)
     queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]
     env = local_tool_env(store.read_table("corpus"), cfg.tools)

@@ -167,9 +167,9 @@ def sample(run: Path, pid: int, step: int, seconds: float, before: dict[str, flo
     tree = process_tree(pid)
     deltas = {k: tree.pop(k, float("nan")) - before.get(k, 0.0) for k in DELTAS}
     before.update({k: before.get(k, 0.0) + v for k, v in deltas.items()})
-    parquet_files, parquet_bytes = dir_bytes(run / "tables", ".parquet")
-    _, mlflow_bytes = dir_bytes(run / "mlflow")
-    ckpts = run / "checkpoints" / "rl"
+    parquet_files, parquet_bytes = dir_bytes(RunLayout(run).tables_dir, ".parquet")
+    _, mlflow_bytes = dir_bytes(RunLayout(run).mlflow_dir)
+    ckpts = RunLayout(run).rl_checkpoints_dir
     return {
         "step": step,
         "seconds": seconds,
@@ -198,7 +198,7 @@ class Sampler:
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
-        progress = self.run / "state" / "rl_progress.json"
+        progress = RunLayout(self.run).rl_progress_file
         started = time.perf_counter()
         tree = process_tree(self.pid)
         before = {k: tree.get(k, 0.0) for k in DELTAS}
@@ -396,7 +396,7 @@ def main() -> int:
     print("shapes: " + " ".join(f"{k}={v}" for k, v in shapes.items()) + " " + " ".join(args.overrides))
 
     t0 = time.perf_counter()
-    if not (run / "checkpoints" / "sft" / "final" / "config.json").exists():
+    if not RunLayout(run).has_sft_policy():
         for command in ("collect-sft-data", "sft"):
             if run_cli(command, run, sets, log).wait() != 0:
                 print(f"`rubricem {command}` failed; see {log}")
@@ -404,7 +404,7 @@ def main() -> int:
         print(f"collect-sft-data + sft: {time.perf_counter() - t0:.0f} s")
 
     rows_file = run / "soak.jsonl"
-    progress = run / "state" / "rl_progress.json"
+    progress = RunLayout(run).rl_progress_file
     done = int(json.loads(progress.read_text())["completed_step"]) if progress.exists() else -1
     print(HEADER)
     for row in read_rows(rows_file):

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -87,7 +88,7 @@ class StepWatcher:
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
     def _watch(self) -> None:
-        progress = self.run / "state" / "rl_progress.json"
+        progress = RunLayout(self.run).rl_progress_file
         last = -1
         while not self.stop.is_set():
             try:
@@ -147,10 +148,10 @@ def main() -> int:
         watcher.thread.join()
     from rubricem_core.store import RunStore
 
-    model_bytes = (run / "checkpoints" / "sft" / "final" / "model.safetensors").stat().st_size
+    model_bytes = (RunLayout(run).sft_final / "model.safetensors").stat().st_size
     rows = RunStore(run).read_rows("rollouts")
     tokens = sum(len(r["token_ids"]) for r in rows)
-    rollout_bytes = sum(p.stat().st_size for p in (run / "tables" / "rollouts").rglob("*.parquet"))
+    rollout_bytes = sum(p.stat().st_size for p in RunLayout(run).table_dir("rollouts").rglob("*.parquet"))
     print(f"policy weights: {model_bytes / 1e6:.1f} MB (hidden {args.hidden}, fp32); rl.checkpoint_every=3, 4 steps")
     print(f"{'step':>4s} {'checkpoint':>12s} {'parquet':>10s} {'other':>9s} {'of weights':>11s}")
     worst = 0.0

@@ -36,6 +36,7 @@ from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.config import load_config  # noqa: E402
 from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.sft import encode_sft_rows, run_sft  # noqa: E402
@@ -61,7 +62,7 @@ def unbucketed_padding(lengths: list[int], max_tokens_per_batch: int, seed: int)
 
 def rollout_throughput(run_dir: Path, cfg, n_queries: int, group_size: int, max_new_tokens: int) -> dict[str, float]:
     store = RunStore(run_dir)
-    model, tokenizer = load_policy(str(run_dir / "checkpoints" / "sft" / "final"), dtype=cfg.policy.dtype)
+    model, tokenizer = load_policy(str(RunLayout(run_dir).sft_final), dtype=cfg.policy.dtype)
     queries = [q for q in store.read_rows("queries") if q["split"] == "train"][:n_queries]
     env = local_tool_env(store.read_table("corpus"), cfg.tools)
     sampling = SamplingParams(
@@ -101,7 +102,7 @@ def rollout_throughput(run_dir: Path, cfg, n_queries: int, group_size: int, max_
 
 def training_throughput(run_dir: Path, cfg, steps: int) -> dict[str, float]:
     rows = RunStore(run_dir).read_rows("sft_trajectories")
-    base = run_dir / "policy" / "base"
+    base = RunLayout(run_dir).policy_base_dir
     _, tokenizer = load_policy(str(base), dtype=cfg.policy.dtype)
     lengths = [len(t) for t in encode_sft_rows(tokenizer, rows, cfg.policy.max_seq_len).trajectories]
     sft = cfg.sft.model_copy(update={"max_steps": steps, "log_every": 1, "checkpoint_every": 10**9, "warmup_steps": 0})
@@ -153,9 +154,10 @@ def main() -> None:
         args.queries, args.group_size, args.max_new_tokens, args.train_steps = 2, 2, 128, 2
     torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
-    if not (run_dir / "checkpoints" / "sft" / "final" / "config.json").exists():
-        raise SystemExit(f"{run_dir} has no checkpoints/sft/final: run `make run` (or `rubricem run`) first")
-    cfg = load_config(run_dir / "config.yaml")
+    layout = RunLayout(run_dir)
+    if not layout.has_sft_policy():
+        raise SystemExit(f"{run_dir} has no {layout.sft_final}: run `make run` (or `rubricem run`) first")
+    cfg = load_config(layout.config_file)
     group = args.group_size or cfg.rollout.group_size
     max_new = args.max_new_tokens or cfg.rollout.max_new_tokens
 

@@ -38,6 +38,7 @@ STATE_DIR = "state"
 MLFLOW_DIR = "mlflow"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_DIR = "report"
+POLICY_DIR = "policy"
 ABLATION_DIR = "ablation"
 
 BANK_DIR = "bank"
@@ -157,8 +158,12 @@ class RunLayout:
 
     # ---- policies and checkpoints ------------------------------------------------------------------
     @property
+    def policy_dir(self) -> Path:
+        return self.root / POLICY_DIR
+
+    @property
     def policy_base_dir(self) -> Path:
-        return self.root / "policy" / "base"
+        return self.policy_dir / "base"
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -179,6 +184,10 @@ class RunLayout:
 
     def rl_step_checkpoint(self, step: int) -> Path:
         return step_checkpoint_dir(self.rl_checkpoints_dir, step)
+
+    def has_sft_policy(self) -> bool:
+        """Whether the SFT policy is written (its ``config.json``): what RL and the benchmarks start from."""
+        return (self.sft_final / "config.json").exists()
 
     # ---- outputs -----------------------------------------------------------------------------------
     @property

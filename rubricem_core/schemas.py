@@ -115,6 +115,29 @@ SFT_TRAJECTORIES_SCHEMA = pa.schema(
         ("cost_usd", pa.float64()),
     ]
 )
+# One row per trajectory touched by a round (rubricem_core.teacher.rounds.TrajectoryState.to_row, plus
+# the round): the round's end state of the trajectory; a round's partition marks the round complete.
+TEACHER_STATE_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("query_id", pa.string()),
+        ("sample_index", pa.int64()),
+        ("seed", pa.int64()),
+        ("messages", pa.string()),  # JSON list of {role, content}
+        ("text", pa.string()),
+        ("n_tool_calls", pa.int64()),
+        ("n_rounds", pa.int64()),
+        ("finished", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("error", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+        ("tool_errors", pa.int64()),
+        ("extra", pa.string()),  # JSON object
+        ("round", pa.int64()),
+    ]
+)
 TEACHER_REFLECTIONS_SCHEMA = pa.schema(
     [
         ("request_id", pa.string()),
@@ -305,12 +328,13 @@ ABLATION_SCHEMA = pa.schema(
     ]
 )
 
-# table name → the schema it is written with (teacher_state has none: its rows are TrajectoryState's)
+# table name → the schema it is written with; RunStore.write_table refuses a table that is not here
 TABLE_SCHEMAS: dict[str, pa.Schema] = {
     "queries": QUERIES_SCHEMA,
     "corpus": CORPUS_SCHEMA,
     "teacher_requests": TEACHER_REQUESTS_SCHEMA,
     "teacher_responses": TEACHER_RESPONSES_SCHEMA,
+    "teacher_state": TEACHER_STATE_SCHEMA,
     "sft_trajectories": SFT_TRAJECTORIES_SCHEMA,
     "teacher_reflections": TEACHER_REFLECTIONS_SCHEMA,
     "rollouts": ROLLOUTS_SCHEMA,

@@ -27,12 +27,63 @@ import pyarrow.parquet as pq
 
 from rubricem_core.faults import fault_point
 from rubricem_core.layout import RunLayout
+from rubricem_core.schemas import TABLE_SCHEMAS
 
 TABLE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 class StoreError(RuntimeError):
     """A run directory or one of its tables is missing, unreadable or corrupt."""
+
+
+class TableSchemaError(ValueError):
+    """A table has no registered schema, or data that does not fit it; the message names the table."""
+
+
+def table_schema(table: str) -> pa.Schema:
+    """The schema ``table`` is written with (``rubricem_core.schemas.TABLE_SCHEMAS``)."""
+    schema = TABLE_SCHEMAS.get(table)
+    if schema is None:
+        raise TableSchemaError(
+            f"table {table!r} has no schema: register one in rubricem_core.schemas.TABLE_SCHEMAS "
+            f"(known tables: {', '.join(sorted(TABLE_SCHEMAS))})"
+        )
+    return schema
+
+
+def conform(table: str, data: pa.Table | Iterable[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """``data`` as a table of exactly ``schema``: columns in its order, a missing column all null. Rows
+    may carry keys the schema lacks (they are not stored); a table may not (its extra columns would be
+    lost). A value that does not convert raises TableSchemaError naming the table and the column."""
+    if isinstance(data, pa.Table):
+        extra = [name for name in data.column_names if name not in schema.names]
+        if extra:
+            raise TableSchemaError(f"table {table!r}: columns {extra} are not in its schema (rubricem_core.schemas)")
+        columns = []
+        for field in schema:
+            if field.name not in data.column_names:
+                columns.append(pa.nulls(data.num_rows, field.type))
+                continue
+            try:
+                columns.append(data[field.name].cast(field.type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                raise TableSchemaError(
+                    f"table {table!r}: column {field.name!r} of type {data[field.name].type} does not fit "
+                    f"the schema's {field.type}: {exc}"
+                ) from exc
+        return _check_nulls(table, pa.Table.from_arrays(columns, schema=schema))
+    rows = list(data)
+    try:
+        return _check_nulls(table, pa.Table.from_pylist(rows, schema=schema))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        for field in schema:  # name the column that does not convert
+            try:
+                pa.array([row.get(field.name) for row in rows], type=field.type)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as column_exc:
+                raise TableSchemaError(
+                    f"table {table!r}: column {field.name!r} does not fit the schema's {field.type}: {column_exc}"
+                ) from exc
+        raise TableSchemaError(f"table {table!r}: rows do not fit its schema: {exc}") from exc
 
 
 def _partition_dir(key: str, value: int) -> str:
@@ -51,6 +102,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _check_nulls(table: str, data: pa.Table) -> pa.Table:
+    for field in data.schema:
+        if not field.nullable and data[field.name].null_count:
+            raise TableSchemaError(f"table {table!r}: column {field.name!r} may not be null (missing in a row?)")
+    return data
 
 
 class RunStore:
@@ -83,11 +141,16 @@ class RunStore:
         part: str = "part",
         schema: pa.Schema | None = None,
     ) -> Path:
-        """Write one whole file of ``table`` atomically; replaces the same partition+part if present."""
-        if not isinstance(data, pa.Table):
-            data = pa.Table.from_pylist(list(data), schema=schema)
-        elif schema is not None:
-            data = data.cast(schema)
+        """Write one whole file of ``table`` atomically; replaces the same partition+part if present.
+
+        The data is written with the table's registered schema (``table_schema``): a table without one
+        is refused. ``schema`` (older callers) must be that same schema."""
+        registered = table_schema(table)
+        if schema is not None and not schema.equals(registered):
+            raise TableSchemaError(
+                f"table {table!r}: written with a schema other than its registered one (rubricem_core.schemas)"
+            )
+        data = conform(table, data, registered)
         path = self.partition_path(table, partition, part)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"

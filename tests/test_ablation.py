@@ -100,13 +100,13 @@ def test_ablation_trains_each_recipe_with_the_same_budget_and_tabulates(run_dir,
 
     # a rerun trains and samples nothing: RL resumes after its last step, evaluations are read back
     import flows.rl
-    import tasks.evaluate
+    import rubricem_core.eval.benchmark
 
     def refuse(*args, **kwargs):
         raise AssertionError("finished work was redone")
 
     monkeypatch.setattr(flows.rl, "rl_step", refuse)
-    monkeypatch.setattr(tasks.evaluate, "run_eval", refuse)
+    monkeypatch.setattr(rubricem_core.eval.benchmark, "run_eval", refuse)
     again = ablation(
         run_dir=run_dir, profile="tiny", overrides=overrides, recipes=["baseline", "ss_grpo"], benchmarks=["synthetic"]
     )

@@ -116,9 +116,9 @@ def test_batch_api_path_with_partial_failure(tmp_path, fake_provider):
 
 
 def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provider, monkeypatch):
-    import tasks.collect as collect_tasks
+    import rubricem_core.teacher.collection as collection
 
-    real_apply = collect_tasks.apply_result
+    real_apply = collection.apply_result
 
     def crash_in_round_2(state, result, run_tool, round_index, *args):
         if round_index == 2:
@@ -127,14 +127,14 @@ def test_resume_after_failure_in_round_2_does_not_rerequest(tmp_path, fake_provi
 
     run_dir = str(tmp_path / "run")
     overrides = batch_overrides(fake_provider)
-    monkeypatch.setattr(collect_tasks, "apply_result", crash_in_round_2)
+    monkeypatch.setattr(collection, "apply_result", crash_in_round_2)
     with pytest.raises(RuntimeError, match="injected failure"):
         collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides)
     store = RunStore(run_dir)
     assert store.partitions("teacher_state", "round") == [0, 1]
     uploaded_before = [line["custom_id"] for line in fake_provider.uploaded_lines]
 
-    monkeypatch.setattr(collect_tasks, "apply_result", real_apply)
+    monkeypatch.setattr(collection, "apply_result", real_apply)
     state = collect_sft_data(run_dir=run_dir, profile="tiny", overrides=overrides, return_state=True)
     result = state.result()
     # the rerun reads the finished rounds back (Prefect's Cached state); the round that failed is

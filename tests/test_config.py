@@ -174,7 +174,10 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
 
     run = tmp_path / "run"
     record_config(run, research(base_url="http://127.0.0.1:1"), "collect-sft-data")
-    RunStore(run).write_table("queries", [{"query_id": "q"}])  # collection has written: tools are fixed now
+    from rubricem_core.schemas import Query, queries_to_table
+
+    query = Query("q", source="user", split="train", kind="long_form", question="why?", messages=[])
+    RunStore(run).write_table("queries", queries_to_table([query]))  # collection has written: tools are fixed now
     moved = research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60, max_concurrency=2)
     changes = {c.field for c in record_config(run, moved, "evaluate")}
     assert changes == {f"tools.specs.search.{k}" for k in ("base_url", "api_key_env", "timeout_s", "max_concurrency")}

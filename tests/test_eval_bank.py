@@ -1,7 +1,7 @@
 """Evaluation finds the bank RL saved: one location (bank_dir) and the embedder recorded with the bank.
 
 The bank is written by the real RL save path (tasks.reflection._write_bank on a bank from the session's
-new_bank) with a non-default embedder, then read by the evaluation's loader (tasks.evaluate._bank).
+new_bank) with a non-default embedder, then read by the evaluation's loader (rubricem_core.eval.benchmark.load_bank).
 The evaluate flow on top of it is covered in tests/test_evaluate_flow.py (retrieval modes).
 """
 
@@ -44,19 +44,19 @@ def rl_run(tmp_path) -> str:
 
 
 def test_evaluation_loads_the_bank_rl_saved_with_the_recorded_embedder(rl_run):
-    from tasks.evaluate import _bank
+    from rubricem_core.eval.benchmark import load_bank
 
     assert bank_dir(rl_run) == Path(rl_run).resolve() / "state" / "bank"
     info = saved_bank_info(bank_dir(rl_run))
     assert (info.embedder, info.dim) == ("hashing:64", 64)
     cfg = _cfg()
     assert cfg.eval.bank_embedder is None and cfg.eval.bank_dir is None  # the defaults: recorded, bank_dir
-    bank = _bank(rl_run, cfg, "cross")
+    bank = load_bank(rl_run, cfg, "cross")
     assert bank.embedder.dim == 64 and bank.path == bank_dir(rl_run)
     assert bank.rows() == RunStore(rl_run).read_rows("bank")  # the table RL wrote beside it
     [hit] = bank.retrieve("q-found", QUESTIONS["q-found"], "cross")
     assert hit.query_id == "q-found2"
-    assert _bank(rl_run, cfg, "none") is None
+    assert load_bank(rl_run, cfg, "none") is None
 
 
 def test_the_bank_table_directory_is_not_a_saved_bank(rl_run):
@@ -65,21 +65,21 @@ def test_the_bank_table_directory_is_not_a_saved_bank(rl_run):
 
 
 def test_an_override_of_another_dimension_is_refused_naming_both(rl_run):
-    from tasks.evaluate import _bank
+    from rubricem_core.eval.benchmark import load_bank
 
     with pytest.raises(BankError, match=r"64-dim embeddings \('hashing:64'\).*\('hashing'\) gives 256-dim"):
-        _bank(rl_run, _cfg(**{"eval.bank_embedder": "hashing"}), "within")
-    assert _bank(rl_run, _cfg(**{"eval.bank_embedder": "hashing:64"}), "within").embedder.dim == 64
+        load_bank(rl_run, _cfg(**{"eval.bank_embedder": "hashing"}), "within")
+    assert load_bank(rl_run, _cfg(**{"eval.bank_embedder": "hashing:64"}), "within").embedder.dim == 64
     with pytest.raises(BankError, match="cannot search a bank"):
-        _bank(rl_run, _cfg(**{"eval.bank_embedder": "none"}), "cross")
+        load_bank(rl_run, _cfg(**{"eval.bank_embedder": "none"}), "cross")
 
 
 def test_bank_dir_overrides_the_location(rl_run, tmp_path):
-    from tasks.evaluate import _bank
+    from rubricem_core.eval.benchmark import load_bank
 
     moved = tmp_path / "elsewhere"
     ReflectionBank.load(bank_dir(rl_run)).save(moved)
-    bank = _bank(str(tmp_path / "no-run"), _cfg(**{"eval.bank_dir": str(moved)}), "cross")
+    bank = load_bank(str(tmp_path / "no-run"), _cfg(**{"eval.bank_dir": str(moved)}), "cross")
     assert len(bank) == len(QUESTIONS) and bank.embedder.dim == 64
 
 
@@ -104,12 +104,12 @@ def test_a_bank_without_a_recorded_embedder_needs_one(tmp_path):
 
 
 def test_eval_settings_name_the_embedder_searched_with(rl_run):
-    from tasks.evaluate import _bank_settings
+    from rubricem_core.eval.benchmark import bank_settings
 
     cfg = _cfg()
-    assert _bank_settings(rl_run, cfg, "none") == [None, "hashing"]  # the digest of parts without retrieval stays
-    assert _bank_settings(rl_run, cfg, "cross") == [None, "hashing:64"]
-    assert _bank_settings(rl_run, _cfg(**{"eval.bank_embedder": "hashing:64"}), "within") == [None, "hashing:64"]
+    assert bank_settings(rl_run, cfg, "none") == [None, "hashing"]  # the digest of parts without retrieval stays
+    assert bank_settings(rl_run, cfg, "cross") == [None, "hashing:64"]
+    assert bank_settings(rl_run, _cfg(**{"eval.bank_embedder": "hashing:64"}), "within") == [None, "hashing:64"]
 
 
 def test_the_recorded_embedder_rebuilds_the_stored_vectors(rl_run):

@@ -130,8 +130,8 @@ def test_random_sample_of_a_real_benchmark_file(shared_data):
 
 def test_the_sample_is_part_of_the_eval_settings():
     from rubricem_core.config import load_config
+    from rubricem_core.eval.benchmark import grading_settings, sample_seed
     from rubricem_core.eval.run import settings_digest
-    from tasks.evaluate import grading_settings, sample_seed
 
     first = load_config("tiny")
     assert grading_settings(first, "simpleqa", []) == {}  # legacy settings: existing digests stay
@@ -337,7 +337,7 @@ def test_a_query_without_reference_is_recorded_ungraded(monkeypatch):
 
 def test_race_without_the_reference_path_names_the_config_field():
     from rubricem_core.config import load_config
-    from tasks.evaluate import eval_queries
+    from rubricem_core.eval.benchmark import eval_queries
 
     cfg = load_config("tiny", {"eval.drb_grading": "race"})
     cfg.eval.paths.pop("deep_research_bench_reference", None)

@@ -57,7 +57,7 @@ def _overrides(**extra):
 
 
 def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared_data, monkeypatch):
-    import tasks.evaluate as eval_tasks
+    import rubricem_core.eval.benchmark as eval_benchmark
     from flows.evaluate import evaluate
 
     simpleqa = shared_data / "simpleqa" / "simple_qa_test_set.csv"
@@ -131,7 +131,7 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     def no_sampling(*args, **kwargs):
         raise AssertionError("a finished benchmark was evaluated again")
 
-    monkeypatch.setattr(eval_tasks, "run_eval", no_sampling)
+    monkeypatch.setattr(eval_benchmark, "run_eval", no_sampling)
     again = evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["synthetic", "simpleqa"])
     assert all(s["cached"] for s in again["benchmarks"].values())
     assert again["benchmarks"]["synthetic"]["score_mean"] == pytest.approx(

@@ -138,19 +138,80 @@ def test_the_old_import_places_give_the_one_schema() -> None:
     assert tracking.METRICS_SCHEMA is schemas.METRICS_SCHEMA
 
 
-def test_the_tasks_write_with_the_schemas_module() -> None:
-    import tasks.collect
-    import tasks.evaluate
-    import tasks.reflection
-    import tasks.rl
+def _one_row(schema: pa.Schema) -> dict[str, object]:
+    """A row with a value of the right type in every column."""
+    samples = {pa.string(): "x", pa.int64(): 3, pa.int8(): 1, pa.float64(): 0.5, pa.float32(): 0.25, pa.bool_(): True}
+    out: dict[str, object] = {}
+    for field in schema:
+        if pa.types.is_list(field.type):
+            item = field.type.value_type
+            out[field.name] = [] if pa.types.is_struct(item) else [samples[item]]
+        elif pa.types.is_timestamp(field.type):
+            out[field.name] = None
+        else:
+            out[field.name] = samples[field.type]
+    return out
 
-    assert tasks.collect.TEACHER_REQUESTS_SCHEMA is schemas.TEACHER_REQUESTS_SCHEMA
-    assert tasks.collect.SFT_TRAJECTORIES_SCHEMA is schemas.SFT_TRAJECTORIES_SCHEMA
-    assert tasks.reflection.REFLECTIONS_SCHEMA is schemas.REFLECTIONS_SCHEMA
-    assert tasks.reflection.BANK_SCHEMA is schemas.BANK_SCHEMA
-    assert tasks.evaluate.EVAL_REFLECTIONS_SCHEMA is schemas.EVAL_REFLECTIONS_SCHEMA
-    for name in ("ROLLOUTS_SCHEMA", "JUDGE_RUBRICS_SCHEMA", "JUDGE_SCORES_SCHEMA", "STAGE_REWARDS_SCHEMA"):
-        assert getattr(tasks.rl, name).equals(getattr(schemas, name), check_metadata=True), name
+
+@pytest.mark.parametrize("table", sorted(schemas.TABLE_SCHEMAS))
+def test_every_registered_table_is_written_with_its_schema(tmp_path: Path, table: str) -> None:
+    schema = schemas.TABLE_SCHEMAS[table]
+    store = RunStore(tmp_path)
+    store.write_table(table, [_one_row(schema)])  # no schema= : the registered one
+    assert store.read_table(table).schema.remove_metadata().equals(schema)
+    # a table with only some of the columns gets the others as nulls, in the schema's order
+    first = schema.names[0]
+    partial = pa.table({first: pa.array([_one_row(schema)[first]], schema.field(first).type)})
+    required = [f.name for f in schema if not f.nullable and f.name != first]
+    if required:  # queries, corpus: a column that may not be null cannot be left out
+        with pytest.raises(ValueError, match=f"table {table!r}: column {required[0]!r} may not be null"):
+            store.write_table(table, partial, part="p")
+        return
+    store.write_table(table, partial, part="p")
+    assert store.read_table(table, {}, "p").schema.remove_metadata().equals(schema)
+
+
+def test_a_table_without_a_registered_schema_is_refused(tmp_path: Path) -> None:
+    from rubricem_core.store import TableSchemaError
+
+    store = RunStore(tmp_path)
+    with pytest.raises(ValueError, match="table 'scratch_notes' has no schema: register one"):
+        store.write_table("scratch_notes", [{"x": 1}])
+    with pytest.raises(TableSchemaError, match="'scratch_notes'"):
+        store.write_table("scratch_notes", pa.table({"x": [1]}), schema=pa.schema([("x", pa.int64())]))
+    assert not store.files("scratch_notes")
+
+
+@pytest.mark.parametrize("as_table", [False, True])
+def test_a_column_of_the_wrong_type_is_refused_naming_table_and_column(tmp_path: Path, as_table: bool) -> None:
+    store = RunStore(tmp_path)
+    rows = [{"step": 0, "query_id": "q", "rollout_id": "r", "score": "two"}]
+    data = pa.Table.from_pylist(rows) if as_table else rows
+    with pytest.raises(ValueError, match=r"table 'judge_scores': column 'score' .*int64"):
+        store.write_table("judge_scores", data, {"step": 0})
+    assert not store.files("judge_scores")
+
+
+def test_a_table_with_columns_outside_the_schema_or_another_schema_is_refused(tmp_path: Path) -> None:
+    store = RunStore(tmp_path)
+    with pytest.raises(ValueError, match=r"table 'metrics': columns \['colour'\] are not in its schema"):
+        store.write_table("metrics", pa.table({"step": [0], "colour": ["red"]}), {"step": 0})
+    with pytest.raises(ValueError, match="table 'metrics': written with a schema other than its registered one"):
+        store.write_table("metrics", [{"step": 0}], {"step": 0}, schema=schemas.BANK_SCHEMA)
+    store.write_table("metrics", [{"step": 0, "name": "loss", "value": 1}], {"step": 0}, schema=schemas.METRICS_SCHEMA)
+    assert store.read_rows("metrics")[0]["value"] == 1.0
+
+
+def test_teacher_state_rows_round_trip_through_their_schema(tmp_path: Path) -> None:
+    from rubricem_core.teacher.rounds import TrajectoryState
+
+    state = TrajectoryState("q-t0", "q", 0, 7, [{"role": "user", "content": "why?"}], extra={"k": 1})
+    store = RunStore(tmp_path)
+    store.write_table("teacher_state", [dict(state.to_row(), round=0)], {"round": 0})
+    row = store.read_rows("teacher_state", {"round": 0})[0]
+    assert row["finish_reason"] is None and row["round"] == 0
+    assert TrajectoryState.from_row(row) == state
+    assert store.read_table("teacher_state").schema.remove_metadata().equals(schemas.TEACHER_STATE_SCHEMA)
 
 
 # ---- NaN ↔ None ------------------------------------------------------------------------------------
@@ -163,10 +224,8 @@ def test_nan_to_none_and_back() -> None:
 def test_nan_is_null_in_a_table_and_nan_again_in_memory(tmp_path: Path) -> None:
     logprobs = [-0.5, math.nan, -2.0]
     store = RunStore(tmp_path)
-    store.write_table(
-        "t", [{"lp": [nan_to_none(x) for x in logprobs]}], schema=pa.schema([("lp", pa.list_(pa.float32()))])
-    )
-    stored = store.read_rows("t")[0]["lp"]
+    store.write_table("rollouts", [{"step": 0, "logprobs": [nan_to_none(x) for x in logprobs]}], {"step": 0})
+    stored = store.read_rows("rollouts")[0]["logprobs"]
     assert stored == [-0.5, None, -2.0]
     back = [none_to_nan(x) for x in stored]
     assert back[0] == -0.5 and math.isnan(back[1]) and back[2] == -2.0
@@ -243,7 +302,7 @@ def test_layout_paths_spelled_out() -> None:
     assert run.launch_dir == r / "state" / "launch"
     assert run.prefect_server_log == r / "state" / "prefect-server.log"
     assert run.mlflow_db == r / "mlflow" / "mlflow.db" and run.mlflow_artifacts_dir == r / "mlflow" / "artifacts"
-    assert run.policy_base_dir == r / "policy" / "base"
+    assert run.policy_base_dir == run.policy_dir / "base" == r / "policy" / "base"
     assert run.sft_final == r / "checkpoints" / "sft" / "final"
     assert step_checkpoint_dir(run.sft_checkpoints_dir, 40) == r / "checkpoints" / "sft" / "step-000040"
     assert final_checkpoint_dir(run.rl_checkpoints_dir) == r / "checkpoints" / "rl" / "final"
@@ -252,6 +311,15 @@ def test_layout_paths_spelled_out() -> None:
     assert (
         run.ablation_run_dir("full") == r / "ablation" / "full" and run.ablation_plot == r / "ablation" / "ablation.png"
     )
+
+
+def test_has_sft_policy_looks_for_the_checkpoint_config(tmp_path: Path) -> None:
+    run = RunLayout(tmp_path)
+    assert not run.has_sft_policy()
+    run.sft_final.mkdir(parents=True)
+    assert not run.has_sft_policy()  # a directory without a loadable checkpoint
+    (run.sft_final / "config.json").write_text("{}")
+    assert run.has_sft_policy()
 
 
 def test_layout_matches_what_the_store_writes(tmp_path: Path) -> None:

@@ -198,7 +198,10 @@ def test_a_refused_config_change_never_prints_a_key_like_value(tmp_path):
 
     run = tmp_path / "run"
     record_config(run, load_config("tiny"), "collect-sft-data")
-    RunStore(run).write_table("queries", [{"query_id": "q"}])  # collection has written: tools are fixed now
+    from rubricem_core.schemas import Query, queries_to_table
+
+    query = Query("q", source="user", split="train", kind="long_form", question="why?", messages=[])
+    RunStore(run).write_table("queries", queries_to_table([query]))  # collection has written: tools are fixed now
     key = _key()
     with pytest.raises(ConfigError, match=r"tools\.embedder: None → <value not shown>") as err:
         record_config(run, load_config("tiny", {"tools.embedder": key}), "collect-sft-data")
