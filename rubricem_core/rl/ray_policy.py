@@ -28,6 +28,7 @@ import torch
 from rubricem_core.config import RunConfig
 from rubricem_core.distributed.actors import RankGroup
 from rubricem_core.distributed.cluster import connect
+from rubricem_core.faults import fault_point
 from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.rl.update import UpdateConfig, update_plan
@@ -52,6 +53,7 @@ class RLRank:
         plan: Any,
         settings: dict[str, Any],
     ) -> dict[str, float]:
+        fault_point("rl.rank_update")  # tests kill a rank here, mid-update
         return self.policy.update(trajectories, token_advs, UpdateConfig(**settings), plan=plan)
 
     def save(self, directory: str, extra: dict[str, Any]) -> None:
