@@ -75,7 +75,10 @@ def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
         for name, args in (
             (
                 "head",
-                ["--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--resources", json.dumps({"node_a": 1})],
+                [
+                    *("--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--resources", '{"node_a": 1}'),
+                    *("--disable-usage-stats", "--include-dashboard", "false"),
+                ],
             ),
             (
                 "worker",
@@ -86,7 +89,7 @@ def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
             with log.open("w") as out:
                 nodes.append(
                     subprocess.Popen(
-                        [str(RAY), "start", *args, "--disable-usage-stats", "--include-dashboard", "false", *common],
+                        [str(RAY), "start", *args, *common],
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env=env,
