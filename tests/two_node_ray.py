@@ -5,10 +5,11 @@
 
 The nodes are the bare-metal recipe of docs/distributed.md shrunk onto one machine: a head and a worker
 node of 1 CPU each (so 2 trainer ranks' placement group must span both), token authentication with a token
-of their own (in the temp dir, never ~/.ray), every file under ``--temp-dir``. They listen on two loopback
-addresses, 127.0.0.2 and 127.0.0.3 (Ray's CLI turns 127.0.0.1 into the machine's routable address, and two
-addresses tell the nodes apart in the ranks' placement). Teardown kills the two ``ray start --block``
-process groups this fixture started (never ``ray stop``, which stops every Ray on the machine).
+of their own, never ~/.ray's, and every file of Ray's under ``--temp-dir`` (a short directory in /tmp: Ray's
+socket paths have at most 107 bytes). They listen on two loopback addresses, 127.0.0.2 and 127.0.0.3 (Ray's
+CLI turns 127.0.0.1 into the machine's routable address, and two addresses tell the nodes apart in the
+ranks' placement). Teardown kills the two ``ray start --block`` process groups this fixture started (never
+``ray stop``, which stops every Ray on the machine). The nodes' logs are in ``root``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,7 +57,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
     """Start the cluster; yield the environment of a driver that joins it (``RAY_ADDRESS``, the token)."""
     root.mkdir(parents=True, exist_ok=True)
-    token = root / "auth_token"
+    # Ray's sockets live under --temp-dir, and a socket path has at most 107 bytes: pytest's are too deep
+    short = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    token = short / "auth_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
@@ -69,7 +74,7 @@ def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
         }
     )
     port = free_port()
-    common = ["--num-cpus", "1", "--num-gpus", "0", "--temp-dir", str(root / "ray"), "--block"]
+    common = ["--num-cpus", "1", "--num-gpus", "0", "--temp-dir", str(short), "--block"]
     nodes: list[subprocess.Popen] = []
     try:
         for name, args in (
@@ -102,6 +107,7 @@ def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
     finally:
         for proc in reversed(nodes):
             _kill_group(proc)
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def run_flow_driver(target: str, env: dict[str, str], timeout_s: float = 600, **kwargs: Any) -> tuple[Any, str]:
