@@ -1,7 +1,7 @@
 """A two-"node" Ray cluster on this machine, and a flow run as its driver in a process of its own.
 
     with two_node_cluster(tmp_dir) as env:          # `ray start --head` + `ray start --address`
-        out = run_flow_driver("flows.rl:rl", env, run_dir=..., profile="tiny", overrides={...})
+        result, out = run_flow_driver("flows.rl:rl", env, run_dir=..., profile="tiny", overrides={...})
 
 The nodes are the bare-metal recipe of docs/distributed.md shrunk onto one machine: a head and a worker
 node of 1 CPU each (so 2 trainer ranks' placement group must span both), token authentication with a token
