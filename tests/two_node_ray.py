@@ -69,6 +69,8 @@ def two_node_cluster(root: Path) -> Iterator[dict[str, str]]:
             "RAY_AUTH_TOKEN_PATH": str(token),
             "RAY_USAGE_STATS_ENABLED": "0",
             "OMP_NUM_THREADS": "1",
+            # no Ray OOM killer: on a shared test machine it kills the ranks for other processes' memory
+            "RAY_memory_monitor_refresh_ms": "0",
             # every node runs this checkout's code (the workers' imports), as an installed package would
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]),
         }
