@@ -1,7 +1,9 @@
 """RL with trainer ranks that live for the flow run (2 gloo ranks): one SS-GRPO update on 2 ranks equals
 one rank, under ZeRO-3 the engine samples with the trainer's gathered weights, and the rl flow runs with
 rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap (its engine fed by transfer
-from rank 0, with no checkpoint between, rl.checkpoint_every=2)."""
+from rank 0, with no checkpoint between, rl.checkpoint_every=2). The ranks are Ray actors: one killed from
+outside mid-update fails the flow within seconds naming it, and the reruns resume to a 1-process run's
+tables; on a two-node Ray cluster (tests/two_node_ray.py) the ranks span both nodes with the same tables."""
 
 from __future__ import annotations
 

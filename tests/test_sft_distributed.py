@@ -1,5 +1,6 @@
 """SFT from the Prefect task on 2 gloo ranks: the same weights as one rank, rank 0's metrics in MLflow,
-a killed rank fails the task, and the rerun resumes to the uninterrupted run's weights."""
+a killed rank fails the task, and the rerun resumes to the uninterrupted run's weights; the ranks are Ray
+actors, on a two-node Ray cluster one per node (tests/two_node_ray.py)."""
 
 from __future__ import annotations
 
