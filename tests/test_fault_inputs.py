@@ -82,6 +82,15 @@ def test_fault_spec_is_checked():
             parse_spec(bad)
 
 
+def test_fault_action_is_checked(monkeypatch):
+    from rubricem_core.faults import fault_point
+
+    monkeypatch.setenv("RUBRICEM_FAULT_POINT", "test.action_checked")
+    monkeypatch.setenv("RUBRICEM_FAULT_ACTION", "explode")
+    with pytest.raises(ValueError, match=r"RUBRICEM_FAULT_ACTION='explode': expected one of kill, hang"):
+        fault_point("test.action_checked")
+
+
 # ---- the run directory ---------------------------------------------------------------------------
 
 

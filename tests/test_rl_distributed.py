@@ -1,12 +1,19 @@
 """RL with trainer ranks that live for the flow run (2 gloo ranks): one SS-GRPO update on 2 ranks equals
 one rank, under ZeRO-3 the engine samples with the trainer's gathered weights, and the rl flow runs with
 rl.backend=deepspeed, rl.zero_stage=3 on 2 ranks with the 1-rank logprob gap (its engine fed by transfer
-from rank 0, with no checkpoint between, rl.checkpoint_every=2)."""
+from rank 0, with no checkpoint between, rl.checkpoint_every=2). The ranks are Ray actors: one killed from
+outside mid-update fails the flow within seconds naming it, and the reruns resume to a 1-process run's
+tables; on a two-node Ray cluster (tests/two_node_ray.py) the ranks span both nodes with the same tables."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +21,12 @@ import pytest
 import torch
 
 from rubricem_core.config import load_config
-from rubricem_core.processes import free_port
 from rubricem_core.rl import session as rl_session
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
 from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
+from tests.two_node_ray import run_flow_driver, two_node_cluster
 from tests.untrained_run import write_untrained_run
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
@@ -159,22 +166,99 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
     assert (tmp_path / "one" / "checkpoints" / "rl" / "step-000000" / "checkpoint.json").exists()
 
 
-def test_a_killed_trainer_rank_fails_the_rl_flow_and_the_rerun_resumes(sft_run, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def one_process_flow(sft_run, tmp_path_factory) -> str:
+    """The rl flow on FLOW in the flow's own process, uninterrupted: the tables the Ray runs must reproduce."""
+    from flows.rl import rl
+
+    run_dir = str(tmp_path_factory.mktemp("rl-one") / "run")
+    shutil.copytree(sft_run, run_dir)
+    rl(run_dir=run_dir, profile="tiny", overrides=FLOW)
+    return run_dir
+
+
+def _same_tables(run_dir: str, reference: str) -> None:
+    """The run's rollouts, stage rewards and logprob gaps are the reference run's."""
+    a, b = RunStore(reference), RunStore(run_dir)
+    key = ("step", "rollout_id")
+    rollouts = [sorted(s.read_rows("rollouts"), key=lambda r: tuple(r[k] for k in key)) for s in (a, b)]
+    assert [r["token_ids"] for r in rollouts[0]] == [r["token_ids"] for r in rollouts[1]]
+    rewards = [
+        sorted(
+            ((r["step"], r["rollout_id"], r["stage"]), [r["R"], r["G"], r["A"]]) for r in s.read_rows("stage_rewards")
+        )
+        for s in (a, b)
+    ]
+    assert [k for k, _ in rewards[0]] == [k for k, _ in rewards[1]]
+    assert [v for _, v in rewards[1]] == [pytest.approx(v, abs=1e-6, nan_ok=True) for _, v in rewards[0]]
+    assert _gaps(run_dir) == pytest.approx(_gaps(reference), abs=1e-6)
+
+
+def _wait_for_line(path: Path, pattern: str, timeout_s: float = 600) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} in {path} within {timeout_s}s")
+
+
+def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resume(
+    one_process_flow, sft_run, tmp_path, monkeypatch
+):
+    """Rank 1's actor SIGKILLed from outside while it is in step 1's update: the flow fails within 30 s
+    naming rank 1; the rerun's ranks then kill themselves while writing step 1's checkpoint; the third run
+    resumes from step 0's checkpoint to the tables of the uninterrupted 1-process run."""
     from flows.rl import rl
     from rubricem_core.distributed.actors import RankFailure
 
     run_dir = str(tmp_path / "run")
     shutil.copytree(sft_run, run_dir)
     overrides = {**FLOW, "distributed.nproc_per_node": 2}
-    # the trainer ranks kill themselves while writing step 1's checkpoint (the flow process writes none)
-    monkeypatch.setenv("RUBRICEM_FAULT_POINT", "checkpoint.weights_written:2")
+    # each rank's 2nd update (step 1's) hangs there, printing its pid, until it is killed
+    monkeypatch.setenv("RUBRICEM_FAULT_POINT", "rl.rank_update:2")
+    monkeypatch.setenv("RUBRICEM_FAULT_ACTION", "hang")
+    failed: dict = {}
+
+    def run() -> None:
+        try:
+            rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+        except BaseException as exc:  # noqa: BLE001  (what the flow raised, checked below)
+            failed.update(exc=exc, at=time.monotonic())
+
+    flow = threading.Thread(target=run)
+    flow.start()
+    try:
+        log = Path(run_dir) / "state" / "ranks" / "rl-rank1.log"
+        pid = int(_wait_for_line(log, r"fault point rl\.rank_update: hanging \(pid (\d+)\)").group(1))
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        flow.join(timeout=120)
+    finally:
+        if flow.is_alive():  # the ranks would hang until distributed.timeout_s: end them with the test
+            rl_session.drop_sessions()
+            flow.join(timeout=60)
+    detected_s = failed["at"] - killed_at
+    print(f"rank 1 killed mid-update: the flow failed {detected_s:.1f}s later")
+    assert isinstance(failed["exc"], RankFailure), failed
+    message = str(failed["exc"])
+    assert re.search(rf"rl trainer rank 1 of 2 on node \S+ \(pid {pid}\) died", message), message
+    assert detected_s < 30
+    assert rl_session.completed_step(run_dir) == 0 and not rl_session._SESSIONS
+
+    # the ranks kill themselves while writing step 1's checkpoint (the flow process writes none)
+    monkeypatch.setenv("RUBRICEM_FAULT_POINT", "checkpoint.weights_written:1")
+    monkeypatch.delenv("RUBRICEM_FAULT_ACTION")
     with pytest.raises(RankFailure, match=r"trainer rank \d of 2 .*(died|raised)"):
         rl(run_dir=run_dir, profile="tiny", overrides=overrides)
     assert rl_session.completed_step(run_dir) == 0 and not rl_session._SESSIONS
+
     monkeypatch.delenv("RUBRICEM_FAULT_POINT")
     rl(run_dir=run_dir, profile="tiny", overrides=overrides)
     assert rl_session.completed_step(run_dir) == 1
     assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
+    _same_tables(run_dir, one_process_flow)
 
 
 # ---- the rl flow with vLLM as its own process --------------------------------------------------
@@ -275,53 +359,21 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
     assert any(r["checkpoint"] == out["tag"] for r in RunStore(run_dir).read_rows("eval_results"))
 
 
-def _rl_on_two_nodes(run_dir: str, port: int) -> tuple[int, str]:
-    """The rl flow as node 0 here, `rubricem ranks rl --node-rank 1` as node 1 beside it: node 1's exit code
-    and output."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A head and a worker Ray node on this machine, 1 CPU each (tests/two_node_ray.py)."""
+    with two_node_cluster(tmp_path_factory.mktemp("ray-nodes")) as env:
+        yield env
 
-    from flows.rl import rl
 
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "ranks", "rl", "--run-dir", run_dir, "--node-rank", "1", "--wait-s", "300"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def test_rl_flow_on_two_ray_nodes(one_process_flow, sft_run, two_nodes, tmp_path):
+    """The rl flow as the driver of a two-node Ray cluster (joined through RAY_ADDRESS, token auth): its 2
+    trainer ranks are placed one per node (each has 1 CPU) and the tables equal a 1-process run's."""
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(sft_run, run_dir)
+    _, out = run_flow_driver(
+        "flows.rl:rl", two_nodes, run_dir=run_dir, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2}
     )
-    try:
-        rl(
-            run_dir=run_dir,
-            profile="tiny",
-            overrides={
-                **FLOW,
-                "distributed.nnodes": 2,
-                "distributed.master_port": port,
-                "distributed.master_addr": "127.0.0.1",
-            },
-        )
-        out, _ = node1.communicate(timeout=120)
-    finally:
-        node1.kill()
-    return node1.returncode, out
-
-
-def test_rl_flow_on_two_nodes_joined_by_the_ranks_command(sft_run, tmp_path):
-    """Two "nodes" of 1 rank on this machine: node 0 is the rl flow (and its control store, bound on all
-    interfaces for other nodes), node 1 runs `rubricem ranks rl`; the rollouts equal a 1-process run's."""
-    from flows.rl import rl
-
-    port = free_port()
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    shutil.copytree(sft_run, one)
-    shutil.copytree(sft_run, two)
-    rl(run_dir=one, profile="tiny", overrides=FLOW)
-    rc, out = _rl_on_two_nodes(two, port)
-    assert rc == 0 and "Traceback" not in out, out
-    a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
-    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
-    assert _gaps(two) == pytest.approx(_gaps(one), abs=1e-6)
-
-    # a rerun has nothing to train: node 0 says so and node 1's command ends with 0 (it ignores the ended launch)
-    rc, out = _rl_on_two_nodes(two, port)
-    assert rc == 0 and "nothing to train" in out, out
+    assert re.search(r"2 rl ranks on 2 node\(s\) \['127\.0\.0\.2', '127\.0\.0\.3'\]", out), out[-4000:]
+    assert "joining the Ray cluster at 127.0.0.2:" in out
+    _same_tables(run_dir, one_process_flow)

@@ -1,9 +1,11 @@
 """SFT from the Prefect task on 2 gloo ranks: the same weights as one rank, rank 0's metrics in MLflow,
-a killed rank fails the task, and the rerun resumes to the uninterrupted run's weights."""
+a killed rank fails the task, and the rerun resumes to the uninterrupted run's weights; the ranks are Ray
+actors, on a two-node Ray cluster one per node (tests/two_node_ray.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -11,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from rubricem_core.config import load_config
-from rubricem_core.processes import free_port
 from rubricem_core.sft import run_sft, sft_inputs
 from rubricem_core.sql import run_sql
 from test_sft import SMALL, collected_run  # noqa: F401  (the module's collected run fixture)
+from tests.two_node_ray import run_flow_driver, two_node_cluster
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
@@ -90,46 +92,26 @@ def test_two_zero3_ranks_load_the_policy_partitioned_and_train_like_one_rank(col
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
 
 
-def test_sft_on_two_nodes_joined_by_the_ranks_command(collected_run, tmp_path):
-    """Two "nodes" on this machine (1 rank each, static rendezvous): node 0 is the flow, node 1 runs
-    `rubricem ranks sft`; the weights are those of one rank on the same batches."""
-    import subprocess
-    import sys
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A head and a worker Ray node on this machine, 1 CPU each (tests/two_node_ray.py)."""
+    with two_node_cluster(tmp_path_factory.mktemp("ray-nodes")) as env:
+        yield env
 
-    from flows.sft import sft
 
-    port = free_port()
+def test_sft_on_two_ray_nodes(collected_run, two_nodes, tmp_path):
+    """The sft flow as the driver of a two-node Ray cluster (joined through RAY_ADDRESS, token auth): one
+    rank on each node (each has 1 CPU); the weights are those of one rank on the same batches."""
     run_dir = tmp_path / "run"
     shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
-    node1 = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "ranks",
-            "sft",
-            "--run-dir",
-            str(run_dir),
-            "--node-rank",
-            "1",
-            "--wait-s",
-            "300",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    result, out = run_flow_driver(
+        "flows.sft:sft",
+        two_nodes,
+        run_dir=str(run_dir),
+        profile="tiny",
+        overrides={**DIST, "sft.checkpoint_every": 10, "distributed.nnodes": 2},
     )
-    try:
-        result = sft(
-            run_dir=str(run_dir),
-            profile="tiny",
-            overrides={**DIST, "sft.checkpoint_every": 10, "distributed.nnodes": 2, "distributed.master_port": port},
-        )
-        out, _ = node1.communicate(timeout=120)
-    finally:
-        node1.kill()
-    assert node1.returncode == 0, out
-    assert "Traceback" not in out
+    assert re.search(r"2 sft ranks on 2 node\(s\) \['127\.0\.0\.2', '127\.0\.0\.3'\]", out), out[-4000:]
     cfg = load_config("tiny", DIST)
     rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
     ref = run_sft(

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rubricem_core import faults
 from rubricem_core.distributed.cluster import uses_gpus
 
 METRICS_PREFIX = "@@rubricem-metrics "
@@ -220,6 +221,8 @@ class RankGroup:
             self._wait_placed()
             worker = ray.remote(RankWorker)
             rank_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+            # the driver's fault injection, never a stale one the raylet inherited when this Ray started
+            rank_env.update({var: os.environ.get(var, "") for var in (faults.ENV_VAR, faults.ACTION_VAR)})
             rank_env.update(env or {})
             for r in range(world_size):
                 self.actors.append(

@@ -30,6 +30,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.distributed.actors import RankGroup
 from rubricem_core.distributed.cluster import connect
 from rubricem_core.distributed.guard import SECRET_ENV, launch_secret
+from rubricem_core.faults import fault_point
 from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_tokenizer
 from rubricem_core.rl.policy import LocalPolicy
@@ -54,6 +55,7 @@ class RLRank:
         plan: Any,
         settings: dict[str, Any],
     ) -> dict[str, float]:
+        fault_point("rl.rank_update")  # tests kill a rank here, mid-update
         start = time.perf_counter()
         try:
             return self.policy.update(trajectories, token_advs, UpdateConfig(**settings), plan=plan)
