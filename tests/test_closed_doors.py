@@ -39,7 +39,7 @@ from rubricem_core.distributed.guard import (
 from rubricem_core.distributed.launch import RankFailure
 from rubricem_core.distributed.spec import launch_path
 from rubricem_core.rollout.vllm_auth import RequireApiKey
-from rubricem_core.store import atomic_write_text
+from rubricem_core.store import RunStore, atomic_write_text
 from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -248,7 +248,8 @@ def test_the_ranks_refuse_and_the_launch_fails(untrained, tmp_path, attack):
     marker = tmp_path / "ran"
     evil = launch_path(run_dir, "evil.pt")
     torch.save({"trajectories": [Planted(marker)], "token_advs": []}, evil)
-    session = rl_session.get_session(str(run_dir), cfg, -1)
+    sessions = rl_session.SessionManager(RunStore(run_dir), cfg)
+    session = sessions.at(-1)
     try:
         policy = session.policy
         assert isinstance(policy, rl_ranks.RankPolicy)
@@ -271,7 +272,7 @@ def test_the_ranks_refuse_and_the_launch_fails(untrained, tmp_path, attack):
             policy.save(run_dir / "checkpoints" / "x", {})
         assert not marker.exists()
     finally:
-        rl_session.drop_sessions()
+        sessions.close()
 
 
 # ---- launch files --------------------------------------------------------------------------------
