@@ -46,7 +46,8 @@ def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
     plans = windowed_schedule([f"q{i}" for i in range(8)], window, 2, 2, 0)
     assert rl_session.last_step(cfg) == plans[-1].step
     _write_steps(RunStore(tmp_path), ("reflections",), range(len(plans)))  # so the flow's helper writes none
-    trained = [_reflections_to_train(str(tmp_path), cfg, prev) for prev in [None, *plans[:-1]]]
+    session = rl_session.SessionManager(RunStore(tmp_path), cfg)  # opens nothing until a task asks
+    trained = [_reflections_to_train(session, prev) for prev in [None, *plans[:-1]]]
     flow = [p.step if p is not None else None for p in trained]
     assert [rl_session.reflection_source_step(cfg, p.step) for p in plans] == flow
     assert any(flow) and rl_session.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None

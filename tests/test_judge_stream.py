@@ -80,8 +80,8 @@ def group_rollouts(qid: str, group) -> list[JudgeRollout]:
 
 def tables(step, results, buffers):
     """The judge task's rows; NaN-free and comparable with == (R/G/A are floats or None)."""
-    rubric_rows, score_rows, reward_rows, errors = judge_tables(step, results, buffers, LAM)
-    return rubric_rows, score_rows, reward_rows, errors
+    out = judge_tables(step, results, buffers, LAM)
+    return out.rubric_rows, out.score_rows, out.reward_rows, out.errors
 
 
 def stream_rollouts(engine, tok, queries, env, stream: StreamingJudge | None = None):
