@@ -116,9 +116,8 @@ def _finish_done_step(session: SessionManager, plan: StepPlan, child: Any) -> No
         child.log_metrics(step_metrics(store, plan.step), step=plan.step)
 
 
-def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
+def step_table(store: RunStore, plans: list[StepPlan]) -> list[dict[str, Any]]:
     """One row per finished step for the flow run's artifact (the tasks' saved metrics)."""
-    store = RunStore(run_dir)
     done = completed_step(store)
     return [
         {"step": p.step, "phase": p.phase, "retrieval": p.retrieval, **step_metrics(store, p.step)}
@@ -127,8 +126,8 @@ def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
     ]
 
 
-def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
-    queries = [q["query_id"] for q in rl_queries(RunStore(run_dir).read_rows("queries"), cfg.data.rl_filter)]
+def rl_plans(store: RunStore, cfg: RunConfig) -> list[StepPlan]:
+    queries = [q["query_id"] for q in rl_queries(store.read_rows("queries"), cfg.data.rl_filter)]
     reflecting = get_recipe(cfg.rl.recipe).reflection
     return windowed_schedule(
         queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=reflecting
@@ -156,7 +155,7 @@ def rl(
     require_tables(run_dir, ["queries", "corpus"], "collect-sft-data")
     store = RunStore(run_dir)
     start_policy(store)  # names `rubricem sft` when there is no SFT policy
-    plans = rl_plans(run_dir, cfg)
+    plans = rl_plans(store, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten(
@@ -192,7 +191,7 @@ def rl(
         publish_markdown(
             "rl",
             run_dir,
-            rl_markdown(step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
+            rl_markdown(step_table(store, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
             f"RL of {run_dir}: one row per step",
         )
     final = step_checkpoint(store, plans[-1].step)
