@@ -98,39 +98,8 @@ def sample_step(
     `judge.stream` each query's group is handed to the step's StreamingJudge the moment it ends (kept on
     the session for the judge task), so judging overlaps the groups still sampling."""
     ensure_engine_weights(session, plan.step - 1, cfg)
-    guidance: list[str | None] = [None] * len(plan.query_ids)
-    metrics: dict[str, float] = {}
-    if session.bank is not None and plan.retrieval != "none":
-        questions = {qid: q["question"] for qid, q in queries.items()}
-        guidance, metrics = retrieve_guidance(
-            session.bank,
-            [(qid, questions[qid]) for qid in plan.query_ids],
-            plan.retrieval,
-            cfg.reflection.retrieval_k,
-            cfg.reflection.min_similarity,
-            questions,
-            source_step=replay_source_step(plan.step, cfg.rl.window),
-        )
-        metrics["bank/size"] = float(len(session.bank))
-    sampling = SamplingParams(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens,
-        seed=derive_seed(cfg.seed, ROLLOUT, plan.step),
-    )
-    requests = [
-        RolloutRequest(
-            request_id=qid,
-            prompt_ids=encode_prompt(
-                session.tokenizer, prompt_messages(queries[qid], guidance=text, style=cfg.policy.prompt_style)
-            ),
-            n=cfg.rollout.group_size,
-            sampling=sampling,
-            max_tool_calls=cfg.tools.max_tool_calls,
-        )
-        for qid, text in zip(plan.query_ids, guidance)
-    ]
+    guidance, metrics = bank_guidance(session, cfg, plan, queries)
+    requests = rollout_requests(session.tokenizer, cfg, plan, queries, guidance)
     progress = Progress(
         f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log_line, every_s=30.0
     )
@@ -160,6 +129,56 @@ def sample_step(
     metrics["rollout/seconds"] = seconds
     metrics["rollout/tokens_per_s"] = generated / max(seconds, 1e-9)
     return SampledStep(rows, metrics, seconds)
+
+
+def bank_guidance(
+    session: RLSession, cfg: RunConfig, plan: StepPlan, queries: dict[str, dict[str, Any]]
+) -> tuple[list[str | None], dict[str, float]]:
+    """Each query's reflection guidance from the session's bank (plan.retrieval: cross or within; None
+    without) and the retrieval metrics."""
+    if session.bank is None or plan.retrieval == "none":
+        return [None] * len(plan.query_ids), {}
+    questions = {qid: q["question"] for qid, q in queries.items()}
+    guidance, metrics = retrieve_guidance(
+        session.bank,
+        [(qid, questions[qid]) for qid in plan.query_ids],
+        plan.retrieval,
+        cfg.reflection.retrieval_k,
+        cfg.reflection.min_similarity,
+        questions,
+        source_step=replay_source_step(plan.step, cfg.rl.window),
+    )
+    metrics["bank/size"] = float(len(session.bank))
+    return guidance, metrics
+
+
+def rollout_requests(
+    tokenizer: Any,
+    cfg: RunConfig,
+    plan: StepPlan,
+    queries: dict[str, dict[str, Any]],
+    guidance: list[str | None],
+) -> list[RolloutRequest]:
+    """One request of rollout.group_size trajectories per query of the step, seeded by the step."""
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=derive_seed(cfg.seed, ROLLOUT, plan.step),
+    )
+    return [
+        RolloutRequest(
+            request_id=qid,
+            prompt_ids=encode_prompt(
+                tokenizer, prompt_messages(queries[qid], guidance=text, style=cfg.policy.prompt_style)
+            ),
+            n=cfg.rollout.group_size,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
+        for qid, text in zip(plan.query_ids, guidance)
+    ]
 
 
 # ---- judge --------------------------------------------------------------------------------------
@@ -361,30 +380,11 @@ def reflect_step(
     policy writes ``reflection.n_candidates`` per sampled rollout, the reflection judge scores them, the
     best valid one per query enters the session's bank."""
     store = session.store
-    questions = {qid: q["question"] for qid, q in queries.items()}
     sources = pick_source_rollouts(
         store.read_rows("rollouts", {"step": plan.step}), plan.query_ids, cfg.seed, plan.step
     )
-    sampling = SamplingParams(
-        temperature=cfg.reflection.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.reflection.max_new_tokens,
-        max_total_tokens=cfg.rollout.max_total_tokens,
-        seed=derive_seed(cfg.seed, REFLECTION_SAMPLING, plan.step),
-    )
-    requests = candidate_requests(
-        session.tokenizer,
-        sources,
-        questions,
-        cfg.reflection.n_candidates,
-        sampling,
-        cfg.reflection.max_trajectory_chars,
-        cfg.reflection.max_trajectory_tokens,
-    )
     t0 = time.perf_counter()
-    with session.lock:  # the engine is not re-entrant; the weights are those the step's rollouts used
-        ensure_engine_weights(session, plan.step - 1, cfg)
-        groups = session.engine.generate(requests, tools) if requests else []
+    groups = sample_candidates(session, cfg, plan.step, sources, queries, tools)
     gen_seconds = time.perf_counter() - t0
     judged = judge_candidates(
         reflection_judge(cfg, api_key),
@@ -405,6 +405,37 @@ def reflect_step(
     if session.bank is not None:
         judged.metrics["bank/size"] = float(len(session.bank))
     return ReflectedStep(judged.rows, judged.metrics, judged.n_sources)
+
+
+def sample_candidates(
+    session: RLSession,
+    cfg: RunConfig,
+    step: int,
+    sources: dict[str, dict[str, Any]],
+    queries: dict[str, dict[str, Any]],
+    tools: ToolEnv,
+) -> list[list[TokenTrajectory]]:
+    """``reflection.n_candidates`` reflections on each source rollout, written by the policy with the
+    weights after step−1 (those the step's rollouts used)."""
+    sampling = SamplingParams(
+        temperature=cfg.reflection.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.reflection.max_new_tokens,
+        max_total_tokens=cfg.rollout.max_total_tokens,
+        seed=derive_seed(cfg.seed, REFLECTION_SAMPLING, step),
+    )
+    requests = candidate_requests(
+        session.tokenizer,
+        sources,
+        {qid: q["question"] for qid, q in queries.items()},
+        cfg.reflection.n_candidates,
+        sampling,
+        cfg.reflection.max_trajectory_chars,
+        cfg.reflection.max_trajectory_tokens,
+    )
+    with session.lock:  # the engine is not re-entrant
+        ensure_engine_weights(session, step - 1, cfg)
+        return session.engine.generate(requests, tools) if requests else []
 
 
 def reload_bank_step(session: RLSession, step: int) -> dict[str, float]:
