@@ -53,12 +53,7 @@ def reflect_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | St
     save_task_metrics(store, "reflect", plan.step, reflected.metrics)
     store.write_table("reflections", reflected.rows, _key(plan.step), schema=REFLECTIONS_SCHEMA)
     fault_point("rl.reflections_written")
-    rows, bank = reflected.rows, rl_session.bank
-    log.info(
-        "step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
-        *(plan.step, len(rows), reflected.n_sources, sum(r["valid"] for r in rows), sum(r["accepted"] for r in rows)),
-        len(bank) if bank is not None else 0,
-    )
+    log.info(*reflected.summary(plan.step, rl_session.bank))
     return {"cached": False, "metrics": reflected.metrics}
 
 

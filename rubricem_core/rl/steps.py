@@ -31,6 +31,7 @@ from rubricem_core.judge.step import check_streamed, judge_groups, judge_query, 
 from rubricem_core.judge.stream import StreamingJudge
 from rubricem_core.judge.types import JudgeRollout
 from rubricem_core.progress import Progress
+from rubricem_core.reflection.bank import ReflectionBank
 from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts, pick_source_rollouts, retrieve_guidance
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
 from rubricem_core.rl.curriculum import StepPlan
@@ -366,6 +367,17 @@ class ReflectedStep:
     rows: list[dict[str, Any]]
     metrics: dict[str, float]
     n_sources: int
+
+    def summary(self, step: int, bank: ReflectionBank | None) -> tuple[Any, ...]:
+        return (
+            "step %d: %d reflection candidates for %d trajectories, %d valid, %d accepted; bank size %d",
+            step,
+            len(self.rows),
+            self.n_sources,
+            sum(r["valid"] for r in self.rows),
+            sum(r["accepted"] for r in self.rows),
+            len(bank) if bank is not None else 0,
+        )
 
 
 def reflect_step(
