@@ -288,7 +288,6 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
     import rubricem_core.llm.concurrent as concurrent
     from flows.rl import rl
     from rubricem_core.judge.builtin import MODEL
-    from rubricem_core.rl.session import drop_sessions
 
     run = work / "outage"
     shutil.copytree(trained, run)
@@ -311,8 +310,7 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
         concurrent.litellm.acompletion = real
     if RunLayout(run).rl_checkpoints_dir.exists():
         problems.append("a checkpoint was written for the failed step")
-    drop_sessions()
-    rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+    rl(run_dir=str(run), profile="tiny", overrides=SMALL)  # a new flow run: a new session
     problems += differences(run, ref)
     return [("judge endpoint down for a step, then back", not problems, "; ".join(problems))]
 

@@ -61,12 +61,13 @@ def chunk_ends(steps: int, eval_every: int, steps_per_window: int) -> list[int]:
 def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
     """One row per finished RL step of a recipe's run: training reward per stage, valid scaffolds,
     reflection validity, bank size and seconds, from the step's tables and saved task metrics."""
+    from rubricem_core.rl.session import completed_step
     from rubricem_core.store import RunStore
-    from tasks.rl import completed_step, step_metrics
+    from tasks.rl import step_metrics
 
     store = RunStore(run_dir)
     rows = []
-    for step in range(min(upto, completed_step(run_dir) + 1)):
+    for step in range(min(upto, completed_step(store) + 1)):
         m = step_metrics(store, step)
         rollouts = store.read_rows("rollouts", {"step": step})
         rows.append(
@@ -165,8 +166,9 @@ def main() -> int:
     from flows.ablation import prepare_recipe_run
     from flows.common import resolve_config
     from flows.rl import rl
+    from rubricem_core.rl.session import step_checkpoint
     from rubricem_core.runlock import run_dir_lock
-    from tasks.rl import step_checkpoint
+    from rubricem_core.store import RunStore
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp) / "run"
@@ -190,7 +192,7 @@ def main() -> int:
                 with run_dir_lock(sub, command="learning_curve"):
                     resolve_config(sub, config=cfg.model_copy(update={"rl": rl_cfg}), command="learning_curve")
                     rl(run_dir=sub)
-                    ev = evaluation(sub, str(step_checkpoint(sub, end - 1)))
+                    ev = evaluation(sub, str(step_checkpoint(RunStore(sub), end - 1)))
                 wall[recipe] += time.perf_counter() - t0
                 gain, se = paired_gain(ev["per_query"], sft["per_query"])
                 points[recipe].append({"step": end, "score": ev["score"], "gain": gain, "se": se, **ev})

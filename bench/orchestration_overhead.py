@@ -48,8 +48,9 @@ from flows.rl import rl_step  # noqa: E402
 from rubricem_core.config import RunConfig, load_config, parse_override  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule  # noqa: E402
+from rubricem_core.rl.session import open_session  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
-from tasks.rl import drop_sessions, judge_task, rollout_task, update_task  # noqa: E402
+from tasks.rl import judge_task, rollout_task, update_task  # noqa: E402
 
 GOAL = 0.10
 QUICK = {"rollout.group_size": 2, "rollout.max_new_tokens": 128, "rl.queries_per_step": 2}
@@ -75,24 +76,26 @@ def empty_flow() -> int:
 
 @flow(name="bench-rl-steps")
 def prefect_steps(run_dir: str, cfg: RunConfig, plans: list[StepPlan]) -> list[float]:
-    """Each step through the `rl_step` subflow, as the `rl` flow runs it."""
+    """Each step through the `rl_step` subflow, as the `rl` flow runs it (with its own session)."""
     seconds = []
-    for plan in plans:
-        started = time.perf_counter()
-        rl_step(run_dir, cfg, plan)
-        seconds.append(time.perf_counter() - started)
+    with open_session(RunStore(run_dir), cfg) as session:
+        for plan in plans:
+            started = time.perf_counter()
+            rl_step(run_dir, cfg, plan, session)
+            seconds.append(time.perf_counter() - started)
     return seconds
 
 
 def direct_steps(run_dir: str, cfg: RunConfig, plans: list[StepPlan]) -> list[float]:
     """The bodies of the same tasks in the order `rl_step` calls them, without Prefect."""
     seconds = []
-    with disable_run_logger():  # lets get_run_logger() inside the task bodies run without a flow
+    # disable_run_logger: lets get_run_logger() inside the task bodies run without a flow
+    with disable_run_logger(), open_session(RunStore(run_dir), cfg) as session:
         for plan in plans:
             started = time.perf_counter()
-            rollout_task.fn(run_dir, cfg, plan)
-            judge_task.fn(run_dir, cfg, plan)
-            update_task.fn(run_dir, cfg, plan)
+            rollout_task.fn(session, plan)
+            judge_task.fn(session, plan)
+            update_task.fn(session, plan)
             seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -111,7 +114,7 @@ def cpu_seconds() -> float:
 
 def run_path(name: str, run_dir: str, cfg: RunConfig, plans: list[StepPlan]) -> tuple[list[float], float]:
     """(wall seconds per step, CPU seconds of the whole path)."""
-    drop_sessions()  # each path loads the SFT policy itself, inside its first step
+    # each path opens its own session: it loads the SFT policy itself, inside its first step
     cpu = cpu_seconds()
     seconds = prefect_steps(run_dir, cfg, plans) if name == "prefect" else direct_steps(run_dir, cfg, plans)
     return seconds, cpu_seconds() - cpu
@@ -214,7 +217,6 @@ def main() -> None:
             identical &= same
             print(f"repeat {rep}: both paths wrote the same rollouts: {'yes' if same else 'NO'}")
     finally:
-        drop_sessions()
         if args.keep:
             print(f"run copies kept in {work}")
         else:

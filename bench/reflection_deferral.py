@@ -32,7 +32,6 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
 
-import tasks.rl as rl_tasks  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.reflection.judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
@@ -98,9 +97,9 @@ def main() -> None:
         "reflection.judge.output_cost_per_token": 0.0,
     }
     questions = {q["query_id"]: q["question"] for q in RunStore(src).read_rows("queries")}
-    import rubricem_core.rl.session as rl_session
+    import rubricem_core.rollout.factory as engine_factory
 
-    rl_session.HFRolloutEngine = forcing_engine(rl_session.HFRolloutEngine, questions)
+    engine_factory.HFRolloutEngine = forcing_engine(engine_factory.HFRolloutEngine, questions)
 
     from flows.rl import rl
 
@@ -114,7 +113,6 @@ def main() -> None:
         overrides["reflection.judge.api_base"] = server.base_url
         for attempt, schedule in enumerate(("sync", "deferred") * args.repeats):
             run_dir = copy_base(src, Path(tmp) / f"{schedule}-{attempt}")
-            rl_tasks.drop_sessions()
             t0 = time.perf_counter()
             rl(
                 run_dir=run_dir,

@@ -26,11 +26,11 @@ from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, abla
 from rubricem_core.eval.run import checkpoint_updates
 from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
+from rubricem_core.rl.session import curve_checkpoints, start_policy
 from rubricem_core.runlock import run_dir_lock
 from rubricem_core.schemas import ABLATION_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_bytes
 from rubricem_core.tracking import Tracker
-from tasks.rl import curve_checkpoints, start_policy
 
 DEFAULT_RECIPES = ("baseline", "ss_grpo", "meta_policy", "full")
 
@@ -54,7 +54,7 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
         _copy_once(parent.table_dir(table), sub.table_dir(table))
     if parent.table_dir("teacher_reflections").exists():
         _copy_once(parent.table_dir("teacher_reflections"), sub.table_dir("teacher_reflections"))
-    _copy_once(start_policy(run_dir), sub.sft_final)
+    _copy_once(start_policy(RunStore(run_dir)), sub.sft_final)
     return str(sub.root)
 
 
@@ -85,16 +85,15 @@ def ablation(
     if unknown or not names:
         raise ValueError(f"ablation recipes {unknown or names} unknown or empty; choose from {sorted(RECIPES)}")
     cfg = resolve_config(run_dir, profile, overrides, command="ablation")
-    start_policy(run_dir)  # fail before any training when there is no SFT policy
+    store = RunStore(run_dir)
+    sft_policy = start_policy(store)  # fail before any training when there is no SFT policy
     budget = {
         "rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows,
         "queries_per_step": cfg.rl.queries_per_step,
         "group_size": cfg.rollout.group_size,
     }
     rows = []
-    reference = evaluate(
-        run_dir=run_dir, checkpoint=str(start_policy(run_dir)), benchmarks=benchmarks, retrieval=retrieval
-    )
+    reference = evaluate(run_dir=run_dir, checkpoint=str(sft_policy), benchmarks=benchmarks, retrieval=retrieval)
     rows += ablation_rows("sft", reference, {**budget, "rl_steps": 0}, run_dir)
     for recipe in names:
         sub = prepare_recipe_run(run_dir, recipe)
@@ -102,7 +101,7 @@ def ablation(
         with run_dir_lock(sub, command="ablation"):
             resolve_config(sub, config=sub_cfg, command="ablation")  # the recipe's run reads it from its directory
             trained = rl(run_dir=sub)
-            for checkpoint in curve_checkpoints(sub, sub_cfg, before_last=True):
+            for checkpoint in curve_checkpoints(RunStore(sub), sub_cfg, before_last=True):
                 evaluation = evaluate(
                     run_dir=sub, checkpoint=str(checkpoint), benchmarks=benchmarks, retrieval=retrieval
                 )
@@ -112,11 +111,10 @@ def ablation(
             )
         rows += ablation_rows(recipe, evaluation, budget, sub)
         log.info("ablation %s: %s", recipe, {r["benchmark"]: r["score_mean"] for r in rows if r["recipe"] == recipe})
-    store = RunStore(run_dir)
     store.write_table("ablation", rows, schema=ABLATION_SCHEMA)
-    plot = RunLayout(run_dir).ablation_plot
+    plot = store.layout.ablation_plot
     atomic_write_bytes(plot, ablation_plot(rows, f"Recipe ablation ({budget['rl_steps']} RL steps each)"))
-    curve = RunLayout(run_dir).ablation_curve_plot if cfg.rl.eval_every is not None else None
+    curve = store.layout.ablation_curve_plot if cfg.rl.eval_every is not None else None
     if curve is not None:
         atomic_write_bytes(
             curve, ablation_curve_plot(rows, f"Learning curves (evaluated every {cfg.rl.eval_every} steps)")

@@ -24,8 +24,9 @@ from rubricem_core.progress import Progress
 from rubricem_core.report import write_report
 from rubricem_core.report.markdown import pipeline_markdown
 from rubricem_core.report.summary import pipeline_summary
+from rubricem_core.rl.session import curve_checkpoints, start_policy
+from rubricem_core.store import RunStore
 from rubricem_core.tracking import mlflow_ui_command
-from tasks.rl import curve_checkpoints, drop_sessions, start_policy
 
 STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 
@@ -35,7 +36,8 @@ def learning_curve_checkpoints(run_dir: str, cfg: RunConfig) -> list[Path]:
     checkpoints, oldest first ([] without rl.eval_every)."""
     if cfg.rl.eval_every is None:
         return []
-    return [start_policy(run_dir), *curve_checkpoints(run_dir, cfg, before_last=True)]
+    store = RunStore(run_dir)
+    return [start_policy(store), *curve_checkpoints(store, cfg, before_last=True)]
 
 
 @flow(name="pipeline", flow_run_name="pipeline · {run_dir}", **RUN_HOOKS)
@@ -62,7 +64,6 @@ def pipeline(
     stages.update(2, f"sft: {tuned['final_dir']}" + (" (read back)" if tuned.get("cached") else ""))
     trained = rl(run_dir=run_dir)
     stages.update(3, f"rl: {trained['steps']} steps of {trained['recipe']}")
-    drop_sessions()  # free the RL models before evaluation loads the final checkpoint
     for checkpoint in learning_curve_checkpoints(run_dir, cfg):
         evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
     evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])

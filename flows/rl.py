@@ -15,8 +15,7 @@ another in the same order of weight changes, so both schedules give the same num
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -36,55 +35,54 @@ from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
+from rubricem_core.rl.session import (
+    SessionManager,
+    completed_step,
+    open_session,
+    recipe_settings,
+    reflection_on,
+    start_policy,
+    step_checkpoint,
+)
 from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.reflection import reflect_task, reflection_update_task
-from tasks.rl import (
-    completed_step,
-    drop_sessions,
-    judge_task,
-    recipe_settings,
-    reflection_on,
-    rollout_task,
-    start_policy,
-    step_checkpoint,
-    step_metrics,
-    step_metrics_logged,
-    update_task,
-)
+from tasks.rl import judge_task, rollout_task, step_metrics, step_metrics_logged, update_task
 from tasks.secrets import check_endpoint_keys
 
 
 @flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}", **RUN_HOOKS)
-def rl_step(run_dir: str, cfg: RunConfig, plan: StepPlan, previous: StepPlan | None = None) -> None:
+def rl_step(
+    run_dir: str, cfg: RunConfig, plan: StepPlan, session: SessionManager, previous: StepPlan | None = None
+) -> None:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections.
+    ``session``: the `rl` flow run's (open_session), handed to every task; ``run_dir`` and ``cfg`` are
+    its own, kept as parameters for the Prefect UI and the crashed-run cleanup (flows.common).
 
     Returns nothing: the step's metrics are its tasks' saved ones (``step_metrics``). Prefect links
     whatever a subflow returns to the parent flow run (``FlowRunContext.run_results``, one entry per
     value) for the parent's whole life, so a returned metrics dict grew the `rl` flow by ~16 KiB a step."""
     overlap = cfg.reflection.schedule == "deferred"
-    pending = _reflections_to_train(run_dir, cfg, previous)
+    pending = _reflections_to_train(session, previous)
     reflecting_now = reflection_on(cfg) and plan.phase == "new"
     _alongside(
         overlap,
-        (rollout_task, run_dir, cfg, plan),
-        (reflection_update_task, run_dir, cfg, pending, plan.step) if pending else None,
+        (rollout_task, session, plan),
+        (reflection_update_task, session, pending, plan.step) if pending else None,
     )
-    judge_task(run_dir, cfg, plan)
-    _alongside(
-        overlap, (update_task, run_dir, cfg, plan), (reflect_task, run_dir, cfg, plan) if reflecting_now else None
-    )
+    judge_task(session, plan)
+    _alongside(overlap, (update_task, session, plan), (reflect_task, session, plan) if reflecting_now else None)
 
 
-def _reflections_to_train(run_dir: str, cfg: RunConfig, previous: StepPlan | None) -> StepPlan | None:
+def _reflections_to_train(session: SessionManager, previous: StepPlan | None) -> StepPlan | None:
     """The new-query step before this one, whose reflection candidates this step trains on (written
     now if a killed run left them out)."""
-    if not reflection_on(cfg) or previous is None or previous.phase != "new":
+    if not reflection_on(session.cfg) or previous is None or previous.phase != "new":
         return None
-    if not RunStore(run_dir).has("reflections", {"step": previous.step}):
-        reflect_task(run_dir, cfg, previous)  # the previous step's reflections (its metrics are that step's)
+    if not session.store.has("reflections", {"step": previous.step}):
+        reflect_task(session, previous)  # the previous step's reflections (its metrics are that step's)
     return previous
 
 
@@ -106,30 +104,20 @@ def _alongside(overlap: bool, main: tuple, side: tuple | None) -> tuple[Any, Any
     return out, side_future.result()
 
 
-@contextmanager
-def _ranks_end_with_flow(cfg: RunConfig) -> Iterator[None]:
-    """Trainer ranks and a vLLM server live for one flow run: stopped when it ends, however it ends."""
-    try:
-        yield
-    finally:
-        if cfg.distributed.world_size > 1 or cfg.rollout.engine == "vllm_server":
-            drop_sessions()
-
-
-def _finish_done_step(run_dir: str, cfg: RunConfig, plan: StepPlan, child: Any) -> None:
+def _finish_done_step(session: SessionManager, plan: StepPlan, child: Any) -> None:
     """A step a killed run marked done but did not finish: its reflections (written alongside the
     update; sampled with the weights after the step before, replayed from the tables when no checkpoint
     kept them) and its metrics, from the tasks' saved metrics."""
-    store = RunStore(run_dir)
-    if reflection_on(cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
-        reflect_task(run_dir, cfg, plan)
+    store = session.store
+    if reflection_on(session.cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
+        reflect_task(session, plan)
     if child is not None and not step_metrics_logged(store, "rl", plan.step):
         child.log_metrics(step_metrics(store, plan.step), step=plan.step)
 
 
-def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
+def step_table(store: RunStore, plans: list[StepPlan]) -> list[dict[str, Any]]:
     """One row per finished step for the flow run's artifact (the tasks' saved metrics)."""
-    store, done = RunStore(run_dir), completed_step(run_dir)
+    done = completed_step(store)
     return [
         {"step": p.step, "phase": p.phase, "retrieval": p.retrieval, **step_metrics(store, p.step)}
         for p in plans
@@ -137,8 +125,8 @@ def step_table(run_dir: str, plans: list[StepPlan]) -> list[dict[str, Any]]:
     ]
 
 
-def rl_plans(run_dir: str, cfg: RunConfig) -> list[StepPlan]:
-    queries = [q["query_id"] for q in rl_queries(RunStore(run_dir).read_rows("queries"), cfg.data.rl_filter)]
+def rl_plans(store: RunStore, cfg: RunConfig) -> list[StepPlan]:
+    queries = [q["query_id"] for q in rl_queries(store.read_rows("queries"), cfg.data.rl_filter)]
     reflecting = get_recipe(cfg.rl.recipe).reflection
     return windowed_schedule(
         queries, cfg.rl.window, cfg.rl.n_windows, cfg.rl.queries_per_step, cfg.seed, reflection=reflecting
@@ -164,8 +152,9 @@ def rl(
     cfg = resolve_config(run_dir, profile, overrides, command="rl")
     check_endpoint_keys(cfg.judge, *([cfg.reflection.judge] if reflection_on(cfg) else []))
     require_tables(run_dir, ["queries", "corpus"], "collect-sft-data")
-    start_policy(run_dir)  # names `rubricem sft` when there is no SFT policy
-    plans = rl_plans(run_dir, cfg)
+    store = RunStore(run_dir)
+    start_policy(store)  # names `rubricem sft` when there is no SFT policy
+    plans = rl_plans(store, cfg)
     rs = recipe_settings(cfg)
     tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten(
@@ -179,18 +168,19 @@ def rl(
     last: dict[str, float] = {}
     with (
         tracker.child_run("rl", params=params, tags=prefect_links()) if tracker else nullcontext() as child,
-        _ranks_end_with_flow(cfg),
+        # trainer (ranks), engine and fleet live for this flow run: stopped when it ends, however it ends
+        open_session(store, cfg) as session,
     ):
-        done = completed_step(run_dir)
+        done = completed_step(store)
         if done >= 0:
             log.info("resuming RL after step %d", done)
         progress = Progress("RL step", len(plans), log.info, every_s=0.0, start_done=sum(p.step <= done for p in plans))
         for i, plan in enumerate(plans):
             if plan.step <= done:  # its update is in the newest checkpoint or replayed from its tables
-                _finish_done_step(run_dir, cfg, plan, child)
+                _finish_done_step(session, plan, child)
                 continue
-            rl_step(run_dir, cfg, plan, plans[i - 1] if i > 0 else None)
-            metrics = step_metrics(RunStore(run_dir), plan.step)  # what the step's tasks returned
+            rl_step(run_dir, cfg, plan, session, plans[i - 1] if i > 0 else None)
+            metrics = step_metrics(store, plan.step)  # what the step's tasks returned
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last
@@ -198,10 +188,10 @@ def rl(
         publish_markdown(
             "rl",
             run_dir,
-            rl_markdown(step_table(run_dir, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
+            rl_markdown(step_table(store, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
             f"RL of {run_dir}: one row per step",
         )
-    final = step_checkpoint(run_dir, plans[-1].step)
+    final = step_checkpoint(store, plans[-1].step)
     return {
         "steps": len(plans),
         "final_checkpoint": str(final),

@@ -21,13 +21,13 @@ from rubricem_core.eval.benchmark import (
     reflection_valid_rate,
     reflection_validity_rows,
 )
-from rubricem_core.layout import RunLayout
 from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.policy.loading import auto_device, load_policy
+from rubricem_core.rl.session import completed_step, newest_checkpoint
+from rubricem_core.rollout.factory import make_engine
 from rubricem_core.store import RunStore
 from tasks.inputs import search_env
 from tasks.readback import parquet_task, read_back
-from tasks.rl import completed_step, newest_checkpoint
 from tasks.secrets import resolve_api_key
 
 TABLE = RESULTS_TABLE
@@ -39,8 +39,9 @@ _ENGINE_LOCK = threading.Lock()
 def default_checkpoint(run_dir: str) -> Path:
     """The newest RL checkpoint of a finished step (the last step's once RL is over: it always writes
     one; mid-run, the newest of rl.checkpoint_every's), else the SFT policy."""
-    step, layout = newest_checkpoint(run_dir, completed_step(run_dir)), RunLayout(run_dir)
-    path = layout.rl_step_checkpoint(step) if step >= 0 else layout.sft_final
+    store = RunStore(run_dir)
+    step = newest_checkpoint(store, completed_step(store))
+    path = store.layout.rl_step_checkpoint(step) if step >= 0 else store.layout.sft_final
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint"
@@ -57,28 +58,9 @@ def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
             # vLLM loads its own copy from the directory: the HF one is only its tokenizer's source.
             device = "cpu" if cfg.rollout.engine in ("vllm", "vllm_server") else auto_device()
             model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype, device=device)
-            if cfg.rollout.engine == "vllm_server":
-                from rubricem_core.rollout.factory import fleet_engine
-
-                # the RL fleet's layout and schedule, serving the evaluated checkpoint's own weights
-                log = Path(checkpoint).resolve().parent / f".{Path(checkpoint).name}.vllm-eval.log"
-                engine = fleet_engine(checkpoint, tokenizer, cfg, log, push=False)
-            elif cfg.rollout.engine == "vllm":
-                from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
-
-                engine = VLLMRolloutEngine(
-                    checkpoint,
-                    tokenizer,
-                    llm_kwargs={
-                        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                    },
-                    max_model_len=cfg.rollout.max_total_tokens,
-                )
-            else:
-                from rubricem_core.rollout import HFRolloutEngine
-
-                engine = HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+            # vllm_server: the RL fleet's layout and schedule, serving the evaluated checkpoint's own weights
+            log = Path(checkpoint).resolve().parent / f".{Path(checkpoint).name}.vllm-eval.log"
+            engine = make_engine(cfg, checkpoint, tokenizer, model=model, log_path=log, push=False)
             _ENGINES[key] = (engine, tokenizer)
         return _ENGINES[key]
 

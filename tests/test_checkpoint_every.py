@@ -34,7 +34,8 @@ def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
     plans = windowed_schedule([f"q{i}" for i in range(8)], window, 2, 2, 0)
     assert rl_session.last_step(cfg) == plans[-1].step
     _write_steps(RunStore(tmp_path), ("reflections",), range(len(plans)))  # so the flow's helper writes none
-    trained = [_reflections_to_train(str(tmp_path), cfg, prev) for prev in [None, *plans[:-1]]]
+    session = rl_session.SessionManager(RunStore(tmp_path), cfg)  # opens nothing until a task asks
+    trained = [_reflections_to_train(session, prev) for prev in [None, *plans[:-1]]]
     flow = [p.step if p is not None else None for p in trained]
     assert [rl_session.reflection_source_step(cfg, p.step) for p in plans] == flow
     assert any(flow) and rl_session.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None
@@ -65,24 +66,23 @@ def test_a_done_step_needs_its_checkpoint_or_the_tables_to_replay_it(tmp_path):
     progress.parent.mkdir(parents=True)
     progress.write_text(json.dumps({"completed_step": 4}))
     with pytest.raises(FileNotFoundError, match=r"step 4 is complete .* rollouts/step=0000"):
-        rl_session.completed_step(run)
+        rl_session.completed_step(RunStore(run))
     _write_steps(store, ("rollouts", "stage_rewards"), range(5))
-    assert rl_session.completed_step(run) == 4 and rl_session.newest_checkpoint(run, 4) == -1
+    assert rl_session.completed_step(RunStore(run)) == 4 and rl_session.newest_checkpoint(RunStore(run), 4) == -1
     for step in (2, 5):  # step 5: written by an update whose step was never marked done
-        ckpt = rl_session.step_checkpoint(run, step)
+        ckpt = rl_session.step_checkpoint(RunStore(run), step)
         ckpt.mkdir(parents=True)
         (ckpt / "checkpoint.json").write_text("{}")
-    (rl_session.step_checkpoint(run, 3)).mkdir()  # a staging leftover: not a checkpoint
-    assert rl_session.newest_checkpoint(run, 4) == 2
+    (rl_session.step_checkpoint(RunStore(run), 3)).mkdir()  # a staging leftover: not a checkpoint
+    assert rl_session.newest_checkpoint(RunStore(run), 4) == 2
     cfg = load_config("tiny", {"rl.n_windows": 3})  # window 1: reflection updates in steps 1, 3, 5
-    assert rl_session.replay_gaps(run, 2, 4, cfg) == ["reflections/step=0002"]
-    assert rl_session.replay_gaps(run, 0, 4) == []
+    assert rl_session.replay_gaps(RunStore(run), 2, 4, cfg) == ["reflections/step=0002"]
+    assert rl_session.replay_gaps(RunStore(run), 0, 4) == []
 
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
-    from tasks.rl import _prune_checkpoints
 
     for step in (2, 5, 8, 11):
-        rl_session.step_checkpoint(str(tmp_path), step).mkdir(parents=True)
-    _prune_checkpoints(str(tmp_path), keep=2)
-    assert sorted(p.name for p in rl_session.rl_dir(str(tmp_path)).iterdir()) == ["step-000008", "step-000011"]
+        rl_session.step_checkpoint(RunStore(tmp_path), step).mkdir(parents=True)
+    rl_session.prune_checkpoints(RunStore(tmp_path), keep=2)
+    assert sorted(p.name for p in rl_session.rl_dir(RunStore(tmp_path)).iterdir()) == ["step-000008", "step-000011"]

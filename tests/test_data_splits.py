@@ -65,7 +65,7 @@ def test_the_rl_schedule_and_the_teacher_read_the_settings(tmp_path: Path):
     store = RunStore(tmp_path / "run")
     store.write_table("queries", queries_to_table(QUERIES))
     cfg = load_config("tiny", {"data.rl_filter": "long_form", "data.sft_split": "sft", "rl.queries_per_step": 1})
-    scheduled = {qid for plan in rl_plans(str(store.run_dir), cfg) for qid in plan.query_ids}
+    scheduled = {qid for plan in rl_plans(store, cfg) for qid in plan.query_ids}
     assert scheduled == {"long-train", "syn-train"}
     states = load_states(store, cfg, upto_round=-1)
     assert {s.query_id for s in states} == {"short-sft", "long-sft"}

@@ -126,16 +126,21 @@ def test_ss_grpo_step_gives_the_same_numbers_on_cpu_and_cuda(tok, world, env):
 def test_rl_session_keeps_every_model_on_the_trainer_device(tmp_path):
     pytest.importorskip("prefect")
     from rubricem_core.config import load_config
-    from tasks.rl import get_session
+    from rubricem_core.rl.session import SessionManager
+    from rubricem_core.store import RunStore
     from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
     cfg = load_config("tiny", {**UNTRAINED_TINY, "rl.recipe": "full"})
     write_untrained_run(cfg, tmp_path / "run")
-    session = get_session(str(tmp_path / "run"), cfg, -1)
-    device = auto_device()
-    assert session.policy.device.type == device.type
-    for model in (session.policy.trainer.model, session.policy.ref_model, session.engine.model):
-        assert {p.device.type for p in model.parameters()} == {device.type}
+    sessions = SessionManager(RunStore(tmp_path / "run"), cfg)
+    try:
+        session = sessions.at(-1)
+        device = auto_device()
+        assert session.policy.device.type == device.type
+        for model in (session.policy.trainer.model, session.policy.ref_model, session.engine.model):
+            assert {p.device.type for p in model.parameters()} == {device.type}
+    finally:
+        sessions.close()
 
 
 def test_evaluation_engine_sits_on_the_auto_device(tmp_path):

@@ -146,18 +146,19 @@ def test_run_dir_that_is_a_file(tmp_path):
 
 
 def test_rl_without_sft_checkpoint_or_with_a_lost_one(tmp_path):
-    import tasks.rl as rl_tasks
+    from rubricem_core.rl.session import completed_step, start_policy
+    from rubricem_core.store import RunStore
 
     run = tmp_path / "run"
     with pytest.raises(FileNotFoundError, match=r"no SFT checkpoint at .*checkpoints/sft/final: run `rubricem sft`"):
-        rl_tasks.start_policy(str(run))
+        start_policy(RunStore(run))
     progress = run / "state" / "rl_progress.json"
     progress.parent.mkdir(parents=True)
     progress.write_text(json.dumps({"completed_step": 3}))
     with pytest.raises(
         FileNotFoundError, match=r"rl_progress\.json says step 3 is complete but its checkpoint is missing"
     ):
-        rl_tasks.completed_step(str(run))
+        completed_step(RunStore(run))
 
 
 def _tree_digest(root: Path) -> dict[str, str]:

@@ -269,8 +269,9 @@ SYNC = ["--set", "reflection.schedule=sync"]
 
 
 def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(reference, tmp_path):
-    import tasks.rl as rl_tasks
     from flows.rl import rl
+    from rubricem_core.rl.session import completed_step
+    from rubricem_core.store import RunStore
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
@@ -279,8 +280,7 @@ def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(refe
         kill_at("rl", run, point, extra=SYNC, tag=str(i))
         for table in RunStore(run).tables():  # whatever exists after a kill is whole
             RunStore(run).read_table(table)
-    assert rl_tasks.completed_step(str(run)) == 1  # the last kill: step 1 done, its metrics not logged
-    rl_tasks.drop_sessions()  # a fresh session, as in a new process
+    assert completed_step(RunStore(run)) == 1  # the last kill: step 1 done, its metrics not logged
     result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "reflection.schedule": "sync"})
     assert result["steps"] == 2
     assert json.loads((run / "state" / "rl_progress.json").read_text()) == {"completed_step": 1}
@@ -329,23 +329,22 @@ def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(referenc
     """A run with a checkpoint every 3 steps, killed where only the tables hold the last updates,
     ends with the tables, metrics, weights and trainer state (optimizer, schedule, step counter, RNG)
     of an uninterrupted run that checkpointed every step."""
-    import tasks.rl as rl_tasks
     from flows.rl import rl
+    from rubricem_core.rl.session import completed_step
+    from rubricem_core.store import RunStore
 
     # the uninterrupted run: the module's reference (2 steps, deferred schedule) extended to two windows
     straight = tmp_path / "straight"
     shutil.copytree(reference["final"], straight)
     rl(run_dir=str(straight), profile="tiny", overrides={**SMALL, "rl.n_windows": 2})
-    rl_tasks.drop_sessions()
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
     for i, point in enumerate(SPARSE_BOUNDARIES):
         kill_at("rl", run, point, extra=[*SYNC, *SPARSE_SETS], tag=str(i))
         if i < 2:  # nothing but the tables holds steps 0 and 1
-            assert rl_tasks.completed_step(str(run)) == 1 and not (run / "checkpoints" / "rl").exists()
-    assert rl_tasks.completed_step(str(run)) == 2
-    rl_tasks.drop_sessions()
+            assert completed_step(RunStore(run)) == 1 and not (run / "checkpoints" / "rl").exists()
+    assert completed_step(RunStore(run)) == 2
     result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, **SPARSE, "reflection.schedule": "sync"})
     assert result["steps"] == 4 and result["final_checkpoint"].endswith("step-000003")
     for table, key in RL_TABLES.items():
@@ -375,9 +374,11 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
     import litellm
 
     import rubricem_core.llm.concurrent as concurrent
-    import tasks.rl as rl_tasks
     from flows.rl import rl
     from rubricem_core.judge.builtin import MODEL as JUDGE_MODEL
+    from rubricem_core.judge.step import JudgeStepError
+    from rubricem_core.rl.session import completed_step
+    from rubricem_core.store import RunStore
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
@@ -392,12 +393,12 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
 
     overrides = {**SMALL, "judge.max_retries": 1}  # operational: recorded as a config revision
     monkeypatch.setattr(concurrent.litellm, "acompletion", endpoint_down)
-    with pytest.raises(rl_tasks.JudgeStepError, match=r"step 0: 4 of 4 judgments failed.*Connection refused"):
+    with pytest.raises(JudgeStepError, match=r"step 0: 4 of 4 judgments failed.*Connection refused"):
         rl(run_dir=str(run), profile="tiny", overrides=overrides)
     assert calls["judge"] >= 4
     store = RunStore(run)
     assert not store.partitions("stage_rewards", "step") and not store.partitions("judge_scores", "step")
-    assert rl_tasks.completed_step(str(run)) == -1 and not (run / "checkpoints" / "rl").exists()
+    assert completed_step(RunStore(run)) == -1 and not (run / "checkpoints" / "rl").exists()
     failed = store.read_rows("rollouts", {"step": 0})
     assert all(r["judge_failed"] and "Connection refused" in r["judge_error"] for r in failed)  # why, per rollout
 

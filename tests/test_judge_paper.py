@@ -205,8 +205,8 @@ def test_max_block_chars_cuts_the_middle_or_shows_the_whole_block(max_block_char
 
 
 def test_judge_max_block_chars_comes_from_the_config():
+    from rubricem_core.judge.step import judge_options
     from rubricem_core.rl.session import recipe_settings
-    from tasks.rl import judge_options
 
     cfg = load_config("research", {})
     options = judge_options(cfg, recipe_settings(cfg).judged_stages, False)
@@ -218,8 +218,8 @@ def test_judge_max_block_chars_comes_from_the_config():
 
 
 def options_for(recipe: str, model: str = "openai/judge-model") -> JudgeOptions:
+    from rubricem_core.judge.step import judge_options
     from rubricem_core.rl.session import recipe_settings
-    from tasks.rl import judge_options
 
     cfg = load_config("tiny", {"rl.recipe": recipe, "judge.model": model})
     return judge_options(cfg, recipe_settings(cfg).judged_stages, model.startswith("rubricem-judge/"))

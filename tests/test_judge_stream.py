@@ -28,11 +28,11 @@ from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.records import rollout_text
+from rubricem_core.rl.steps import judge_tables
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.rollout.batch import RowBatch
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.world import WorldConfig, generate_world
-from tasks.rl import judge_tables
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
 from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)
@@ -80,8 +80,8 @@ def group_rollouts(qid: str, group) -> list[JudgeRollout]:
 
 def tables(step, results, buffers):
     """The judge task's rows; NaN-free and comparable with == (R/G/A are floats or None)."""
-    rubric_rows, score_rows, reward_rows, errors = judge_tables(step, results, buffers, LAM)
-    return rubric_rows, score_rows, reward_rows, errors
+    out = judge_tables(step, results, buffers, LAM)
+    return out.rubric_rows, out.score_rows, out.reward_rows, out.errors
 
 
 def stream_rollouts(engine, tok, queries, env, stream: StreamingJudge | None = None):
@@ -335,7 +335,7 @@ def test_judge_task_takes_a_stream_only_for_its_step_and_the_sessions_buffers(qu
     since (else it closes it and judges from the tables)."""
     from rubricem_core.rl.curriculum import StepPlan
     from rubricem_core.rl.session import RLSession
-    from tasks.rl import _take_streamed
+    from rubricem_core.rl.steps import take_streamed
 
     judge = LLMJudge(EndpointSettings(model=register_builtin_judge(), max_concurrency=2, max_retries=0))
     plan = StepPlan(step=3, window=0, phase="new", retrieval="none", query_ids=(queries[0]["query_id"],))
@@ -346,15 +346,15 @@ def test_judge_task_takes_a_stream_only_for_its_step_and_the_sessions_buffers(qu
         return session, session.pending_judge
 
     session, stream = session_with_stream(3)
-    assert _take_streamed(session, plan) is stream and session.pending_judge is None
+    assert take_streamed(session, plan) is stream and session.pending_judge is None
     stream.close()
-    assert _take_streamed(session, plan) is None  # taken once
+    assert take_streamed(session, plan) is None  # taken once
     for change in ("step", "buffers", "buffers_step"):
         session, stream = session_with_stream(2 if change == "step" else 3)
         if change == "buffers":
             session.buffers = fresh_buffers(queries[:1])  # rebuilt from the tables meanwhile
         if change == "buffers_step":
             session.buffers_step = 2
-        assert _take_streamed(session, plan) is None and session.pending_judge is None, change
+        assert take_streamed(session, plan) is None and session.pending_judge is None, change
         with pytest.raises(JudgeError, match="after collect or close"):  # closed: nothing runs on
             stream.submit(judge_query(queries[0]), [JudgeRollout("a", "x")], index=0, offset=0)

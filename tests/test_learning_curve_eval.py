@@ -14,9 +14,15 @@ from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, curv
 from rubricem_core.eval.run import checkpoint_step, checkpoint_updates, result_rows, ungraded_row
 from rubricem_core.report.data import RunData
 from rubricem_core.report.plots import plot_eval_curve
-from rubricem_core.rl.session import checkpoint_due, curve_checkpoints, curve_steps, last_step, step_checkpoint
+from rubricem_core.rl.session import (
+    checkpoint_due,
+    curve_checkpoints,
+    curve_steps,
+    last_step,
+    prune_checkpoints,
+    step_checkpoint,
+)
 from rubricem_core.store import RunStore
-from tasks.rl import _prune_checkpoints
 
 
 def tiny(**overrides: object):
@@ -42,15 +48,18 @@ def test_curve_steps_write_a_checkpoint_whatever_checkpoint_every_says():
 def test_pruning_keeps_the_newest_and_every_curve_checkpoint(tmp_path: Path):
     run_dir = str(tmp_path / "run")
     for step in range(8):
-        step_checkpoint(run_dir, step).mkdir(parents=True)
-        (step_checkpoint(run_dir, step) / "checkpoint.json").write_text("{}")
+        step_checkpoint(RunStore(run_dir), step).mkdir(parents=True)
+        (step_checkpoint(RunStore(run_dir), step) / "checkpoint.json").write_text("{}")
     cfg = tiny(**{"rl.eval_every": 2})
-    _prune_checkpoints(run_dir, keep=2, curve=curve_steps(cfg))
-    left = sorted(int(p.name.removeprefix("step-")) for p in step_checkpoint(run_dir, 0).parent.iterdir())
+    prune_checkpoints(RunStore(run_dir), keep=2, curve=curve_steps(cfg))
+    left = sorted(int(p.name.removeprefix("step-")) for p in step_checkpoint(RunStore(run_dir), 0).parent.iterdir())
     assert left == [1, 3, 5, 6, 7]
-    assert curve_checkpoints(run_dir, cfg) == [step_checkpoint(run_dir, s) for s in (1, 3, 5, 7)]
-    _prune_checkpoints(run_dir, keep=2)  # without a curve: the newest two only
-    assert sorted(p.name for p in step_checkpoint(run_dir, 0).parent.iterdir()) == ["step-000006", "step-000007"]
+    assert curve_checkpoints(RunStore(run_dir), cfg) == [step_checkpoint(RunStore(run_dir), s) for s in (1, 3, 5, 7)]
+    prune_checkpoints(RunStore(run_dir), keep=2)  # without a curve: the newest two only
+    assert sorted(p.name for p in step_checkpoint(RunStore(run_dir), 0).parent.iterdir()) == [
+        "step-000006",
+        "step-000007",
+    ]
 
 
 @pytest.mark.parametrize("tag, step, updates", [("sft", None, 0), ("rl-step-000003", 3, 4), ("other-1a2b", None, 0)])
@@ -125,6 +134,6 @@ def test_an_evaluate_flow_run_is_named_by_its_checkpoint(tmp_path: Path, monkeyp
     run_dir = str(tmp_path / "run")
     monkeypatch.setattr(flow_run, "parameters", {"run_dir": run_dir, "checkpoint": None}, raising=False)
     assert evaluate_run_name() == f"evaluate · {run_dir}"
-    checkpoint = str(step_checkpoint(run_dir, 3))
+    checkpoint = str(step_checkpoint(RunStore(run_dir), 3))
     monkeypatch.setattr(flow_run, "parameters", {"run_dir": run_dir, "checkpoint": checkpoint}, raising=False)
     assert evaluate_run_name() == f"evaluate · {run_dir} · rl-step-000003"

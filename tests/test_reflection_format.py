@@ -141,12 +141,12 @@ def test_structural_validity_accepts_what_only_strict_refuses():
 @pytest.mark.parametrize("validity", ["strict", "structural"])
 def test_reflection_validity_and_attempt_cut_come_from_the_config(validity):
     from rubricem_core.config import load_config
-    from tasks.reflection import _judge
+    from rubricem_core.reflection.step import reflection_judge
 
     cfg = load_config("tiny", {"reflection.validity": validity, "reflection.judge.max_attempt_chars": None})
-    options = _judge(cfg).options
+    options = reflection_judge(cfg, None).options
     assert options.validity == validity and options.max_trajectory_chars is None
-    assert _judge(load_config("tiny", {})).options.max_trajectory_chars == 20_000
+    assert reflection_judge(load_config("tiny", {}), None).options.max_trajectory_chars == 20_000
     assert load_config("research", {}).reflection.judge.max_attempt_chars is None
 
 

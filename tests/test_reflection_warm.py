@@ -19,11 +19,9 @@ UNFORCED = {**SMALL, "rl.recipe": "full", "reflection.n_candidates": 2, "reflect
 
 
 def _rl(sft_run, dst, **extra) -> str:
-    import tasks.rl as rl_tasks
     from flows.rl import rl
 
     shutil.copytree(sft_run, dst)
-    rl_tasks.drop_sessions()
     rl(run_dir=str(dst), profile="tiny", overrides={**UNFORCED, **extra})
     return str(dst)
 

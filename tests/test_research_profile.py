@@ -35,7 +35,6 @@ from rubricem_core.eval.builtin import respond as builtin_grader_reply
 from rubricem_core.judge.builtin import respond as builtin_judge_reply
 from rubricem_core.reflection.judge import respond as builtin_reflection_judge_reply
 from rubricem_core.sql import run_sql
-from rubricem_core.store import RunStore
 from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 from rubricem_core.tools.cache import ToolCache
 from rubricem_core.world import WorldConfig, generate_world
@@ -282,15 +281,15 @@ def cpu_overrides(
 @pytest.fixture(scope="module")
 def research_run(tmp_path_factory, prefect_harness):
     """One run of the research profile through collection → SFT → two RL steps → evaluation × retrieval."""
-    import rubricem_core.rl.session as rl_session
+    import rubricem_core.rollout.factory as engine_factory
     import tasks.collect as collect_tasks
     import tasks.evaluate as eval_tasks
     import tasks.inputs as input_tasks
-    import tasks.rl as rl_tasks
     from flows.collect_sft_data import collect_sft_data
     from flows.evaluate import evaluate
     from flows.rl import rl
     from flows.sft import sft
+    from rubricem_core.store import RunStore
 
     tmp = tmp_path_factory.mktemp("research")
     world = generate_world(WORLD)
@@ -330,7 +329,7 @@ def research_run(tmp_path_factory, prefect_harness):
         overrides = cpu_overrides(tmp, servers, web, train, heldout, benchmark_files, sft_only)
         # even reflection candidates spell a valid reflection (the tiny policy writes none of its own)
         questions: dict[str, str] = {}
-        mp.setattr(rl_session, "HFRolloutEngine", forcing_engine(rl_session.HFRolloutEngine, questions))
+        mp.setattr(engine_factory, "HFRolloutEngine", forcing_engine(engine_factory.HFRolloutEngine, questions))
         # every teacher round with freshly built tools, as a round resumed in a new process has them: a browse
         # in round r+1 of an id searched in round r must still open its page
         real_env = collect_tasks.search_env
@@ -340,7 +339,6 @@ def research_run(tmp_path_factory, prefect_harness):
             return real_env(*args)
 
         mp.setattr(collect_tasks, "search_env", fresh_env)
-        rl_tasks.drop_sessions()
         eval_tasks.drop_engines()
 
         def timed(stage: str, flow: Any, **kwargs: Any) -> Any:
@@ -361,7 +359,6 @@ def research_run(tmp_path_factory, prefect_harness):
                 "eval-research-benchmarks", evaluate, benchmarks=list(RESEARCH_BENCHMARKS), retrieval="none"
             )
         finally:
-            rl_tasks.drop_sessions()
             eval_tasks.drop_engines()
             torch.set_num_threads(threads)
     print("stage times (s):", times)

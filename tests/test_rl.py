@@ -161,8 +161,9 @@ def _check_prefect_view(run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
-    import tasks.rl as rl_tasks
     from flows.rl import rl
+    from rubricem_core.rl.session import completed_step
+    from rubricem_core.store import RunStore
 
     straight = _copy_run(sft_run, tmp_path / "straight")
     result = rl(run_dir=straight, profile="tiny", overrides=SMALL)
@@ -219,14 +220,13 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     _check_prefect_view(straight)
 
     # a run that fails in step 1's update resumes to the same weights
-    rl_tasks.drop_sessions()
     resumed = _copy_run(sft_run, tmp_path / "resumed")
     import rubricem_core.rl.policy as rl_policy
 
     real = rl_policy.ss_grpo_update
 
     def fail_step_1(*args, **kwargs):
-        if rl_tasks.completed_step(resumed) == 0:
+        if completed_step(RunStore(resumed)) == 0:
             raise RuntimeError("injected failure in step 1")
         return real(*args, **kwargs)
 
@@ -234,7 +234,6 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected failure"):
         rl(run_dir=resumed, profile="tiny", overrides=SMALL)
     monkeypatch.setattr(rl_policy, "ss_grpo_update", real)
-    rl_tasks.drop_sessions()  # a fresh process: rebuild from the step-0 checkpoint
     state = rl(run_dir=resumed, profile="tiny", overrides=SMALL, return_state=True)
     # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,
     # runs again and is never reported Cached
@@ -316,24 +315,24 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
     """judge.stream (the default) ≡ judge.stream: false in every judge table, metric and weight; and a
     streamed step whose judge task fails (judge.min_judged_fraction) reruns in the same process, its
     buffers rebuilt from the tables, to the same tables."""
-    import tasks.rl as rl_tasks
+    import rubricem_core.rl.steps as rl_steps
     from flows.rl import rl
     from rubricem_core.judge.llm_judge import LLMJudge
+    from rubricem_core.judge.step import JudgeStepError
     from rubricem_core.judge.types import TrajectoryJudgment
+    from rubricem_core.store import RunStore
 
     batch_calls = []
-    real_judge_step = rl_tasks.judge_step
+    real_judge_step = rl_steps.judge_step
 
     def counting_judge_step(*args, **kwargs):
         batch_calls.append(args[3])
         return real_judge_step(*args, **kwargs)
 
-    monkeypatch.setattr(rl_tasks, "judge_step", counting_judge_step)
-    rl_tasks.drop_sessions()
+    monkeypatch.setattr(rl_steps, "judge_step", counting_judge_step)
     streamed = _copy_run(sft_run, tmp_path / "streamed")
     rl(run_dir=streamed, profile="tiny", overrides=SMALL)
     assert batch_calls == []  # every step judged while its rollouts sampled
-    rl_tasks.drop_sessions()
     batch = _copy_run(sft_run, tmp_path / "batch")
     rl(run_dir=batch, profile="tiny", overrides={**SMALL, "judge.stream": False})
     assert batch_calls == [0, 1]
@@ -341,7 +340,6 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
     _assert_same_judging(_judge_view(streamed), reference)
 
     # step 0's streamed judgments all fail: the judge task raises, having changed the session's buffers
-    rl_tasks.drop_sessions()
     batch_calls.clear()
     failing = _copy_run(sft_run, tmp_path / "failing")
     real_ascore = LLMJudge.ascore
@@ -351,11 +349,11 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
         return [TrajectoryJudgment(j.rollout_id, failed=True, error="injected outage") for j in out]
 
     monkeypatch.setattr(LLMJudge, "ascore", all_failed)
-    with pytest.raises(rl_tasks.JudgeStepError, match="2 of 4 judgments failed|4 of 4 judgments failed"):
+    with pytest.raises(JudgeStepError, match="2 of 4 judgments failed|4 of 4 judgments failed"):
         rl(run_dir=failing, profile="tiny", overrides=SMALL)
     assert all(r["judge_failed"] for r in RunStore(failing).read_rows("rollouts", {"step": 0}))
     monkeypatch.setattr(LLMJudge, "ascore", real_ascore)
-    rl(run_dir=failing, profile="tiny", overrides=SMALL)  # same process, same session
+    rl(run_dir=failing, profile="tiny", overrides=SMALL)  # same process, a new session rebuilt from the tables
     assert batch_calls == [0]  # step 0 re-judged from the tables, step 1 streamed
     _assert_same_judging(_judge_view(failing), reference)
 

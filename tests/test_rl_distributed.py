@@ -74,13 +74,28 @@ def synthetic_batch(vocab: int, n: int = 6, seed: int = 0) -> tuple[list[TokenTr
     return trajs, advs
 
 
+@pytest.fixture
+def closed_sessions(monkeypatch) -> list:
+    """The RL sessions closed (trainer ranks, engine and fleet stopped) while the test runs."""
+    closed: list = []
+    real = rl_session.RLSession.close
+
+    def close(self) -> None:
+        closed.append(self)
+        real(self)
+
+    monkeypatch.setattr(rl_session.RLSession, "close", close)
+    return closed
+
+
 def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """Copy the run, build its session, two updates (the second with a KL term: the policy has moved from
     the reference), then the engine's weights (taken from the trainer, no checkpoint)."""
     run_dir = str(tmp_path / "run")
     shutil.copytree(run, run_dir)
     cfg = load_config("tiny", {**TINY, **overrides})
-    session = rl_session.get_session(run_dir, cfg, -1)
+    sessions = rl_session.SessionManager(RunStore(run_dir), cfg)
+    session = sessions.at(-1)
     try:
         trajs, advs = synthetic_batch(len(session.tokenizer))
         session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
@@ -88,10 +103,10 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
         metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
         session.step = 0
         rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
-        assert not rl_session.rl_dir(run_dir).exists()
+        assert not rl_session.rl_dir(RunStore(run_dir)).exists()
         engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}
     finally:
-        rl_session.drop_sessions()
+        sessions.close()
     return metrics, engine
 
 
@@ -138,7 +153,7 @@ def _gaps(run_dir: str) -> dict[int, float]:
     return {r["step"]: r["value"] for r in rows}
 
 
-def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
+def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path, closed_sessions):
     from flows.rl import rl
 
     zero3 = {**FLOW, "rl.backend": "deepspeed", "rl.zero_stage": 3}
@@ -153,7 +168,7 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path):
         run_dir=two, profile="tiny", overrides={**zero3, "distributed.nproc_per_node": 2, "rl.checkpoint_every": 2}
     )
     assert result["steps"] == 2
-    assert not rl_session._SESSIONS  # the ranks ended with the flow run
+    assert closed_sessions  # the ranks ended with the flow run
 
     a, b = RunStore(one).read_rows("rollouts"), RunStore(two).read_rows("rollouts")
     assert sum(r["n_policy_tokens"] for r in b) > 0  # the engine generated (ZeRO-3 once gave it no weights)
@@ -205,7 +220,7 @@ def _wait_for_line(path: Path, pattern: str, timeout_s: float = 600) -> re.Match
 
 
 def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resume(
-    one_process_flow, sft_run, tmp_path, monkeypatch
+    one_process_flow, sft_run, tmp_path, monkeypatch, closed_sessions
 ):
     """Rank 1's actor SIGKILLed from outside while it is in step 1's update: the flow fails within 30 s
     naming rank 1; the rerun's ranks then kill themselves while writing step 1's checkpoint; the third run
@@ -236,8 +251,9 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
         os.kill(pid, signal.SIGKILL)
         flow.join(timeout=120)
     finally:
-        if flow.is_alive():  # the ranks would hang until distributed.timeout_s: end them with the test
-            rl_session.drop_sessions()
+        if flow.is_alive():  # rank 0 would hang until distributed.timeout_s: end it with the test
+            rank0 = Path(run_dir) / "state" / "ranks" / "rl-rank0.log"
+            os.kill(int(_wait_for_line(rank0, r"hanging \(pid (\d+)\)", 10).group(1)), signal.SIGKILL)
             flow.join(timeout=60)
     detected_s = failed["at"] - killed_at
     print(f"rank 1 killed mid-update: the flow failed {detected_s:.1f}s later")
@@ -245,18 +261,18 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
     message = str(failed["exc"])
     assert re.search(rf"rl trainer rank 1 of 2 on node \S+ \(pid {pid}\) died", message), message
     assert detected_s < 30
-    assert rl_session.completed_step(run_dir) == 0 and not rl_session._SESSIONS
+    assert rl_session.completed_step(RunStore(run_dir)) == 0 and closed_sessions
+    closed_sessions.clear()
 
     # the ranks kill themselves while writing step 1's checkpoint (the flow process writes none)
     monkeypatch.setenv("RUBRICEM_FAULT_POINT", "checkpoint.weights_written:1")
     monkeypatch.delenv("RUBRICEM_FAULT_ACTION")
     with pytest.raises(RankFailure, match=r"trainer rank \d of 2 .*(died|raised)"):
         rl(run_dir=run_dir, profile="tiny", overrides=overrides)
-    assert rl_session.completed_step(run_dir) == 0 and not rl_session._SESSIONS
-
+    assert rl_session.completed_step(RunStore(run_dir)) == 0 and closed_sessions
     monkeypatch.delenv("RUBRICEM_FAULT_POINT")
     rl(run_dir=run_dir, profile="tiny", overrides=overrides)
-    assert rl_session.completed_step(run_dir) == 1
+    assert rl_session.completed_step(RunStore(run_dir)) == 1
     assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
     _same_tables(run_dir, one_process_flow)
 
@@ -268,7 +284,9 @@ SERVER_FLOW = {**FLOW, "policy.hidden_size": 128, "policy.n_heads": 2, "policy.n
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
-def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefect_harness, monkeypatch):
+def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
+    tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
+):
     """The rl flow with `vllm serve` as its own process beside 2 ZeRO-3 trainer ranks, the weights reaching
     it both ways: reloaded from the checkpoint rank 0 wrote, and pushed by the ranks through vLLM's
     weight-transfer API (gloo: each rank gathers every parameter in turn, rank 0 broadcasts it) into a
@@ -313,7 +331,8 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(tmp_path_factory, prefec
                 "rollout.replicas": replicas,
             },
         )
-        assert not rl_session._SESSIONS  # ranks and server ended with the flow run
+        assert closed_sessions  # ranks and server ended with the flow run
+        closed_sessions.clear()
         rows = RunStore(run_dir).read_rows("rollouts")
         assert {r["step"] for r in rows} == {0, 1} and sum(r["n_policy_tokens"] for r in rows) > 0
         rollouts[name] = sorted((r["rollout_id"], list(r["token_ids"])) for r in rows)

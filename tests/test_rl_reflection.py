@@ -58,15 +58,14 @@ def test_candidate_advantages_match_hand_numbers(scores, expected):
 @pytest.fixture(scope="module")
 def forced_reflections():
     """Even candidates of every reflection request spell a valid reflection for their question."""
-    import rubricem_core.rl.session as rl_session
-    import tasks.rl as rl_tasks
+    import rubricem_core.rollout.factory as engine_factory
 
     state: dict = {"questions": {}}
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(rl_session, "HFRolloutEngine", forcing_engine(rl_session.HFRolloutEngine, state["questions"]))
-    rl_tasks.drop_sessions()
+    monkeypatch.setattr(
+        engine_factory, "HFRolloutEngine", forcing_engine(engine_factory.HFRolloutEngine, state["questions"])
+    )
     yield state
-    rl_tasks.drop_sessions()
     monkeypatch.undo()
 
 
@@ -81,12 +80,11 @@ def _copy(src, dst) -> str:
 
 
 def _run(sft_run, dst, state, **extra):
-    import tasks.rl as rl_tasks
     from flows.rl import rl
+    from rubricem_core.store import RunStore
 
     run_dir = _copy(sft_run, dst)
     state["questions"].update({q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")})
-    rl_tasks.drop_sessions()
     rl(run_dir=run_dir, profile="tiny", overrides={**REFLECT, **extra})
     return run_dir
 
@@ -154,7 +152,8 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
 
 @pytest.mark.slow
 def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced_reflections, monkeypatch):
-    import tasks.rl as rl_tasks
+    from rubricem_core.rl.session import completed_step
+    from rubricem_core.store import RunStore
 
     straight = deferred_run
 
@@ -174,14 +173,12 @@ def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced
         return real(self, directory, extra)
 
     monkeypatch.setattr(LocalPolicy, "save", fail_in_step_2)
-    rl_tasks.drop_sessions()
     with pytest.raises(RuntimeError, match="injected failure"):
         rl(run_dir=resumed, profile="tiny", overrides=REFLECT)
     monkeypatch.setattr(LocalPolicy, "save", real)
     store = RunStore(resumed)
-    assert rl_tasks.completed_step(resumed) == 1
+    assert completed_step(RunStore(resumed)) == 1
     shutil.rmtree(store.table_dir("reflections") / "step=0001")
-    rl_tasks.drop_sessions()  # a fresh process
     rl(run_dir=resumed, profile="tiny", overrides=REFLECT)
 
     for step in (2, 3):

@@ -167,8 +167,7 @@ def _reflection_row(rid: str, candidate: int, prompt: int, reflection: int, scor
 
 
 def test_show_research_sized_rollouts_and_reflections_batch_under_the_research_budgets():
-    from rubricem_core.reflection.meta import reflection_batch
-    from rubricem_core.rl.update import UpdateConfig, _micro_batch, update_plan
+    from rubricem_core.rl.update import UpdateConfig, _micro_batch, reflection_training_batch, update_plan
     from rubricem_core.sft import step_schedule
 
     cfg = load_config("research")
@@ -188,7 +187,7 @@ def test_show_research_sized_rollouts_and_reflections_batch_under_the_research_b
         _reflection_row("r0", 2, prompt, 0, 0.0, rng),
         _reflection_row("r0", 3, 900, 300, 0.2, rng),
     ]
-    reflections = reflection_batch(rows)
+    reflections = reflection_training_batch(rows)
     lengths = sorted((len(t) for t in rollouts + reflections.trajectories), reverse=True)
     assert lengths[:5] == [32768, 32768, 31744, 31268, 30100]  # ~30k rollout, ~31k prompt + reflection
 

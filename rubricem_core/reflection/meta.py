@@ -37,7 +37,7 @@ from rubricem_core.reflection.format import (
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.seeds import REFLECTION_SOURCE, derive_seed
 from rubricem_core.ssgrpo import stage_advantages
-from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from rubricem_core.trajectory import TokenTrajectory
 
 
 def pick_source_rollouts(
@@ -199,41 +199,6 @@ def candidate_advantages(scores: Sequence[float | None], eps: float = 1e-6) -> l
 def reflection_token_advantages(loss_mask: Sequence[int], advantage: float) -> list[float]:
     """Every generated reflection token carries its candidate's advantage; prompt tokens get 0."""
     return [advantage if m else 0.0 for m in loss_mask]
-
-
-@dataclasses.dataclass(frozen=True)
-class ReflectionBatch:
-    """What the reflection update trains on: one step's judged candidates."""
-
-    trajectories: list[TokenTrajectory]
-    token_advantages: list[list[float]]
-    nonzero: int  # candidates whose advantage is not 0 (the rest carry no signal)
-
-
-def reflection_batch(rows: Iterable[dict[str, Any]]) -> ReflectionBatch:
-    """The reflection update's batch from a step's `reflections` rows: GRPO advantages per source
-    rollout's candidate group, on the reflection tokens only (the reflection-update task and a resume's
-    replay both train on exactly this)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(row["source_rollout_id"], []).append(row)
-    trajs, advs, nonzero = [], [], 0
-    for rid in sorted(groups):
-        group = sorted(groups[rid], key=lambda r: r["candidate"])
-        for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
-            if row["judge_failed"] or not row["token_ids"]:
-                continue  # no reward: left out of the update, never treated as a zero
-            # a reflection belongs to no research stage
-            stageless = {
-                "token_ids": row["token_ids"],
-                "loss_mask": row["loss_mask"],
-                "logprobs": row["logprobs"],
-                "stage_ids": [NO_STAGE] * len(row["token_ids"]),
-            }
-            trajs.append(TokenTrajectory.from_row(stageless))
-            advs.append(reflection_token_advantages(row["loss_mask"], adv))
-            nonzero += adv != 0.0
-    return ReflectionBatch(trajs, advs, nonzero)
 
 
 def bank_entries(rows: Iterable[dict[str, Any]], questions: dict[str, str]) -> list[BankEntry]:

@@ -1,9 +1,10 @@
 """The RL session of one run directory: who trains, who samples, and which weights each holds.
 
-    session = get_session(run_dir, cfg, after_step)       # weights include the updates of steps ≤ after_step
-    ensure_engine_weights(session, step, cfg)             # the engine samples with the weights after `step`
-    session.policy.update(trajectories, token_advs, settings)
-    if checkpoint_due(cfg, step): session.policy.save(step_checkpoint(run_dir, step), extra)
+    with open_session(store, cfg) as sessions:            # the `rl` flow run owns it; its tasks get it
+        session = sessions.at(after_step)                 # weights include the updates of steps ≤ after_step
+        ensure_engine_weights(session, step, cfg)         # the engine samples with the weights after `step`
+        session.policy.update(trajectories, token_advs, settings)
+        if checkpoint_due(cfg, step): session.policy.save(step_checkpoint(store, step), extra)
 
 ``session.policy`` is where the trainer and the frozen reference live:
 
@@ -16,7 +17,7 @@ The rollout engine always lives in this process. With a rank policy, or with the
 taken from the trainer every step by transfer (``policy.weights()``: the module's tensors here, a gloo
 broadcast from trainer rank 0 otherwise; a vLLM server gets them pushed), never from a file written for
 it. Resumable checkpoints are written every ``rl.checkpoint_every`` steps and at the last step. The
-session is per process; after a restart it is rebuilt from the newest checkpoint at or before the step
+session lives as long as the flow run that opened it; in a new run (a restart) it is rebuilt from the newest checkpoint at or before the step
 asked for, then the later steps' updates are replayed from their cached tables (``replay_updates``),
 which gives the weights, optimizer, schedule and RNG an uninterrupted run had there.
 """
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -38,45 +40,48 @@ from rubricem_core.config import RunConfig
 from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.layout import RunLayout
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
-from rubricem_core.reflection.meta import rebuild_bank, reflection_batch
+from rubricem_core.reflection.meta import rebuild_bank
 from rubricem_core.rl.policy import LocalPolicy, Policy, reflection_on
-from rubricem_core.rl.update import UpdateConfig, training_batch
-from rubricem_core.rollout import HFRolloutEngine
+from rubricem_core.rl.update import UpdateConfig, reflection_training_batch, training_batch
+from rubricem_core.rollout.factory import make_engine
+from rubricem_core.rollout.types import StreamingRolloutEngine
 from rubricem_core.ssgrpo import as_lambda
-from rubricem_core.store import RunStore
+from rubricem_core.store import RunStore, atomic_write_text
+
+if TYPE_CHECKING:
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine
 
 log = logging.getLogger(__name__)
 
 
 # ---- paths and progress -------------------------------------------------------------------------
-def rl_dir(run_dir: str) -> Path:
-    return RunLayout(run_dir).rl_checkpoints_dir
+def rl_dir(store: RunStore) -> Path:
+    return store.layout.rl_checkpoints_dir
 
 
-def step_checkpoint(run_dir: str, step: int) -> Path:
-    return RunLayout(run_dir).rl_step_checkpoint(step)
+def step_checkpoint(store: RunStore, step: int) -> Path:
+    return store.layout.rl_step_checkpoint(step)
 
 
-def start_policy(run_dir: str) -> Path:
-    final = RunLayout(run_dir).sft_final
+def start_policy(store: RunStore) -> Path:
+    final = store.layout.sft_final
     if not (final / "config.json").exists():
         raise FileNotFoundError(f"no SFT checkpoint at {final}: run `rubricem sft` (or the pipeline) first")
     return final
 
 
-def completed_step(run_dir: str) -> int:
+def completed_step(store: RunStore) -> int:
     """The last RL step whose update is applied and whose tables are written (-1: none). Its
     checkpoint may be older (rl.checkpoint_every): the steps after the newest checkpoint are replayed
     from their tables, which must therefore be there."""
-    path = RunStore(run_dir).layout.rl_progress_file
+    path = store.layout.rl_progress_file
     if not path.exists():
         return -1
     step = int(json.loads(path.read_text())["completed_step"])
-    missing = replay_gaps(run_dir, newest_checkpoint(run_dir, step), step)
+    missing = replay_gaps(store, newest_checkpoint(store, step), step)
     if missing:
         raise FileNotFoundError(
             f"{path} says step {step} is complete but its checkpoint is missing, and so are the tables a "
@@ -85,15 +90,31 @@ def completed_step(run_dir: str) -> int:
     return step
 
 
-def has_checkpoint(run_dir: str, step: int) -> bool:
-    return (step_checkpoint(run_dir, step) / "checkpoint.json").exists()
+def mark_step_done(store: RunStore, step: int) -> None:
+    """Record that step ``step`` is done: its update is applied and every table it needs is written. Without
+    a checkpoint of that step, a resume replays its update from those tables (replay_updates)."""
+    atomic_write_text(store.layout.rl_progress_file, json.dumps({"completed_step": step}))
 
 
-def newest_checkpoint(run_dir: str, at_most: int) -> int:
+def prune_checkpoints(store: RunStore, keep: int, curve: Sequence[int] = ()) -> None:
+    """Keep the newest ``keep`` step checkpoints (a resume needs only the newest; the rest are for
+    inspection and evaluation) and those of the learning-curve steps ``curve``."""
+    kept = {step_checkpoint(store, step) for step in curve}
+    ckpts = sorted(p for p in rl_dir(store).glob("step-*") if p.is_dir())
+    for old in ckpts[:-keep]:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def has_checkpoint(store: RunStore, step: int) -> bool:
+    return (step_checkpoint(store, step) / "checkpoint.json").exists()
+
+
+def newest_checkpoint(store: RunStore, at_most: int) -> int:
     """The newest complete RL step checkpoint at or before step ``at_most`` (-1: none, the SFT policy)."""
     steps = [
         int(p.name.removeprefix("step-"))
-        for p in rl_dir(run_dir).glob("step-*")
+        for p in rl_dir(store).glob("step-*")
         if p.name.removeprefix("step-").isdigit() and (p / "checkpoint.json").exists()
     ]
     return max((s for s in steps if s <= at_most), default=-1)
@@ -120,11 +141,11 @@ def curve_steps(cfg: RunConfig) -> list[int]:
     return sorted({*range(every - 1, last + 1, every), last})
 
 
-def curve_checkpoints(run_dir: str, cfg: RunConfig, before_last: bool = False) -> list[Path]:
+def curve_checkpoints(store: RunStore, cfg: RunConfig, before_last: bool = False) -> list[Path]:
     """The learning-curve checkpoints a run has written (rl.eval_every), oldest first; ``before_last``
     leaves out the last step's (the final checkpoint, which evaluation takes last on its own)."""
     steps = [s for s in curve_steps(cfg) if not (before_last and s >= last_step(cfg))]
-    return [step_checkpoint(run_dir, step) for step in steps if has_checkpoint(run_dir, step)]
+    return [step_checkpoint(store, step) for step in steps if has_checkpoint(store, step)]
 
 
 def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
@@ -136,14 +157,13 @@ def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
     return step - 1 if replay_source_step(step - 1, cfg.rl.window) is None else None
 
 
-def replay_gaps(run_dir: str, checkpoint: int, step: int, cfg: RunConfig | None = None) -> list[str]:
+def replay_gaps(store: RunStore, checkpoint: int, step: int, cfg: RunConfig | None = None) -> list[str]:
     """The table partitions a resume from checkpoint ``checkpoint`` lacks to replay the updates of the
     steps after it up to ``step`` (with ``cfg``: the reflection updates' candidates too); empty: none."""
     steps = range(checkpoint + 1, step + 1)
     need = [(table, s) for s in steps for table in ("rollouts", "stage_rewards")]
     if cfg is not None:
         need += [("reflections", src) for s in steps if (src := reflection_source_step(cfg, s)) is not None]
-    store = RunStore(run_dir)
     have = {table: set(store.partitions(table, "step")) for table in {t for t, _ in need}}
     return [f"{table}/step={s:04d}" for table, s in need if s not in have[table]]
 
@@ -183,22 +203,23 @@ def shares_engine_module(cfg: RunConfig) -> bool:
     )
 
 
-def make_policy(run_dir: str, cfg: RunConfig, base: Path) -> Policy:
+def make_policy(store: RunStore, cfg: RunConfig, base: Path) -> Policy:
+    """Where the trainer lives: this process, or trainer ranks of their own (distributed.world_size > 1)."""
     if cfg.distributed.world_size > 1:
         from rubricem_core.rl.ray_policy import RayPolicy
 
-        return RayPolicy(run_dir, cfg, base)
+        return RayPolicy(str(store.run_dir), cfg, base)
     return LocalPolicy(base, cfg)
 
 
 # ---- the session -------------------------------------------------------------------------------
 @dataclass
 class RLSession:
-    run_dir: str
+    store: RunStore
     step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
-    policy: Any  # LocalPolicy or RayPolicy
+    policy: Policy
     tokenizer: Any
-    engine: Any  # HFRolloutEngine, VLLMRolloutEngine or VLLMServerEngine
+    engine: StreamingRolloutEngine  # transformers, vLLM in process, or a vLLM server fleet (rollout.factory)
     buffers: dict[str, RubricBuffer] = field(default_factory=dict)
     # The buffers hold the judge's changes of steps ≤ this one; None: unknown (a judge that failed
     # half-way), so the next task rebuilds them from `judge_rubrics`.
@@ -214,12 +235,112 @@ class RLSession:
     # ``buffers``; the judge task of that step collects it (judge.stream), else judges from the tables.
     pending_judge: Any = None
 
+    def close(self) -> None:
+        """Stop what the session started: a streamed judgment nobody will collect, the trainer (ranks),
+        an engine with processes of its own."""
+        if self.pending_judge is not None:
+            self.pending_judge.close()
+            self.pending_judge = None
+        self.policy.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
-_SESSIONS: dict[str, RLSession] = {}
-_SESSION_LOCK = threading.Lock()
+
+class SessionManager:
+    """The RL session of one ``rl`` flow run (``open_session``): the flow hands it to every step's tasks,
+    which ask it for the live ``RLSession`` at the weights they need; it rebuilds that session from the
+    newest checkpoint and the replay of the later updates when the live one cannot get there (a new
+    flow run, a resumed run, a reflection task sampling at an older step).
+
+    ``__slots__`` (no ``__dict__``, not iterable): Prefect records a subflow's parameters with FastAPI's
+    ``jsonable_encoder``, which then gives up at once and stores the placeholder ``<SessionManager>``
+    instead of walking the models; tasks use no cache key (``tasks.readback``), so it is never hashed."""
+
+    __slots__ = ("store", "cfg", "_live", "_lock")
+
+    def __init__(self, store: RunStore, cfg: RunConfig) -> None:
+        self.store = store
+        self.cfg = cfg
+        self._live: RLSession | None = None
+        self._lock = threading.Lock()
+
+    def at(self, after_step: int) -> RLSession:
+        """A session whose weights include the updates of steps ≤ ``after_step``: the live one (advanced
+        by replaying the updates it lacks when it is behind), else a new one from the newest checkpoint at
+        or before ``after_step`` and the replay of the later steps."""
+        with self._lock:
+            session = self._live
+            if session is not None and session.step == after_step:
+                return session
+            if session is not None and session.step < after_step:
+                advance(session, self.cfg, after_step)
+                return session
+            self._close_live()
+            start = newest_checkpoint(self.store, after_step)
+            missing = replay_gaps(self.store, start, after_step, self.cfg)
+            if missing:
+                raise FileNotFoundError(
+                    f"RL step {after_step} has no checkpoint and the newest one before it (step {start}; -1: SFT) "
+                    f"cannot be brought to it: {', '.join(missing[:4])} missing; rerun from that step"
+                )
+            session = _new_session(self.store, self.cfg, start)
+            try:
+                advance(session, self.cfg, after_step)
+            except BaseException:
+                session.close()
+                raise
+            self._live = session
+            return session
+
+    def current(self) -> RLSession:
+        """The live session whatever its step (background reflection work must not force a reload while
+        the update of the same step advances it); a fresh one from the newest checkpoint otherwise."""
+        with self._lock:
+            session = self._live
+        return session if session is not None else self.at(completed_step(self.store))
+
+    def sampling(self, step: int) -> RLSession:
+        """A session that can sample with the weights after ``step``: the live one when its engine has
+        them, its trainer holds them, or their checkpoint exists (whatever the live session's own step:
+        background reflection work must not force a reload while the update of the same step advances it);
+        else one replayed to ``step`` from the tables (a resumed run writing a finished step's missing
+        reflections, whose weights no checkpoint kept)."""
+        with self._lock:
+            session = self._live
+        if session is not None and (
+            session.engine_step == step or trainer_holds(session, step) or step < 0 or has_checkpoint(self.store, step)
+        ):
+            return session
+        return self.at(step)
+
+    def close(self) -> None:
+        """Free the live session's models (and stop its trainer ranks and engine processes)."""
+        with self._lock:
+            self._close_live()
+
+    def _close_live(self) -> None:
+        if self._live is not None:
+            session, self._live = self._live, None
+            session.close()
 
 
-def _engine_device(policy: Any) -> torch.device:
+@contextmanager
+def open_session(store: RunStore, cfg: RunConfig) -> Iterator[SessionManager]:
+    """The RL session of one flow run: started lazily by the first task that needs it, stopped (trainer
+    ranks, engine, fleet) when the block ends, however it ends.
+
+        with open_session(store, cfg) as session:
+            rollout_task(session, plan)       # session.at(plan.step - 1).engine samples
+    """
+    manager = SessionManager(store, cfg)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+def _engine_device(policy: Policy) -> torch.device:
     if isinstance(policy, LocalPolicy):
         return policy.device
     from rubricem_core.policy.loading import auto_device
@@ -227,48 +348,17 @@ def _engine_device(policy: Any) -> torch.device:
     return auto_device()
 
 
-def get_session(run_dir: str, cfg: RunConfig, after_step: int) -> RLSession:
-    """A session whose weights include the updates of steps ≤ ``after_step``: the live one (advanced
-    by replaying the updates it lacks when it is behind), else a new one from the newest checkpoint at
-    or before ``after_step`` and the replay of the later steps."""
-    with _SESSION_LOCK:
-        key = str(Path(run_dir).resolve())
-        session = _SESSIONS.get(key)
-        if session is not None and session.step == after_step:
-            return session
-        if session is not None and session.step < after_step:
-            advance(session, cfg, after_step)
-            return session
-        _close_all()
-        start = newest_checkpoint(run_dir, after_step)
-        missing = replay_gaps(run_dir, start, after_step, cfg)
-        if missing:
-            raise FileNotFoundError(
-                f"RL step {after_step} has no checkpoint and the newest one before it (step {start}; -1: SFT) "
-                f"cannot be brought to it: {', '.join(missing[:4])} missing; rerun from that step"
-            )
-        session = _new_session(run_dir, cfg, start)
-        try:
-            advance(session, cfg, after_step)
-        except BaseException:
-            _close_session(session)
-            raise
-        _SESSIONS[key] = session
-        return session
-
-
-def _new_session(run_dir: str, cfg: RunConfig, at_checkpoint: int) -> RLSession:
+def _new_session(store: RunStore, cfg: RunConfig, at_checkpoint: int) -> RLSession:
     """A session with the trainer at checkpoint ``at_checkpoint`` (-1: SFT) and its engine."""
-    base = start_policy(run_dir)
-    policy = make_policy(run_dir, cfg, base)
+    base = start_policy(store)
+    policy = make_policy(store, cfg, base)
     try:
         if at_checkpoint >= 0:
-            policy.load(step_checkpoint(run_dir, at_checkpoint))
+            policy.load(step_checkpoint(store, at_checkpoint))
         # from the tables, not the checkpoint's copy: they are what the judge wrote, whichever
         # task a resumed run skipped
-        buffers = rebuild_buffers(RunStore(run_dir), at_checkpoint, cfg.judge.cap_per_stage)
+        buffers = rebuild_buffers(store, at_checkpoint, cfg.judge.cap_per_stage)
         tokenizer = policy.tokenizer
-        engine: Any  # one of the three engines below, all driven through generate() and load_weights()
         log.info(
             "RL session at step %d: trainer %s (%d rank%s)",
             at_checkpoint,
@@ -276,44 +366,26 @@ def _new_session(run_dir: str, cfg: RunConfig, at_checkpoint: int) -> RLSession:
             cfg.distributed.world_size,
             "s" if cfg.distributed.world_size > 1 else "",
         )
-        if cfg.rollout.engine == "vllm_server":
-            from rubricem_core.rollout.factory import fleet_engine
-
-            # rollout.replicas processes of their own, on rollout.devices split across them; weights pushed
-            # from the trainer, or reloaded from a step's checkpoint directory (docs/rollout_fleet.md)
-            engine = fleet_engine(base, tokenizer, cfg, RunStore(run_dir).state_dir / "vllm-server.log", push=True)
-            separate, engine_step = True, -1
-        elif cfg.rollout.engine == "vllm":
-            from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
-
-            # vLLM holds its own copy of the weights: it starts from the SFT directory and is synced
-            # before each step's rollouts (ensure_engine_weights).
-            engine = VLLMRolloutEngine(
-                str(base),
-                tokenizer,
-                llm_kwargs={
-                    "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-                    "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-                },
-                max_model_len=cfg.rollout.max_total_tokens,
-            )
-            separate, engine_step = True, -1
-        elif not shares_engine_module(cfg):
-            engine_model, _ = load_policy(str(base), dtype=cfg.policy.dtype, device=_engine_device(policy))
-            engine_model.requires_grad_(False)
-            engine = HFRolloutEngine(engine_model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
-            separate, engine_step = True, -1
-        else:
+        # vllm / vllm_server hold their own copy of the weights, from the SFT directory, synced (pushed, or
+        # reloaded from a step's checkpoint) before each step's rollouts (ensure_engine_weights); so does
+        # a transformers engine beside trainer ranks, ZeRO-3 or the reflection loop's overlap
+        shared = shares_engine_module(cfg)
+        engine = make_engine(
+            cfg,
+            base,
+            tokenizer,
+            log_path=store.state_dir / "vllm-server.log",
+            push=True,
             # shares_engine_module: a LocalPolicy, whose trainer's module the engine samples from
-            engine = HFRolloutEngine(
-                cast(LocalPolicy, policy).trainer.model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows
-            )
-            separate, engine_step = False, at_checkpoint
+            model=cast(LocalPolicy, policy).trainer.model if shared else None,
+            device=_engine_device(policy) if cfg.rollout.engine == "hf" and not shared else "cpu",
+        )
+        separate, engine_step = (False, at_checkpoint) if shared else (True, -1)
     except BaseException:
         policy.close()
         raise
     session = RLSession(
-        run_dir,
+        store,
         at_checkpoint,
         policy,
         tokenizer,
@@ -324,7 +396,6 @@ def _new_session(run_dir: str, cfg: RunConfig, at_checkpoint: int) -> RLSession:
         separate_engine=separate,
     )
     if reflection_on(cfg):
-        store = RunStore(run_dir)
         reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= at_checkpoint])
     return session
 
@@ -337,7 +408,7 @@ def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
         log.info("RL session: replaying the updates of steps %d..%d from their tables", session.step + 1, to_step)
         replay_updates(session, cfg, to_step)
     if session.bank is not None:
-        store = RunStore(session.run_dir)
+        store = session.store
         load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= to_step])
 
 
@@ -348,11 +419,11 @@ def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
     the settings the tasks use. Same inputs, same calls, same order: the trainer ends with the weights,
     optimizer state, LR schedule, step counter and RNG of the uninterrupted run. Nothing is sampled or
     judged, no table, metric or checkpoint is written; the engine keeps the weights it has."""
-    store = RunStore(session.run_dir)
+    store = session.store
     for step in range(session.step + 1, to_step + 1):
         source = reflection_source_step(cfg, step)
         if source is not None and step not in session.reflection_updates:
-            refl = reflection_batch(store.read_rows("reflections", {"step": source}))
+            refl = reflection_training_batch(store.read_rows("reflections", {"step": source}))
             session.policy.update(
                 refl.trajectories, refl.token_advantages, update_settings(cfg, cfg.reflection.temperature)
             )
@@ -383,38 +454,9 @@ def buffers_at(session: RLSession, step: int, cfg: RunConfig) -> dict[str, Rubri
     """The session's buffers after the judge of ``step``, rebuilt from the tables when the session's
     copy is of another step (a resumed run whose judge task was skipped as done)."""
     if session.buffers_step != step:
-        session.buffers = rebuild_buffers(RunStore(session.run_dir), step, cfg.judge.cap_per_stage)
+        session.buffers = rebuild_buffers(session.store, step, cfg.judge.cap_per_stage)
         session.buffers_step = step
     return session.buffers
-
-
-def current_session(run_dir: str, cfg: RunConfig) -> RLSession:
-    """The live session whatever its step (background reflection work must not force a reload while
-    the update of the same step advances it); a fresh one from the newest checkpoint otherwise."""
-    with _SESSION_LOCK:
-        session = _SESSIONS.get(str(Path(run_dir).resolve()))
-    return session if session is not None else get_session(run_dir, cfg, completed_step(run_dir))
-
-
-def _close_session(session: RLSession) -> None:
-    if session.pending_judge is not None:  # a streamed judgment nobody will collect
-        session.pending_judge.close()
-    session.policy.close()
-    close = getattr(session.engine, "close", None)  # an engine process of its own
-    if close is not None:
-        close()
-
-
-def _close_all() -> None:
-    for session in _SESSIONS.values():
-        _close_session(session)
-    _SESSIONS.clear()
-
-
-def drop_sessions() -> None:
-    """Free every session's models (and stop its trainer ranks)."""
-    with _SESSION_LOCK:
-        _close_all()
 
 
 @contextmanager
@@ -435,32 +477,17 @@ def trainer_holds(session: RLSession, step: int) -> bool:
     return step == session.step and step + 1 not in session.reflection_updates
 
 
-def sampling_session(run_dir: str, cfg: RunConfig, step: int) -> RLSession:
-    """A session that can sample with the weights after ``step``: the live one when its engine has
-    them, its trainer holds them, or their checkpoint exists (whatever the live session's own step:
-    background reflection work must not force a reload while the update of the same step advances it);
-    else one replayed to ``step`` from the tables (a resumed run writing a finished step's missing
-    reflections, whose weights no checkpoint kept)."""
-    with _SESSION_LOCK:
-        session = _SESSIONS.get(str(Path(run_dir).resolve()))
-    if session is not None and (
-        session.engine_step == step or trainer_holds(session, step) or step < 0 or has_checkpoint(run_dir, step)
-    ):
-        return session
-    return get_session(run_dir, cfg, step)
-
-
 def _checkpoint_source(session: RLSession, step: int) -> Path:
     """The directory holding the weights after ``step`` when the trainer no longer does."""
     if step < 0:
-        return start_policy(session.run_dir)
-    if not has_checkpoint(session.run_dir, step):
+        return start_policy(session.store)
+    if not has_checkpoint(session.store, step):
         raise RuntimeError(
             f"the engine needs the weights after RL step {step}; the trainer has moved on (step {session.step}) and "
-            f"rl.checkpoint_every kept no checkpoint of that step: sample from sampling_session(run_dir, cfg, {step}), "
+            f"rl.checkpoint_every kept no checkpoint of that step: sample from SessionManager.sampling({step}), "
             "which replays the updates to it"
         )
-    return step_checkpoint(session.run_dir, step)
+    return step_checkpoint(session.store, step)
 
 
 def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None:
@@ -487,10 +514,11 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
             return
         holds = trainer_holds(session, step)
         if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
+            served = cast("VLLMServerEngine", session.engine)
             if cfg.rollout.weight_transfer != "checkpoint" and holds:
-                session.engine.push_weights(session.policy)  # straight from the trainer, tensor by tensor
+                served.push_weights(session.policy)  # straight from the trainer, tensor by tensor
             else:  # the server reads the checkpoint itself
-                session.engine.load_weights_from_dir(_checkpoint_source(session, step))
+                served.load_weights_from_dir(_checkpoint_source(session, step))
             session.engine_step = step
             return
         weights = session.policy.weights() if holds else None

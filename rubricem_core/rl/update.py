@@ -3,6 +3,7 @@
     ga = group_advantages(R, lam, failed)                  # per query: G = R Λᵀ, A = per-stage normalization
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
     batch = training_batch(rollouts, rows)                 # judged trajectories, a[i, t] = A[i, stage(t)]
+    batch = reflection_training_batch(reflections)         # or: a step's reflection candidates (GRPO per group)
     metrics = ss_grpo_update(trainer, ref_model, batch.trajectories, batch.token_advantages, pad_id, config)
 
 The judge task writes ``reward_rows`` once; the update task trains on exactly those A values, so what
@@ -19,7 +20,7 @@ update moved the weights, or by an engine whose numerics differ).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +31,11 @@ from rubricem_core.batching import TokenBatch, bucket_batches, collate
 from rubricem_core.config import RLConfig
 from rubricem_core.judge.aggregate import stage_reward_rows
 from rubricem_core.logprobs import token_logprobs
+from rubricem_core.reflection.meta import candidate_advantages, reflection_token_advantages
 from rubricem_core.rl.records import rollout_trajectory
 from rubricem_core.scaffold import STAGES
 from rubricem_core.ssgrpo import policy_loss, stage_advantages, stage_returns, token_advantages
-from rubricem_core.trajectory import TokenTrajectory
+from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class TrainingBatch:
     trajectories: list[TokenTrajectory] = field(default_factory=list)
     token_advantages: list[list[float]] = field(default_factory=list)
     stage_means: dict[str, float] = field(default_factory=dict)  # reward/{R,G,A}/{stage}_mean
+    nonzero: int = 0  # trajectories whose advantage is not 0 (reflection_training_batch; the rest carry no signal)
 
 
 def training_batch(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> TrainingBatch:
@@ -129,6 +132,32 @@ def training_batch(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]
         batch.trajectories.append(traj)
         batch.token_advantages.append(per_token_advantages(traj, [r["A"] for r in stage_rows]))
     batch.stage_means = {f"reward/{k}_mean": float(np.mean(v)) for k, v in stats.items() if v}
+    return batch
+
+
+def reflection_training_batch(rows: Iterable[dict[str, Any]]) -> TrainingBatch:
+    """The reflection update's batch from a step's `reflections` rows: GRPO advantages per source
+    rollout's candidate group, on the reflection tokens only (the reflection-update task and a resume's
+    replay both train on exactly this); candidates whose judgment failed are left out."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(row["source_rollout_id"], []).append(row)
+    batch = TrainingBatch()
+    for rid in sorted(groups):
+        group = sorted(groups[rid], key=lambda r: r["candidate"])
+        for row, adv in zip(group, candidate_advantages([r["score"] for r in group])):
+            if row["judge_failed"] or not row["token_ids"]:
+                continue  # no reward: left out of the update, never treated as a zero
+            # a reflection belongs to no research stage
+            stageless = {
+                "token_ids": row["token_ids"],
+                "loss_mask": row["loss_mask"],
+                "logprobs": row["logprobs"],
+                "stage_ids": [NO_STAGE] * len(row["token_ids"]),
+            }
+            batch.trajectories.append(TokenTrajectory.from_row(stageless))
+            batch.token_advantages.append(reflection_token_advantages(row["loss_mask"], adv))
+            batch.nonzero += adv != 0.0
     return batch
 
 

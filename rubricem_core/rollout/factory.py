@@ -1,20 +1,68 @@
-"""The vLLM server fleet engine of a run's config: one construction for the RL session and evaluation.
+"""The rollout engine of a run's config (``rollout.engine``): one construction for the RL session and evaluation.
 
-engine = fleet_engine(model_dir, tokenizer, cfg, log_path, push=True)   # RL: weights pushed each step
-engine = fleet_engine(checkpoint, tokenizer, cfg, log_path, push=False) # evaluation: the checkpoint's own
+engine = make_engine(cfg, model_dir, tokenizer, log_path=..., push=True)            # RL: weights pushed/synced each step
+engine = make_engine(cfg, checkpoint, tokenizer, model=model, log_path=..., push=False)  # evaluation: the checkpoint's own
+
+``hf``: the transformers engine over ``model`` (the trainer's own module, or a copy loaded from
+``model_dir``); ``vllm``: vLLM in this process, loading ``model_dir`` itself; ``vllm_server``: a fleet of
+`vllm serve` processes (``fleet_engine``).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rubricem_core.config import RunConfig
-from rubricem_core.rollout.types import RolloutError
-from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+from rubricem_core.policy.loading import load_policy
+from rubricem_core.rollout.hf_engine import HFRolloutEngine
+from rubricem_core.rollout.types import RolloutError, StreamingRolloutEngine
+
+if TYPE_CHECKING:
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+
+ENGINES = ("hf", "vllm", "vllm_server")
+
+
+def make_engine(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    tokenizer: Any,
+    *,
+    log_path: Path,
+    push: bool,
+    model: torch.nn.Module | None = None,
+    device: torch.device | str = "cpu",
+) -> StreamingRolloutEngine:
+    """The engine ``cfg.rollout.engine`` names, starting from the weights in ``model_dir``. ``model``: the
+    module the transformers engine samples with (shared, e.g. the trainer's); without it a frozen copy is
+    loaded from ``model_dir`` onto ``device``. ``push`` and ``log_path``: see ``fleet_engine``."""
+    kind = cfg.rollout.engine
+    if kind == "vllm_server":
+        # rollout.replicas processes of their own, on rollout.devices split across them
+        return fleet_engine(model_dir, tokenizer, cfg, log_path, push=push)
+    if kind == "vllm":
+        from rubricem_core.rollout.vllm_engine import VLLMRolloutEngine
+
+        # vLLM holds its own copy of the weights, loaded from the directory
+        return VLLMRolloutEngine(
+            str(model_dir),
+            tokenizer,
+            llm_kwargs={
+                "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+                "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+            },
+            max_model_len=cfg.rollout.max_total_tokens,
+        )
+    if kind != "hf":
+        raise RolloutError(f"rollout.engine must be one of {', '.join(ENGINES)}, got {kind!r}")
+    if model is None:
+        model, _ = load_policy(str(model_dir), dtype=cfg.policy.dtype, device=device)
+        model.requires_grad_(False)
+    return HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
 
 
 def fleet_engine(
@@ -25,6 +73,8 @@ def fleet_engine(
     sampled with ``rollout.schedule`` (default async). ``push``: the replicas join the trainer's weight
     transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
     serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+
     r = cfg.rollout
     python = r.server_python or sys.executable
     if not Path(python).exists():

@@ -115,3 +115,12 @@ class RolloutEngine(Protocol):
     def sync_from(self, model: torch.nn.Module) -> None:
         """Copy weights from the trainer's module (a no-op when the engine shares that module)."""
         ...
+
+
+@runtime_checkable
+class StreamingRolloutEngine(RolloutEngine, Protocol):
+    """An engine that reports while ``generate`` runs (every engine here: transformers, vLLM, vLLM server):
+    the RL rollout task sets these hooks for its progress log and the streaming judge."""
+
+    on_progress: Callable[[int, int], None] | None  # (finished rows, all rows)
+    on_group_done: Callable[[int, list[TokenTrajectory]], None] | None  # (request index, its trajectories)
