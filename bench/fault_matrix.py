@@ -286,8 +286,8 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
 
     import rubricem_core.llm.concurrent as concurrent
     from flows.rl import rl
-    from rubricem_core.judge.builtin import MODEL
     from rubricem_core.rl.session import drop_sessions
+    from rubricem_core.sim.judge import MODEL
 
     run = work / "outage"
     shutil.copytree(trained, run)

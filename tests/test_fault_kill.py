@@ -377,7 +377,7 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
     import rubricem_core.llm.concurrent as concurrent
     import tasks.rl as rl_tasks
     from flows.rl import rl
-    from rubricem_core.judge.builtin import MODEL as JUDGE_MODEL
+    from rubricem_core.sim.judge import MODEL as JUDGE_MODEL
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
