@@ -287,7 +287,7 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
 
     import rubricem_core.llm.concurrent as concurrent
     from flows.rl import rl
-    from rubricem_core.judge.builtin import MODEL
+    from rubricem_core.sim.judge import MODEL
 
     run = work / "outage"
     shutil.copytree(trained, run)

@@ -45,12 +45,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from run_all import figure_line  # noqa: E402
 
-from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy  # noqa: E402
 from rubricem_core.rollout import SamplingParams  # noqa: E402
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample  # noqa: E402
 from rubricem_core.rollout.vllm_server import VLLMFleet, VLLMServer, start_fleet  # noqa: E402
 from rubricem_core.rollout.weight_transfer import WeightPusher  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PLUGIN = "rubricem_core.rollout.vllm_gloo:register"

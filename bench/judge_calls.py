@@ -25,17 +25,17 @@ apply_offline_defaults()
 
 from rubricem_core.config import TeacherConfig  # noqa: E402
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
-from rubricem_core.judge.builtin import register_builtin_judge  # noqa: E402
 from rubricem_core.judge.llm_judge import LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
 from rubricem_core.llm.concurrent import run_concurrent  # noqa: E402
 from rubricem_core.llm.types import EndpointSettings  # noqa: E402
 from rubricem_core.scaffold import STAGES  # noqa: E402
-from rubricem_core.teacher.builtin import register_builtin_teacher  # noqa: E402
+from rubricem_core.sim.judge import register_builtin_judge  # noqa: E402
+from rubricem_core.sim.teacher import register_builtin_teacher  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states  # noqa: E402
 from rubricem_core.tools.base import ToolEnv  # noqa: E402
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 
 TEACHER = "rubricem-teacher/scripted"
 MAX_ROUNDS = 12

@@ -29,15 +29,15 @@ apply_offline_defaults()
 import torch  # noqa: E402
 
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
-from rubricem_core.judge.builtin import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.stream import StreamingJudge  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
 from rubricem_core.llm.types import EndpointSettings  # noqa: E402
 from rubricem_core.rl.records import rollout_text  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine  # noqa: E402
+from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
 from tests.fakes.scaffold_writer import ScaffoldWriter, scaffold_requests  # noqa: E402
 from tests.tiny_models import tool_policy, world_tokenizer  # noqa: E402

@@ -40,13 +40,13 @@ from judge_calls import write_rollouts  # noqa: E402
 
 from rubricem_core.config import JudgeConfig  # noqa: E402
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
-from rubricem_core.judge.builtin import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
 from rubricem_core.llm.concurrent import reset_endpoint_states  # noqa: E402
 from rubricem_core.llm.endpoints import endpoint_settings  # noqa: E402
+from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAIServer, RateLimit  # noqa: E402
 
 CALLS_GOAL = 1.05  # calls made per call needed

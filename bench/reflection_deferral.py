@@ -33,7 +33,7 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 from rubricem_core.layout import RunLayout  # noqa: E402
-from rubricem_core.reflection.judge import respond as builtin_reflection_reply  # noqa: E402
+from rubricem_core.sim.reflection_judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 from tests.fakes.forced_reflections import forcing_engine  # noqa: E402

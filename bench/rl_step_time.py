@@ -45,9 +45,9 @@ from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.policy.loading import DTYPES, _ensure_pad_token, auto_device, load_policy  # noqa: E402
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.training import make_trainer  # noqa: E402
 from rubricem_core.training.config import TrainerConfig  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 
 
 def load(policy: str, random_init: bool, dtype: str, device: torch.device):

@@ -1,10 +1,10 @@
 """Tokens/s of HFRolloutEngine (one kept KV cache, batched ragged chunks) vs the naive per-turn
 ``model.generate`` loop (rubricem_core.rollout.baseline), on the same multi-turn workload.
 
-Workload: a synthetic research world (rubricem_core.world) with BM25 search/browse tools, a tiny
+Workload: a synthetic research world (rubricem_core.sim.world) with BM25 search/browse tools, a tiny
 random-init Qwen3 and a byte-level BPE trained here on the world corpus. Random weights never write
 a research trace, so the *choice* of each policy token is scripted (a forced-token schedule, the
-only departure from real sampling): the built-in scripted teacher (rubricem_core.teacher.builtin)
+only departure from real sampling): the built-in scripted teacher (rubricem_core.sim.teacher)
 writes each turn from the chat so far — its plan and searches react to the real tool outputs — and
 both systems feed those tokens through the same ``ForcedPolicy`` hook. The model still runs every
 forward pass, the sampler still runs, tools really run, so the compute per token is that of real
@@ -35,9 +35,9 @@ from rubricem_core.policy.tokenizer import train_bpe_tokenizer  # noqa: E402
 from rubricem_core.rollout import ForcedContext, HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.rollout.baseline import NaiveRolloutBaseline  # noqa: E402
 from rubricem_core.scaffold import EXAMPLE_TRACE, TOOL_CALL_CLOSE, system_prompt  # noqa: E402
-from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates  # noqa: E402
+from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 
 ANSWER_CLOSE = "</answer>"
 

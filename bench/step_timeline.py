@@ -44,7 +44,6 @@ from rollout_schedule import FRAGMENTS, WORDS, FakeSearch  # noqa: E402
 from run_all import figure_line  # noqa: E402
 
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
-from rubricem_core.judge.builtin import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.stream import StreamingJudge  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
@@ -54,8 +53,9 @@ from rubricem_core.rl.records import rollout_text  # noqa: E402
 from rubricem_core.rollout import RolloutRequest, SamplingParams  # noqa: E402
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine  # noqa: E402
 from rubricem_core.scaffold import EXAMPLE_TRACE  # noqa: E402
+from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 from rubricem_core.tools.base import ToolEnv  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
 from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
 
 

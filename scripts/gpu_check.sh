@@ -40,9 +40,9 @@ POLICY=/tmp/gpu-check-policy
 rm -rf "$POLICY"
 $PY - "$POLICY" <<'PY'
 import os, sys
-from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 from rubricem_core.scaffold import EXAMPLE_TRACE
-from rubricem_core.world import WorldConfig, generate_world
+from rubricem_core.sim.world import WorldConfig, generate_world
 
 world = generate_world(WorldConfig(seed=0, n_documents=400, n_queries=8))
 texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4

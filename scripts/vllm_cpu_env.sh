@@ -43,7 +43,7 @@ PIP=("$VENV/bin/python" -m pip)
 VLLM_HOST_IP=127.0.0.1 "$VENV/bin/python" - <<'PY'
 import vllm, torch, transformers
 import rubricem_core.rollout.vllm_engine  # noqa: F401
-import rubricem_core.policy, rubricem_core.tools, rubricem_core.world  # noqa: F401
+import rubricem_core.policy, rubricem_core.tools, rubricem_core.sim.world  # noqa: F401
 from vllm.plugins import load_general_plugins
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 load_general_plugins()

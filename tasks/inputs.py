@@ -15,9 +15,9 @@ from rubricem_core.corpus import load_corpus
 from rubricem_core.environment import local_tool_env
 from rubricem_core.readers import read_queries
 from rubricem_core.schemas import CORPUS_SCHEMA, queries_to_table
+from rubricem_core.sim.world import generate_world
 from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
-from rubricem_core.world import generate_world
 from tasks.readback import parquet_task, read_back
 
 

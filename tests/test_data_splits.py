@@ -11,9 +11,9 @@ import pytest
 from rubricem_core.config import load_config
 from rubricem_core.run_config import Change, refused_changes
 from rubricem_core.schemas import Query, queries_to_table
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.splits import rl_queries, sft_queries
 from rubricem_core.store import RunStore
-from rubricem_core.world import WorldConfig, generate_world
 
 
 def _query(qid: str, split: str, kind: str) -> Query:

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from rubricem_core.eval import run as eval_run
-from rubricem_core.eval.builtin import register_builtin_grader
 from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 from rubricem_core.eval.prompts import aggregate_race, grade_items, race_messages
 from rubricem_core.eval.run import (
@@ -31,6 +30,7 @@ from rubricem_core.readers import DRB_REFERENCE_KEY, attach_drb_references, read
 from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED
 from rubricem_core.schemas import Query
+from rubricem_core.sim.grader import register_builtin_grader
 from tests.conftest import shared_file
 from tests.fakes.openai_server import FakeOpenAIServer
 

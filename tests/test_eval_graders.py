@@ -10,17 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rubricem_core.eval.builtin import BuiltinGraderError, contains_answer, register_builtin_grader, respond
 from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 from rubricem_core.eval.prompts import aggregate_items, grade_items, items_messages
 from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates, guidance_for, plain_answer
-from rubricem_core.eval.synthetic import grade_synthetic
 from rubricem_core.eval.types import EvalError, GradeResult
-from rubricem_core.judge.builtin import register_builtin_judge
 from rubricem_core.judge.llm_judge import LLMJudge
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.schemas import Query
-from rubricem_core.world import WorldConfig, generate_world
+from rubricem_core.sim.grader import BuiltinGraderError, contains_answer, register_builtin_grader, respond
+from rubricem_core.sim.judge import register_builtin_judge
+from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.sim.world_grader import grade_synthetic
 from tests.conftest import shared_file
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.test_judge_builtin import answer_rewards, write_traces

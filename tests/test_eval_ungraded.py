@@ -13,7 +13,6 @@ import pyarrow as pa
 import pytest
 
 from rubricem_core.eval import run as eval_run
-from rubricem_core.eval.builtin import register_builtin_grader
 from rubricem_core.eval.llm_grader import BenchmarkGrader
 from rubricem_core.eval.run import (
     EVAL_RESULTS_SCHEMA,
@@ -27,6 +26,7 @@ from rubricem_core.eval.types import EvalError, EvalSample
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.rollout.types import ANSWERED
 from rubricem_core.schemas import Query
+from rubricem_core.sim.grader import register_builtin_grader
 
 PROPERTIES = [
     {"name": "rag", "criterion": "Mentions retrieval-augmented generation", "weight": 2, "evidence": []},

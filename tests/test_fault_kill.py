@@ -375,9 +375,9 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
 
     import rubricem_core.llm.concurrent as concurrent
     from flows.rl import rl
-    from rubricem_core.judge.builtin import MODEL as JUDGE_MODEL
     from rubricem_core.judge.step import JudgeStepError
     from rubricem_core.rl.session import completed_step
+    from rubricem_core.sim.judge import MODEL as JUDGE_MODEL
     from rubricem_core.store import RunStore
 
     run = tmp_path / "run"

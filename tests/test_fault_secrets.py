@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from rubricem_core.judge.builtin import respond as builtin_judge_reply
+from rubricem_core.sim.judge import respond as builtin_judge_reply
+from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
 from rubricem_core.store import RunStore
-from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 

@@ -9,7 +9,7 @@ import pytest
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.prompts import GeneratedRubric
 from rubricem_core.judge.types import JudgeError, Rubric, RubricScore, TrajectoryJudgment, make_rubric_id
-from rubricem_core.world import WorldConfig, generate_world
+from rubricem_core.sim.world import WorldConfig, generate_world
 
 JUDGE_RUBRICS_COLUMNS = {
     "step",

@@ -10,7 +10,12 @@ import pytest
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.judge.builtin import (
+from rubricem_core.judge.llm_judge import GenerationInput, LLMJudge, ScoringInput, judge_step
+from rubricem_core.judge.prompts import generation_messages, scoring_messages
+from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
+from rubricem_core.llm.concurrent import run_concurrent
+from rubricem_core.llm.types import EndpointSettings
+from rubricem_core.sim.judge import (
     BuiltinJudgeError,
     Context,
     TraceView,
@@ -19,16 +24,11 @@ from rubricem_core.judge.builtin import (
     respond,
     score_rubric,
 )
-from rubricem_core.judge.llm_judge import GenerationInput, LLMJudge, ScoringInput, judge_step
-from rubricem_core.judge.prompts import generation_messages, scoring_messages
-from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
-from rubricem_core.llm.concurrent import run_concurrent
-from rubricem_core.llm.types import EndpointSettings
-from rubricem_core.teacher.builtin import register_builtin_teacher
+from rubricem_core.sim.teacher import register_builtin_teacher
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-from rubricem_core.world import WorldConfig, generate_world
 
 TEACHER = "rubricem-teacher/scripted"
 ANSWER = 3  # column of the answer stage in R

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from rubricem_core.config import ConfigError, load_config
-from rubricem_core.judge.builtin import respond
 from rubricem_core.judge.llm_judge import GenerationInput, JudgeOptions, LLMJudge, ScoringInput
 from rubricem_core.judge.prompts import (
     CENTRAL_QUESTIONS,
@@ -24,6 +23,7 @@ from rubricem_core.judge.prompts import (
     split_sections,
 )
 from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout
+from rubricem_core.sim.judge import respond
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.test_judge_llm import API_KEY, RUBRICS, good_reply, is_repair, settings, trace
 

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.judge.builtin import register_builtin_judge
-from rubricem_core.judge.builtin import respond as builtin_judge_reply
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step
 from rubricem_core.judge.stream import StreamingJudge
 from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout
@@ -31,8 +29,10 @@ from rubricem_core.rl.records import rollout_text
 from rubricem_core.rl.steps import judge_tables
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.rollout.batch import RowBatch
+from rubricem_core.sim.judge import register_builtin_judge
+from rubricem_core.sim.judge import respond as builtin_judge_reply
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
-from rubricem_core.world import WorldConfig, generate_world
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
 from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)

@@ -27,9 +27,10 @@ CORE = "rubricem_core"
 # prints them); README's Layout section names the floors.
 CORE_LAYERS: list[list[str]] = [
     # 0 plumbing and formats: secrets, offline defaults, processes, seeds, run-directory paths, table schemas
-    ["redact", "offline", "faults", "processes", "progress", "seeds", "layout", "schemas", "scaffold"],
-    # 1 data: the Parquet store, the synthetic world, query readers and splits, corpus, tools, trajectories
-    ["store", "world", "splits", "corpus", "readers", "filtering", "trajectory", "ssgrpo", "tools", "embedders"],
+    # stand_ins: the registry of offline stand-ins, which loads sim/ lazily by name (no import edge)
+    ["redact", "offline", "faults", "processes", "progress", "seeds", "layout", "schemas", "scaffold", "stand_ins"],
+    # 1 data: the Parquet store, query readers and splits, corpus, tools, trajectories
+    ["store", "splits", "corpus", "readers", "filtering", "trajectory", "ssgrpo", "tools", "embedders"],
     # 2 the run's config and what reads it flat: SQL, MLflow tracking, recipes, token batches
     ["config", "sql", "tracking", "recipes", "batching", "encoding", "relabel"],
     # 3 the run directory's own config and lock, LLM clients, the research environment, log-probs
@@ -38,12 +39,13 @@ CORE_LAYERS: list[list[str]] = [
     ["judge", "distributed", "training"],
     # 5 the policy (loading it for training included) and the rollout engines
     ["policy", "rollout"],
-    # 6 what trains or samples through them: reflection meta-policy, SFT, the teacher; the offline stand-ins
-    ["reflection", "sft", "teacher", "sim"],
+    # 6 what trains or samples through them: reflection meta-policy, SFT, the teacher
+    ["reflection", "sft", "teacher"],
     # 7 the RL loop and evaluation
     ["rl", "eval"],
-    # 8 reports over everything
-    ["report"],
+    # 8 reports over everything; the offline stand-ins (sim/: the synthetic world, the scripted teacher,
+    # judge and grader, the fake provider, the tiny policy), which the method reaches only through stand_ins
+    ["report", "sim"],
 ]
 
 REWRITTEN_IN_30: set[str] = set()  # the torchrun launch modules were removed in #30

@@ -7,7 +7,7 @@ import asyncio
 import litellm
 import pytest
 
-from rubricem_core.llm.provider import (
+from rubricem_core.sim.provider import (
     ProviderRegistrationError,
     register_completion_provider,
     registered_provider_names,

@@ -16,8 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rubricem_core import scaffold
 from rubricem_core.policy import (
     PolicyLoadError,
-    TinyPolicySpec,
-    build_tiny_policy,
     convert_gguf_to_hf,
     find_packaged_gguf,
     load_policy,
@@ -25,7 +23,8 @@ from rubricem_core.policy import (
     train_bpe_tokenizer,
 )
 from rubricem_core.policy.tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, TAG_TOKENS
-from rubricem_core.world import WorldConfig, generate_world
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
+from rubricem_core.sim.world import WorldConfig, generate_world
 
 
 def world_texts(seed: int = 0, n_documents: int = 200) -> list[str]:

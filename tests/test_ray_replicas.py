@@ -60,15 +60,15 @@ def test_the_transfer_master_is_loopback_only_for_a_fleet_on_loopback():
 # ---- real servers ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def world():
-    from rubricem_core.world import WorldConfig, generate_world
+    from rubricem_core.sim.world import WorldConfig, generate_world
 
     return generate_world(WorldConfig(seed=3, n_documents=60, n_queries=6))
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, world) -> Path:
-    from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy
     from rubricem_core.scaffold import EXAMPLE_TRACE
+    from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 
     texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
     spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)

@@ -13,17 +13,15 @@ from rubricem_core.judge.types import JudgeError, JudgeQuery, Rubric, RubricScor
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.reflection.format import Reflection, parse_reflection
 from rubricem_core.reflection.judge import (
-    MODEL,
     CandidateScore,
     ReflectionJudge,
     ReflectionJudgeInput,
     ReflectionJudgeOptions,
     best_candidate,
-    builtin_score,
     candidate_rewards,
     reflection_rows,
-    register_builtin_reflection_judge,
 )
+from rubricem_core.sim.reflection_judge import MODEL, builtin_score, register_builtin_reflection_judge
 from tests.fakes.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-reflect-test-0123456789"

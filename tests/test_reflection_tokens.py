@@ -14,8 +14,8 @@ from rubricem_core.encoding import encode_prompt
 from rubricem_core.reflection.format import clip_middle_tokens, reflection_messages, token_ids
 from rubricem_core.reflection.meta import candidate_requests
 from rubricem_core.rollout import SamplingParams
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.reflections import reflection_requests
-from rubricem_core.world import WorldConfig, generate_world
 from tests.tiny_models import world_tokenizer
 
 QUESTION = "Which of the two organisations was founded earlier, and in which city?"

@@ -10,7 +10,7 @@ from rubricem_core import scaffold
 from rubricem_core.encoding import encode_trajectory
 from rubricem_core.policy import train_bpe_tokenizer
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
-from rubricem_core.world import WorldConfig, generate_world
+from rubricem_core.sim.world import WorldConfig, generate_world
 
 DOC_IDS = [f"D{i:06d}" for i in range(60)]
 TRACE = (

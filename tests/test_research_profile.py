@@ -31,13 +31,13 @@ import torch
 import yaml
 
 from rubricem_core.config import PROFILES_DIR
-from rubricem_core.eval.builtin import respond as builtin_grader_reply
-from rubricem_core.judge.builtin import respond as builtin_judge_reply
-from rubricem_core.reflection.judge import respond as builtin_reflection_judge_reply
+from rubricem_core.sim.grader import respond as builtin_grader_reply
+from rubricem_core.sim.judge import respond as builtin_judge_reply
+from rubricem_core.sim.reflection_judge import respond as builtin_reflection_judge_reply
+from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sql import run_sql
-from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
 from rubricem_core.tools.cache import ToolCache
-from rubricem_core.world import WorldConfig, generate_world
 from tests.fakes.forced_reflections import forcing_engine
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.web_search_server import FakeWebSearchServer

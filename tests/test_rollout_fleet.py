@@ -21,9 +21,9 @@ from rubricem_core.rollout import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED, Rollo
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
 from rubricem_core.rollout.vllm_server import ReplicaRouter, VLLMFleet, VLLMServerEngine, call_cost
 from rubricem_core.scaffold import ToolSpec, format_tool_output
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.tools.base import Tool, ToolEnv, ToolResult
 from rubricem_core.trajectory import TokenTrajectory
-from rubricem_core.world import WorldConfig, generate_world
 from tests.tiny_models import world_tokenizer
 
 # What the fake policy writes in one call (each ends where vLLM's stop strings would end it).

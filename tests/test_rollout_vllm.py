@@ -28,7 +28,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rubricem_core.policy.tiny import TinyPolicySpec, build_tiny_policy, init_tiny_model
 from rubricem_core.rollout import (
     ANSWERED,
     ERROR,
@@ -45,10 +44,11 @@ from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
+from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy, init_tiny_model
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.tools.base import Tool, ToolResult
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
-from rubricem_core.world import WorldConfig, generate_world
 
 # vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -16,13 +16,14 @@ from rubricem_core.judge.llm_judge import GenerationInput, JudgeOptions, LLMJudg
 from rubricem_core.judge.types import JudgeError
 from rubricem_core.llm import structured
 from rubricem_core.llm._litellm import litellm
-from rubricem_core.llm.endpoints import BUILTIN_PROVIDERS, builtin_provider, endpoint_for, endpoint_settings
-from rubricem_core.llm.provider import register_completion_provider, registered_provider_names
+from rubricem_core.llm.endpoints import builtin_provider, endpoint_for, endpoint_settings
 from rubricem_core.llm.replies import ReplyError, checked_reply, entries_shape, one_entry_per_id, response_format
 from rubricem_core.llm.structured import StructuredClient, StructuredOptions
 from rubricem_core.llm.types import CallUsage, EndpointSettings
 from rubricem_core.reflection.judge import ReflectionJudge, ReflectionJudgeOptions
-from rubricem_core.teacher.builtin import TeacherRates
+from rubricem_core.sim.provider import register_completion_provider, registered_provider_names
+from rubricem_core.sim.teacher import TeacherRates
+from rubricem_core.stand_ins import stand_in_names
 from tests import test_eval_graders as graders
 from tests import test_judge_llm as judge_data
 from tests import test_reflection_judge as reflection_data
@@ -252,7 +253,7 @@ def test_a_builtin_model_registers_its_provider(monkeypatch, dotted, model, expe
     settings = endpoint_for(section, max_tool_calls=4)
     assert provider in registered_provider_names()
     assert (settings.model, settings.api_key, settings.max_concurrency) == (expected, None, 3)
-    assert set(BUILTIN_PROVIDERS) == {
+    assert set(stand_in_names("provider")) == {
         "rubricem-teacher",
         "rubricem-judge",
         "rubricem-reflection-judge",

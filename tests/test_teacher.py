@@ -12,11 +12,11 @@ from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.scaffold import validate
-from rubricem_core.teacher.builtin import register_builtin_teacher, understand_question
+from rubricem_core.sim.teacher import register_builtin_teacher, understand_question
+from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-from rubricem_core.world import WorldConfig, generate_world
 
 MODEL = "rubricem-teacher/scripted"
 
@@ -125,9 +125,9 @@ def test_teacher_never_reads_ground_truth(world, tools):
 
 
 def _reflect(question: str, text: str) -> str:
-    from rubricem_core.llm.provider import message_text
     from rubricem_core.reflection.format import reflection_messages
-    from rubricem_core.teacher.builtin import ScriptedTeacher, TeacherRates
+    from rubricem_core.sim.provider import message_text
+    from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
 
     messages = reflection_messages(question, text)
     assert message_text(messages[0]["content"])  # the meta-policy's own prompt

@@ -15,6 +15,7 @@ from rubricem_core.environment import local_tool_env
 from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.rollout.types import ANSWERED
+from rubricem_core.sim.world import generate_world
 from rubricem_core.store import RunStore
 from rubricem_core.teacher.collection import (
     TeacherRound,
@@ -28,7 +29,6 @@ from rubricem_core.teacher.collection import (
     run_teacher_round,
 )
 from rubricem_core.teacher.rounds import TEACHER_ERROR
-from rubricem_core.world import generate_world
 
 SMALL = {
     "data.world.n_documents": 80,

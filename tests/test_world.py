@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from rubricem_core.schemas import CORPUS_SCHEMA, QUERIES_SCHEMA, queries_from_table
-from rubricem_core.world import Fact, WorldConfig, generate_world, read_facts
+from rubricem_core.sim.world import Fact, WorldConfig, generate_world, read_facts
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_same_seed_same_bytes_and_other_seed_differs():
 def test_bytes_do_not_depend_on_hash_randomisation():
     code = (
         "import hashlib, json;"
-        "from rubricem_core.world import WorldConfig, generate_world;"
+        "from rubricem_core.sim.world import WorldConfig, generate_world;"
         "w = generate_world(WorldConfig(seed=3, n_documents=300, n_queries=30));"
         "rows = [d.text for d in w.documents] + [json.dumps(q.to_row(), sort_keys=True) for q in w.queries];"
         "print(hashlib.sha256('\\n'.join(rows).encode()).hexdigest())"

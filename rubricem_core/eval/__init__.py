@@ -2,15 +2,13 @@
 training rewards.
 
 - ``types``: EvalSample, GradeResult, benchmark → grader family
-- ``synthetic``: the deterministic synthetic-world grader (persistent rubrics, validity, grounding)
 - ``prompts``: grading prompts, schemas, reply validation and per-family aggregation
 - ``llm_grader``: BenchmarkGrader, one structured-JSON litellm call per answer (HealthBench per_criterion:
   per criterion; DeepResearchBench race: relative to a reference report)
-- ``builtin``: the offline grader provider ``rubricem-grader``
 - ``run``: query selection (first / seeded random), guidance retrieval, sampling, grading,
   ``eval_results`` rows (run_eval; retrieval="sequential": two trials with a reflection between)
 
-``llm_grader`` and ``builtin`` pull in litellm (seconds to import), so they are imported lazily.
+``llm_grader`` pulls in litellm (seconds to import), so these names are imported lazily.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from rubricem_core.eval.types import BENCHMARKS, FAMILIES, EvalError, EvalSample
 _LAZY = {
     "BenchmarkGrader": "rubricem_core.eval.llm_grader",
     "GraderOptions": "rubricem_core.eval.llm_grader",
-    "register_builtin_grader": "rubricem_core.eval.builtin",
-    "grade_synthetic": "rubricem_core.eval.synthetic",
     "EvalOptions": "rubricem_core.eval.run",
     "SequentialOptions": "rubricem_core.eval.run",
     "select_queries": "rubricem_core.eval.run",

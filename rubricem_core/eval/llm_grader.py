@@ -122,7 +122,7 @@ class BenchmarkGrader:
         """One grade per (query, response), in input order."""
         family = family_of(benchmark)
         if family == "synthetic":
-            raise EvalError("the synthetic benchmark is graded in-process (eval.synthetic.grade_synthetic)")
+            raise EvalError("the synthetic benchmark is graded in-process (sim/world_grader.py)")
         if self.per_criterion(benchmark):
             return self._grade_per_criterion(benchmark, pairs)
         race = self.needs_reference(benchmark)

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,6 @@ from rubricem_core import schemas
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
 from rubricem_core.eval.prompts import aggregate_items, gold_answers, grade_items, reference_article
-from rubricem_core.eval.synthetic import grade_synthetic
 from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_of, safe_name
 from rubricem_core.layout import STEP_CHECKPOINT, RunLayout
 from rubricem_core.reflection.bank import RETRIEVAL_MODES, ReflectionBank
@@ -41,6 +40,7 @@ from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import extract_answer, neutralize_tags, strip_tags, validate
 from rubricem_core.schemas import Query
+from rubricem_core.stand_ins import stand_in
 from rubricem_core.tools.base import ToolEnv
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,8 @@ def grade_samples(
 ) -> list[list[GradeResult]]:
     """Grades aligned with ``samples``: in-process for synthetic, else one grader call per sample."""
     family = family_of(benchmark)
-    if family == "synthetic":
+    if family == "synthetic":  # the world's own grader, an offline stand-in (sim/world_grader.py)
+        grade_synthetic: Callable[..., GradeResult] = stand_in("benchmark", "synthetic")
         return [[grade_synthetic(q, s.text, max_tool_calls) for s in group] for q, group in zip(queries, samples)]
     if grader is None:
         raise EvalError(f"benchmark {benchmark!r} needs a grader (an LLM endpoint)")

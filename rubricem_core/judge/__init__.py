@@ -5,12 +5,11 @@
 - ``llm_judge``: LLMJudge (generation + scoring through litellm, repair, failure handling), judge_group
   (one query's group), judge_step (a step's groups at once)
 - ``stream``: StreamingJudge, judge_group on each group as soon as it has finished sampling
-- ``builtin``: the offline judge, a litellm provider answering the same prompts deterministically
 - ``buffer``: RubricBuffer, the evolving per-query rubric set
 - ``aggregate``: stage_scores, R[i, k] = Σ w·s′ / (2 Σ w)
 
-Names are imported lazily, each from the module named in ``_LAZY``: ``llm_judge`` and ``builtin`` pull
-in litellm, which takes seconds to import; table and buffer code should not pay for it.
+Names are imported lazily, each from the module named in ``_LAZY``: ``llm_judge`` pulls in
+litellm, which takes seconds to import; table and buffer code should not pay for it.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ _LAZY = {
     "judge_group": "rubricem_core.judge.llm_judge",
     "judge_step": "rubricem_core.judge.llm_judge",
     "StreamingJudge": "rubricem_core.judge.stream",
-    "register_builtin_judge": "rubricem_core.judge.builtin",
-    "BUILTIN_JUDGE_MODEL": "rubricem_core.judge.builtin",
 }
 
 __all__ = list(_LAZY)
@@ -45,5 +42,4 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rubricem_core.judge' has no attribute {name!r}")
-    attribute = "MODEL" if name == "BUILTIN_JUDGE_MODEL" else name
-    return getattr(importlib.import_module(module), attribute)
+    return getattr(importlib.import_module(module), name)

@@ -3,7 +3,6 @@
 - ``types``: ChatRequest, ChatResult, EndpointSettings (no litellm import; cheap for config code)
 - ``concurrent``: run_concurrent / arun_concurrent for providers without a Batch API
 - ``batch``: BatchClient for OpenAI-format Batch APIs (upload, create, poll, resubmit failures)
-- ``provider``: register_completion_provider for in-process providers (built-in teacher, judge)
 - ``cost``: call_cost from litellm's bundled price map or per-token prices
 
 The litellm-backed names are imported lazily: importing litellm takes seconds, and code that only
@@ -35,8 +34,6 @@ _LAZY = {
     "BatchClient": "rubricem_core.llm.batch",
     "BatchError": "rubricem_core.llm.batch",
     "BatchTimeoutError": "rubricem_core.llm.batch",
-    "register_completion_provider": "rubricem_core.llm.provider",
-    "truncate_like_openai": "rubricem_core.llm.provider",
     "call_cost": "rubricem_core.llm.cost",
 }
 

@@ -38,8 +38,14 @@ import openai
 
 from rubricem_core.llm._litellm import litellm
 from rubricem_core.llm.cost import call_cost
-from rubricem_core.llm.provider import message_text
-from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, content_problem, validate_requests
+from rubricem_core.llm.types import (
+    ChatRequest,
+    ChatResult,
+    EndpointSettings,
+    content_problem,
+    message_text,
+    validate_requests,
+)
 from rubricem_core.redact import MASK, redact_text
 
 log = logging.getLogger(__name__)

@@ -2,48 +2,45 @@
 benchmark grader: a config section and its API key in, ``EndpointSettings`` out, with the built-in
 provider registered when the section's model string names one (``rubricem-judge/...`` and the like).
 
-The built-in providers live with what they answer (judge, reflection, eval, teacher); they are imported
-only when a model names them, so a run against real endpoints never loads them.
+The built-in providers are offline stand-ins (the ``sim`` package), found by their provider name
+through ``rubricem_core.stand_ins``; they are imported only when a model names them, so a run against
+real endpoints never loads them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+from collections.abc import Callable
 
 from rubricem_core.config import EndpointConfig, require_env
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.redact import reveal_url
+from rubricem_core.stand_ins import is_stand_in, stand_in, stand_in_names
 
-# Built-in provider → (module, registering function). The judge, reflection judge and grader register
-# their provider and return the model to call ("<provider>/builtin", whatever the config's suffix); the
-# teacher is configured from its section (error rates) and answers the model as written.
-BUILTIN_PROVIDERS: dict[str, tuple[str, str]] = {
-    "rubricem-teacher": ("rubricem_core.teacher.builtin", "register_builtin_teacher"),
-    "rubricem-judge": ("rubricem_core.judge.builtin", "register_builtin_judge"),
-    "rubricem-reflection-judge": ("rubricem_core.reflection.judge", "register_builtin_reflection_judge"),
-    "rubricem-grader": ("rubricem_core.eval.builtin", "register_builtin_grader"),
-}
 _NOT_FROM_CONFIG = ("model", "api_key")  # the model may be rewritten; the key is resolved by the caller
 
 
 def builtin_provider(model: str) -> str | None:
     """The built-in provider a litellm model string names, or None for any other model."""
     provider, slash, _ = model.partition("/")
-    return provider if slash and provider in BUILTIN_PROVIDERS else None
+    return provider if slash and is_stand_in("provider", provider) else None
 
 
 def register_builtin(cfg: EndpointConfig, max_tool_calls: int = 10) -> str:
     """Register the built-in provider ``cfg.model`` names (idempotent); returns the model string to call."""
     provider = builtin_provider(cfg.model)
     if provider is None:
-        raise ValueError(f"model {cfg.model!r} names no built-in provider ({', '.join(BUILTIN_PROVIDERS)})")
-    module, name = BUILTIN_PROVIDERS[provider]
-    register = getattr(importlib.import_module(module), name)
-    if provider == "rubricem-teacher":  # configured from its section; answers the model as written
+        raise ValueError(f"model {cfg.model!r} names no built-in provider ({', '.join(stand_in_names('provider'))})")
+    register: Callable[..., str | None] = stand_in("provider", provider)
+    # The judge, reflection judge and grader register their provider and return the model to call
+    # ("<provider>/builtin", whatever the config's suffix); the teacher is configured from its section
+    # (error rates) and answers the model as written.
+    if provider == "rubricem-teacher":
         register(cfg, max_tool_calls=max_tool_calls)
         return cfg.model
-    model: str = register()  # the others return the model to call
+    model = register()  # the others return the model to call
+    if model is None:
+        raise ValueError(f"the built-in provider {provider!r} returned no model to call")
     return model
 
 

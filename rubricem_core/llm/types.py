@@ -212,6 +212,18 @@ class EndpointSettings:
         return kwargs
 
 
+def message_text(content: Any) -> str:
+    """The text of a message ``content``: a string, or OpenAI's list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        return " ".join(part for part in parts if isinstance(part, str))
+    return str(content)
+
+
 def validate_requests(requests: list[ChatRequest], settings: EndpointSettings) -> None:
     """Reject input that would make results ambiguous: results are matched back by custom_id."""
     seen: set[str] = set()

@@ -3,7 +3,7 @@
 - ``format``: the reflection prompt (question + raw trajectory only), the output format, parsing,
   validation codes, and the guidance text injected into later prompts
 - ``judge``: ReflectionJudge (one call per source trajectory, privileged inputs, repair, failures
-  recorded never scored 0) and the built-in judge provider ``rubricem-reflection-judge``
+  recorded never scored 0)
 - ``bank``: ReflectionBank, thread-safe, FAISS-indexed, persisted to Parquet
 
 ``judge`` pulls in litellm (seconds to import), so its names are imported lazily.
@@ -36,7 +36,6 @@ _LAZY = {
         "best_candidate",
         "candidate_rewards",
         "reflection_rows",
-        "register_builtin_reflection_judge",
     )
 }
 

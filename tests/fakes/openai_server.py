@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rubricem_core.llm.provider import count_prompt_words, count_words, truncate_like_openai
+from rubricem_core.sim.provider import count_prompt_words, count_words, truncate_like_openai
 
 RespondToBody = Callable[[dict[str, Any]], str]
 

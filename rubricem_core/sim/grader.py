@@ -9,7 +9,7 @@ it reads only the prompt.
   response is not_attempted; anything else is incorrect.
 - rubric items: an item with a machine-checkable ``check`` is scored by the built-in judge's
   criterion; otherwise by the share of the criterion's content words found in the response
-  (``judge.builtin.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
+  (``sim.judge.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
 - one criterion (HealthBench per_criterion): the same item score, met when it is 2 (as in the joint
   prompt, so both modes give the same numbers).
 - RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
@@ -28,9 +28,9 @@ import string
 from typing import Any
 
 from rubricem_core.eval.prompts import ANSWER_SET_KIND, CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
-from rubricem_core.judge.builtin import Context, TraceView, score_rubric
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
-from rubricem_core.llm.provider import message_text, register_completion_provider
+from rubricem_core.sim.judge import Context, TraceView, score_rubric
+from rubricem_core.sim.provider import message_text, register_completion_provider
 
 PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"

@@ -21,6 +21,7 @@ from litellm.llms.custom_llm import CustomLLMError
 from litellm.types.utils import Usage
 
 from rubricem_core.llm._litellm import litellm
+from rubricem_core.llm.types import message_text
 
 RespondFn = Callable[[list[dict[str, Any]], dict[str, Any]], str]
 
@@ -34,18 +35,6 @@ class ProviderRegistrationError(ValueError):
 
 def count_words(text: str) -> int:
     return len(_WORD.findall(text))
-
-
-def message_text(content: Any) -> str:
-    """The text of a message ``content``: a string, or OpenAI's list of typed parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [part.get("text", "") for part in content if isinstance(part, dict)]
-        return " ".join(part for part in parts if isinstance(part, str))
-    return str(content)
 
 
 def count_prompt_words(messages: list[dict[str, Any]]) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from rubricem_core.config import PolicyConfig
 from rubricem_core.policy.loading import add_legacy_config_keys, staged_directory
 from rubricem_core.policy.tokenizer import ENDOFTEXT, IM_END, save_tokenizer, train_bpe_tokenizer
 
@@ -131,3 +132,21 @@ def build_tiny_policy(
         save_tokenizer(tokenizer, staging)
         (staging / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
     return out
+
+
+def prepare_tiny_policy(
+    policy: PolicyConfig, texts: Sequence[str], out_dir: str | Path, seed: int, atomic_terms: Sequence[str] = ()
+) -> Path:
+    """The tiny policy of a ``policy`` section (``name_or_path: tiny``), built in ``out_dir`` from ``texts``
+    (rubricem_core.sft.prepare_policy's stand-in for a pretrained model)."""
+    spec = TinyPolicySpec(
+        vocab_size=policy.vocab_size,
+        hidden_size=policy.hidden_size,
+        n_layers=policy.n_layers,
+        n_heads=policy.n_heads,
+        n_kv_heads=policy.n_kv_heads,
+        intermediate_size=policy.intermediate_size,
+        max_position_embeddings=max(8192, policy.max_seq_len),
+        seed=seed,
+    )
+    return build_tiny_policy(texts, out_dir, spec, atomic_terms=atomic_terms)

@@ -27,52 +27,12 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rubricem_core.config import WorldConfig  # the profile's section; config.py owns every section
 from rubricem_core.schemas import CORPUS_SCHEMA, Query, queries_to_table
-
-QueryKind = Literal["comparison", "multi_hop", "aggregation", "timeline"]
-ALL_QUERY_KINDS: tuple[str, ...] = ("comparison", "multi_hop", "aggregation", "timeline")
-
-
-class WorldConfig(BaseModel):
-    """Parameters of a synthetic research world; the same config always yields the same bytes."""
-
-    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not a silent default
-
-    seed: int = Field(0, description="Random seed; the whole world is a pure function of the config.")
-    n_documents: int = Field(2000, ge=50, le=100_000, description="Number of passages in the rendered corpus (exact).")
-    n_queries: int = Field(
-        200, ge=1, description="Number of queries to generate (fewer only if the world is too small)."
-    )
-    eval_fraction: float = Field(0.2, ge=0.0, le=1.0, description="Fraction of queries put in the 'eval' split.")
-    sft_fraction: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="Fraction of the non-eval queries put in the 'sft' split (SFT data only, apart from RL; "
-        "data.sft_split: sft reads them). 0: every non-eval query is 'train'.",
-    )
-    distractor_rate: float = Field(
-        0.2, ge=0.0, le=0.5, description="Fraction of organizations that are confusable distractors of a real one."
-    )
-    near_duplicate_rate: float = Field(
-        0.1, ge=0.0, le=1.0, description="Fraction of organization/person passages that get a re-phrased duplicate."
-    )
-    query_kinds: list[QueryKind] = Field(
-        default_factory=lambda: list(ALL_QUERY_KINDS),  # type: ignore[arg-type]
-        description="Query kinds to generate, round-robin.",
-    )
-
-    @field_validator("query_kinds")
-    @classmethod
-    def _non_empty_kinds(cls, kinds: list[str]) -> list[str]:
-        if not kinds:
-            raise ValueError("query_kinds must name at least one kind")
-        return kinds
 
 
 class Fact(NamedTuple):

@@ -43,9 +43,9 @@ from rubricem_core.judge.prompts import (
     unescape_section_markers,
 )
 from rubricem_core.judge.types import normalize_title
-from rubricem_core.llm.provider import message_text, register_completion_provider
 from rubricem_core.scaffold import STAGES, extract_citations, extract_plan, parse_segments, strip_tags
-from rubricem_core.world import Fact, read_facts
+from rubricem_core.sim.provider import message_text, register_completion_provider
+from rubricem_core.sim.world import Fact, read_facts
 
 PROVIDER = "rubricem-judge"
 MODEL = f"{PROVIDER}/builtin"

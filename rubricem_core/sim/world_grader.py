@@ -3,7 +3,7 @@
 A trajectory is scored against the query's *persistent* rubrics only (the world's checkable facts,
 the final answer, the look-alike's wrong value) — never against the judge's adaptive rubrics, so
 the number cannot be gamed by what training optimised. Each rubric is checked with the built-in
-judge's criteria (``judge.builtin.score_rubric``: a fact counts fully only when a cited snippet the
+judge's criteria (``sim.judge.score_rubric``: a fact counts fully only when a cited snippet the
 agent actually retrieved states it) and aggregated with the judge's formula
 R = Σ w·s′ / (2 Σ w). Scaffold validity and citation grounding are reported beside the score.
 """
@@ -16,10 +16,10 @@ from rubricem_core.eval.types import EvalError, GradeResult
 from rubricem_core.filtering import claim_supported, snippet_texts
 from rubricem_core.judge.aggregate import stage_scores
 from rubricem_core.judge.buffer import RubricBuffer
-from rubricem_core.judge.builtin import Context, TraceView, score_rubric
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.scaffold import STAGE_IDS, extract_citations, validate
 from rubricem_core.schemas import Query
+from rubricem_core.sim.judge import Context, TraceView, score_rubric
 
 
 def citation_grounding(text: str) -> dict[str, Any]:
