@@ -4,7 +4,7 @@
 
 A refactor must leave a run's numbers alone: every table present in either run is read whole (all its
 partitions, rows in a stable order) and compared column by column; columns that measure time or name
-a moment (``*_s``, ``*seconds*``, ``*time*``, ``*_at``, ``latency*``, ``duration*``) and the ``metrics``
+a moment (``*_s``, ``*seconds*``, ``*time*``, ``*_at``, ``latency*``, ``duration*``), MLflow's ``run_id`` and the ``metrics``
 rows of such names are left out, as are paths that embed the run directory's own name.
 """
 
@@ -21,10 +21,11 @@ from typing import Any
 import pyarrow.parquet as pq
 
 TIMING = re.compile(r"(_s$|_s_|seconds|time|_at$|latency|duration|per_s|tokens_per|throughput|elapsed|wall)")
+RUN_IDS = {"run_id"}  # MLflow's run ids: new in every run
 
 
 def timing(name: str) -> bool:
-    return bool(TIMING.search(name.lower()))
+    return bool(TIMING.search(name.lower())) or name in RUN_IDS
 
 
 def read_table(table_dir: Path) -> list[dict[str, Any]]:
