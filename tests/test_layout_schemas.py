@@ -299,7 +299,7 @@ def test_layout_paths_spelled_out() -> None:
     assert run.task_metrics_file("rollout", 3) == r / "state" / "task_metrics" / "rollout-0003.json"
     assert run.rl_progress_file == r / "state" / "rl_progress.json"
     assert run.batch_marker("teacher_round_0002") == r / "state" / "teacher_round_0002.json"
-    assert run.launch_dir == r / "state" / "launch"
+    assert run.rank_logs_dir == r / "state" / "ranks"
     assert run.prefect_server_log == r / "state" / "prefect-server.log"
     assert run.mlflow_db == r / "mlflow" / "mlflow.db" and run.mlflow_artifacts_dir == r / "mlflow" / "artifacts"
     assert run.policy_base_dir == run.policy_dir / "base" == r / "policy" / "base"

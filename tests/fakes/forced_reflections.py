@@ -1,10 +1,11 @@
 """Question-specific reflections forced into the rollout engine (tests and the deferral benchmark).
 
 The tiny SFT policy has never seen a reflection prompt, so left alone it writes no valid reflection and
-the reflection judge is never called. ``force_even_candidates`` wraps ``tasks.rl.HFRolloutEngine`` so
-that, for reflection requests (request ids are source rollout ids, ``<query>-sNNNN-rK``), even-numbered
-candidates spell ``reflection_for(question)`` token by token through the engine's ``forced_policy``
-hook (sampling logprobs are still recorded); task rollouts and odd candidates are sampled freely.
+the reflection judge is never called. ``forcing_engine`` wraps ``rubricem_core.rollout.factory``'s
+``HFRolloutEngine`` so that, for reflection requests of the training queries in ``questions`` (request ids
+are source rollout ids, ``<query>-sNNNN-rK``), even-numbered candidates spell ``reflection_for(question)``
+token by token through the engine's ``forced_policy`` hook (sampling logprobs are still recorded); task
+rollouts, odd candidates and every other request (an evaluation's samples) are sampled freely.
 """
 
 from __future__ import annotations
@@ -41,12 +42,10 @@ def forcing_engine(real_engine: Callable, questions: dict[str, str]) -> Callable
         def force(ctx):
             if "-s" not in ctx.request_id or ctx.sample_index % 2:
                 return None
-            ids = cache.setdefault(
-                ctx.request_id,
-                tokenizer.encode(
-                    reflection_for(questions[ctx.request_id.rsplit("-s", 1)[0]]), add_special_tokens=False
-                ),
-            )
+            question = questions.get(ctx.request_id.rsplit("-s", 1)[0])
+            if question is None:  # not a reflection of a training query (an evaluation's sample): free
+                return None
+            ids = cache.setdefault(ctx.request_id, tokenizer.encode(reflection_for(question), add_special_tokens=False))
             return ids[len(ctx.turn_ids)] if len(ctx.turn_ids) < len(ids) else eos
 
         return real_engine(model, tokenizer, *args, forced_policy=force, **kwargs)
