@@ -4,9 +4,9 @@ The whole pipeline (`rubricem run`, a subprocess) uses a teacher (Batch API) and
 both fake OpenAI-compatible servers on 127.0.0.1 demanding their own random key, with retried
 failures on both so the error and retry paths log too; the built-in grader's ``api_base`` carries a
 random password (``http://rubricem:<password>@…/v1``: its calls pass the URL through litellm to the
-built-in provider). Then a second command crashes: one more RL window on two trainer ranks (a launch
-file under the run), whose judge, now gone, answers nothing. Every file of the run directory (Parquet,
-MLflow's SQLite DB, params, tags and artifacts, the HTML report, state, launch files, checkpoints,
+built-in provider). Then a second command crashes: one more RL window on two Ray trainer ranks (their logs
+under the run), whose judge, now gone, answers nothing. Every file of the run directory (Parquet,
+MLflow's SQLite DB, params, tags and artifacts, the HTML report, state, the ranks' logs, checkpoints,
 config.yaml and its revisions), Prefect's
 result storage (persisted for the test), both processes' stdout/stderr and the Prefect server's database
 (artifacts, flow-run parameters, shipped logs, events) are searched for the keys and the password.
@@ -137,7 +137,7 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
         assert len(jserver.chat_calls) >= 2 + 2 * 2  # ≥ one generation per query, one score per rollout
         assert not jserver.http_errors, "the injected 429/500 were consumed and retried"
 
-    # a crash: one more RL window on two trainer ranks (they write a launch file), its judge gone; the
+    # a crash: one more RL window on two trainer ranks (each writes its log under state/ranks), its judge gone; the
     # grader's URL is given again, as a new process must (config.yaml holds it masked)
     more = {"rl.n_windows": 2, "distributed.nproc_per_node": 2, "judge.max_retries": 0}
     more["eval.grader.api_base"] = credentialed
@@ -169,7 +169,7 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
     assert not leaks, f"API key or URL password found in {leaks}"
 
     # every surface searched was really written
-    assert list((run / "state" / "launch").glob("*.json")), "no launch file: the crashed RL did not start its ranks"
+    assert list((run / "state" / "ranks").glob("rl-rank*.log")), "no rank log: the crashed RL did not start its ranks"
     assert any(name.startswith("prefect-results") for name in sinks), "Prefect result storage is empty"
     db = next(p for p in prefect_db if p.suffix == ".db")
     for table in ("artifact", "flow_run", "log", "events"):
