@@ -4,7 +4,7 @@ The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on a file descriptor opened with 
 
 * the kernel drops it when the holding process dies (even by SIGKILL), so a killed run never
   leaves a stale lock behind and no PID-file clean-up is needed;
-* ``O_CLOEXEC`` keeps it out of exec'd children (torchrun ranks, inference servers), which would
+* ``O_CLOEXEC`` keeps it out of exec'd children (inference servers, Ray workers), which would
   otherwise keep the run dir locked after the parent has finished;
 * flock conflicts between *open file descriptions*, even inside one process, so nested use (the
   pipeline flow calls sub-flows that each lock the same run dir) is a per-process refcount on the

@@ -218,7 +218,7 @@ def run_sft(
     ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume).
     ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``.
 
-    Under torchrun every rank runs this same function: the schedule is a pure function of the seed,
+    On Ray trainer ranks every rank runs this same function: the schedule is a pure function of the seed,
     so all ranks hold the same global micro-batches and the trainer trains each on its shard; saves
     are collective (rank 0 writes the HF weights). Give ``log_metrics`` on rank 0 only."""
     final_dir = final_checkpoint_dir(checkpoint_root)

@@ -22,7 +22,7 @@ from rubricem_core.config import DistributedConfig, RolloutConfig
 from rubricem_core.rollout import RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
 from rubricem_core.tools import LocalSearchTool, ToolEnv
-from tests.test_rollout_vllm import _assert_same, _flat, _prompt
+from tests.test_rollout_vllm import _assert_same, _flat, _prompt, model_dir, tok, world  # noqa: F401  (its module fixtures: the same tiny policy)
 
 pytest.importorskip("ray")
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -58,30 +58,6 @@ def test_the_transfer_master_is_loopback_only_for_a_fleet_on_loopback():
 
 
 # ---- real servers ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def world():
-    from rubricem_core.sim.world import WorldConfig, generate_world
-
-    return generate_world(WorldConfig(seed=3, n_documents=60, n_queries=6))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, world) -> Path:
-    from rubricem_core.scaffold import EXAMPLE_TRACE
-    from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
-
-    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
-    spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
-    return build_tiny_policy(texts, tmp_path_factory.mktemp("policy") / "tiny", spec)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 @pytest.fixture(scope="module")
 def env(world):
     return ToolEnv({"search": LocalSearchTool(world.corpus_table())}, max_calls=4)

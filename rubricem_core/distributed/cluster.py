@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import DistributedConfig
+from rubricem_core.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def connect(d: DistributedConfig) -> None:
         address = cluster_address(d)
         common: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
         if address is not None:
-            log.info("joining the Ray cluster at %s", address)
+            log.info("joining the Ray cluster at %s", redact_text(address))
             ray.init(address=address, **common)
             return
         import torch

@@ -217,9 +217,8 @@ def apply_answers(
     max_tool_calls: int,
 ) -> None:
     """Append each answer to its trajectory and run the tool call it ends in (``apply_result``)."""
-    for (
-        state
-    ) in by_traj.values():  # a round resumed in another process: web search ids of earlier rounds stay browsable
+    # a round resumed in another process: web search ids of earlier rounds stay browsable
+    for state in by_traj.values():
         for output in tool_outputs(state):
             env.observe(output)
     for req in requests:

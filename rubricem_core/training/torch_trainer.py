@@ -5,7 +5,7 @@ One optimizer step per ``step()`` call, read top to bottom::
     for each of this rank's micro-batches:  loss = loss_fn(model, mb);  (loss * scale_i).backward()
     all-reduce gradients (sum) across ranks;  clip;  optimizer.step();  scheduler.step();  zero_grad
 
-Data parallel: under torchrun (WORLD_SIZE > 1) every rank holds the whole model and optimizer, is
+Data parallel: on Ray trainer ranks (WORLD_SIZE > 1) every rank holds the whole model and optimizer, is
 given the same global micro-batches and trains on its shard (rubricem_core.distributed.shard). The
 scales are shares of the global total, so the summed gradient, and hence every rank's update, equals
 one process training on all micro-batches.
@@ -202,7 +202,7 @@ def _bf16_autocast_works(device: torch.device) -> bool:
 
 # ---------------------------------------------------------------------------------- the trainer
 class TorchTrainer:
-    """Replicated data-parallel trainer (one process, or one per rank under torchrun). ``model`` is
+    """Replicated data-parallel trainer (one process, or one per Ray trainer rank). ``model`` is
     the HF model itself (moved to ``cfg.device``; ``cuda:LOCAL_RANK`` under a launcher)."""
 
     backend = "torch"
