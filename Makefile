@@ -9,7 +9,9 @@ RUN_DIR ?= runs/tiny
 PROFILE ?= tiny
 VLLM_TESTS ?= 1
 
-.PHONY: install run test test-fast lint clean-run
+LEARN_DIR ?= runs/learn
+
+.PHONY: install run test test-fast lint clean-run learn
 
 install: $(STAMP)
 
@@ -37,6 +39,13 @@ endif
 ifeq ($(VLLM_TESTS),1)
 	VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py
 endif
+
+# Does it learn? The `learn` profile from scratch: teacher data, SFT of SmolLM2-135M, then 24 RL steps of
+# `ss_grpo` and of `full` with held-out evaluations on two graders (~2 h on 2 idle cores; docs/learning.md).
+# Resumable: rerun it after a kill. Ends with the table and the PNG's path (in $(LEARN_DIR)).
+learn: $(STAMP)
+	bash scripts/vllm_cpu_env.sh
+	$(PY) bench/learning_curve.py --profile learn --work-dir $(LEARN_DIR) --steps 24 --eval-every 12
 
 # Everything but the `slow` tests (flows end to end, Prefect servers, torchrun ranks): the quick loop while editing
 test-fast: $(STAMP)

@@ -1,23 +1,26 @@
 """Learning curves: held-out score against RL step, `ss_grpo` and `full` from one SFT checkpoint.
 
-Copies a finished run's inputs and SFT policy into a work directory (the source run is never
-modified), then trains every recipe in its own sub run (``<work-dir>/ablation/<recipe>``) with the same
-seed, query schedule and budget; only ``rl.recipe`` differs. Training goes in chunks of ``--eval-every``
-steps, the recipes taking turns, so both curves grow together and a partial run still compares them
-step for step. After each chunk the chunk's last step checkpoint is evaluated on the held-out
-synthetic queries with the built-in grader (the queries' persistent, checkable answer rubrics; never
-the training judge's evolving ones), and the SFT policy once as the curve's origin.
+Trains every recipe from one SFT checkpoint in its own sub run (``<work-dir>/ablation/<recipe>``) with the
+same seed, query schedule and budget; only ``rl.recipe`` differs. The SFT checkpoint is the source run's
+(``--run-dir``, never modified; its inputs and policy are copied), or, with ``--profile`` and no SFT
+checkpoint there, made first: ``collect_sft_data`` and ``sft`` into ``--run-dir`` (default
+``<work-dir>/base``). Training goes in chunks of ``--eval-every`` steps, the recipes taking turns, so both
+curves grow together and a partial run still compares them step for step. After each chunk the chunk's
+last step checkpoint is evaluated on the held-out synthetic queries, and the SFT policy once as the
+curve's origin, by two graders: the built-in grader (the queries' persistent rubrics, checked with the
+judge's own criteria) and the answer-match grader (eval/answer_match.py: the gold final answer and facts
+matched by plain code that shares nothing with the training judge). Gains are paired by query.
 
-Printed per recipe: one row per step (phase, training reward R per stage, valid scaffolds among the
-rollouts, reflection validity and bank size, the seconds of its rollouts, judge and update) and one per
-evaluation (score, its paired gain over SFT with the standard error of that gain, the parts of the
-score, reflection validity); then the final
-paired gains, `full − ss_grpo`, and a PNG of the curves (``<work-dir>/learning_curve.png``) with a JSON
-of every figure beside it. It is a long job: a rerun with the same arguments resumes (finished RL steps
-and evaluations are read back from the work directory), so run it with nohup and rerun it if killed.
+Printed: progress with an ETA after every chunk; per recipe one row per step (phase, training reward R
+per stage, valid scaffolds, reflection validity and bank size, tokens generated and in all, the seconds of
+its rollouts, judge, update and reflection) and one per evaluation (both graders' scores and paired gains
+over SFT ± standard error); then `full − ss_grpo`, the PNG's path and a `figure:` line. Written to the work
+directory: ``learning_curve.png`` and ``learning_curve.json`` (per-query scores of both graders for the SFT
+checkpoint and every evaluated RL checkpoint, plus every figure). A rerun with the same arguments resumes
+(finished flows, RL steps and evaluations are read back), so run it with nohup and rerun it if killed.
 
-    .venv/bin/python bench/learning_curve.py --run-dir runs/small --work-dir runs/small-curve \
-        --steps 24 --eval-every 6                    # docs/learning.md
+    make learn                                        # the `learn` profile, ~2 h on 2 cores (docs/learning.md)
+    .venv/bin/python bench/learning_curve.py --profile learn --work-dir runs/learn --steps 24 --eval-every 12
     .venv/bin/python bench/learning_curve.py --run-dir runs/tiny --quick   # tiny, a few minutes
 """
 
@@ -58,9 +61,12 @@ def chunk_ends(steps: int, eval_every: int, steps_per_window: int) -> list[int]:
     return list(range(eval_every, steps + 1, eval_every))
 
 
+GRADERS = ("independent", "builtin")  # answer match (eval/answer_match.py), the persistent-rubric grader
+
+
 def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
     """One row per finished RL step of a recipe's run: training reward per stage, valid scaffolds,
-    reflection validity, bank size and seconds, from the step's tables and saved task metrics."""
+    reflection validity, bank size, tokens and seconds, from the step's tables and saved task metrics."""
     from rubricem_core.rl.session import completed_step
     from rubricem_core.store import RunStore
     from tasks.rl import step_metrics
@@ -79,11 +85,16 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
                 "reflection_valid": m.get("reflection/valid_fraction", math.nan),
                 "bank_size": m.get("bank/size", math.nan),
                 "kl": m.get("rl/kl", math.nan),
+                "tokens": sum(r["n_tokens"] for r in rollouts),
+                "tokens_generated": sum(r["n_policy_tokens"] for r in rollouts),
                 # the parts that do not overlap: the judge streams during the rollouts (judge/wait_seconds is
                 # what it adds after them); the reflection tasks run beside the rollouts and the update
                 "rollout_s": m.get("rollout/seconds", math.nan),
                 "judge_wait_s": m.get("judge/wait_seconds", math.nan),
-                "update_s": m.get("rl/update_seconds", math.nan),
+                "update_s": m.get("rl/update_seconds", m.get("update_seconds", math.nan)),
+                "reflection_gen_s": m.get("reflection/generate_seconds", math.nan),
+                "reflection_update_s": m.get("reflection_update/seconds", math.nan),
+                "push_s": m.get("weights/push_seconds", math.nan),
             }
         )
     return rows
@@ -96,65 +107,163 @@ def evaluation(run_dir: str, checkpoint: str) -> dict[str, Any]:
     result = evaluate(run_dir=run_dir, checkpoint=checkpoint, benchmarks=["synthetic"], retrieval="none")
     summary = result["benchmarks"]["synthetic"]
     score, reflection = summary["score_mean"], summary.get("reflection_valid_rate")
+    parts = breakdown(run_dir, result["tag"])
     return {
         "checkpoint": result["tag"],
         "score": math.nan if score is None else score,
         # one unforced reflection per evaluated trajectory, checked by the meta-policy's validator
         "reflection_valid": math.nan if reflection is None else float(reflection),
-        **breakdown(run_dir, result["tag"]),
+        **parts,
+        "per_query": {"builtin": parts.pop("per_query"), "independent": parts.pop("per_query_independent")},
     }
 
 
+def graded(ev: dict[str, Any], sft: dict[str, Any]) -> dict[str, Any]:
+    """Both graders' means and paired gains over SFT (± standard error of the paired gain)."""
+    out: dict[str, Any] = {}
+    for grader in GRADERS:
+        per_query = ev["per_query"][grader]
+        gain, se = paired_gain(per_query, sft["per_query"][grader])
+        out[grader] = {"mean": _mean(per_query), "gain": gain, "se": se}
+    return out
+
+
+def _mean(per_query: dict[str, float]) -> float:
+    return sum(per_query.values()) / len(per_query) if per_query else math.nan
+
+
 def plot_curves(curves: dict[str, list[dict[str, Any]]], sft: dict[str, Any], title: str, path: Path) -> None:
-    """Held-out score against RL step per recipe, ± the standard error of the paired gain over SFT."""
+    """Held-out score against RL step per recipe and grader, ± the standard error of the paired gain."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-    ax.axhline(sft["score"], color="grey", lw=1, ls="--", label=f"SFT {sft['score']:.3f}")
-    for recipe, points in curves.items():
-        xs = [0] + [p["step"] for p in points]
-        ys = [sft["score"]] + [p["score"] for p in points]
-        errs = [0.0] + [0.0 if math.isnan(p["se"]) else p["se"] for p in points]
-        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=recipe)
-    ax.set_xlabel("RL steps")
-    ax.set_ylabel("held-out answer score (built-in grader)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), dpi=120)
+    labels = {"independent": "answer match (independent)", "builtin": "persistent rubrics (built-in)"}
+    for ax, grader in zip(axes, GRADERS):
+        origin = _mean(sft["per_query"][grader])
+        ax.axhline(origin, color="grey", lw=1, ls="--", label=f"SFT {origin:.3f}")
+        for recipe, points in curves.items():
+            xs = [0] + [p["step"] for p in points]
+            ys = [origin] + [p["graded"][grader]["mean"] for p in points]
+            errs = [0.0] + [_nan_to_zero(p["graded"][grader]["se"]) for p in points]
+            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=recipe)
+        ax.set_xlabel("RL steps")
+        ax.set_ylabel(f"held-out score: {labels[grader]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _nan_to_zero(x: float) -> float:
+    return 0.0 if math.isnan(x) else x
 
 
 def _fmt(x: float, spec: str = ".2f") -> str:
     return "   -" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+class Progress:
+    """Steps and evaluations done against the plan, with an ETA from the measured cost of each (work read
+    back from an earlier run is counted as done but not timed)."""
+
+    def __init__(self, steps: int, evaluations: int):
+        self.total_steps, self.total_evals = steps, evaluations
+        self.steps = self.evals = 0
+        self.step_seconds: list[float] = []
+        self.eval_seconds: list[float] = []
+        self.t0 = time.perf_counter()
+
+    def ran(self, what: str, count: int, seconds: float) -> None:
+        timed = seconds > 5.0 * count  # anything faster was read back, not run
+        if what == "steps":
+            self.steps += count
+            self.step_seconds += [seconds / count] * count if timed else []
+        else:
+            self.evals += count
+            self.eval_seconds += [seconds] if timed else []
+
+    def line(self) -> str:
+        left_steps, left_evals = self.total_steps - self.steps, self.total_evals - self.evals
+        elapsed = (time.perf_counter() - self.t0) / 60
+        if (left_steps and not self.step_seconds) or (left_evals and not self.eval_seconds):
+            eta = "ETA after the first timed step and evaluation"
+        else:
+            per_step = sum(self.step_seconds) / max(1, len(self.step_seconds))
+            per_eval = sum(self.eval_seconds) / max(1, len(self.eval_seconds))
+            eta = f"ETA {(left_steps * per_step + left_evals * per_eval) / 60:.0f} min"
+            eta += f" ({per_step:.0f} s a step, {per_eval:.0f} s an evaluation)"
+        return (
+            f"[progress] {self.steps}/{self.total_steps} RL steps, {self.evals}/{self.total_evals} evaluations, "
+            f"{elapsed:.1f} min elapsed, {eta}"
+        )
+
+
+def prepare_source(src: Path, profile: str, overrides: dict[str, Any]) -> None:
+    """Teacher data and the SFT checkpoint in ``src`` (each flow resumes what an earlier run finished)."""
+    from flows.collect_sft_data import collect_sft_data
+    from flows.sft import sft
+
+    for name, flow in (("collect_sft_data", collect_sft_data), ("sft", sft)):
+        t0 = time.perf_counter()
+        if name == "collect_sft_data":
+            flow(run_dir=str(src), profile=profile, overrides=overrides or None)
+        else:
+            flow(run_dir=str(src))
+        print(f"[progress] {name} done in {(time.perf_counter() - t0) / 60:.1f} min ({src})", flush=True)
+
+
+def curve_json(sft: dict[str, Any], points: dict[str, list[dict[str, Any]]], steps: dict[str, Any]) -> dict[str, Any]:
+    """Per-query scores of both graders for SFT and every evaluated RL checkpoint (anyone can recompute the
+    paired gains), with each evaluation's summary and each recipe's step rows beside them."""
+
+    def entry(ev: dict[str, Any]) -> dict[str, Any]:
+        summary = {k: v for k, v in ev.items() if k not in ("per_query", "graded")}
+        return {**{g: ev["per_query"][g] for g in GRADERS}, "summary": summary, "graded": ev.get("graded")}
+
+    return {
+        "graders": {
+            "independent": "answer match: gold final answer and facts by plain string code (eval/answer_match.py)",
+            "builtin": "persistent rubrics checked with the judge's criteria (sim/world_grader.py)",
+        },
+        "sft": entry(sft),
+        "recipes": {r: [{"step": p["step"], **entry(p)} for p in pts] for r, pts in points.items()},
+        "steps": steps,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="the run whose SFT policy the curves start from (not modified); default <work-dir>/base, made "
+        "with --profile when it has no SFT checkpoint (runs/tiny without --work-dir)",
+    )
     parser.add_argument("--work-dir", default=None, help="where the recipes train (default: a temporary directory)")
     parser.add_argument(
         "--profile",
         default=None,
-        help="profile name or YAML for the RL runs (default: the source run's config.yaml); its data.* must be "
-        "the source run's, whose queries and SFT policy are used",
+        help="profile name or YAML: collection and SFT when --run-dir has no SFT checkpoint, and the RL runs "
+        "(default: the source run's config.yaml); its data.* must be the source run's",
     )
     parser.add_argument("--recipes", default="ss_grpo,full", help="comma-separated; the last is the figure's")
     parser.add_argument("--steps", type=int, default=24, help="RL steps per recipe")
     parser.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (a multiple of 2·window)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: 4 steps, evaluations every 2")
     parser.add_argument("--png", default=None, help="also copy the plot here (e.g. docs/learning_curve.png)")
+    parser.add_argument("--json", default=None, help="also copy the JSON here (e.g. docs/learning_curve.json)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     args = parser.parse_args()
+    if args.run_dir is None:
+        args.run_dir = str(Path(args.work_dir) / "base") if args.work_dir else "runs/tiny"
     src = Path(args.run_dir)
     goal = "> 0 by more than 2 standard errors"
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    if not has_sft_checkpoint(src, figure_line(f"{recipes[-1]}_minus_sft", math.nan, "score", goal, None)):
-        return 0
     overrides: dict[str, Any] = {"tracking.enabled": False}
     if args.quick:
         args.steps, args.eval_every = 4, 2
@@ -162,6 +271,10 @@ def main() -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
+    if args.profile and not RunLayout(src).has_sft_policy():
+        prepare_source(src, args.profile, overrides)
+    if not has_sft_checkpoint(src, figure_line(f"{recipes[-1]}_minus_sft", math.nan, "score", goal, None)):
+        return 0
 
     from flows.ablation import prepare_recipe_run
     from flows.common import resolve_config
@@ -179,11 +292,19 @@ def main() -> int:
         )
         per_window = 2 * cfg.rl.window
         ends = chunk_ends(args.steps, args.eval_every, per_window)
+        progress = Progress(len(recipes) * args.steps, 1 + len(recipes) * len(ends))
+        t0 = time.perf_counter()
         sft = evaluation(run_dir, str(RunLayout(work).sft_final))
-        print(f"SFT: score {sft['score']:.3f} on {sft['n']} graded trajectories", flush=True)
+        progress.ran("evals", 1, time.perf_counter() - t0)
+        print(
+            f"SFT: built-in {sft['score']:.3f}, answer match {sft['independent']:.3f} on {sft['n']} graded "
+            f"trajectories\n{progress.line()}",
+            flush=True,
+        )
         subs = {r: prepare_recipe_run(run_dir, r) for r in recipes}
         points: dict[str, list[dict[str, Any]]] = {r: [] for r in recipes}
         wall: dict[str, float] = {r: 0.0 for r in recipes}
+        done = 0
         for end in ends:
             for recipe in recipes:
                 sub = subs[recipe]
@@ -192,34 +313,41 @@ def main() -> int:
                 with run_dir_lock(sub, command="learning_curve"):
                     resolve_config(sub, config=cfg.model_copy(update={"rl": rl_cfg}), command="learning_curve")
                     rl(run_dir=sub)
+                    t1 = time.perf_counter()
+                    progress.ran("steps", end - done, t1 - t0)
                     ev = evaluation(sub, str(step_checkpoint(RunStore(sub), end - 1)))
+                    progress.ran("evals", 1, time.perf_counter() - t1)
                 wall[recipe] += time.perf_counter() - t0
-                gain, se = paired_gain(ev["per_query"], sft["per_query"])
-                points[recipe].append({"step": end, "score": ev["score"], "gain": gain, "se": se, **ev})
+                ev["graded"] = graded(ev, sft)
+                points[recipe].append({"step": end, **ev})
+                ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
                 print(
-                    f"{recipe} after {end} steps: score {ev['score']:.3f}, vs SFT {gain:+.3f} ± {se:.3f} "
-                    f"(answered {ev['answered']:.2f}, valid {ev['valid']:.2f}, facts {_fmt(ev['facts'])}, "
-                    f"finals {_fmt(ev['finals'])})",
+                    f"{recipe} after {end} steps: answer match {ind['mean']:.3f} ({ind['gain']:+.3f} ± {ind['se']:.3f} "
+                    f"vs SFT), built-in {bi['mean']:.3f} ({bi['gain']:+.3f} ± {bi['se']:.3f}); answered "
+                    f"{ev['answered']:.2f}, valid {ev['valid']:.2f}, finals {_fmt(ev['independent_finals'])}\n"
+                    f"{progress.line()}",
                     flush=True,
                 )
+            done = end
 
+        sft["graded"] = graded(sft, sft)
         summary: dict[str, Any] = {"steps": args.steps, "eval_every": args.eval_every, "overrides": overrides}
-        summary["sft"] = {k: v for k, v in sft.items() if k != "per_query"}
-        summary["recipes"] = {}
+        rows_of: dict[str, Any] = {}
         for recipe in recipes:
             steps = step_rows(subs[recipe], args.steps)
-            summary["recipes"][recipe] = {
-                "steps": steps,
-                "evaluations": [{k: v for k, v in p.items() if k != "per_query"} for p in points[recipe]],
-            }
+            rows_of[recipe] = steps
             print(f"\n== {recipe}: {len(steps)} steps, {wall[recipe] / 60:.1f} min in all (evaluations included)")
-            print("step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      roll_s judge_s upd_s")
+            print(
+                "step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      tokens gen   "
+                "roll_s judge_s upd_s"
+            )
             for row in steps:
                 print(
                     f"{row['step']:>4} {row['phase']:<7} "
                     + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
                     + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
-                    f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {_fmt(row['rollout_s'], '.0f'):>6} "
+                    f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['tokens']:>6} "
+                    f"{row['tokens_generated']:>5} {_fmt(row['rollout_s'], '.0f'):>6} "
                     f"{_fmt(row['judge_wait_s'], '.0f'):>7} {_fmt(row['update_s'], '.0f'):>5}"
                 )
             if steps:
@@ -228,30 +356,31 @@ def main() -> int:
                     f"mean step {sum(parts.values()):.0f} s: rollouts {parts['rollout_s']:.0f} s + judge after "
                     f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
                 )
-            print("eval  score  vs SFT  ± se   answered valid facts finals refl_valid")
-            print(
-                f"   0 {sft['score']:>6.3f}  {0:>+6.3f} {0:>5.3f}  {sft['answered']:>8.2f} {sft['valid']:>5.2f} "
-                f"{_fmt(sft['facts']):>5} {_fmt(sft['finals']):>6} {_fmt(sft['reflection_valid']):>10}"
-            )
-            for p in points[recipe]:
+            print("eval  answer-match  vs SFT ± se      built-in  vs SFT ± se      answered valid finals refl_valid")
+            for step, ev in [(0, sft)] + [(p["step"], p) for p in points[recipe]]:
+                ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
                 print(
-                    f"{p['step']:>4} {p['score']:>6.3f}  {p['gain']:>+6.3f} {p['se']:>5.3f}  {p['answered']:>8.2f} "
-                    f"{p['valid']:>5.2f} {_fmt(p['facts']):>5} {_fmt(p['finals']):>6} {_fmt(p['reflection_valid']):>10}"
+                    f"{step:>4} {ind['mean']:>12.3f}  {ind['gain']:>+6.3f} ± {_fmt(ind['se'], '.3f'):>5} "
+                    f"{bi['mean']:>9.3f}  {bi['gain']:>+6.3f} ± {_fmt(bi['se'], '.3f'):>5}  {ev['answered']:>8.2f} "
+                    f"{ev['valid']:>5.2f} {_fmt(ev['independent_finals']):>6} {_fmt(ev['reflection_valid']):>10}"
                 )
         if len(recipes) >= 2:
             a, b = recipes[-2], recipes[-1]
-            diff, diff_se = paired_gain(points[b][-1]["per_query"], points[a][-1]["per_query"])
-            summary[f"{b}_minus_{a}"] = {"gain": diff, "se": diff_se}
-            print(f"\n{b} − {a} after {args.steps} steps: {diff:+.3f} ± {diff_se:.3f} (paired by query)")
+            for grader in GRADERS:
+                diff, diff_se = paired_gain(points[b][-1]["per_query"][grader], points[a][-1]["per_query"][grader])
+                summary[f"{b}_minus_{a}_{grader}"] = {"gain": diff, "se": diff_se}
+                print(f"{b} − {a} after {args.steps} steps ({grader}): {diff:+.3f} ± {diff_se:.3f} (paired by query)")
         png = work / "learning_curve.png"
         title = f"{src.name}: {', '.join(recipes)} from one SFT checkpoint"
         plot_curves(points, sft, title, png)
-        (work / "learning_curve.json").write_text(json.dumps(summary, indent=2, default=float))
-        if args.png:
-            Path(args.png).write_bytes(png.read_bytes())
-        print(f"plot: {args.png or png}")
+        document = {**curve_json(sft, points, rows_of), "summary": summary}
+        (work / "learning_curve.json").write_text(json.dumps(document, indent=1, default=float))
+        for wanted, made in ((args.png, png), (args.json, work / "learning_curve.json")):
+            if wanted:
+                Path(wanted).write_bytes(made.read_bytes())
+        print(f"plot: {args.png or png}\njson: {args.json or work / 'learning_curve.json'}")
 
-    last = points[recipes[-1]][-1]
+    last = points[recipes[-1]][-1]["graded"]["independent"]
     met = None if math.isnan(last["gain"]) else bool(last["gain"] > 0 and last["gain"] > 2 * last["se"])
     print(figure_line(f"{recipes[-1]}_minus_sft", last["gain"], "score", goal, met))
     return 0

@@ -56,11 +56,15 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
         if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]
     ]
     per_query: dict[str, list[float]] = {}
-    answered = facts = facts_full = finals = finals_right = 0
+    matched: dict[str, list[float]] = {}  # the answer-match grader's (eval/answer_match.py)
+    answered = facts = facts_full = finals = finals_right = matched_finals = 0
     for row in rows:
         per_query.setdefault(row["query_id"], []).append(float(row["score"]))
         details = json.loads(row["details"])
         answered += bool(details.get("answered"))
+        if isinstance(details.get("answer_match"), dict):
+            matched.setdefault(row["query_id"], []).append(float(details["answer_match"]["score"]))
+            matched_finals += bool(details["answer_match"]["final_correct"])
         for item in details.get("rubrics", []):
             if item.get("check") == "fact":
                 facts, facts_full = facts + 1, facts_full + (item["score"] == 2)
@@ -74,6 +78,9 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
         "valid": sum(bool(r["valid_scaffold"]) for r in rows) / n,
         "facts": facts_full / facts if facts else math.nan,
         "finals": finals_right / finals if finals else math.nan,
+        "per_query_independent": {q: sum(v) / len(v) for q, v in matched.items()},
+        "independent": sum(map(sum, matched.values())) / n if matched else math.nan,
+        "independent_finals": matched_finals / n if matched else math.nan,
     }
 
 

@@ -256,6 +256,12 @@ class TeacherConfig(EndpointConfig):
     malformed_call_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: malformed tool call.")
     uncited_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: answer without citations.")
     ungrounded_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: claim its source lacks.")
+    style: Literal["full", "terse"] = Field(
+        default="full",
+        description="Built-in: how much each stage says. 'terse' keeps every tag and every fact, check and "
+        "source (the judge's stage rubrics are met the same) in about half the words: shorter traces, so a CPU "
+        "RL step trains on fewer tokens (the `learn` profile).",
+    )
 
 
 class FilterConfig(_Strict):

@@ -244,6 +244,54 @@ def test_rl_improvement_pairs_queries_and_reads_the_score_parts(tmp_path):
     assert parts["facts"] == 0.5 and parts["finals"] == 0.25
 
 
+def test_breakdown_reads_the_answer_match_grade_beside_the_builtin_one(tmp_path):
+    from bench.rl_improvement import breakdown
+    from rubricem_core.eval.run import EVAL_RESULTS_SCHEMA
+
+    def row(qid, sample, matched, final):
+        details = {"answered": True, "rubrics": [], "answer_match": {"score": matched, "final_correct": final}}
+        return {
+            "checkpoint": "sft",
+            "benchmark": "synthetic",
+            "query_id": qid,
+            "retrieval": "none",
+            "score": 0.5,
+            "sample": sample,
+            "grade_failed": False,
+            "valid_scaffold": True,
+            "details": json.dumps(details),
+        }
+
+    rows = [row("q1", 0, 1.0, True), row("q1", 1, 0.5, False), row("q2", 0, 0.0, False)]
+    RunStore(tmp_path).write_table("eval_results", rows, schema=EVAL_RESULTS_SCHEMA)
+    parts = breakdown(str(tmp_path), "sft")
+    assert parts["per_query_independent"] == pytest.approx({"q1": 0.75, "q2": 0.0})
+    assert parts["independent"] == pytest.approx(0.5) and parts["independent_finals"] == pytest.approx(1 / 3)
+
+
+def test_learning_curve_json_holds_each_graders_per_query_scores_and_the_eta_counts_timed_work():
+    from bench.learning_curve import Progress, curve_json, graded
+
+    def ev(shift):
+        per_query = {f"q{i}": min(1.0, 0.1 * i + shift) for i in range(5)}
+        return {"per_query": {"independent": per_query, "builtin": dict(per_query)}, "n": 5}
+
+    sft, late = ev(0.0), ev(0.2)
+    late["graded"] = graded(late, sft)
+    assert late["graded"]["independent"]["gain"] == pytest.approx(0.2) and late["graded"]["builtin"]["se"] < 1e-9
+    doc = json.loads(json.dumps(curve_json(sft, {"full": [{"step": 8, **late}]}, {"full": []})))
+    assert set(doc["sft"]) >= {"independent", "builtin"} and doc["sft"]["independent"]["q3"] == pytest.approx(0.3)
+    assert doc["recipes"]["full"][0]["step"] == 8 and doc["recipes"]["full"][0]["builtin"]["q0"] == pytest.approx(0.2)
+
+    progress = Progress(steps=10, evaluations=3)
+    assert "ETA after" in progress.line()
+    progress.ran("steps", 4, 2.0)  # read back from an earlier run: done, not timed
+    progress.ran("steps", 2, 200.0)
+    progress.ran("evals", 1, 60.0)
+    assert progress.steps == 6 and progress.step_seconds == [100.0, 100.0]
+    assert "ETA 9 min" in progress.line()  # 4 steps × 100 s + 2 evaluations × 60 s = 520 s
+
+
 def test_learning_curve_chunks_end_on_windows():
     from bench.learning_curve import chunk_ends
 

@@ -32,6 +32,7 @@ import numpy as np
 from rubricem_core import schemas
 from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import prompt_messages
+from rubricem_core.eval.answer_match import match_query
 from rubricem_core.eval.prompts import aggregate_items, gold_answers, grade_items, reference_article
 from rubricem_core.eval.types import EvalError, EvalSample, GradeResult, family_of, safe_name
 from rubricem_core.layout import STEP_CHECKPOINT, RunLayout
@@ -359,7 +360,13 @@ def grade_samples(
     family = family_of(benchmark)
     if family == "synthetic":  # the world's own grader, an offline stand-in (sim/world_grader.py)
         grade_synthetic: Callable[..., GradeResult] = stand_in("benchmark", "synthetic")
-        return [[grade_synthetic(q, s.text, max_tool_calls) for s in group] for q, group in zip(queries, samples)]
+        grades = [[grade_synthetic(q, s.text, max_tool_calls) for s in group] for q, group in zip(queries, samples)]
+        # beside it, the answer-match grader: the gold answer and facts matched by plain code of its own
+        for q, group, group_grades in zip(queries, samples, grades):
+            for s, grade in zip(group, group_grades):
+                if not grade.failed:
+                    grade.details["answer_match"] = match_query(q, s.answer)
+        return grades
     if grader is None:
         raise EvalError(f"benchmark {benchmark!r} needs a grader (an LLM endpoint)")
     pairs = [(q, plain_answer(s.answer)) for q, group in zip(queries, samples) for s in group]
@@ -479,6 +486,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     for name in ("fully_correct", "correct_with_extraneous", "partially_correct", "fully_incorrect"):
         if outcomes:
             out[f"{name}_rate"] = outcomes.count(name) / len(outcomes)
+    matched = [d["answer_match"] for d in details if isinstance(d.get("answer_match"), dict)]
+    if matched:  # the synthetic benchmark's second grader (eval/answer_match.py)
+        out["answer_match_mean"] = float(np.mean([m["score"] for m in matched]))
+        out["answer_match_final_rate"] = float(np.mean([m["final_correct"] for m in matched]))
     precision = [d["citation_precision"] for d in details if d.get("citation_precision") is not None]
     if precision:
         out["citation_precision_mean"] = float(np.mean(precision))

@@ -97,6 +97,7 @@ class TeacherRates:
     uncited_rate: float = 0.0
     ungrounded_rate: float = 0.0
     max_tool_calls: int = 10
+    style: str = "full"  # "terse": the same tags, facts and sources in about half the words
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -106,7 +107,7 @@ class TeacherRates:
             name: getattr(cfg, name)
             for name in ("skip_stage_rate", "malformed_call_rate", "uncited_rate", "ungrounded_rate")
         }
-        return cls(**rates, max_tool_calls=max_tool_calls)
+        return cls(**rates, max_tool_calls=max_tool_calls, style=cfg.style)
 
 
 def _split_names(listing: str) -> list[str]:
@@ -216,6 +217,8 @@ class ScriptedTeacher:
     def _plan(self, question: str, task: Task, errors: ErrorPlan) -> str:
         if errors.skip_stage == "plan":
             return ""
+        if self.rates.style == "terse":
+            return self._terse_plan(task)
         what = _ATTRIBUTE_WORDS.get(task.attribute, task.attribute)
         if task.hop_relation:
             rel = "founded by" if task.hop_relation == "founder_of" else "that acquired"
@@ -258,6 +261,27 @@ class ScriptedTeacher:
             "</structured_plan>\n"
         )
 
+    def _terse_plan(self, task: Task) -> str:
+        """The plan's every tag and checklist line, each said once: the judge's plan rubrics look for the
+        entity and the attribute in the checklist and research steps, nothing more."""
+        what = _ATTRIBUTE_WORDS.get(task.attribute, task.attribute)
+        if task.hop_relation:
+            rel = "founded by" if task.hop_relation == "founder_of" else "that acquired"
+            checklist = [f"- organization {rel} {task.subjects[0]}", f"- its {what}"]
+            steps = [f"1. Search {task.subjects[0]}.", f"2. Search that organization's {what}."]
+            analysis = "Two-step lookup."
+        else:
+            checklist = [f"- {what} of {s}" for s in task.subjects]
+            steps = [f"{i}. Search {s} {what}." for i, s in enumerate(task.subjects, 1)]
+            analysis = {"earlier": "Compare.", "more": "Compare.", "sum": "Add up.", "sort": "Sort."}[task.op]
+        return (
+            f"<structured_plan>\n<deep_analysis>{analysis}</deep_analysis>\n<rubric>\n"
+            "<knowledge_checklist>\n" + "\n".join(checklist) + "\n</knowledge_checklist>\n"
+            "<analytical_criteria>\n- cite each fact</analytical_criteria>\n"
+            "<negative_constraints>\n- no look-alikes</negative_constraints>\n</rubric>\n"
+            "<research_plan>\n" + "\n".join(steps) + "\n</research_plan>\n</structured_plan>\n"
+        )
+
     def _next_call(self, task: Task, calls: list, n_calls: int, errors: ErrorPlan, rng: random.Random) -> str:
         need = self._missing(task, calls)[0]
         assert need.entity is not None  # _missing skips needs whose entity is not resolved yet
@@ -282,6 +306,12 @@ class ScriptedTeacher:
             for n in task.needs
             if n.value is None
         ]
+        if self.rates.style == "terse":
+            lines = [("Found: " + "; ".join(found) + ".") if found else "Found: nothing."]
+            if missing:
+                lines.append("Missing: " + "; ".join(missing) + ".")
+            lines.append(f"Verdict: {verdict}")
+            return "<state_evaluation>" + " ".join(lines) + "</state_evaluation>\n"
         lines = ["Evidence so far: " + ("; ".join(found) if found else "nothing relevant yet") + "."]
         if missing:
             lines.append("Still missing: " + "; ".join(missing) + ".")
@@ -298,6 +328,12 @@ class ScriptedTeacher:
             label = f"{n.entity or 'target organization'} {_ATTRIBUTE_WORDS.get(n.attribute, n.attribute)}"
             mapping.append(f"- {label} → {n.doc_id}" if n.value is not None else f"- {label} → gap: not found")
         thesis = self._conclusion(task) or "The evidence is incomplete."
+        if self.rates.style == "terse":
+            return (
+                "<review>\n<rubric_review>\n" + "\n".join(mapping) + "\n</rubric_review>\n"
+                f"<writing_plan><thesis>{thesis}</thesis><outline>Facts, then conclusion.</outline></writing_plan>\n"
+                "</review>\n"
+            )
         return (
             "<review>\n<rubric_review>\n" + "\n".join(mapping) + "\n</rubric_review>\n"
             f"<writing_plan><thesis>{thesis}</thesis>"
