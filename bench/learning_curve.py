@@ -105,16 +105,20 @@ def evaluation(run_dir: str, checkpoint: str) -> dict[str, Any]:
     from flows.evaluate import evaluate
 
     result = evaluate(run_dir=run_dir, checkpoint=checkpoint, benchmarks=["synthetic"], retrieval="none")
-    summary = result["benchmarks"]["synthetic"]
-    score, reflection = summary["score_mean"], summary.get("reflection_valid_rate")
-    parts = breakdown(run_dir, result["tag"])
+    return read_evaluation(run_dir, result["tag"], result["benchmarks"]["synthetic"].get("reflection_valid_rate"))
+
+
+def read_evaluation(run_dir: str, tag: str, reflection_valid: float | None = None) -> dict[str, Any]:
+    """A finished evaluation's figures from `eval_results` (n == 0: not evaluated yet)."""
+    parts = breakdown(run_dir, tag)
+    per_query = {"builtin": parts.pop("per_query"), "independent": parts.pop("per_query_independent")}
     return {
-        "checkpoint": result["tag"],
-        "score": math.nan if score is None else score,
+        "checkpoint": tag,
+        "score": _mean(per_query["builtin"]),
         # one unforced reflection per evaluated trajectory, checked by the meta-policy's validator
-        "reflection_valid": math.nan if reflection is None else float(reflection),
+        "reflection_valid": math.nan if reflection_valid is None else float(reflection_valid),
         **parts,
-        "per_query": {"builtin": parts.pop("per_query"), "independent": parts.pop("per_query_independent")},
+        "per_query": per_query,
     }
 
 
@@ -258,6 +262,11 @@ def main() -> int:
     parser.add_argument("--png", default=None, help="also copy the plot here (e.g. docs/learning_curve.png)")
     parser.add_argument("--json", default=None, help="also copy the JSON here (e.g. docs/learning_curve.json)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="no training: print the curve so far from --work-dir's tables and write its PNG and JSON",
+    )
     args = parser.parse_args()
     if args.run_dir is None:
         args.run_dir = str(Path(args.work_dir) / "base") if args.work_dir else "runs/tiny"
@@ -271,6 +280,8 @@ def main() -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = yaml.safe_load(value)
+    if args.report:
+        return report_only(args, recipes, overrides)
     if args.profile and not RunLayout(src).has_sft_policy():
         prepare_source(src, args.profile, overrides)
     if not has_sft_checkpoint(src, figure_line(f"{recipes[-1]}_minus_sft", math.nan, "score", goal, None)):
@@ -296,9 +307,11 @@ def main() -> int:
         t0 = time.perf_counter()
         sft = evaluation(run_dir, str(RunLayout(work).sft_final))
         progress.ran("evals", 1, time.perf_counter() - t0)
+        need = power(sft["per_query"]["independent"])
         print(
             f"SFT: built-in {sft['score']:.3f}, answer match {sft['independent']:.3f} on {sft['n']} graded "
-            f"trajectories\n{progress.line()}",
+            f"trajectories; per-query sd {need['sd']:.3f}: {need['n_needed']} held-out queries let 2 standard "
+            f"errors resolve a gain of {need['gain']}\n{progress.line()}",
             flush=True,
         )
         subs = {r: prepare_recipe_run(run_dir, r) for r in recipes}
@@ -330,59 +343,116 @@ def main() -> int:
                 )
             done = end
 
-        sft["graded"] = graded(sft, sft)
-        summary: dict[str, Any] = {"steps": args.steps, "eval_every": args.eval_every, "overrides": overrides}
-        rows_of: dict[str, Any] = {}
-        for recipe in recipes:
-            steps = step_rows(subs[recipe], args.steps)
-            rows_of[recipe] = steps
-            print(f"\n== {recipe}: {len(steps)} steps, {wall[recipe] / 60:.1f} min in all (evaluations included)")
-            print(
-                "step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      tokens gen   "
-                "roll_s judge_s upd_s"
-            )
-            for row in steps:
-                print(
-                    f"{row['step']:>4} {row['phase']:<7} "
-                    + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
-                    + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
-                    f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['tokens']:>6} "
-                    f"{row['tokens_generated']:>5} {_fmt(row['rollout_s'], '.0f'):>6} "
-                    f"{_fmt(row['judge_wait_s'], '.0f'):>7} {_fmt(row['update_s'], '.0f'):>5}"
-                )
-            if steps:
-                parts = {k: sum(r[k] for r in steps) / len(steps) for k in ("rollout_s", "judge_wait_s", "update_s")}
-                print(
-                    f"mean step {sum(parts.values()):.0f} s: rollouts {parts['rollout_s']:.0f} s + judge after "
-                    f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
-                )
-            print("eval  answer-match  vs SFT ± se      built-in  vs SFT ± se      answered valid finals refl_valid")
-            for step, ev in [(0, sft)] + [(p["step"], p) for p in points[recipe]]:
-                ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
-                print(
-                    f"{step:>4} {ind['mean']:>12.3f}  {ind['gain']:>+6.3f} ± {_fmt(ind['se'], '.3f'):>5} "
-                    f"{bi['mean']:>9.3f}  {bi['gain']:>+6.3f} ± {_fmt(bi['se'], '.3f'):>5}  {ev['answered']:>8.2f} "
-                    f"{ev['valid']:>5.2f} {_fmt(ev['independent_finals']):>6} {_fmt(ev['reflection_valid']):>10}"
-                )
-        if len(recipes) >= 2:
-            a, b = recipes[-2], recipes[-1]
-            for grader in GRADERS:
-                diff, diff_se = paired_gain(points[b][-1]["per_query"][grader], points[a][-1]["per_query"][grader])
-                summary[f"{b}_minus_{a}_{grader}"] = {"gain": diff, "se": diff_se}
-                print(f"{b} − {a} after {args.steps} steps ({grader}): {diff:+.3f} ± {diff_se:.3f} (paired by query)")
-        png = work / "learning_curve.png"
-        title = f"{src.name}: {', '.join(recipes)} from one SFT checkpoint"
-        plot_curves(points, sft, title, png)
-        document = {**curve_json(sft, points, rows_of), "summary": summary}
-        (work / "learning_curve.json").write_text(json.dumps(document, indent=1, default=float))
-        for wanted, made in ((args.png, png), (args.json, work / "learning_curve.json")):
-            if wanted:
-                Path(wanted).write_bytes(made.read_bytes())
-        print(f"plot: {args.png or png}\njson: {args.json or work / 'learning_curve.json'}")
+        report(work, src.name, recipes, subs, sft, points, args, overrides, wall)
+    return 0
 
-    last = points[recipes[-1]][-1]["graded"]["independent"]
+
+def report(
+    work: Path,
+    title_name: str,
+    recipes: list[str],
+    subs: dict[str, str],
+    sft: dict[str, Any],
+    points: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    overrides: dict[str, Any],
+    wall: dict[str, float] | None = None,
+) -> None:
+    """Print every recipe's step rows and evaluations, then write the PNG and the JSON (a partial curve too:
+    whatever steps and evaluations are done)."""
+    sft["graded"] = graded(sft, sft)
+    summary: dict[str, Any] = {"steps": args.steps, "eval_every": args.eval_every, "overrides": overrides}
+    summary["power"] = power(sft["per_query"]["independent"])
+    rows_of: dict[str, Any] = {}
+    for recipe in recipes:
+        steps = step_rows(subs[recipe], args.steps)
+        rows_of[recipe] = steps
+        spent = f", {wall[recipe] / 60:.1f} min in all (evaluations included)" if wall else ""
+        print(f"\n== {recipe}: {len(steps)} steps{spent}")
+        print(
+            "step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      tokens gen   roll_s judge_s upd_s"
+        )
+        for row in steps:
+            print(
+                f"{row['step']:>4} {row['phase']:<7} "
+                + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
+                + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
+                f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['tokens']:>6} "
+                f"{row['tokens_generated']:>5} {_fmt(row['rollout_s'], '.0f'):>6} "
+                f"{_fmt(row['judge_wait_s'], '.0f'):>7} {_fmt(row['update_s'], '.0f'):>5}"
+            )
+        if steps:
+            parts = {k: sum(r[k] for r in steps) / len(steps) for k in ("rollout_s", "judge_wait_s", "update_s")}
+            print(
+                f"mean step {sum(parts.values()):.0f} s: rollouts {parts['rollout_s']:.0f} s + judge after "
+                f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
+            )
+        print("eval  answer-match  vs SFT ± se      built-in  vs SFT ± se      answered valid finals refl_valid")
+        for step, ev in [(0, sft)] + [(p["step"], p) for p in points[recipe]]:
+            ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
+            print(
+                f"{step:>4} {ind['mean']:>12.3f}  {ind['gain']:>+6.3f} ± {_fmt(ind['se'], '.3f'):>5} "
+                f"{bi['mean']:>9.3f}  {bi['gain']:>+6.3f} ± {_fmt(bi['se'], '.3f'):>5}  {ev['answered']:>8.2f} "
+                f"{ev['valid']:>5.2f} {_fmt(ev['independent_finals']):>6} {_fmt(ev['reflection_valid']):>10}"
+            )
+    if len(recipes) >= 2 and all(points[r] for r in recipes[-2:]):
+        a, b = recipes[-2], recipes[-1]
+        step = min(points[a][-1]["step"], points[b][-1]["step"])
+        at = {r: next(p for p in points[r] if p["step"] == step) for r in (a, b)}
+        for grader in GRADERS:
+            diff, diff_se = paired_gain(at[b]["per_query"][grader], at[a]["per_query"][grader])
+            summary[f"{b}_minus_{a}_{grader}"] = {"step": step, "gain": diff, "se": diff_se}
+            print(f"{b} − {a} after {step} steps ({grader}): {diff:+.3f} ± {diff_se:.3f} (paired by query)")
+    png = work / "learning_curve.png"
+    plot_curves(points, sft, f"{title_name}: {', '.join(recipes)} from one SFT checkpoint", png)
+    document = {**curve_json(sft, points, rows_of), "summary": summary}
+    (work / "learning_curve.json").write_text(json.dumps(document, indent=1, default=float))
+    for wanted, made in ((args.png, png), (args.json, work / "learning_curve.json")):
+        if wanted:
+            Path(wanted).write_bytes(made.read_bytes())
+    print(f"plot: {args.png or png}\njson: {args.json or work / 'learning_curve.json'}")
+    goal = "> 0 by more than 2 standard errors"
+    last = points[recipes[-1]][-1]["graded"]["independent"] if points[recipes[-1]] else {"gain": math.nan}
     met = None if math.isnan(last["gain"]) else bool(last["gain"] > 0 and last["gain"] > 2 * last["se"])
     print(figure_line(f"{recipes[-1]}_minus_sft", last["gain"], "score", goal, met))
+
+
+def power(per_query: dict[str, float], gain: float = 0.1) -> dict[str, float]:
+    """How many held-out queries let 2 standard errors of a paired gain resolve ``gain``, from the SFT
+    evaluation's per-query spread: the paired difference of two policies whose per-query scores vary as
+    SFT's does and are independent has sd √2·sd (an upper bound: scores correlated across policies by
+    query difficulty shrink it); n = (2·√2·sd / gain)²."""
+    values = list(per_query.values())
+    if len(values) < 2:
+        return {"sd": math.nan, "n_needed": math.nan, "gain": gain, "n": float(len(values))}
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return {"sd": sd, "n_needed": math.ceil((2 * math.sqrt(2) * sd / gain) ** 2), "gain": gain, "n": float(len(values))}
+
+
+def report_only(args: argparse.Namespace, recipes: list[str], overrides: dict[str, Any]) -> int:
+    """The curve so far from the work directory's tables: no training, no sampling."""
+    from rubricem_core.config import load_config
+
+    work = Path(args.work_dir)
+    layout = RunLayout(work)
+    if not layout.config_file.exists():
+        raise SystemExit(f"--report: {work} has no config.yaml (no curve started there)")
+    cfg = load_config(str(layout.config_file))
+    ends = chunk_ends(args.steps, args.eval_every, 2 * cfg.rl.window)
+    sft = read_evaluation(str(work), "sft")
+    if not sft["n"]:
+        raise SystemExit(f"--report: the SFT checkpoint in {work} has not been evaluated yet")
+    subs = {r: str(layout.ablation_run_dir(r)) for r in recipes}
+    points: dict[str, list[dict[str, Any]]] = {r: [] for r in recipes}
+    for recipe in recipes:
+        for end in ends:
+            ev = read_evaluation(subs[recipe], f"rl-step-{end - 1:06d}")
+            if not ev["n"]:
+                break
+            ev["graded"] = graded(ev, sft)
+            points[recipe].append({"step": end, **ev})
+    report(work, Path(args.run_dir).name, recipes, subs, sft, points, args, overrides)
     return 0
 
 

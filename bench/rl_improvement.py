@@ -50,9 +50,10 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
     """Per-query mean scores and the parts of the score for one checkpoint's synthetic evaluation."""
     from rubricem_core.store import RunStore
 
+    store = RunStore(run_dir)
     rows = [
         r
-        for r in RunStore(run_dir).read_rows("eval_results")
+        for r in (store.read_rows("eval_results") if "eval_results" in store.tables() else [])
         if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]
     ]
     per_query: dict[str, list[float]] = {}
