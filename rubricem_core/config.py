@@ -258,9 +258,9 @@ class TeacherConfig(EndpointConfig):
     ungrounded_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: claim its source lacks.")
     style: Literal["full", "terse"] = Field(
         default="full",
-        description="Built-in: how much each stage says. 'terse' keeps every tag and every fact, check and "
-        "source (the judge's stage rubrics are met the same) in about half the words: shorter traces, so a CPU "
-        "RL step trains on fewer tokens (the `learn` profile).",
+        description="Built-in: how much each stage says. 'terse' keeps every tag, fact, check and source (the "
+        "judge's stage rubrics score the same) in a shorter plan, state evaluations and review (the written text "
+        "~20% shorter): shorter traces, so a CPU RL step trains on fewer tokens (the `learn` profile).",
     )
 
 

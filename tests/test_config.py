@@ -15,7 +15,7 @@ from rubricem_core.config import (
 )
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "gpu", "research"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "learn", "gpu", "research"])
 def test_builtin_profiles_load(profile):
     cfg = load_config(profile)
     assert isinstance(cfg, RunConfig)

@@ -84,7 +84,7 @@ def test_an_unknown_stand_in_is_a_clear_error():
         stand_ins.stand_in("policy", "Qwen/Qwen3-8B")
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "gpu", "research"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "learn", "gpu", "research"])
 def test_the_stand_ins_a_profile_names_are_registered(profile):
     cfg = load_config(profile)
     models = [cfg.teacher.model, cfg.judge.model, cfg.reflection.judge.model, cfg.eval.grader.model]

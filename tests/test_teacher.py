@@ -167,3 +167,35 @@ def test_teacher_reflection_of_a_question_outside_the_world():
         '<call_tool name="search">bird V formation</call_tool><tool_output>nothing</tool_output><answer>Drafting.</answer>',
     )
     assert validate_reflection(text) == [] and "bird V formation" in text and "cites nothing" in text
+
+
+def test_the_terse_style_keeps_every_tag_fact_and_source_in_fewer_words(world, tools):
+    from rubricem_core.sim.judge import Context, TraceView, score_rubric
+
+    queries, full = collect(world, tools)
+    _, terse = collect(world, tools, style="terse")
+    by_id = {q["query_id"]: q for q in queries}
+    for a, b in zip(full, terse):
+        assert a.query_id == b.query_id and a.n_tool_calls == b.n_tool_calls  # the same searches
+        assert a.text.split("<answer>")[-1] == b.text.split("<answer>")[-1]  # the same cited answer
+        assert (
+            filter_trace(a.text, a.n_tool_calls, a.finish_reason).accepted
+            == filter_trace(b.text, b.n_tool_calls, b.finish_reason).accepted
+        )
+        # the judge's plan and review rubrics score each required fact the same in both styles
+        query = by_id[a.query_id]
+        ctx = Context(query["question"], json.loads(query["spec"]), [])
+        for fact in json.loads(query["metadata"])["required_facts"]:
+            for kind in ("plan_covers", "review_maps"):
+                rubric = {
+                    "stage": "plan",
+                    "check": {"type": kind, "entity": fact["entity"], "attribute": fact["attribute"]},
+                }
+                assert (
+                    score_rubric(TraceView(a.text), rubric, ctx)[0] == score_rubric(TraceView(b.text), rubric, ctx)[0]
+                )
+    def written(text: str) -> int:  # what the teacher wrote: the text without the tool outputs
+        return len(re.sub(r"<tool_output>.*?</tool_output>", "", text, flags=re.S))
+
+    shrink = sum(written(b.text) for b in terse) / sum(written(a.text) for a in full)
+    assert shrink < 0.85, shrink  # measured 0.78: the plan, state evaluations and review shrink; the answer stays

@@ -20,7 +20,7 @@ from rubricem_core.batching import bucket_batches, collate
 from rubricem_core.config import ConfigError, load_config, token_budget_problems
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
-PROFILES = ["tiny", "small", "gpu", "research"]
+PROFILES = ["tiny", "small", "learn", "gpu", "research"]
 
 
 def _refused(profile: str, overrides: dict) -> str:

@@ -97,7 +97,7 @@ class TeacherRates:
     uncited_rate: float = 0.0
     ungrounded_rate: float = 0.0
     max_tool_calls: int = 10
-    style: str = "full"  # "terse": the same tags, facts and sources in about half the words
+    style: str = "full"  # "terse": the same tags, facts and sources in fewer words
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
