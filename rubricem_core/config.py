@@ -1149,9 +1149,11 @@ def token_budget_problems(cfg: RunConfig) -> list[str]:
 
 # ---- loading ---------------------------------------------------------------------------------
 def profile_path(profile: str | os.PathLike[str]) -> Path:
-    """A profile name (``tiny``) or a path to a YAML file."""
-    path = Path(profile)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    """A profile name (``tiny``) or a path to a YAML file. Only a ``*.yaml``/``*.yml`` name or one with a path
+    separator is a file: a bare name is looked up in ``data/profiles`` even when a folder of that name is in
+    the working directory (``runs/tiny`` after ``make run``, seen from ``runs/``)."""
+    path, text = Path(profile), os.fspath(profile)
+    if path.suffix in (".yaml", ".yml") or "/" in text or os.sep in text:
         if not path.is_file():
             raise ConfigError(f"profile file not found: {path}")
         return path

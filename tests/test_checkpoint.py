@@ -180,6 +180,13 @@ def test_saving_over_an_existing_checkpoint_replaces_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
+def test_checkpoint_weights_are_readable_like_the_rest_of_the_run_dir(tmp_path):
+    save_checkpoint(tmp_path / "final", tiny_model(), trainer_state={"global_step": 1})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "final").iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # transformers writes it 0600
+    assert len(set(modes.values())) == 1, modes
+
+
 def test_tokenizer_is_saved_beside_the_weights(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -414,3 +414,16 @@ def test_bad_trainer_settings_are_rejected_naming_the_key(section, overrides, fi
 def test_each_section_keeps_its_trainer_defaults(section, defaults):
     section_cfg = RunConfig.model_fields[section].annotation()
     assert {key: getattr(section_cfg, key) for key in defaults} == defaults
+
+
+def test_a_profile_name_is_looked_up_in_the_profiles_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()  # what runs/ holds after `make run`
+    (tmp_path / "mine.yaml").write_text("seed: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("tiny").profile == "tiny"
+    assert load_config("mine.yaml").seed == 7
+    assert load_config("./mine.yaml").seed == 7
+    with pytest.raises(ConfigError, match="profile file not found"):
+        load_config("./tiny")  # a path names a file, and this one is a folder
+    with pytest.raises(ConfigError, match="unknown profile 'mine'"):
+        load_config("mine")

@@ -194,6 +194,7 @@ def test_the_terse_style_keeps_every_tag_fact_and_source_in_fewer_words(world, t
                 assert (
                     score_rubric(TraceView(a.text), rubric, ctx)[0] == score_rubric(TraceView(b.text), rubric, ctx)[0]
                 )
+
     def written(text: str) -> int:  # what the teacher wrote: the text without the tool outputs
         return len(re.sub(r"<tool_output>.*?</tool_output>", "", text, flags=re.S))
 

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from rubricem_core.policy.loading import PolicyLoadError, add_legacy_config_keys, resolve_dtype, staged_directory
 from rubricem_core.policy.tokenizer import save_tokenizer
+from rubricem_core.training.checkpoint import readable_like_siblings
 
 SOURCE_FILE = "gguf_source.json"  # written last: its presence marks a finished conversion
 
@@ -116,6 +117,7 @@ def convert_gguf_to_hf(
 
     with staged_directory(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
+        readable_like_siblings(staging)
         add_legacy_config_keys(staging)
         save_tokenizer(tokenizer, staging)
         (staging / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")

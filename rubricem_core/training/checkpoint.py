@@ -115,8 +115,22 @@ def write_checkpoint_files(
         state = dict(trainer_state or {})
         state.setdefault("rng", capture_rng_state())
         torch.save(state, directory / STATE_FILE)
+        readable_like_siblings(directory)
     except Exception as exc:
         raise write_error(directory, exc) from exc
+
+
+def readable_like_siblings(directory: Path) -> None:
+    """Give files written private (transformers writes model.safetensors through a 0600 temporary file) the
+    mode of the directory's other files (config.json: the process's umask), so a serving process or another
+    user reads the weights as it reads the rest of the run directory."""
+    reference = directory / "config.json"
+    if not reference.is_file():
+        return
+    mode = reference.stat().st_mode & 0o777
+    for path in directory.iterdir():
+        if path.is_file() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 LOW_DISK_BYTES = 64 * 2**20
