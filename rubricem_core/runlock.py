@@ -227,7 +227,8 @@ def _holder_info(command: str) -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "command": command,
-        "argv": list(sys.argv),
+        # the program's name, never its arguments: `--set judge.api_base=https://user:pw@…` stays off disk
+        "program": os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python",
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 

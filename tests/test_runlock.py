@@ -84,7 +84,8 @@ def test_reentrant_in_process_and_released_by_outermost(tmp_path):
             pass
         holder = lock_holder(run_dir)  # still held after the inner exit
         assert holder["pid"] == os.getpid() and holder["command"] == "pipeline"
-        assert holder["argv"] == sys.argv and holder["started_at"] and holder["host"]
+        assert holder["started_at"] and holder["host"] and holder["program"] == os.path.basename(sys.argv[0])
+        assert "argv" not in holder  # the command line's values (overrides, URLs with credentials) stay off disk
 
         seen = []
 
@@ -198,3 +199,12 @@ def test_lock_holder_of_missing_or_never_locked_dir(tmp_path):
     assert lock_holder(tmp_path / "nope") is None
     (tmp_path / LOCK_NAME).write_text('{"pid": 1}')  # a leftover file is not a lock
     assert lock_holder(tmp_path) is None
+
+
+def test_the_lock_file_holds_no_argument_of_the_command_line(tmp_path, monkeypatch):
+    canary = "https://user:canary-pw-7731@judge.example/v1"
+    monkeypatch.setattr(sys, "argv", ["rubricem", "rl", "--set", f"judge.api_base={canary}"])
+    with run_dir_lock(tmp_path / "run", "rubricem rl"):
+        text = (tmp_path / "run" / ".rubricem.lock").read_text()
+    assert "canary-pw-7731" not in text and "judge.api_base" not in text
+    assert json.loads(text)["command"] == "rubricem rl"
