@@ -193,8 +193,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from rubricem_core.sql import run_sql
 
-    print(run_sql(args.run_dir, args.query, fmt=args.format))
+    print(run_sql(args.run_dir, sql_query(args), fmt=args.format))
     return 0
+
+
+class UsageError(ValueError):
+    """A command's arguments do not say what to do (one line, exit 2)."""
+
+
+def sql_query(args: argparse.Namespace) -> str:
+    """The statement from the argument, ``--file F``, or standard input (``-``, or nothing on a pipe): a long
+    query does not fit the argument list."""
+    if args.file is not None and args.query is not None:
+        raise UsageError("sql: give the query as an argument or with --file, not both")
+    if args.file is not None:
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"sql: cannot read the query file {args.file}: {exc}") from exc
+    if args.query == "-" or (args.query is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if args.query is None:
+        raise UsageError('sql: no query (an argument, --file F, or "-" to read standard input)')
+    return str(args.query)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -273,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True, help="run directory")
     p.add_argument("--profile", default=None, help="ignored; accepted for symmetry with other commands")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    p.add_argument("query", help='SQL, e.g. "SELECT * FROM sft_trajectories LIMIT 5"')
+    p.add_argument(
+        "query", nargs="?", default=None, help='SQL, e.g. "SELECT * FROM sft_trajectories LIMIT 5"; "-": standard input'
+    )
+    p.add_argument("--file", default=None, help="read the query from this file")
     _debug(p)
     p.set_defaults(func=cmd_sql)
 

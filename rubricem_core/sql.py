@@ -67,11 +67,13 @@ def _table_files(run_dir: Path) -> dict[str, list[Path]]:
     tables_dir = RunLayout(run_dir).tables_dir
     if not tables_dir.is_dir():
         return {}
+    root = tables_dir.resolve()
     out = {}
     for child in sorted(tables_dir.iterdir()):
         # directory names that are not table names (editor backups, ".trash", ...) are not tables
         if child.is_dir() and TABLE_NAME.match(child.name):
-            files = _parquet_files(child)
+            # confined after resolving links: a symlink that leads out of tables/ reads nothing outside
+            files = [f for f in _parquet_files(child) if f.resolve().is_relative_to(root)]
             if files:
                 out[child.name] = files
     return out
@@ -254,13 +256,24 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# C0 controls but tab and line breaks, DEL and C1 controls: a terminal acts on them (ESC starts a sequence)
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """Control bytes written as ``\\xNN`` text, so data cannot drive the terminal it is printed to."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _csv_cell(value: Any) -> Any:
     if value is None:
         return ""
     if isinstance(value, (list, tuple, dict)):
-        return json.dumps(_jsonable(value), ensure_ascii=False)
+        return _visible(json.dumps(_jsonable(value), ensure_ascii=False))
     if isinstance(value, (datetime, date, time)):
         return value.isoformat()
+    if isinstance(value, str):
+        return _visible(value)
     return value
 
 

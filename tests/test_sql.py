@@ -253,3 +253,38 @@ def test_open_run_db_is_strict_by_default(run_dir: Path):
             con.execute("SET lock_configuration = false")  # still locked down
     finally:
         con.close()
+
+
+def test_csv_output_writes_control_bytes_as_text(run_dir: Path):
+    out = run_sql(run_dir, "SELECT 'a' || chr(27) || '[31mred' || chr(7) AS s, 'x' || chr(10) || 'y' AS t", fmt="csv")
+    assert "\x1b" not in out and "\x07" not in out
+    assert "a\\x1b[31mred\\x07" in out and '"x\ny"' in out  # line breaks stay data, quoted as CSV does
+
+
+def test_a_symlink_out_of_the_tables_is_not_read(run_dir: Path, tmp_path: Path):
+    outside = RunStore(tmp_path / "elsewhere")
+    outside.write_table("metrics", [{"step": 9, "name": "secret", "value": 1.0}])
+    (RunStore(run_dir).tables_dir / "stolen").symlink_to(outside.table_dir("metrics"), target_is_directory=True)
+    assert "stolen" not in table_names(run_dir)
+    link = RunStore(run_dir).table_dir("metrics") / "step=0009"
+    link.symlink_to(outside.table_dir("metrics"), target_is_directory=True)
+    assert run_sql(run_dir, "SELECT count(*) AS n FROM metrics WHERE name = 'secret'", fmt="csv").splitlines() == [
+        "n",
+        "0",
+    ]
+
+
+def test_the_cli_reads_a_query_from_a_file_or_standard_input(run_dir: Path, tmp_path: Path, monkeypatch, capsys):
+    import io
+
+    from flows.cli import main
+
+    query = tmp_path / "q.sql"
+    query.write_text("SELECT count(*) AS n FROM rollouts" + " " * 200_000)  # longer than an argument list holds
+    assert main(["sql", "--run-dir", str(run_dir), "--format", "csv", "--file", str(query)]) == 0
+    assert capsys.readouterr().out.split() == ["n", "2"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("SELECT 7 AS n"))
+    assert main(["sql", "--run-dir", str(run_dir), "--format", "csv", "-"]) == 0
+    assert capsys.readouterr().out.split() == ["n", "7"]
+    assert main(["sql", "--run-dir", str(run_dir), "--file", str(query), "SELECT 1"]) == 2
+    assert "not both" in capsys.readouterr().err
