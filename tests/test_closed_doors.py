@@ -157,6 +157,21 @@ def _asgi_status(app, method: str, path: str, headers: dict[str, str]) -> int:
     return asyncio.run(go())
 
 
+def test_rays_token_file_is_made_the_owners_alone(tmp_path):
+    from rubricem_core.distributed.cluster import private_token_files
+
+    folder = tmp_path / ".ray"
+    folder.mkdir(mode=0o755)
+    token = folder / "auth_token"
+    token.write_text("t" * 32)
+    token.chmod(0o644)  # as Ray writes it
+    (folder / "session_latest").mkdir()
+    assert private_token_files(tmp_path) == [token]
+    assert token.stat().st_mode & 0o777 == 0o600 and folder.stat().st_mode & 0o777 == 0o700
+    assert private_token_files(tmp_path) == []  # already private
+    assert private_token_files(tmp_path / "nowhere") == []
+
+
 @pytest.mark.parametrize(
     "path", ["/collective_rpc", "/reset_prefix_cache", "/update_weights", "/v1/completions", "/health"]
 )

@@ -78,7 +78,24 @@ def connect(d: DistributedConfig) -> None:
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = visible
         _started_here = True
+        private_token_files()
         log.info("started a local Ray on 127.0.0.1 (%d CPUs, %d GPUs)", os.cpu_count() or 1, gpus)
+
+
+def private_token_files(home: Path | None = None) -> list[Path]:
+    """Ray writes the token it generates to ``~/.ray/auth_token`` readable by all (0644) and reuses it in every
+    later run; the token is the cluster's only guard, so it is made the owner's alone (0600, the folder 0700).
+    Returns the files changed."""
+    folder = (home or Path.home()) / ".ray"
+    changed = []
+    if folder.is_dir():
+        if folder.stat().st_mode & 0o077:
+            folder.chmod(0o700)
+        for path in folder.glob("*token*"):
+            if path.is_file() and path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+                changed.append(path)
+    return changed
 
 
 def import_path() -> str:
