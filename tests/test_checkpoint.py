@@ -240,6 +240,17 @@ def test_missing_or_corrupt_checkpoint_raises_a_clear_error(tmp_path, damage, me
         load_checkpoint(tmp_path / "ck")
 
 
+def test_a_flipped_bit_in_the_weights_is_refused_naming_the_file(tmp_path):
+    save_checkpoint(tmp_path / "ck", tiny_model(), None, {"global_step": 1})
+    victim = tmp_path / "ck" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x10  # inside the last tensor: safetensors itself would load it without a word
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is corrupt: its SHA-256"):
+        load_checkpoint(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / META_FILE).read_text())["sha256"]["model.safetensors"]
+
+
 @pytest.mark.parametrize("damage", [_truncate, _garble_same_size], ids=["truncated", "garbled"])
 def test_load_weights_into_names_a_corrupt_weight_file(tmp_path, damage):
     # load_weights_into does not read checkpoint.json: safetensors' own error must name the file

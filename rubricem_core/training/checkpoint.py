@@ -7,17 +7,19 @@ Layout of a checkpoint directory::
     trainer_state.pt                                       optimizer, scheduler, step, RNG, extra
     deepspeed/                                             DeepSpeed backend: its own optimizer shards
     rng_rank{r}.pt                                         DeepSpeed backend: RNG of every rank
-    checkpoint.json                                        written last: step, backend, file sizes
+    checkpoint.json                                        written last: step, backend, file sizes, SHA-256s
 
 Everything is written into ``.<name>.tmp`` beside the final directory and renamed into place, so a
 crash mid-save never leaves a half checkpoint under the final name; ``latest_checkpoint`` skips
-dot-directories. ``checkpoint.json`` records every file's size, so a truncated file is reported
-by name instead of surfacing as an unpickling error deep inside torch.
+dot-directories. ``checkpoint.json`` records every file's size and SHA-256, so a truncated or changed
+file (a flipped bit too) is reported by name instead of loading silently or surfacing as an unpickling
+error deep inside torch.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -155,8 +157,10 @@ def write_error(directory: Path, exc: BaseException) -> CheckpointError:
 def commit(staging: Path, final: str | Path, meta: dict[str, Any]) -> Path:
     """Write the meta file last, then move ``staging`` to ``final`` (replacing an older one)."""
     final = Path(final)
-    files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
-    meta = {"format": FORMAT_VERSION, **meta, "files": files}
+    paths = [p for p in sorted(staging.rglob("*")) if p.is_file()]
+    files = {str(p.relative_to(staging)): p.stat().st_size for p in paths}
+    digests = {str(p.relative_to(staging)): file_sha256(p) for p in paths}
+    meta = {"format": FORMAT_VERSION, **meta, "files": files, "sha256": digests}
     _write_json(staging / META_FILE, meta)
     if final.exists():
         # Two renames: the old checkpoint leaves under a dot-name (ignored by latest_checkpoint) and
@@ -224,7 +228,26 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
             f"{meta_path}: unsupported checkpoint format {meta.get('format')!r} (expected {FORMAT_VERSION})"
         )
     check_recorded_files(directory, meta["files"])
+    check_recorded_digests(directory, meta.get("sha256") or {})  # checkpoints written before it have none
     return meta
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_recorded_digests(directory: Path, digests: dict[str, str]) -> None:
+    """Every file's SHA-256 is the one recorded at the save: a same-size change (a flipped bit) is refused too."""
+    for name, expected in digests.items():
+        if file_sha256(directory / name) != expected:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} is corrupt: its SHA-256 is not the one {META_FILE} records "
+                "(changed after the save)"
+            )
 
 
 def check_recorded_files(directory: Path, files: dict[str, int]) -> None:
