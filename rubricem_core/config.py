@@ -1096,6 +1096,50 @@ class RunConfig(_Strict):
             raise ValueError("\n    ".join(problems))
         return self
 
+    @model_validator(mode="after")
+    def _work_within_bounds(self) -> Any:
+        problems = bound_problems(self)
+        if problems:
+            raise ValueError("\n    ".join(problems))
+        return self
+
+
+_ENDPOINTS = ("teacher", "judge", "reflection.judge", "eval.grader")
+# Every integer that sizes work, with the largest value that makes sense and why: past it the value is a typo
+# (`1e20`), and code that loops over it or waits for it would hang instead of failing.
+WORK_BOUNDS: dict[str, tuple[int, str]] = {
+    "data.world.n_queries": (1_000_000, "the world builds every query in memory"),
+    "tools.max_tool_calls": (1_000, "every call's output is appended to one trajectory's context"),
+    "teacher.trajectories_per_query": (1_000, "one teacher request per trace and round"),
+    "teacher.max_rounds": (1_000, "a round is one model turn of every trace"),
+    **{f"{e}.max_concurrency": (10_000, "connections open to one endpoint at once") for e in _ENDPOINTS},
+    "rollout.group_size": (1_024, "a group is one query's rollouts, sampled and judged together"),
+    "rollout.replicas": (1_024, "each replica is a vLLM server process"),
+    "rollout.tensor_parallel_size": (64, "the GPUs one replica spans"),
+    "rl.window": (10_000, "new-query steps of one window"),
+    "rl.n_windows": (100_000, "each window is 2 × rl.window steps"),
+    "rl.queries_per_step": (100_000, "one step samples all its queries' groups at once"),
+    "rl.epochs": (100, "passes over one step's trajectories"),
+    "rl.minibatches": (100_000, "optimizer steps per update"),
+    "eval.max_queries": (1_000_000, "queries evaluated per benchmark"),
+    "eval.samples_per_query": (1_024, "trajectories sampled per evaluated query"),
+    "reflection.n_candidates": (1_024, "reflections sampled per source trajectory"),
+    "distributed.nproc_per_node": (64, "trainer ranks per node, one GPU each: Ray places that many bundles a node"),
+    "distributed.nnodes": (4_096, "nodes of one Ray placement group"),
+}
+
+
+def bound_problems(cfg: RunConfig) -> list[str]:
+    """Fields of ``WORK_BOUNDS`` over their bound, each named with the bound and why."""
+    problems = []
+    for path, (bound, why) in WORK_BOUNDS.items():
+        value: Any = cfg
+        for part in path.split("."):
+            value = getattr(value, part)
+        if value > bound:
+            problems.append(f"{path}: {value:g} is over its bound {bound:,} ({why})")
+    return problems
+
 
 def token_budget_problems(cfg: RunConfig) -> list[str]:
     """Where a trainer's micro-batch budget (``max_tokens_per_batch``) is below the longest sequence the run
@@ -1216,6 +1260,8 @@ def format_validation_error(err: ValidationError, origin: str) -> str:
         elif item["type"] == "extra_forbidden":
             near = nearest_key(tuple(str(p) for p in item["loc"]), item.get("input"))
             lines.append(f"  {field}: unknown key" + (f"; did you mean {near}?" if near else ""))
+        elif not item["loc"] and item["type"] == "value_error":  # a whole-config check: its text names the fields
+            lines.append("  " + str(item["msg"]).removeprefix("Value error, "))
         else:  # the root's input is the whole config; a key-like value is never repeated
             got = f" (got {shown_value(field, item.get('input'))})" if item["loc"] else ""
             lines.append(f"  {field}: {item['msg']}{got}")

@@ -427,3 +427,18 @@ def test_a_profile_name_is_looked_up_in_the_profiles_even_beside_a_folder_of_tha
         load_config("./tiny")  # a path names a file, and this one is a folder
     with pytest.raises(ConfigError, match="unknown profile 'mine'"):
         load_config("mine")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("rl.queries_per_step", 10**20), ("distributed.nproc_per_node", 1000), ("judge.max_concurrency", 10**6)],
+)
+def test_a_size_past_its_bound_is_refused_naming_the_bound_and_why(key, value):
+    from rubricem_core.config import WORK_BOUNDS
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", {key: value})
+    bound, why = WORK_BOUNDS[key]
+    assert f"{key}: {value:g} is over its bound {bound:,} ({why})" in str(err.value)
+    assert "<root>" not in str(err.value)
+    assert load_config("tiny", {key: bound})  # the bound itself is allowed
