@@ -194,6 +194,8 @@ def _web_specs(web: FakeWebSearchServer) -> list[dict[str, Any]]:
         spec = {**spec, "backoff_s": 0.0, "timeout_s_http": 10}
         if spec["kind"] in base:
             spec.update(base_url=base[spec["kind"]], api_key_env=_env("SERPER" if spec["kind"] == "serper" else "S2"))
+        if spec["kind"] == "web_browse":
+            spec["allow_networks"] = ["127.0.0.0/8"]  # the fake pages are on loopback, which browse refuses
         out.append(spec)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
 
@@ -22,6 +23,7 @@ from rubricem_core.tools.web import (
 from tests.fakes.web_search_server import FakeWebSearchServer
 
 KEY = "sk-test-SECRET-4242"
+LOOPBACK = ["127.0.0.0/8"]  # the fake pages are on this machine: browse refuses loopback unless allowed
 S2_KEY = "s2-SECRET-9999"
 SNIPPET = re.compile(r'<snippet id="([^"]+)">')
 
@@ -179,7 +181,7 @@ def test_html_to_text_strips_tags_scripts_and_entities():
 def test_browse_opens_a_search_result_by_id_or_url(server, keys):
     book = UrlBook()
     search = serper(server, urls=book)
-    browse = WebBrowseTool(urls=book, backoff_s=0.0)
+    browse = WebBrowseTool(allow_networks=LOOPBACK, urls=book, backoff_s=0.0)
     hit = search("glaciers")
     page = browse(hit.snippet_ids[0])
     assert page.ok and page.snippet_ids == [hit.snippet_ids[0]]
@@ -198,7 +200,7 @@ def test_browse_truncates_and_rejects_binary(server, keys):
     server.pages["long-1"] = ("application/pdf", "%PDF-1.4 binary")
     book = UrlBook()
     hit = serper(server, urls=book, top_k=2)("long")
-    browse = WebBrowseTool(urls=book, max_chars=500)
+    browse = WebBrowseTool(allow_networks=LOOPBACK, urls=book, max_chars=500)
     page = browse(hit.snippet_ids[0])
     assert page.ok and len(page.text) < 650 and "…</snippet>" in page.text
     pdf = browse(hit.snippet_ids[1])
@@ -209,9 +211,9 @@ def test_browse_retries_and_http_errors(server, keys):
     book = UrlBook()
     hit = serper(server, urls=book)("pages")
     server.page_faults.extend([503])
-    assert WebBrowseTool(urls=book, backoff_s=0.0, max_retries=1)(hit.snippet_ids[0]).ok
+    assert WebBrowseTool(allow_networks=LOOPBACK, urls=book, backoff_s=0.0, max_retries=1)(hit.snippet_ids[0]).ok
     server.page_faults.extend([404])
-    missing = WebBrowseTool(urls=book, backoff_s=0.0)(hit.snippet_ids[0])
+    missing = WebBrowseTool(allow_networks=LOOPBACK, urls=book, backoff_s=0.0)(hit.snippet_ids[0])
     assert not missing.ok and missing.error.endswith("HTTP 404")
 
 
@@ -227,14 +229,14 @@ def test_browse_unknown_charset_falls_back_to_utf8(server, keys):
     server.pages["odd-0"] = ("text/plain; charset=no-such-charset", "caf\u00e9 text")
     book = UrlBook()
     hit = serper(server, urls=book, top_k=1)("odd")
-    page = WebBrowseTool(urls=book)(hit.snippet_ids[0])
+    page = WebBrowseTool(allow_networks=LOOPBACK, urls=book)(hit.snippet_ids[0])
     assert page.ok and "café text" in page.text
 
 
 def test_cached_search_refills_the_browse_map(server, keys, tmp_path):
     specs = [
         {"name": "search", "kind": "serper", "cache": True, "base_url": server.base_url, "backoff_s": 0.0},
-        {"name": "browse", "kind": "web_browse", "backoff_s": 0.0},
+        {"name": "browse", "kind": "web_browse", "backoff_s": 0.0, "allow_networks": LOOPBACK},
     ]
     first = build_tools(specs, cache_dir=tmp_path)
     hit = first["search"]("lakes")
@@ -258,7 +260,7 @@ def test_a_resumed_teacher_round_browses_what_an_earlier_process_searched(server
 
     specs = [
         {"name": "search", "kind": "serper", "base_url": server.base_url, "backoff_s": 0.0},
-        {"name": "browse", "kind": "web_browse", "backoff_s": 0.0},
+        {"name": "browse", "kind": "web_browse", "backoff_s": 0.0, "allow_networks": LOOPBACK},
     ]
     first = ToolEnv(build_tools(specs, cache_dir=tmp_path), max_calls=10)
     found = first.execute(ToolCall("search", "lakes"))
@@ -290,7 +292,7 @@ def test_registry_web_kinds(server, keys):
         [
             {"name": "web", "kind": "serper", "base_url": server.base_url, "top_k": 2, "timeout_s": 3},
             {"name": "papers", "kind": "semantic_scholar", "base_url": f"{server.base_url}/graph/v1"},
-            {"name": "open", "kind": "web_browse", "max_chars": 300, "timeout_s_http": 1.5},
+            {"name": "open", "kind": "web_browse", "max_chars": 300, "timeout_s_http": 1.5, "allow_networks": LOOPBACK},
         ]
     )
     assert all(isinstance(t, RobustTool) for t in tools.values())
@@ -313,3 +315,60 @@ def test_cache_file_never_holds_the_key(server, keys, tmp_path):
     assert tool("q").ok
     assert KEY.encode() not in (tmp_path / "tool_cache.sqlite").read_bytes()
     assert KEY not in tool.fingerprint
+
+
+# ---- what the web tools refuse to reach -----------------------------------------------------------
+def test_browse_refuses_loopback_private_and_metadata_addresses_unless_allowed():
+    from rubricem_core.tools.web import RefusedURL, public_only
+
+    check = public_only()
+    for url in (
+        "http://127.0.0.1:8080/",
+        "http://localhost/",
+        "http://10.0.0.5/",
+        "http://192.168.1.1/",
+        "http://169.254.169.254/latest/meta-data/",  # cloud metadata
+        "http://[::1]/",
+        "http://[::ffff:127.0.0.1]/",
+        "file:///etc/passwd",
+    ):
+        with pytest.raises(RefusedURL):
+            check(url)
+    public_only([ipaddress.ip_network("127.0.0.0/8")])("http://127.0.0.1:8080/")  # allowed by name
+
+
+def test_a_page_that_redirects_to_an_internal_address_is_refused_before_anything_reaches_it():
+    from tests.fakes.redirect_server import RecordingServer
+
+    with RecordingServer("127.0.0.2", body="internal-only metadata") as internal:
+        with RecordingServer("127.0.0.1", redirect_to=internal.url("/secret")) as hostile:
+            book = UrlBook()
+            book.add("Wevil", hostile.url("/page"))
+            # the page's own address is allowed (it stands for a public site); the target is not
+            result = WebBrowseTool(urls=book, allow_networks=["127.0.0.1/32"], backoff_s=0.0)("Wevil")
+    assert not result.ok and "127.0.0.2" in result.text and "non-public" in result.text
+    assert "internal-only metadata" not in result.text
+    assert internal.requests == [] and len(hostile.requests) == 1
+
+
+def test_an_api_key_never_follows_a_redirect_to_another_host(monkeypatch):
+    from tests.fakes.redirect_server import RecordingServer
+
+    monkeypatch.setenv("SERPER_API_KEY", KEY)
+    with RecordingServer("127.0.0.2", body="{}") as elsewhere:
+        with RecordingServer("127.0.0.1", redirect_to=elsewhere.url("/search")) as api:
+            result = SerperSearchTool(base_url=api.url("").rstrip("/"), backoff_s=0.0, max_retries=0)("a query")
+    assert not result.ok and "another host" in result.text and KEY not in result.text
+    assert elsewhere.requests == []  # the key header went nowhere but its own host
+    assert api.requests[0][2]["x-api-key"] == KEY
+
+
+def test_browse_follows_a_redirect_to_an_allowed_address():
+    from tests.fakes.redirect_server import RecordingServer
+
+    with RecordingServer("127.0.0.1", body="plain text page") as site:
+        with RecordingServer("127.0.0.1", redirect_to=site.url("/moved")) as first:
+            book = UrlBook()
+            book.add("Wmoved", first.url("/old"))
+            page = WebBrowseTool(urls=book, allow_networks=["127.0.0.0/8"], backoff_s=0.0)("Wmoved")
+    assert page.ok and "plain text page" in page.text and site.requests[0][1] == "/moved"

@@ -43,7 +43,15 @@ KIND_ARGS: dict[str, tuple[str, ...]] = {
         "max_retries",
         "backoff_s",
     ),
-    "web_browse": ("max_chars", "max_bytes", "timeout_s_http", "max_retries", "backoff_s", "user_agent"),
+    "web_browse": (
+        "max_chars",
+        "max_bytes",
+        "timeout_s_http",
+        "max_retries",
+        "backoff_s",
+        "user_agent",
+        "allow_networks",
+    ),
     "mcp": ("server", "tool_name", "argument_name", "description", "extra_arguments", "id_prefix", "max_snippet_chars"),
 }
 _REQUIRED_ARGS = {"mcp": ("server", "tool_name")}

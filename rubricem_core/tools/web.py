@@ -9,19 +9,29 @@ the same page keeps its id), Semantic Scholar papers ``S2:<paperId>``. Search to
 id → URL in a shared ``UrlBook``; ``WebBrowseTool`` opens only pages a search returned. Each snippet
 ends with ``URL: …`` so the policy sees the source and a cached result can refill the book
 (``observe``).
+
+Redirects are followed by hand, each hop checked before it is sent: an API tool follows only redirects
+to its own host (its key header never travels to another), and ``WebBrowseTool`` resolves every hop's
+host and refuses loopback, private, link-local (the cloud metadata address among them), multicast and
+reserved addresses unless the spec allows a named network (``allow_networks``): a page cannot make the
+agent read the host's or the cluster's internal services.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import ipaddress
 import json
 import os
 import re
+import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from html.parser import HTMLParser
 from typing import Any, Literal, overload
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 
@@ -49,6 +59,50 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 _SNIPPET = re.compile(r'<snippet id="([^"]+)">(.*?)</snippet>', re.DOTALL)
 _URL_LINE = re.compile(r"\nURL: (\S+)$")
 _MAX_RETRY_AFTER_S = 30.0
+_MAX_REDIRECTS = 5
+_REDIRECT_STATUS = {301, 302, 303, 307, 308}
+
+
+class RefusedURL(httpx.HTTPError):
+    """A URL (a redirect's target too) that this tool must not fetch."""
+
+
+def same_host_only(origin: str) -> Callable[[str], None]:
+    """A redirect check: the target keeps the origin's scheme, host and port (an API key stays at its host)."""
+    first = urlsplit(origin)
+
+    def check(url: str) -> None:
+        target = urlsplit(url)
+        if (target.scheme, target.hostname, target.port) != (first.scheme, first.hostname, first.port):
+            raise RefusedURL(f"redirect to another host refused ({target.hostname or url!r})")
+
+    return check
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def public_only(allow: Sequence[Network] = ()) -> Callable[[str], None]:
+    """A URL check: http(s), and every address its host resolves to is public (or inside ``allow``)."""
+
+    def check(url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RefusedURL(f"only http(s) URLs are fetched, not {url[:80]!r}")
+        try:
+            infos = socket.getaddrinfo(parts.hostname, parts.port or 443, proto=socket.IPPROTO_TCP)
+        except socket.gaierror as exc:
+            raise RefusedURL(f"cannot resolve {parts.hostname}: {exc}") from exc
+        for info in infos:
+            address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+            mapped = getattr(address, "ipv4_mapped", None)
+            address = mapped or address
+            if any(address in net for net in allow):
+                continue
+            if not address.is_global or address.is_multicast:
+                raise RefusedURL(f"{parts.hostname} resolves to {address}, a non-public address (refused)")
+
+    return check
 
 
 def url_id(url: str, prefix: str = "W") -> str:
@@ -124,7 +178,8 @@ class _HttpTool(Tool):
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
         self._secrets = [s for s in secrets if s]
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), follow_redirects=True)
+        # redirects by hand (_send): every hop is checked before it is sent
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), follow_redirects=False)
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
@@ -134,12 +189,29 @@ class _HttpTool(Tool):
     def _error(self, message: str) -> ToolResult:
         return error_result(self._scrub(message))
 
+    def _send(self, method: str, url: str, check: Callable[[str], None], **kwargs: Any) -> httpx.Response:
+        """One request, following up to _MAX_REDIRECTS redirects, each target passed by ``check`` first
+        (it raises RefusedURL); the response is read."""
+        check(url)
+        for _ in range(_MAX_REDIRECTS + 1):
+            response = self._client.request(method, url, **kwargs)
+            location = response.headers.get("location")
+            if response.status_code not in _REDIRECT_STATUS or not location:
+                return response
+            url = urljoin(url, location)
+            check(url)
+            if response.status_code in (301, 302, 303) and method != "HEAD":
+                method = "GET"
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("json", "data", "content")}
+        raise RefusedURL(f"more than {_MAX_REDIRECTS} redirects")
+
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        """Send with bounded retries; returns the last response or raises the last transport error."""
+        """Send with bounded retries; returns the last response or raises the last transport error. Redirects
+        only to the same host (the key header stays there)."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                response = self._client.request(method, url, **kwargs)
+                response = self._send(method, url, same_host_only(url), **kwargs)
             except httpx.TransportError:
                 if last:
                     raise
@@ -427,9 +499,15 @@ class WebBrowseTool(_HttpTool):
         backoff_s: float = 1.0,
         user_agent: str = "Mozilla/5.0 (compatible; rubricem-research-agent)",
         name: str = "browse",
+        allow_networks: Sequence[str] = (),
     ):
         if max_chars < 1 or max_bytes < 1:
             raise ToolError("WebBrowseTool: max_chars and max_bytes must be positive")
+        try:
+            allowed = [ipaddress.ip_network(n, strict=False) for n in allow_networks]
+        except ValueError as exc:
+            raise ToolError(f"WebBrowseTool: allow_networks: {exc}") from exc
+        self._check = public_only(allowed)
         super().__init__(name, timeout_s, max_retries, backoff_s, [])
         self.urls = urls if urls is not None else UrlBook()
         self.max_chars = int(max_chars)
@@ -460,6 +538,8 @@ class WebBrowseTool(_HttpTool):
             body, content_type = self._fetch(url)
         except httpx.TimeoutException:
             return self._error(f"browse {snippet_id}: request timed out")
+        except RefusedURL as exc:
+            return self._error(f"browse {snippet_id}: {exc}")
         except httpx.HTTPError as exc:
             return self._error(f"browse {snippet_id}: request failed: {type(exc).__name__}: {exc}")
         except _FetchError as exc:
@@ -476,35 +556,50 @@ class WebBrowseTool(_HttpTool):
         return ToolResult(text=format_search_results([(snippet_id, title, text)]), snippet_ids=[snippet_id])
 
     def _fetch(self, url: str) -> tuple[str, str]:
-        """(decoded body, content type); streams so a huge page stops at ``max_bytes``."""
+        """(decoded body, content type); streams so a huge page stops at ``max_bytes``. Redirects are followed
+        here, each hop resolved and checked (``public_only``) before anything is sent to it."""
         headers = {"User-Agent": self.user_agent, "Accept": "text/html,text/plain;q=0.9,*/*;q=0.5"}
+        self._check(url)
+        hops = 0
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                with self._client.stream("GET", url, headers=headers) as response:
-                    if response.status_code in _RETRY_STATUS and not last:
-                        delay = self._retry_delay(response, attempt)
-                    elif response.status_code != 200:
-                        raise _FetchError(f"HTTP {response.status_code}")
-                    else:
-                        content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-                        chunks, size = [], 0
-                        for chunk in response.iter_bytes():
-                            chunks.append(chunk)
-                            size += len(chunk)
-                            if size >= self.max_bytes:
-                                break
-                        raw = b"".join(chunks)[: self.max_bytes]
-                        try:
-                            return raw.decode(response.encoding or "utf-8", errors="replace"), content_type
-                        except LookupError:  # a charset Python does not know
-                            return raw.decode("utf-8", errors="replace"), content_type
+                while True:
+                    with self._client.stream("GET", url, headers=headers) as response:
+                        location = response.headers.get("location")
+                        if response.status_code in _REDIRECT_STATUS and location:
+                            hops += 1
+                            if hops > _MAX_REDIRECTS:
+                                raise RefusedURL(f"more than {_MAX_REDIRECTS} redirects")
+                            url = urljoin(url, location)
+                            self._check(url)
+                            continue
+                        if response.status_code in _RETRY_STATUS and not last:
+                            delay = self._retry_delay(response, attempt)
+                            break
+                        if response.status_code != 200:
+                            raise _FetchError(f"HTTP {response.status_code}")
+                        return self._read(response)
             except httpx.TransportError:
                 if last:
                     raise
                 delay = self.backoff_s * 2**attempt
             time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _read(self, response: httpx.Response) -> tuple[str, str]:
+        content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        chunks, size = [], 0
+        for chunk in response.iter_bytes():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= self.max_bytes:
+                break
+        raw = b"".join(chunks)[: self.max_bytes]
+        try:
+            return raw.decode(response.encoding or "utf-8", errors="replace"), content_type
+        except LookupError:  # a charset Python does not know
+            return raw.decode("utf-8", errors="replace"), content_type
 
 
 class _FetchError(Exception):
