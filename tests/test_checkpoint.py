@@ -130,6 +130,26 @@ def test_deepspeed_stop_and_resume_is_exact(tmp_path, deepspeed_ok, stage):
     assert (tmp_path / "ds" / "deepspeed").is_dir() and (tmp_path / "ds" / "rng_rank0.pt").is_file()
 
 
+class _Payload:
+    """A pickle that runs code when it is loaded without weights_only (what a hostile file on a shared volume does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_deepspeed_files_load_without_running_pickled_code(tmp_path, deepspeed_ok):
+    trainer = make_trainer(tiny_model(), cfg(backend="deepspeed", zero_stage=1))
+    hostile, marker = tmp_path / "optim_states.pt", tmp_path / "pwned"
+    torch.save({"optimizer_state_dict": _Payload(marker)}, hostile)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        trainer.engine.checkpoint_engine.load(str(hostile), map_location="cpu")
+    assert not marker.exists()
+    # DeepSpeed's own files still load: the resume test above runs through the same load
+
+
 def test_backend_mismatch_is_a_checkpoint_error(tmp_path, deepspeed_ok):
     torch_trainer = make_trainer(tiny_model(), cfg())
     torch_trainer.save(tmp_path / "t")

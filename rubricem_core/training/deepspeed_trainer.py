@@ -166,6 +166,7 @@ class DeepSpeedTrainer:
         self.engine, _, _, self.scheduler = self._ds.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
+        load_without_unpickling(self.engine)
         self.model: nn.Module = self.engine.module
         self.device = self.engine.device
         self.rank = torch.distributed.get_rank()
@@ -283,3 +284,29 @@ class DeepSpeedTrainer:
         if self.cfg.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict() or {}
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    """What DeepSpeed's checkpoints hold beyond tensors and plain containers, allowed by name for
+    ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_without_unpickling(engine: Any) -> None:
+    """DeepSpeed's torch checkpoint engine loads its files with ``torch.load(weights_only=False)``: a file put
+    on a shared runs volume would run code in every rank that resumes from it. Its ``load`` is replaced by one
+    with ``weights_only=True`` that admits only DeepSpeed's own classes by name."""
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is None:
+        return
+    allowed = _deepspeed_safe_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    checkpoint_engine.load = load
