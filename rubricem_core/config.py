@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from rubricem_core.redact import (
     MissingSecretError,
     hold_url_credentials,
+    is_block_name,
     is_env_var_name,
     is_secret_name,
     looks_like_secret,
@@ -203,8 +204,11 @@ class EndpointConfig(_Strict):
     @field_validator("api_key_secret_block")
     @classmethod
     def _names_a_block(cls, value: str | None) -> str | None:
-        if value is not None and looks_like_secret(value):
-            raise ValueError("must name a Prefect Secret block; the value given looks like the key itself")
+        if value is not None and not is_block_name(value):
+            raise ValueError(
+                "must name a Prefect Secret block (lowercase letters, digits and dashes, not a key's prefix such as "
+                "sk-); the value given is not one, and is not repeated here"
+            )
         return value
 
     @field_validator("api_base")

@@ -94,6 +94,16 @@ def is_env_var_name(value: str) -> bool:
     return bool(_ENV_NAME.match(value)) and not looks_like_secret(value)
 
 
+_BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")  # Prefect: lowercase letters, digits and dashes
+
+
+def is_block_name(value: str) -> bool:
+    """A Prefect block name that is not shaped like a key: a known key prefix is refused at any length (a
+    short ``sk-…`` is a key, not a name)."""
+    text = value.strip()
+    return bool(_BLOCK_NAME.match(text)) and not text.startswith(_KEY_PREFIXES) and not looks_like_secret(text)
+
+
 def redact_text(text: str) -> str:
     """Free text (a URL, an error message, a log line) with the credentials of every URL in it masked:
     ``https://user:pass@host/v1?api_key=k`` → ``https://user:***@host/v1?api_key=***``; a user part that looks

@@ -442,3 +442,19 @@ def test_a_size_past_its_bound_is_refused_naming_the_bound_and_why(key, value):
     assert f"{key}: {value:g} is over its bound {bound:,} ({why})" in str(err.value)
     assert "<root>" not in str(err.value)
     assert load_config("tiny", {key: bound})  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("value", ["sk-abc123", "sk-proj-x", "gsk_short", "OPENAI_KEY", "my block", "a" * 101])
+def test_a_secret_block_field_takes_only_a_block_name_and_never_echoes_the_value(value):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", {"judge.api_key_secret_block": value})
+    assert "must name a Prefect Secret block" in str(err.value)
+    if value.startswith(("sk", "gsk")):
+        assert value not in str(err.value)
+
+
+def test_a_secret_block_name_is_accepted():
+    assert load_config("gpu").teacher.api_key_secret_block == "openai-api-key"
+    assert (
+        load_config("tiny", {"judge.api_key_secret_block": "judge-key-2"}).judge.api_key_secret_block == "judge-key-2"
+    )
