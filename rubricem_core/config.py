@@ -26,6 +26,7 @@ from rubricem_core.redact import (
     is_env_var_name,
     is_secret_name,
     looks_like_secret,
+    redact_text,
     shown_value,
 )
 
@@ -560,7 +561,8 @@ class RolloutConfig(_Strict):
     def _no_secrets_in_server_env(cls, env: dict[str, str]) -> dict[str, str]:
         # recorded with the config; a secret here would land in config.yaml, MLflow and Prefect (never repeated)
         for name, value in env.items():
-            if is_secret_name(name) or looks_like_secret(str(value)):
+            # a URL with a password (postgres://u:pw@db/x) is a secret whatever the variable is called
+            if is_secret_name(name) or looks_like_secret(str(value)) or redact_text(str(value)) != str(value):
                 raise ValueError(
                     f"{name} looks like a secret: the config is recorded in the run directory, so secrets come from "
                     "this process's environment (which `vllm serve` inherits), never from rollout.server_env"

@@ -208,7 +208,15 @@ def test_a_refused_config_change_never_prints_a_key_like_value(tmp_path):
     assert key not in str(err.value)
 
 
-@pytest.mark.parametrize("env", [{"HF_TOKEN": "x"}, {"VLLM_API_KEY": "x"}, {"SOME_SETTING": "hf_{hex}"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HF_TOKEN": "x"},
+        {"VLLM_API_KEY": "x"},
+        {"SOME_SETTING": "hf_{hex}"},
+        {"DATABASE_URL": "postgres://u:pw{hex}@db/x"},  # a URL's password, whatever the variable's name
+    ],
+)
 def test_a_secret_in_server_env_is_refused_without_echo(env):
     env = {k: v.format(hex=secrets.token_hex(12)) for k, v in env.items()}
     with pytest.raises(ConfigError) as err:
