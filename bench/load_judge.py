@@ -1,10 +1,16 @@
-"""One judge step against a rate-limited endpoint: does the concurrent runner finish every judgment, pay
+"""One judge step against a limiting endpoint: does the concurrent runner finish every judgment, pay
 for few calls beyond those needed, and take about the time the limit allows?
 
-The endpoint is the fake OpenAI-compatible server (tests/fakes/openai_server.py) on 127.0.0.1: a token
-bucket admits `--rate` calls/s (a burst of one second's worth), answers the excess 429 with the time to
-the next token (`Retry-After`, and `retry-after-ms` as OpenAI sends it), answers 1% of admitted calls 500,
-and answers the rest with the built-in judge's reply after a latency (`--latency`, an LLM's seconds).
+The endpoint is the fake OpenAI-compatible server (tests/fakes/openai_server.py) on 127.0.0.1, in one of
+two shapes (`--shape`, default both, one after the other):
+- `rate`: a token bucket admits `--rate` calls/s (a burst of one second's worth) and answers the excess 429
+  with the time to the next token (`Retry-After`, and `retry-after-ms` as OpenAI sends it); ideal wall time:
+  calls needed / rate;
+- `slots`: `--slots` calls are answered at a time and every call beyond them gets 429 with `Retry-After: 1`
+  (a self-hosted server or a provider's concurrency cap); ideal wall time: calls needed × mean latency /
+  slots.
+Either answers 1% of admitted calls 500 and the rest with the built-in judge's reply after a latency
+(`--latency`, an LLM's seconds).
 The judge is the project's: `judge_step` over `--queries` × `--rollouts` rollouts (written by the built-in
 teacher with its tools, as in bench/judge_calls.py), `LLMJudge` with the `judge` section's defaults and
 `max_concurrency` 64 (the gpu/research profiles'), litellm pointed at the server by `api_base`.
@@ -13,7 +19,7 @@ Calls needed: the judge's logical calls (one per query and per rollout, plus rep
 wall time: calls needed / rate. The "before" run repeats the step with `adaptive_concurrency` off (a fixed
 pool of 64 calls, each backing off alone: the runner before issue #34) against a fresh server.
 
-    .venv/bin/python bench/load_judge.py [--queries 32] [--rollouts 8] [--rate 10] [--no-before]
+    .venv/bin/python bench/load_judge.py [--queries 32] [--rollouts 8] [--rate 10] [--slots 10] [--no-before]
     .venv/bin/python bench/load_judge.py --quick       # 8 queries, latency 0.2-0.6 s: seconds
     .venv/bin/python bench/load_judge.py --no-adaptive # the before run alone
 """
@@ -28,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,6 +73,7 @@ class Outcome:
     wait_s: float
 
     def ideal_s(self, rate: float) -> float:
+        """``rate``: the calls per second the endpoint sustains (a slots endpoint: slots / mean latency)."""
         return self.needed / rate
 
     def line(self, label: str, rate: float) -> str:
@@ -92,6 +100,7 @@ def judge_under_load(
     error_rate: float,
     adaptive: bool,
     seed: int,
+    slots: int | None = None,
 ) -> Outcome:
     rng, lock = random.Random(seed), threading.Lock()
 
@@ -101,12 +110,16 @@ def judge_under_load(
         time.sleep(delay)
         return builtin_judge_reply(body["messages"], body)
 
-    limit = RateLimit(per_second=rate, retry_after="ms")
-    with FakeOpenAIServer(reply, api_key="bench", rate_limit=limit, server_error_rate=error_rate, seed=seed) as server:
+    shape: dict[str, Any] = (
+        {"rate_limit": RateLimit(per_second=rate, retry_after="ms")}
+        if slots is None
+        else {"concurrency_limit": slots, "concurrency_retry_after": {"Retry-After": "1"}}
+    )
+    with FakeOpenAIServer(reply, api_key="bench", server_error_rate=error_rate, seed=seed, **shape) as server:
         cfg = JudgeConfig(model="openai/judge", api_base=server.base_url, max_concurrency=CONCURRENCY)
         settings = endpoint_settings(cfg, api_key="bench")
         settings.adaptive_concurrency = adaptive
-        judge = LLMJudge(settings, JudgeOptions.from_config(cfg, seed=seed, require_min_rubrics=True))
+        judge = LLMJudge(settings, JudgeOptions.from_config(cfg, seed=seed))
         buffers = {q["query_id"]: RubricBuffer.from_query(q["query_id"], q["rubrics"]) for q in queries}
         reset_endpoint_states()  # every run starts from the endpoint's first call
         started = time.monotonic()
@@ -132,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--queries", type=int, default=32)
     parser.add_argument("--rollouts", type=int, default=8, help="rollouts per query")
-    parser.add_argument("--rate", type=float, default=10.0, help="calls per second the endpoint admits")
+    parser.add_argument("--rate", type=float, default=10.0, help="rate shape: calls per second the endpoint admits")
+    parser.add_argument("--slots", type=int, default=10, help="slots shape: calls the endpoint answers at a time")
+    parser.add_argument("--shape", choices=["rate", "slots", "both"], default="both")
     parser.add_argument("--latency", default="0.5,1.5", help="seconds an admitted call takes: low,high")
     parser.add_argument("--error-rate", type=float, default=0.01, help="share of admitted calls answered 500")
     parser.add_argument("--seed", type=int, default=0)
@@ -156,27 +171,39 @@ def main() -> None:
         )
         for q in queries
     ]
-    print(
-        f"one judge step: {args.queries} queries x {args.rollouts} rollouts, max_concurrency {CONCURRENCY}; endpoint "
-        f"admits {args.rate:g} calls/s (burst {args.rate:g}), 429 + retry-after-ms beyond, {args.error_rate:.0%} "
-        f"500s, latency {low:g}-{high:g}s"
-    )
-    common = dict(rate=args.rate, latency=(low, high), error_rate=args.error_rate, seed=args.seed)
-    before = None
-    if args.no_adaptive or not args.no_before:
-        before = judge_under_load(groups, queries, adaptive=False, **common)
-        print(before.line("before (fixed 64, each call backs off alone)", args.rate))
-    after = None if args.no_adaptive else judge_under_load(groups, queries, adaptive=True, **common)
-    shown = after or before
-    assert shown is not None
-    if after is not None:
-        print(after.line("adaptive (AIMD in-flight limit, shared Retry-After pause)", args.rate))
-    ratio = shown.wall_s / shown.ideal_s(args.rate)
-    print(
-        f"figure: load_judge_wall={ratio:.2f} x ideal  goal: <= {WALL_GOAL} x ideal, <= {CALLS_GOAL} calls per call "
-        f"needed ({shown.made}/{shown.needed}), every judgment done ({shown.failed} failed)  "
-        f"met: {'yes' if shown.met(args.rate) else 'no'}"
-    )
+    mean_latency = (low + high) / 2
+    figures = []
+    for shape in ("rate", "slots") if args.shape == "both" else (args.shape,):
+        slots = args.slots if shape == "slots" else None
+        # the calls per second the endpoint sustains: its rate, or its slots each busy for a mean latency
+        rate = args.rate if slots is None else args.slots / mean_latency
+        limit = (
+            f"admits {args.rate:g} calls/s (burst {args.rate:g}), 429 + retry-after-ms beyond"
+            if slots is None
+            else f"answers {args.slots} calls at a time, 429 + Retry-After: 1 beyond"
+        )
+        print(
+            f"\n[{shape}] one judge step: {args.queries} queries x {args.rollouts} rollouts, max_concurrency "
+            f"{CONCURRENCY}; endpoint {limit}, {args.error_rate:.0%} 500s, latency {low:g}-{high:g}s"
+        )
+        common = dict(rate=args.rate, latency=(low, high), error_rate=args.error_rate, seed=args.seed, slots=slots)
+        before = None
+        if args.no_adaptive or not args.no_before:
+            before = judge_under_load(groups, queries, adaptive=False, **common)
+            print(before.line("before (fixed 64, each call backs off alone)", rate))
+        after = None if args.no_adaptive else judge_under_load(groups, queries, adaptive=True, **common)
+        shown = after or before
+        assert shown is not None
+        if after is not None:
+            print(after.line("adaptive (AIMD in-flight limit, shared Retry-After pause)", rate))
+        figures.append((shape, shown, rate))
+    for shape, shown, rate in figures:
+        ratio = shown.wall_s / shown.ideal_s(rate)
+        print(
+            f"figure: load_judge_wall_{shape}={ratio:.2f} x ideal  goal: <= {WALL_GOAL} x ideal, <= {CALLS_GOAL} calls "
+            f"per call needed ({shown.made}/{shown.needed}), every judgment done ({shown.failed} failed)  "
+            f"met: {'yes' if shown.met(rate) else 'no'}"
+        )
 
 
 if __name__ == "__main__":

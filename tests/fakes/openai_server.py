@@ -32,7 +32,8 @@ Fault injection (all mutable attributes, change them between calls):
   that finds it empty gets 429 with the time to the next token as ``Retry-After`` (whole seconds,
   rounded up), ``retry-after-ms`` beside it, or an HTTP-date (``RateLimit.retry_after``).
 - ``concurrency_limit``: a chat call that arrives while this many are being answered gets 429 with
-  ``retry-after-ms: 20`` (an endpoint that serves a few calls at a time).
+  ``retry-after-ms: 20`` (an endpoint that serves a few calls at a time); ``concurrency_retry_after`` sets
+  other headers (``{"Retry-After": "1"}``: a whole second, as many such endpoints say).
 - ``upload_errors``: like ``http_errors``, for the next file uploads (POST /v1/files).
 - ``server_error_rate``: the share of admitted chat calls answered 500 instead (seeded by ``seed``).
 - ``expire_next_batch``: the next created batch ends "expired" with output for only the first
@@ -132,6 +133,7 @@ class FakeOpenAIServer:
         http_errors: Iterable[int | tuple[int, dict[str, Any]]] = (),
         rate_limit: RateLimit | None = None,
         concurrency_limit: int | None = None,
+        concurrency_retry_after: dict[str, str] | None = None,
         upload_errors: Iterable[int | tuple[int, dict[str, Any]]] = (),
         server_error_rate: float = 0.0,
         seed: int = 0,
@@ -156,6 +158,7 @@ class FakeOpenAIServer:
         self.http_errors: collections.deque[int | tuple[int, dict[str, Any]]] = collections.deque(http_errors)
         self.rate_limit = rate_limit
         self.concurrency_limit = concurrency_limit
+        self.concurrency_retry_after = concurrency_retry_after or {"Retry-After": "1", "retry-after-ms": "20"}
         self.upload_errors: collections.deque[int | tuple[int, dict[str, Any]]] = collections.deque(upload_errors)
         self.server_error_rate = server_error_rate
         self._rng = random.Random(seed)
@@ -292,7 +295,7 @@ class FakeOpenAIServer:
             self.chat_events.append(event)
             injected = self.http_errors.popleft() if self.http_errors else None
             if injected is None and self.concurrency_limit is not None and self.in_flight >= self.concurrency_limit:
-                injected = (429, {"Retry-After": "1", "retry-after-ms": "20"})
+                injected = (429, dict(self.concurrency_retry_after))
             wait = self._take_token() if injected is None else None
             admitted = injected is None and wait is None
             if admitted:
