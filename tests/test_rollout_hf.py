@@ -367,6 +367,23 @@ def test_tool_failures_become_error_outputs_and_the_row_continues(model, tok, to
     _check_views(tok, traj)
 
 
+def test_an_exception_out_of_the_environment_is_logged_and_named_in_the_row(model, tok, caplog, monkeypatch):
+    def broken(self, call):  # a bug in the environment itself, not a tool's failure (tools report those)
+        raise KeyError("lost the budget")
+
+    monkeypatch.setattr(ToolEnv, "execute", broken)  # rows run a copy of the environment: patch the class
+    env = ToolEnv({"search": _Raising()}, max_calls=3)
+    script = Script(tok, {"r": ['<call_tool name="search">q</call_tool>', FINISH.format(id="D1")]})
+    engine = HFRolloutEngine(model, tok, tool_names=None, forced_policy=script, tool_timeout_s=5)
+    with caplog.at_level("WARNING", logger="rubricem_core.rollout.rows"):
+        traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling(max_new_tokens=300))], env)[
+            0
+        ][0]
+    [output] = _tool_texts(traj)
+    assert "tool search raised KeyError: 'lost the budget'" in output and "NoneType" not in output
+    assert any(r.exc_info and "raised" in r.getMessage() for r in caplog.records)
+
+
 # ---- finish reasons -------------------------------------------------------------------------------
 
 

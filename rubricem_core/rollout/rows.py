@@ -21,6 +21,7 @@ Requests with ``scaffold=False`` (free text, e.g. reflections) end only at eos, 
 from __future__ import annotations
 
 import bisect
+import logging
 import random
 import threading
 import time
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rubricem_core.encoding import TOOL_OUTPUT_STAGE, encode_tool_output
+from rubricem_core.redact import redact_text
 from rubricem_core.rollout.types import (
     ANSWERED,
     ERROR,
@@ -41,6 +43,8 @@ from rubricem_core.rollout.types import (
 from rubricem_core.scaffold import TOOL_CALL_CLOSE, TOOL_OUTPUT_CLOSE, StreamParser, ToolCall, format_tool_output
 from rubricem_core.tools.base import ToolEnv, ToolResult, error_result
 from rubricem_core.trajectory import TokenTrajectory
+
+log = logging.getLogger(__name__)
 
 _TOOL_OUTPUT_OPEN = "<tool_output>"
 MALFORMED_CALL_MESSAGE = 'malformed tool call; write <call_tool name="search">query</call_tool>'
@@ -370,7 +374,7 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
             continue
 
         def work(i: int = i, env: ToolEnv = row.env, call: ToolCall = call) -> None:
-            results[i] = env.execute(call)
+            results[i] = execute_call(env, call)
 
         thread = threading.Thread(target=work, name=f"rollout-tool-{i}", daemon=True)
         thread.start()
@@ -382,6 +386,16 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
             if worker.is_alive():
                 results[i] = error_result(f"tool timed out after {timeout_s:g} s")
         row.add_tool_result(results[i])
+
+
+def execute_call(env: ToolEnv, call: ToolCall) -> ToolResult:
+    """``env.execute(call)``; an exception escaping it (a bug: tools report trouble as error results) is
+    logged with its traceback and becomes the row's tool error naming it, not a bare ``None``."""
+    try:
+        return env.execute(call)
+    except Exception as exc:
+        log.warning("tool call %r (%r) raised", call.name, call.query[:80], exc_info=True)
+        return error_result(redact_text(f"tool {call.name or '?'} raised {type(exc).__name__}: {exc}")[:500])
 
 
 def checked_tool_result(result: Any) -> ToolResult:

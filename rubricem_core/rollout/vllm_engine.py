@@ -91,7 +91,7 @@ from typing import Any
 import torch
 
 from rubricem_core.rollout.batch import GroupHook, RowBatch, allowed_tools, default_stop_ids
-from rubricem_core.rollout.rows import RowState, run_tool_calls
+from rubricem_core.rollout.rows import RowState, execute_call, run_tool_calls
 from rubricem_core.rollout.types import ERROR, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STOP_STRINGS
 from rubricem_core.tools.base import ToolEnv, error_result
@@ -355,11 +355,7 @@ class VLLMRolloutEngine:
             tools[i] = (time.monotonic() + self.tool_timeout_s, ticket)
 
             def work(env: ToolEnv = row.env) -> None:
-                try:
-                    result: Any = env.execute(call)
-                except Exception:  # as run_tool_calls: the row gets "tool returned NoneType"
-                    result = None
-                events.put(("tool", i, ticket, result))
+                events.put(("tool", i, ticket, execute_call(env, call)))  # logs and names what a tool raised
 
             threading.Thread(target=work, name=f"rollout-tool-{i}", daemon=True).start()
 
