@@ -343,7 +343,7 @@ def main() -> int:
                 )
             done = end
 
-        report(work, src.name, recipes, subs, sft, points, args, overrides, wall)
+        report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides, wall)
     return 0
 
 
@@ -452,7 +452,7 @@ def report_only(args: argparse.Namespace, recipes: list[str], overrides: dict[st
                 break
             ev["graded"] = graded(ev, sft)
             points[recipe].append({"step": end, **ev})
-    report(work, Path(args.run_dir).name, recipes, subs, sft, points, args, overrides)
+    report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides)
     return 0
 
 
