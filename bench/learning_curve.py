@@ -94,7 +94,7 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
                 "update_s": m.get("rl/update_seconds", m.get("update_seconds", math.nan)),
                 "reflection_gen_s": m.get("reflection/generate_seconds", math.nan),
                 "reflection_update_s": m.get("reflection_update/seconds", math.nan),
-                "push_s": m.get("weights/push_seconds", math.nan),
+                "push_s": m.get("rollout/push_seconds", math.nan),
             }
         )
     return rows

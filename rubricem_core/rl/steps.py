@@ -98,8 +98,11 @@ def sample_step(
     """Sample a group per query with the weights after the step before and the real tools. With
     `judge.stream` each query's group is handed to the step's StreamingJudge the moment it ends (kept on
     the session for the judge task), so judging overlaps the groups still sampling."""
-    ensure_engine_weights(session, plan.step - 1, cfg)
+    pushed = time.perf_counter()
+    ensure_engine_weights(session, plan.step - 1, cfg)  # the last update's weights into the engine (the push)
+    push_seconds = time.perf_counter() - pushed
     guidance, metrics = bank_guidance(session, cfg, plan, queries)
+    metrics["rollout/push_seconds"] = push_seconds
     requests = rollout_requests(session.tokenizer, cfg, plan, queries, guidance)
     progress = Progress(
         f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log_line, every_s=30.0
