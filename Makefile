@@ -43,9 +43,10 @@ endif
 # Does it learn? The `learn` profile from scratch: teacher data, SFT of SmolLM2-135M, then 24 RL steps of
 # `ss_grpo` and of `full` with held-out evaluations on two graders (~2 h on 2 idle cores; docs/learning.md).
 # Resumable: rerun it after a kill. Ends with the table and the PNG's path (in $(LEARN_DIR)).
+# MALLOC_ARENA_MAX=2: the flow's threads each grow a glibc arena; on 24 GB the curve has no memory to spare.
 learn: $(STAMP)
 	bash scripts/vllm_cpu_env.sh
-	$(PY) bench/learning_curve.py --profile learn --work-dir $(LEARN_DIR) --steps 24 --eval-every 12
+	MALLOC_ARENA_MAX=2 $(PY) bench/learning_curve.py --profile learn --work-dir $(LEARN_DIR) --steps 24 --eval-every 12
 
 # Everything but the `slow` tests (flows end to end, Prefect servers, torchrun ranks): the quick loop while editing
 test-fast: $(STAMP)
