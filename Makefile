@@ -41,7 +41,7 @@ ifeq ($(VLLM_TESTS),1)
 endif
 
 # Does it learn? The `learn` profile from scratch: teacher data, SFT of SmolLM2-135M, then 24 RL steps of
-# `ss_grpo` and of `full` with held-out evaluations on two graders (~2 h on 2 idle cores; docs/learning.md).
+# `ss_grpo` and of `full` with held-out evaluations on two graders (~2.5 h on 2 idle cores; docs/learning.md).
 # Resumable: rerun it after a kill. Ends with the table and the PNG's path (in $(LEARN_DIR)).
 # MALLOC_ARENA_MAX=2: the flow's threads each grow a glibc arena; on 24 GB the curve has no memory to spare.
 learn: $(STAMP)
