@@ -524,13 +524,15 @@ def test_load_policy_reads_an_intact_checkpoint(saved_checkpoint, tiny_dir):
 
 @pytest.mark.parametrize("with_meta", [False, True], ids=["converted_dir", "checkpoint_same_size"])
 def test_load_policy_wraps_a_corrupt_weight_file_naming_the_directory(saved_checkpoint, tiny_dir, tmp_path, with_meta):
-    if with_meta:  # same size as recorded: only safetensors itself can tell
+    if with_meta:  # same size as recorded: the SHA-256 checkpoint.json records tells
         broken = shutil.copytree(saved_checkpoint, tmp_path / "final")
         size = (broken / "model.safetensors").stat().st_size
         (broken / "model.safetensors").write_bytes(b"\xff" * size)
-    else:  # no checkpoint.json (a converted or built model): nothing to check sizes against
+        expected = "model.safetensors is corrupt: its SHA-256 is not the one checkpoint.json records"
+    else:  # no checkpoint.json (a converted or built model): only safetensors itself can tell
         broken = shutil.copytree(tiny_dir, tmp_path / "converted")
         assert not (broken / "checkpoint.json").exists()
         truncate(broken / "model.safetensors")
-    with pytest.raises(PolicyLoadError, match=f"cannot load policy directory {broken}: SafetensorError"):
+        expected = f"cannot load policy directory {broken}: SafetensorError"
+    with pytest.raises(PolicyLoadError, match=expected):
         load_policy(broken)
