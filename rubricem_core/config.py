@@ -1096,15 +1096,9 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _token_budgets_fit(self) -> Any:
-        problems = token_budget_problems(self)
-        if problems:
-            raise ValueError("\n    ".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _work_within_bounds(self) -> Any:
-        problems = bound_problems(self)
+    def _sizes_fit(self) -> Any:
+        # micro-batch budgets that hold the longest sequences, and every size within its bound
+        problems = token_budget_problems(self) + bound_problems(self)
         if problems:
             raise ValueError("\n    ".join(problems))
         return self
