@@ -11,7 +11,7 @@ VLLM_TESTS ?= 1
 
 LEARN_DIR ?= runs/learn
 
-.PHONY: install run test test-fast lint clean-run learn
+.PHONY: install run test test-fast lint docs clean-run learn
 
 install: $(STAMP)
 
@@ -60,6 +60,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check --output-format concise . || status=1; \
 	$(VENV)/bin/mypy rubricem_core || status=1; \
 	exit $$status
+
+# The documentation site (mkdocs-material, pinned in the `dev` extra) into site/, warnings as errors (broken
+# links and anchors too). The configuration reference is written from the pydantic models first.
+docs: $(STAMP)
+	$(PY) -m rubricem_core.config_reference > docs/reference/configuration.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 clean-run:
 	rm -rf $(RUN_DIR)

@@ -24,7 +24,7 @@ CORE = "rubricem_core"
 # The core's rooms (a subpackage, or a top-level module) floor by floor, from the bottom up. A room
 # imports only rooms on its own floor or below (rooms on one floor may import each other one way: the
 # cycle test forbids the round trip). Derived from the imports of #35 (`python tests/test_layers.py`
-# prints them); README's Layout section names the floors.
+# prints them); docs/layout.md names the floors.
 CORE_LAYERS: list[list[str]] = [
     # 0 plumbing and formats: secrets, offline defaults, processes, seeds, run-directory paths, table schemas
     # stand_ins: the registry of offline stand-ins, which loads sim/ lazily by name (no import edge)
@@ -32,7 +32,7 @@ CORE_LAYERS: list[list[str]] = [
     # 1 data: the Parquet store, query readers and splits, corpus, tools, trajectories
     ["store", "splits", "corpus", "readers", "filtering", "trajectory", "ssgrpo", "tools", "embedders"],
     # 2 the run's config and what reads it flat: SQL, MLflow tracking, recipes, token batches
-    ["config", "sql", "tracking", "recipes", "batching", "encoding", "relabel"],
+    ["config", "sql", "tracking", "recipes", "batching", "encoding", "relabel", "config_reference"],
     # 3 the run directory's own config and lock, LLM clients, the research environment, log-probs
     ["run_config", "runlock", "llm", "environment", "logprobs"],
     # 4 the judge; trainers and their ranks (distributed/: process groups, shards, memory plans)

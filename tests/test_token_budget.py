@@ -225,5 +225,5 @@ def test_the_rules_are_documented_where_the_fields_are():
 
     assert "rollout.max_total_tokens" in (RLConfig.model_fields["max_tokens_per_batch"].description or "")
     assert "policy.max_seq_len" in (SFTConfig.model_fields["max_tokens_per_batch"].description or "")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert re.search(r"rl\.max_tokens_per_batch` ≥ `rollout\.max_total_tokens", readme)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert re.search(r"rl\.max_tokens_per_batch` ≥ `rollout\.max_total_tokens", page)

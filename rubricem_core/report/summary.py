@@ -11,15 +11,16 @@ from typing import Any
 PROFILE_NOTES: dict[str, tuple[str, str | None]] = {
     "tiny": (
         "tiny is a plumbing check: every stage runs offline in minutes, but its policy is a random-init "
-        "2-layer model that cannot learn on CPU to copy document ids, so valid_scaffold_rate and the scores "
-        "stay near 0 by design. The small profile (SmolLM2-135M, about two hours of SFT on 2 cores) is the CPU "
-        "profile that writes valid scaffolds after SFT.",
+        "model that cannot learn on CPU to copy document ids, so valid_scaffold_rate and the scores stay near 0 "
+        "by design. The small profile (the pretrained SmolLM2-135M) is the CPU profile that writes valid "
+        "scaffolds after SFT; the learn profile (make learn) measures what RL adds to them.",
         "rubricem run --run-dir runs/small --profile small",
     ),
     "small": (
         "small fine-tunes a real pretrained 135M model on the synthetic world: valid scaffolds after SFT are "
         "expected (docs/sft_tiny_validity.md); its few RL steps show that training runs, not what RL gains. "
-        "That needs the gpu profile on GPU nodes (deployments/gpu/README.md).",
+        "That needs the learn profile's curve (make learn, docs/learning.md) or the gpu profile on GPU nodes "
+        "(deployments/gpu/README.md).",
         None,
     ),
 }
