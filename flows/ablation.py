@@ -48,13 +48,14 @@ def prepare_recipe_run(run_dir: str, recipe: str) -> str:
     """``<run_dir>/ablation/<recipe>`` with the parent's inputs and SFT policy (copied once): the queries,
     the corpus and, when collected, the teacher's reflections (they warm the reflection bank of the
     recipes that reflect, ``reflection.warm_bank``; without them a sub run's bank starts empty)."""
-    parent = RunLayout(run_dir)
+    parent_store = RunStore(run_dir)
+    parent = parent_store.layout
     sub = RunLayout(parent.ablation_run_dir(recipe))
     for table in ("queries", "corpus"):
         _copy_once(parent.table_dir(table), sub.table_dir(table))
     if parent.table_dir("teacher_reflections").exists():
         _copy_once(parent.table_dir("teacher_reflections"), sub.table_dir("teacher_reflections"))
-    _copy_once(start_policy(RunStore(run_dir)), sub.sft_final)
+    _copy_once(start_policy(parent_store), sub.sft_final)
     return str(sub.root)
 
 

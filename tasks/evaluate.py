@@ -22,9 +22,7 @@ from rubricem_core.eval.benchmark import (
     reflection_validity_rows,
 )
 from rubricem_core.llm.endpoints import endpoint_for
-from rubricem_core.policy.loading import auto_device, load_policy
-from rubricem_core.rl.session import completed_step, newest_checkpoint
-from rubricem_core.rollout.factory import make_engine
+from rubricem_core.rollout.factory import checkpoint_engine
 from rubricem_core.store import RunStore
 from tasks.inputs import search_env
 from tasks.readback import parquet_task, read_back
@@ -36,32 +34,13 @@ _ENGINES: dict[tuple[str, str], tuple[Any, Any]] = {}
 _ENGINE_LOCK = threading.Lock()
 
 
-def default_checkpoint(run_dir: str) -> Path:
-    """The newest RL checkpoint of a finished step (the last step's once RL is over: it always writes
-    one; mid-run, the newest of rl.checkpoint_every's), else the SFT policy."""
-    store = RunStore(run_dir)
-    step = newest_checkpoint(store, completed_step(store))
-    path = store.layout.rl_step_checkpoint(step) if step >= 0 else store.layout.sft_final
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint"
-        )
-    return path
-
-
 def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
     """(engine, tokenizer) for a checkpoint, loaded once per process (benchmarks share it)."""
     key = (str(Path(checkpoint).resolve()), cfg.rollout.engine)
     with _ENGINE_LOCK:
         if key not in _ENGINES:
             _close_engines()  # one policy in memory at a time
-            # vLLM loads its own copy from the directory: the HF one is only its tokenizer's source.
-            device = "cpu" if cfg.rollout.engine in ("vllm", "vllm_server") else auto_device()
-            model, tokenizer = load_policy(checkpoint, dtype=cfg.policy.dtype, device=device)
-            # vllm_server: the RL fleet's layout and schedule, serving the evaluated checkpoint's own weights
-            log = Path(checkpoint).resolve().parent / f".{Path(checkpoint).name}.vllm-eval.log"
-            engine = make_engine(cfg, checkpoint, tokenizer, model=model, log_path=log, push=False)
-            _ENGINES[key] = (engine, tokenizer)
+            _ENGINES[key] = checkpoint_engine(cfg, checkpoint)
         return _ENGINES[key]
 
 

@@ -338,11 +338,12 @@ def test_a_query_without_reference_is_recorded_ungraded(monkeypatch):
 def test_race_without_the_reference_path_names_the_config_field():
     from rubricem_core.config import load_config
     from rubricem_core.eval.benchmark import eval_queries
+    from rubricem_core.store import RunStore
 
     cfg = load_config("tiny", {"eval.drb_grading": "race"})
     cfg.eval.paths.pop("deep_research_bench_reference", None)
     with pytest.raises(EvalError, match=r"eval.paths.deep_research_bench_reference"):
-        eval_queries("unused", cfg, "deep_research_bench")
+        eval_queries(RunStore("unused"), cfg, "deep_research_bench")
 
 
 def test_the_reader_finds_references_in_the_shared_data(shared_data):

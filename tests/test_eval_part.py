@@ -85,10 +85,12 @@ def _evaluate(run: Path, cfg: RunConfig, calls: Calls):
 )
 def test_the_settings_digest_follows_what_produces_the_rows(run: Path, override: dict, changes: bool) -> None:
     checkpoint = str(run / "checkpoints" / "sft" / "final")
-    base = plan_part(run, load_config("tiny", SMALL), checkpoint, "synthetic", "none")
-    assert base.settings == plan_part(run, load_config("tiny", SMALL), checkpoint, "synthetic", "none").settings
+    base = plan_part(RunStore(run), load_config("tiny", SMALL), checkpoint, "synthetic", "none")
+    assert (
+        base.settings == plan_part(RunStore(run), load_config("tiny", SMALL), checkpoint, "synthetic", "none").settings
+    )
     assert base.tag == "sft" and base.name == "sft--synthetic--none" and len(base.queries) == 2
-    other = plan_part(run, load_config("tiny", {**SMALL, **override}), checkpoint, "synthetic", "none")
+    other = plan_part(RunStore(run), load_config("tiny", {**SMALL, **override}), checkpoint, "synthetic", "none")
     assert (other.settings != base.settings) == changes
 
 

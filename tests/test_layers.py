@@ -43,9 +43,9 @@ CORE_LAYERS: list[list[str]] = [
     ["reflection", "sft", "teacher"],
     # 7 the RL loop and evaluation
     ["rl", "eval"],
-    # 8 reports over everything; the offline stand-ins (sim/: the synthetic world, the scripted teacher,
+    # 8 reports over everything, `rubricem ask` (a checkpoint on one question); the offline stand-ins (sim/: the synthetic world, the scripted teacher,
     # judge and grader, the fake provider, the tiny policy), which the method reaches only through stand_ins
-    ["report", "sim"],
+    ["report", "sim", "ask"],
 ]
 
 # RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ (#35: one RunStore

@@ -35,6 +35,7 @@ from rubricem_core.eval.run import (
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
+from rubricem_core.rl.session import completed_step, newest_checkpoint
 from rubricem_core.rollout.types import SamplingParams
 from rubricem_core.schemas import Query, queries_from_table
 from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed
@@ -61,6 +62,18 @@ def bank_location(run_dir: str | Path, cfg: RunConfig, retrieval: str) -> Path:
             "(run RL with a reflection recipe, or set eval.bank_dir)"
         )
     return directory
+
+
+def default_checkpoint(store: RunStore) -> Path:
+    """The newest RL checkpoint of a finished step (the last step's once RL is over: it always writes
+    one; mid-run, the newest of rl.checkpoint_every's), else the SFT policy."""
+    step = newest_checkpoint(store, completed_step(store))
+    path = store.layout.rl_step_checkpoint(step) if step >= 0 else store.layout.sft_final
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint"
+        )
+    return path
 
 
 def load_bank(run_dir: str | Path, cfg: RunConfig, retrieval: str) -> ReflectionBank | None:
@@ -113,13 +126,13 @@ def race_grading(cfg: RunConfig, benchmark: str) -> bool:
     return family_of(benchmark) == "dimension_criteria" and cfg.eval.protocol_for(benchmark) == "race"
 
 
-def eval_queries(run_dir: str | Path, cfg: RunConfig, benchmark: str) -> list[Query]:
+def eval_queries(store: RunStore, cfg: RunConfig, benchmark: str) -> list[Query]:
     """The queries ``benchmark`` is evaluated on: the run's held-out split for the synthetic world, else
     the benchmark's file (eval.paths), eval.max_queries of them chosen per eval.sample."""
     if family_of(benchmark) == "synthetic":
-        held_out = [q for q in queries_from_table(RunStore(run_dir).read_table("queries")) if q.split == "eval"]
+        held_out = [q for q in queries_from_table(store.read_table("queries")) if q.split == "eval"]
         if not held_out:
-            raise EvalError(f"{run_dir}: the queries table has no 'eval' split to evaluate on")
+            raise EvalError(f"{store.run_dir}: the queries table has no 'eval' split to evaluate on")
         return select_queries(held_out, cfg.eval.max_queries, cfg.eval.sample, sample_seed(cfg))
     reference = None
     if race_grading(cfg, benchmark):
@@ -163,10 +176,11 @@ class EvalPart:
     settings: str  # the settings digest stored in every row
 
 
-def plan_part(run_dir: str | Path, cfg: RunConfig, checkpoint: str, benchmark: str, retrieval: str) -> EvalPart:
+def plan_part(store: RunStore, cfg: RunConfig, checkpoint: str, benchmark: str, retrieval: str) -> EvalPart:
     """The part's queries, sampling options and settings digest."""
+    run_dir = store.run_dir
     tag = checkpoint_tag(run_dir, checkpoint)
-    queries = eval_queries(run_dir, cfg, benchmark)
+    queries = eval_queries(store, cfg, benchmark)
     options = EvalOptions(
         samples_per_query=cfg.eval.samples_per_query,
         temperature=cfg.eval.temperature,
@@ -225,7 +239,7 @@ def evaluate_part(
     """Sample and grade one benchmark (``run_eval``), or read back its part when the settings match.
     ``engine``, ``grader`` and ``env`` are called only when sampling is due (the synthetic benchmark
     needs no grader)."""
-    part = plan_part(store.run_dir, cfg, checkpoint, benchmark, retrieval)
+    part = plan_part(store, cfg, checkpoint, benchmark, retrieval)
     if store.has(RESULTS_TABLE, {}, part.name):
         rows = store.read_table(RESULTS_TABLE, {}, part.name).to_pylist()
         if all(r.get("settings") == part.settings for r in rows):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rubricem_core.config import RunConfig
-from rubricem_core.policy.loading import load_policy
+from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.rollout.hf_engine import HFRolloutEngine
 from rubricem_core.rollout.types import RolloutError, StreamingRolloutEngine
 
@@ -63,6 +63,16 @@ def make_engine(
         model, _ = load_policy(str(model_dir), dtype=cfg.policy.dtype, device=device)
         model.requires_grad_(False)
     return HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
+
+
+def checkpoint_engine(cfg: RunConfig, checkpoint: str | Path) -> tuple[StreamingRolloutEngine, Any]:
+    """(engine, tokenizer) sampling a checkpoint's own weights, as evaluation and `rubricem ask` do: the
+    transformers engine on ``auto_device()``; vLLM (in process or the server fleet, with the RL fleet's layout
+    and schedule) loads its own copy from the directory, the HF one is then only its tokenizer's source."""
+    device = "cpu" if cfg.rollout.engine in ("vllm", "vllm_server") else auto_device()
+    model, tokenizer = load_policy(str(checkpoint), dtype=cfg.policy.dtype, device=device)
+    log = Path(checkpoint).resolve().parent / f".{Path(checkpoint).name}.vllm-eval.log"
+    return make_engine(cfg, checkpoint, tokenizer, model=model, log_path=log, push=False), tokenizer
 
 
 def fleet_engine(

@@ -39,6 +39,7 @@ from rubricem_core.rollout.types import (
     ForcedContext,
     RolloutRequest,
     SamplingParams,
+    TextPiece,
 )
 from rubricem_core.scaffold import TOOL_CALL_CLOSE, TOOL_OUTPUT_CLOSE, StreamParser, ToolCall, format_tool_output
 from rubricem_core.tools.base import ToolEnv, ToolResult, error_result
@@ -247,17 +248,19 @@ class RowState:
         self.gen_len += len(text)
         closed = False
         for piece, stage, is_tool in self.parser.feed(text):
-            self._add_piece(piece, stage)
+            self._add_piece(piece, stage, is_tool)
             if stage == "answer":
                 self.answer_opened = True
             if piece == TOOL_CALL_CLOSE and not is_tool:
                 closed = True
         return closed
 
-    def _add_piece(self, piece: str, stage: str) -> None:
+    def _add_piece(self, piece: str, stage: str, in_tool_output: bool) -> None:
         end = (self.piece_ends[-1] if self.piece_ends else 0) + len(piece)
         self.piece_ends.append(end)
         self.piece_stages.append(stage)
+        if self.request.on_text is not None:  # a live view (rubricem ask): each labelled piece as it is known
+            self.request.on_text(TextPiece(self.sample_index, piece, stage, in_tool_output))
 
     # ---- tools ------------------------------------------------------------------------------------
     def take_tool_call(self) -> ToolCall | None:
@@ -290,8 +293,8 @@ class RowState:
             )
             return
         self.blocks.append(Block("tool_output", self.gen_len, ids=ids, text=text))
-        for piece, stage, _ in self.parser.feed(text):
-            self._add_piece(piece, stage)
+        for piece, stage, in_tool_output in self.parser.feed(text):
+            self._add_piece(piece, stage, in_tool_output)
         self.gen_len += len(text)
         self.length += len(ids)
         self.n_outputs += 1
@@ -325,8 +328,8 @@ class RowState:
         """The finished row as a TokenTrajectory: one segment per run of (kind, stage)."""
         if self.turn is not None:  # a row cut by a budget mid-turn (already finished) keeps its tokens
             self.end_turn()
-        for piece, stage, _ in self.parser.flush():
-            self._add_piece(piece, stage)
+        for piece, stage, in_tool_output in self.parser.flush():
+            self._add_piece(piece, stage, in_tool_output)
         prompt = self.request.prompt_ids
         traj = TokenTrajectory.empty()
         traj.append("prompt", None, list(prompt), self.decode(list(prompt)))

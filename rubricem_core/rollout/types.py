@@ -57,6 +57,17 @@ class SamplingParams:
             raise RolloutError(f"SamplingParams.max_total_tokens must be >= 1, got {self.max_total_tokens}")
 
 
+@dataclass(frozen=True)
+class TextPiece:
+    """One labelled piece of a row's text as the scaffold parser resolves it while sampling runs: policy
+    text (tags arrive as whole pieces) or, with ``in_tool_output``, the environment's reply."""
+
+    sample_index: int
+    text: str
+    stage: str  # plan | research | review | answer
+    in_tool_output: bool
+
+
 @dataclass
 class RolloutRequest:
     """One prompt to sample ``n`` trajectories from; ``prompt_ids`` are final (chat template applied)."""
@@ -70,6 +81,8 @@ class RolloutRequest:
     # False for free text (reflections): the research scaffold's </answer> and tool-call tags do not end
     # or interrupt it; only eos, sampling.stop_texts and the length limits do
     scaffold: bool = True
+    # called with every TextPiece of the request's rows as it is known (a live view); not for training
+    on_text: Callable[[TextPiece], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
