@@ -23,12 +23,14 @@ from flows.common import (
     writes_run_dir,
 )
 from rubricem_core.config import RunConfig, flatten
+from rubricem_core.eval.benchmark import default_checkpoint
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.types import EvalError
+from rubricem_core.registry import model_name, tag_scores
 from rubricem_core.report.markdown import eval_markdown
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
-from tasks.evaluate import default_checkpoint, drop_engines, evaluate_benchmark
+from tasks.evaluate import drop_engines, evaluate_benchmark
 from tasks.secrets import check_endpoint_keys
 
 
@@ -113,6 +115,17 @@ def evaluate(
             child.log_dict(
                 {"checkpoint": path, "tag": tag, "retrieval": mode, "benchmarks": results}, f"eval/{tag}--{mode}.json"
             )
+        if tracker is not None and cfg.tracking.register_model:
+            # the held-out scores on the registered version of these weights (when SFT or RL registered it)
+            scores = {
+                f"eval.{b}.{mode}.{k}": float(v)
+                for b, s in results.items()
+                for k, v in s.items()
+                if k in ("score_mean", "answer_match_mean", "valid_scaffold_rate") and v == v
+            }
+            version = tag_scores(tracker, model_name(run_dir, cfg.tracking.model_name), path, scores)
+            if version is not None:
+                log.info("scores tagged on %s version %s", version.name, version.version)
         publish_markdown(
             "evaluate",
             run_dir,

@@ -33,6 +33,7 @@ from flows.common import (
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
+from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
 from rubricem_core.rl.session import (
@@ -185,13 +186,25 @@ def rl(
                 child.log_metrics(metrics, step=plan.step)
             last = metrics or last
             progress.update(i + 1, f"step {plan.step} ({plan.phase}, retrieval {plan.retrieval}) done")
+        final = step_checkpoint(store, plans[-1].step)
+        version = register_stage_policy(
+            tracker, child, cfg.tracking, run_dir, final, stage="rl", step=plans[-1].step, recipe=cfg.rl.recipe
+        )
+        if version is not None:
+            log.info("RL policy registered: %s version %s (%s)", version.name, version.version, version.url)
         publish_markdown(
             "rl",
             run_dir,
-            rl_markdown(step_table(store, plans), cfg.rl.recipe, len(plans), run_dir, **mlflow_links(tracker, child)),
+            rl_markdown(
+                step_table(store, plans),
+                cfg.rl.recipe,
+                len(plans),
+                run_dir,
+                **mlflow_links(tracker, child),
+                model_link=version_link(version),
+            ),
             f"RL of {run_dir}: one row per step",
         )
-    final = step_checkpoint(store, plans[-1].step)
     return {
         "steps": len(plans),
         "final_checkpoint": str(final),

@@ -18,6 +18,7 @@ from flows.common import (
     writes_run_dir,
 )
 from rubricem_core.config import flatten
+from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import sft_markdown
 from rubricem_core.tracking import Tracker
 from tasks.sft import ARTIFACT_MAX_BYTES, checkpoint_size, prepare_policy_task, train_sft_task
@@ -51,10 +52,17 @@ def sft(
         if child is not None and not result.get("cached"):
             child.log_dict({k: v for k, v in result.items()}, "sft_summary.json")
             child.set_tags({"checkpoint.final": result["final_dir"], "policy.base": policy_dir})
-            if checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
+            if not cfg.tracking.register_model and checkpoint_size(result["final_dir"]) <= ARTIFACT_MAX_BYTES:
                 child.log_artifact(result["final_dir"], artifact_path="checkpoints/sft_final")
+        # the registered version's artifact is the checkpoint's serving files; the same weights register once
+        version = register_stage_policy(tracker, child, cfg.tracking, run_dir, result["final_dir"], stage="sft")
+        if version is not None:
+            log.info("SFT policy registered: %s version %s (%s)", version.name, version.version, version.url)
         publish_markdown(
-            "sft", run_dir, sft_markdown(result, run_dir, **mlflow_links(tracker, child)), f"SFT of {run_dir}"
+            "sft",
+            run_dir,
+            sft_markdown(result, run_dir, **mlflow_links(tracker, child), model_link=version_link(version)),
+            f"SFT of {run_dir}",
         )
     log.info("SFT policy: %s", result["final_dir"])
     return result

@@ -1044,6 +1044,18 @@ class TrackingConfig(_Strict):
         "directories in one experiment and one UI, artifacts where the server keeps them. Empty: the run "
         "directory's own SQLite store mlflow/mlflow.db (artifacts in mlflow/artifacts).",
     )
+    register_model: bool = Field(
+        default=True,
+        description="Register the policy as a version of an MLflow registered model at the end of SFT and of RL "
+        "(rubricem_core/registry.py): its serving files as the version's artifact, lineage and held-out scores as tags.",
+    )
+    model_name: str = Field(default="", description="Registered model name; empty: rubricem-<run directory's name>.")
+    model_copy_max_gb: float = Field(
+        default=4.0,
+        ge=0,
+        description="A checkpoint whose serving files are larger is registered by reference to its directory "
+        "(tag artifact: reference) instead of copied into MLflow's artifact store.",
+    )
 
     @field_validator("uri")
     @classmethod

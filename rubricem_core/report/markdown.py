@@ -32,11 +32,19 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def links(run_dir: str, mlflow_url: str | None, mlflow_db: str | None = None, label: str = "MLflow run") -> str:
+def links(
+    run_dir: str,
+    mlflow_url: str | None,
+    mlflow_db: str | None = None,
+    label: str = "MLflow run",
+    model_link: str | None = None,
+) -> str:
     parts = [f'- run directory: `{run_dir}` (tables: `rubricem sql --run-dir {run_dir} "SHOW TABLES"`)']
     if mlflow_url:
         where = f" (start it with `{mlflow_ui_command(mlflow_db)}`)" if mlflow_db else ""
         parts.append(f"- {label}: [{mlflow_url}]({mlflow_url}){where}")
+    if model_link:
+        parts.append(model_link)
     return "\n".join(parts)
 
 
@@ -80,7 +88,11 @@ def collection_markdown(
 
 
 def sft_markdown(
-    result: Mapping[str, Any], run_dir: str, mlflow_url: str | None = None, mlflow_db: str | None = None
+    result: Mapping[str, Any],
+    run_dir: str,
+    mlflow_url: str | None = None,
+    mlflow_db: str | None = None,
+    model_link: str | None = None,
 ) -> str:
     if result.get("cached"):
         body = f"SFT had already finished: `{result['final_dir']}` (nothing trained in this flow run)."
@@ -105,7 +117,14 @@ def sft_markdown(
             + [["policy", result["final_dir"]]],
         )
     return (
-        "\n\n".join([f"# SFT policy: `{result['final_dir']}`", body, "## Links", links(run_dir, mlflow_url, mlflow_db)])
+        "\n\n".join(
+            [
+                f"# SFT policy: `{result['final_dir']}`",
+                body,
+                "## Links",
+                links(run_dir, mlflow_url, mlflow_db, model_link=model_link),
+            ]
+        )
         + "\n"
     )
 
@@ -130,6 +149,7 @@ def rl_markdown(
     run_dir: str,
     mlflow_url: str | None = None,
     mlflow_db: str | None = None,
+    model_link: str | None = None,
 ) -> str:
     """``steps``: one mapping per finished step with ``step``, ``phase``, ``retrieval`` and its metrics."""
     shown = [(k, h) for k, h in RL_COLUMNS if any(k in s for s in steps)]
@@ -141,7 +161,7 @@ def rl_markdown(
                 table(["step", "phase", "retrieval", *[h for _, h in shown]], rows) if rows else "no step finished",
                 f'Per-stage scores: `rubricem sql --run-dir {run_dir} "SELECT step, stage, avg(score) FROM judge_scores GROUP BY ALL ORDER BY ALL"`',
                 "## Links",
-                links(run_dir, mlflow_url, mlflow_db),
+                links(run_dir, mlflow_url, mlflow_db, model_link=model_link),
             ]
         )
         + "\n"

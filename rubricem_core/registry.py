@@ -1,0 +1,200 @@
+"""The trained policy as a version of a registered model in MLflow's Model Registry.
+
+At the end of SFT and of RL (and of ``rubricem register``) a policy checkpoint becomes a model version: its
+serving files (the Hugging Face directory `vllm serve` loads: config, weights, tokenizer, chat template —
+never the optimizer state) are logged as the stage run's ``policy/`` artifact and the version's source
+points there; a checkpoint larger than ``tracking.model_copy_max_gb`` is registered by reference to its
+directory instead (tag ``artifact: reference``). Tags carry the lineage: stage, step, recipe, run
+directory, the run's config hash, the weights' SHA-256; ``evaluate`` adds the held-out scores of the
+version it graded. Registering the same weights again returns the existing version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rubricem_core.layout import RunLayout
+from rubricem_core.tracking import ChildRun, Tracker, _retry
+
+# what a checkpoint holds beyond the model a server loads
+NOT_SERVED = frozenset({"trainer_state.pt", "checkpoint.json"})
+WEIGHTS_TAG = "rubricem.weights_sha256"
+
+
+class RegistryError(RuntimeError):
+    """A checkpoint cannot be registered; the message names it."""
+
+
+@dataclass(frozen=True)
+class RegisteredVersion:
+    name: str
+    version: str
+    source: str
+    url: str  # the version's page in the MLflow UI
+    created: bool  # False: the same weights were registered before
+
+
+def model_name(run_dir: str | Path, configured: str = "") -> str:
+    """``tracking.model_name``, else ``rubricem-<run directory's name>`` (MLflow names: letters, digits, ``-_.``)."""
+    name = configured or f"rubricem-{Path(run_dir).resolve().name}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "rubricem"
+
+
+def serving_files(checkpoint: Path) -> list[Path]:
+    files = sorted(
+        p for p in checkpoint.iterdir() if p.is_file() and p.name not in NOT_SERVED and not p.name.startswith(".")
+    )
+    if not any(p.name == "config.json" for p in files) or not any(p.suffix == ".safetensors" for p in files):
+        raise RegistryError(f"{checkpoint} is not a policy checkpoint (no config.json and .safetensors weights)")
+    return files
+
+
+def weights_digest(checkpoint: Path) -> str:
+    """The SHA-256 of the weights: the checkpoint's own record when it has one, else computed."""
+    meta_file = checkpoint / "checkpoint.json"
+    if meta_file.is_file():
+        recorded = (json.loads(meta_file.read_text(encoding="utf-8")).get("sha256") or {}).get("model.safetensors")
+        if recorded:
+            return str(recorded)
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def config_hash(run_dir: str | Path) -> str:
+    config = RunLayout(run_dir).config_file
+    return hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else ""
+
+
+def version_url(tracker: Tracker, name: str, version: str) -> str:
+    return f"{tracker.ui_base()}/#/models/{name}/versions/{version}"
+
+
+def find_version(tracker: Tracker, name: str, digest: str) -> Any | None:
+    """The version of ``name`` whose weights have ``digest``, or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = _retry(tracker.client.search_model_versions, f"name = '{name}'")
+    except MlflowException:
+        return None
+    return next((v for v in versions if (v.tags or {}).get(WEIGHTS_TAG) == digest), None)
+
+
+def register_policy(
+    tracker: Tracker,
+    child: ChildRun,
+    checkpoint: str | Path,
+    *,
+    name: str,
+    tags: dict[str, Any],
+    copy_max_bytes: float,
+) -> RegisteredVersion:
+    """Register ``checkpoint`` as a new version of ``name`` from the stage run ``child`` (see the module doc)."""
+    from mlflow.exceptions import MlflowException
+
+    path = Path(checkpoint).resolve()
+    files = serving_files(path)
+    digest = weights_digest(path)
+    client = tracker.client
+    existing = find_version(tracker, name, digest)
+    if existing is not None:
+        return RegisteredVersion(
+            name, str(existing.version), existing.source, version_url(tracker, name, str(existing.version)), False
+        )
+    size = sum(p.stat().st_size for p in files)
+    all_tags = {**{k: str(v) for k, v in tags.items()}, WEIGHTS_TAG: digest, "rubricem.checkpoint": str(path)}
+    if size <= copy_max_bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = Path(tmp) / "policy"
+            staged.mkdir()
+            for p in files:
+                _link_or_copy(p, staged / p.name)
+            child.log_artifact(staged, artifact_path="policy")
+        source = f"{client.get_run(child.run_id).info.artifact_uri}/policy"
+        all_tags["artifact"] = "copy"
+    else:
+        source = path.as_uri()
+        all_tags["artifact"] = "reference"
+    try:
+        _retry(
+            client.create_registered_model, name, description="RubricEM policy checkpoints (rubricem_core/registry.py)"
+        )
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code) and "already exists" not in str(exc):
+            raise
+    version = _retry(client.create_model_version, name, source, run_id=child.run_id, tags=all_tags)
+    child.set_tags({"rubricem.model_version": f"{name}/{version.version}"})
+    return RegisteredVersion(name, str(version.version), source, version_url(tracker, name, str(version.version)), True)
+
+
+def tag_scores(
+    tracker: Tracker, name: str, checkpoint: str | Path, scores: dict[str, float]
+) -> RegisteredVersion | None:
+    """Add held-out scores to the version registered from ``checkpoint``'s weights (None: not registered)."""
+    path = Path(checkpoint).resolve()
+    if not (path / "config.json").is_file():
+        return None
+    found = find_version(tracker, name, weights_digest(path))
+    if found is None:
+        return None
+    for key, value in scores.items():
+        _retry(tracker.client.set_model_version_tag, name, str(found.version), key, f"{value:.6g}")
+    return RegisteredVersion(
+        name, str(found.version), found.source, version_url(tracker, name, str(found.version)), False
+    )
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        dst.hardlink_to(src)  # the staging copy of multi-GB weights costs nothing on the same filesystem
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def register_stage_policy(
+    tracker: Tracker | None,
+    child: ChildRun | None,
+    tracking: Any,
+    run_dir: str | Path,
+    checkpoint: str | Path,
+    *,
+    stage: str,
+    step: int | None = None,
+    recipe: str = "",
+) -> RegisteredVersion | None:
+    """What the SFT and RL flows call at their end: None when tracking or ``tracking.register_model`` is off."""
+    if tracker is None or child is None or not tracking.register_model:
+        return None
+    tags = {
+        "stage": stage,
+        "step": "" if step is None else step,
+        "recipe": recipe,
+        "run_dir": str(Path(run_dir).resolve()),
+        "config_hash": config_hash(run_dir),
+    }
+    return register_policy(
+        tracker,
+        child,
+        checkpoint,
+        name=model_name(run_dir, tracking.model_name),
+        tags=tags,
+        copy_max_bytes=tracking.model_copy_max_gb * 2**30,
+    )
+
+
+def version_link(version: RegisteredVersion | None) -> str | None:
+    """The Markdown line a flow's Prefect artifact shows for the version (None: nothing registered)."""
+    if version is None:
+        return None
+    return f"- registered model: [{version.name} version {version.version}]({version.url})"
