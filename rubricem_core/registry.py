@@ -1,6 +1,6 @@
 """The trained policy as a version of a registered model in MLflow's Model Registry.
 
-At the end of SFT and of RL (and of ``rubricem register``) a policy checkpoint becomes a model version: its
+At the end of SFT and of RL, and on demand (``rubricem register``), a policy checkpoint becomes a model version: its
 serving files (the Hugging Face directory `vllm serve` loads: config, weights, tokenizer, chat template —
 never the optimizer state) are logged as the stage run's ``policy/`` artifact and the version's source
 points there; a checkpoint larger than ``tracking.model_copy_max_gb`` is registered by reference to its
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.layout import RunLayout
+from rubricem_core.layout import STEP_CHECKPOINT, RunLayout
 from rubricem_core.tracking import ChildRun, Tracker, _retry
 
 # what a checkpoint holds beyond the model a server loads
@@ -191,6 +191,43 @@ def register_stage_policy(
         tags=tags,
         copy_max_bytes=tracking.model_copy_max_gb * 2**30,
     )
+
+
+def checkpoint_stage(layout: RunLayout, checkpoint: Path) -> tuple[str, int | None]:
+    """("sft", None), ("rl", N) for RL step N's checkpoint, or ("external", None) for any other directory."""
+    if checkpoint == layout.sft_final.resolve():
+        return "sft", None
+    if checkpoint.parent == layout.rl_checkpoints_dir.resolve() and STEP_CHECKPOINT.fullmatch(checkpoint.name):
+        return "rl", int(checkpoint.name.split("-")[1])
+    return "external", None
+
+
+def register_checkpoint(
+    run_dir: str | Path, tracking: Any, checkpoint: str | Path, recipe: str = ""
+) -> RegisteredVersion:
+    """``rubricem register``: one checkpoint of the run (SFT, an RL step's or any policy directory) as a version,
+    logged from a child run ``register`` labelled by the checkpoint. Works with ``tracking.register_model`` off."""
+    if not tracking.enabled:
+        raise RegistryError("tracking.enabled is false for this run: there is no MLflow store to register into")
+    tracker = Tracker.from_config(run_dir, tracking)
+    assert tracker is not None
+    path = Path(checkpoint).resolve()
+    serving_files(path)  # refuse a directory that is not a policy before a run is opened
+    stage, step = checkpoint_stage(tracker.store.layout, path)
+    label = stage if step is None else f"{stage} step {step}"
+    with tracker.child_run("register", params={"checkpoint": str(path)}, label=label) as child:
+        version = register_stage_policy(
+            tracker,
+            child,
+            tracking.model_copy(update={"register_model": True}),
+            run_dir,
+            path,
+            stage=stage,
+            step=step,
+            recipe=recipe if stage == "rl" else "",
+        )
+    assert version is not None
+    return version
 
 
 def version_link(version: RegisteredVersion | None) -> str | None:

@@ -137,3 +137,27 @@ def test_the_recorded_digest_is_the_weights_digest(tracked):
     shutil.copytree(checkpoint, copy)
     (copy / "checkpoint.json").unlink()
     assert weights_digest(copy) == computed
+
+
+def test_register_on_demand_names_the_version_and_refuses_what_is_no_policy(tracked, capsys, tmp_path, monkeypatch):
+    from flows.cli import main
+
+    run, cfg, checkpoint, tracker = tracked
+    assert main(["register", "--run-dir", str(run), "--checkpoint", "sft"]) == 0
+    out = capsys.readouterr().out
+    assert "registered: rubricem-my-run version 1" in out and "#/models/rubricem-my-run/versions/1" in out
+    mv = tracker.client.get_model_version("rubricem-my-run", "1")
+    assert mv.tags["stage"] == "sft" and mv.tags[WEIGHTS_TAG] == weights_digest(checkpoint)
+    runs = tracker.client.search_runs([tracker.experiment_id()], "tags.`rubricem.flow` = 'register'")
+    assert [r.info.run_id for r in runs] == [mv.run_id]
+    import mlflow  # the docs' download: the version's models:/ URI on the run's store
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.tracking_uri)
+    served = mlflow.artifacts.download_artifacts(artifact_uri="models:/rubricem-my-run/1", dst_path=str(tmp_path / "d"))
+    assert weights_digest(Path(served)) == weights_digest(checkpoint) and (Path(served) / "tokenizer.json").is_file()
+    assert main(["register", "--run-dir", str(run), "--checkpoint", "sft"]) == 0  # same weights: same version
+    assert "already registered: rubricem-my-run version 1" in capsys.readouterr().out
+    assert main(["register", "--run-dir", str(run), "--checkpoint", "step:2"]) == 2
+    assert "no policy checkpoint" in capsys.readouterr().err
+    assert main(["register", "--run-dir", str(tmp_path / "nowhere")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
