@@ -80,15 +80,24 @@ def version_url(tracker: Tracker, name: str, version: str) -> str:
     return f"{tracker.ui_base()}/#/models/{name}/versions/{version}"
 
 
-def find_version(tracker: Tracker, name: str, digest: str) -> Any | None:
-    """The version of ``name`` whose weights have ``digest``, or None."""
+def versions_of(tracker: Tracker, name: str) -> list[tuple[RegisteredVersion, dict[str, str]]]:
+    """Every version of ``name`` (oldest first) with its tags; empty when nothing is registered."""
     from mlflow.exceptions import MlflowException
 
     try:
-        versions = _retry(tracker.client.search_model_versions, f"name = '{name}'")
+        found = _retry(tracker.client.search_model_versions, f"name = '{name}'")
     except MlflowException:
-        return None
-    return next((v for v in versions if (v.tags or {}).get(WEIGHTS_TAG) == digest), None)
+        return []
+    out = []
+    for v in sorted(found, key=lambda v: int(v.version)):
+        ref = RegisteredVersion(name, str(v.version), v.source or "", version_url(tracker, name, str(v.version)), False)
+        out.append((ref, dict(v.tags or {})))
+    return out
+
+
+def find_version(tracker: Tracker, name: str, digest: str) -> RegisteredVersion | None:
+    """The version of ``name`` whose weights have ``digest``, or None."""
+    return next((v for v, tags in versions_of(tracker, name) if tags.get(WEIGHTS_TAG) == digest), None)
 
 
 def register_policy(
@@ -109,9 +118,7 @@ def register_policy(
     client = tracker.client
     existing = find_version(tracker, name, digest)
     if existing is not None:
-        return RegisteredVersion(
-            name, str(existing.version), existing.source, version_url(tracker, name, str(existing.version)), False
-        )
+        return existing
     size = sum(p.stat().st_size for p in files)
     all_tags = {**{k: str(v) for k, v in tags.items()}, WEIGHTS_TAG: digest, "rubricem.checkpoint": str(path)}
     if size <= copy_max_bytes:
@@ -149,10 +156,8 @@ def tag_scores(
     if found is None:
         return None
     for key, value in scores.items():
-        _retry(tracker.client.set_model_version_tag, name, str(found.version), key, f"{value:.6g}")
-    return RegisteredVersion(
-        name, str(found.version), found.source, version_url(tracker, name, str(found.version)), False
-    )
+        _retry(tracker.client.set_model_version_tag, name, found.version, key, f"{value:.6g}")
+    return found
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -161,3 +161,14 @@ def test_register_on_demand_names_the_version_and_refuses_what_is_no_policy(trac
     assert "no policy checkpoint" in capsys.readouterr().err
     assert main(["register", "--run-dir", str(tmp_path / "nowhere")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_the_report_links_each_version_with_its_scores(tracked):
+    from rubricem_core.report import write_report
+
+    run, cfg, checkpoint, tracker = tracked
+    with tracker.child_run("sft") as child:
+        version = register_stage_policy(tracker, child, cfg.tracking, run, checkpoint, stage="sft")
+    tag_scores(tracker, version.name, checkpoint, {"eval.synthetic.none.score_mean": 0.75})
+    page = write_report(run).read_text(encoding="utf-8")
+    assert f'<a href="{version.url}">rubricem-my-run version 1</a> (sft; synthetic.none.score_mean 0.75)' in page

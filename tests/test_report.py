@@ -177,6 +177,13 @@ def build_synthetic_run(run_dir: Path, answer_r: dict[int, list[float]] = ANSWER
                     "phase": "new" if step < 2 else "repeat",
                     "retrieval": "cross" if step < 2 else "within",
                     "valid_scaffold": i != 0,
+                    "finish_reason": "answered",
+                    "n_tool_calls": 1,
+                    "text": (
+                        f"<plan>PLAN{step}-{i} {EVIL}</plan><research><search>founding</search>"
+                        f"<tool_output>{'TOOL' * 200}</tool_output>looked</research><review>checked</review>"
+                        f"<answer>ANSWER{step}-{i}</answer>"
+                    ),
                 }
             )
             for stage, value in (("plan", None), ("research", 0.2 * step), ("review", 0.4), ("answer", r)):
@@ -352,6 +359,24 @@ def test_rl_table_has_known_means(synthetic: tuple[Path, Path, str]) -> None:
     assert [r["judge cost"] for r in rows] == ["$0.5000", "$1.0000", "$1.5000"]
     assert [r["valid scaffold"] for r in rows] == ["75.0%"] * 3
     assert [(r["phase"], r["retrieval"]) for r in rows] == [("new", "cross"), ("new", "cross"), ("repeat", "within")]
+
+
+def test_the_page_opens_with_plots_and_shows_one_trajectory_per_step(synthetic: tuple[Path, Path, str]) -> None:
+    page = synthetic[2]
+    headings = re.findall(r"<h2>(.*?)</h2>", page)
+    assert headings[0] == "Plots" and headings.index("One trajectory per step") > headings.index("RL per step")
+    assert headings[-2:] == ["Run configuration", "Dig further"]
+    assert page.index('alt="Learning curve"') < page.index('alt="Stage rewards per step"')
+    assert 'alt="RL update: loss, KL, clipping"' in page
+    samples = re.findall(r"<details[^>]*><summary>(.*?)</summary>(.*?)</details>", page, re.S)
+    assert [summary.split(" · ")[0] for summary, _ in samples] == ["step 0", "step 1", "step 2"]
+    summary, body = samples[1]  # the step's first rollout by id, with its own stage rewards
+    assert "R research 0.20 · R review 0.40 · R answer 0.50" in summary and "invalid scaffold" in summary
+    assert "PLAN1-0" in body and "ANSWER1-0" in body and "PLAN1-1" not in body
+    assert re.findall(r"<h4>(\w+)</h4>", body) == ["plan", "research", "review", "answer"]
+    assert EVIL not in body and "&lt;script&gt;" in body
+    assert "TOOL" * 70 in body and "TOOL" * 76 not in body  # a tool output is cut at 300 characters
+    assert page.count("<details open>") == 1 and samples[-1][0] in page.split("<details open>")[1]
 
 
 def test_sft_eval_reflection_numbers(synthetic: tuple[Path, Path, str]) -> None:

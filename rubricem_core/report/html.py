@@ -21,7 +21,7 @@ from typing import Any
 from rubricem_core.layout import RunLayout
 from rubricem_core.report import sections
 from rubricem_core.report.data import STAGES, RunData
-from rubricem_core.report.plots import PLOTS, make_plots
+from rubricem_core.report.plots import PLOTS, STAGE_COLORS, make_plots
 from rubricem_core.report.publish import log_files, mlflow_target
 from rubricem_core.store import atomic_write_text
 from rubricem_core.tracking import (
@@ -189,6 +189,43 @@ def _rl_section(steps: list[dict[str, Any]]) -> str:
     return head + _table([h for _, h, _, _ in RL_COLUMNS], rows, [n for *_, n in RL_COLUMNS]) + note
 
 
+def _samples_section(samples: list[dict[str, Any]]) -> str:
+    head = "<h2>One trajectory per step</h2>"
+    if not samples:
+        return head + _no_data("table rollouts is absent or empty")
+    parts = [
+        head,
+        "<p class=note>Each step's first rollout by id (a sample, not the best), laid out by stage with the stage "
+        "rewards the judge gave it; long stage texts and tool outputs are cut (the rollouts table holds all).</p>",
+    ]
+    for i, sample in enumerate(samples):
+        rewards = (
+            " · ".join(f"R {stage} {sample['R'][stage]:.2f}" for stage in STAGES if stage in sample["R"])
+            or "no stage rewards"
+        )
+        valid = "valid scaffold" if sample.get("valid_scaffold") else "invalid scaffold"
+        summary = (
+            f"step {fmt_int(sample['step'])} · {_esc(rewards)} · {valid} · {fmt_int(sample.get('n_tool_calls'))} "
+            f"tool calls · {_esc(sample.get('finish_reason') or '')}"
+        )
+        body = [f"<p><b>Query</b> {_esc(sample.get('question') or sample['query_id'])}</p>"]
+        stage = None
+        for part_stage, is_tool, text in sample["parts"]:
+            if part_stage != stage:
+                if stage is not None:
+                    body.append("</div>")
+                stage = part_stage
+                color = STAGE_COLORS.get(stage, "#999999")
+                body.append(f'<div class=stage style="border-left:4px solid {color}"><h4>{_esc(stage)}</h4>')
+            css = "tool" if is_tool else "traj"
+            body.append(f"<pre class={css}>{_esc(text.strip())}</pre>")
+        if stage is not None:
+            body.append("</div>")
+        opened = " open" if i == len(samples) - 1 else ""
+        parts.append(f"<details{opened}><summary>{summary}</summary>{''.join(body)}</details>")
+    return "\n".join(parts)
+
+
 def _reflection_section(steps: list[dict[str, Any]]) -> str:
     head = "<h2>Reflections</h2>"
     if not steps:
@@ -299,7 +336,27 @@ SQL_RECIPES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str) -> str:
+def _registered(tracker: Any, run_dir: Path, raw_config: dict[str, Any] | None) -> list[str]:
+    """One HTML line per registered version of the run's policy (empty when untracked or none)."""
+    if tracker is None:
+        return []
+    from rubricem_core.registry import model_name, versions_of
+
+    configured = str(((raw_config or {}).get("tracking") or {}).get("model_name") or "")
+    lines = []
+    for version, tags in versions_of(tracker, model_name(run_dir, configured)):
+        what = tags.get("stage", "")
+        if tags.get("step"):
+            what += f" step {tags['step']}"
+        scores = [f"{k.removeprefix('eval.')} {v}" for k, v in sorted(tags.items()) if k.endswith(".score_mean")]
+        lines.append(
+            f'<li><a href="{_esc(version.url)}">{_esc(version.name)} version {_esc(version.version)}</a> '
+            f"({_esc(what)}{'; ' + _esc(', '.join(scores)) if scores else ''})</li>"
+        )
+    return lines
+
+
+def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str, registered: Sequence[str] = ()) -> str:
     target = shlex.quote(str(run_dir))
     items = []
     for title, query, needs in SQL_RECIPES:
@@ -315,7 +372,8 @@ def _sql_section(run_dir: Path, tables: set[str], mlflow_note: str) -> str:
     return (
         "<h2>Dig further</h2><ul class=sql>" + "".join(items) + "</ul>"
         f'<p>MLflow: {start}<a href="{_esc(link)}">{_esc(link)}</a></p>'
-        f"<p class=note>Report artifacts in MLflow: {_esc(mlflow_note)}</p>"
+        + (f"<p>The policy in MLflow's Model Registry:</p><ul>{''.join(registered)}</ul>" if registered else "")
+        + f"<p class=note>Report artifacts in MLflow: {_esc(mlflow_note)}</p>"
     )
 
 
@@ -327,6 +385,9 @@ thead th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}.num{tex
 table.kv th{background:#f7f7f7;font-weight:600}.nodata{color:#888;font-style:italic}.note{color:#666;font-size:.85em}
 figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}figcaption{color:#666;font-size:.85em}
 pre{background:#f6f8fa;padding:6px 8px;overflow-x:auto;font-size:.82em;margin:.2em 0 .6em}.meta{color:#666;margin-top:.2em}
+details{border:1px solid #e3e3e3;border-radius:4px;padding:4px 10px;margin:.4em 0}summary{cursor:pointer;font-size:.9em}
+.stage{padding-left:8px;margin:.5em 0}.stage h4{margin:.2em 0;font-size:.9em;text-transform:capitalize}
+pre.traj{white-space:pre-wrap;background:#fff;border:none;padding:2px 0}pre.tool{white-space:pre-wrap;color:#555;background:#f3f3f3}
 """
 
 
@@ -375,14 +436,16 @@ def write_report(
 
     with RunData(root) as data:
         plots = make_plots(data, plots_dir)
+        # what the model did first (plots, then its trajectories), the numbers behind them, then the settings
         body = [
-            _config_section(sections.config_summary(raw_config, config_error), sections.table_inventory(data)),
-            _sft_section(sections.sft_summary(data)),
-            _rl_section(sections.rl_steps(data)),
-            _reflection_section(sections.reflection_steps(data)),
-            _eval_section(sections.eval_summary(data)),
             _plots_section(plots),
-            _sql_section(root, data.tables, mlflow_note),
+            _eval_section(sections.eval_summary(data)),
+            _rl_section(sections.rl_steps(data)),
+            _samples_section(sections.step_samples(data)),
+            _sft_section(sections.sft_summary(data)),
+            _reflection_section(sections.reflection_steps(data)),
+            _config_section(sections.config_summary(raw_config, config_error), sections.table_inventory(data)),
+            _sql_section(root, data.tables, mlflow_note, _registered(tracker, root, raw_config)),
         ]
     atomic_write_text(out, render_page(root, body))
     if tracker is not None:

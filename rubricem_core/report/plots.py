@@ -442,6 +442,26 @@ def plot_sft_loss(data: RunData, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_rl_update(data: RunData, path: Path) -> Path | None:
+    """The policy update per RL step: its loss, the KL to the reference policy and the clipped share."""
+    series = data.metric_series("rl/", flow="rl")
+    panels = [
+        (n, t)
+        for n, t in (("rl/loss", "loss"), ("rl/kl", "KL to the reference"), ("rl/clip_fraction", "clip fraction"))
+        if series.get(n)
+    ]
+    if not panels:
+        return None
+    fig, axes = _figure(len(panels), "RL update")
+    for i, (ax, (name, title)) in enumerate(zip(axes, panels, strict=True)):
+        points = series[name]
+        steps = sorted(points)
+        ax.plot(steps, [points[s] for s in steps], color=PALETTE[i], linewidth=1.6, marker="o", markersize=3)
+        ax.set_title(title, fontsize=10)
+        _steps_axis(ax, steps)
+    return _save(fig, path)
+
+
 class PlotSpec(NamedTuple):
     name: str  # file stem and MLflow artifact name
     title: str
@@ -450,14 +470,20 @@ class PlotSpec(NamedTuple):
 
 
 PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("eval_curve", "Learning curve", "table eval_results (SFT and rl.eval_every checkpoints)", plot_eval_curve),
     PlotSpec("stage_rewards", "Stage rewards per step", "table stage_rewards", plot_stage_rewards),
+    PlotSpec(
+        "rl_update",
+        "RL update: loss, KL, clipping",
+        "metrics rl/loss, rl/kl, rl/clip_fraction (flow rl)",
+        plot_rl_update,
+    ),
     PlotSpec("buffer_size", "Rubric buffer", "table judge_rubrics", plot_buffer_size),
     PlotSpec(
         "judge_cost", "Judge calls, tokens and cost", "metrics judge/*, reflection_judge/* (flow rl)", plot_judge_cost
     ),
     PlotSpec("reflection_acceptance", "Reflection acceptance", "table reflections", plot_reflection_acceptance),
     PlotSpec("eval_scores", "Evaluation scores", "table eval_results", plot_eval_scores),
-    PlotSpec("eval_curve", "Learning curve", "table eval_results (SFT and rl.eval_every checkpoints)", plot_eval_curve),
     PlotSpec("sft_loss", "SFT loss", "metrics sft/loss, sft/nll/* (flow sft)", plot_sft_loss),
 )
 

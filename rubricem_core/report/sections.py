@@ -220,6 +220,49 @@ def rl_steps(data: RunData) -> list[dict[str, Any]]:
     return out
 
 
+SAMPLE_STEPS = 24  # trajectories shown at most: evenly spaced steps, the first and the last included
+SAMPLE_STAGE_CHARS = 2400  # a stage's text beyond this is cut (the table holds all of it)
+SAMPLE_TOOL_CHARS = 300  # a tool output beyond this is cut
+
+
+def step_samples(data: RunData) -> list[dict[str, Any]]:
+    """One trajectory per RL step (the step's first rollout by id: a sample, not the best) with its query, stage
+    rewards and text as ``parts``: (stage, is_tool_output, text) in order, long texts cut."""
+    if not data.has("rollouts", "step", "rollout_id", "text"):
+        return []
+    question = "q.question" if data.has("queries", "query_id", "question") else "NULL"
+    join = "LEFT JOIN queries q USING (query_id)" if question != "NULL" else ""
+    rows = data.rows(
+        f"SELECT r.step, r.query_id, r.rollout_id, r.text, r.valid_scaffold, r.finish_reason, r.n_tool_calls, "
+        f"{question} AS question FROM rollouts r {join} "
+        "QUALIFY row_number() OVER (PARTITION BY r.step ORDER BY r.rollout_id) = 1 ORDER BY r.step"
+    )
+    if len(rows) > SAMPLE_STEPS:
+        picks = sorted({round(i * (len(rows) - 1) / (SAMPLE_STEPS - 1)) for i in range(SAMPLE_STEPS)})
+        rows = [rows[i] for i in picks]
+    rewards: dict[str, dict[str, float]] = {}
+    if rows and data.has("stage_rewards", "rollout_id", "stage", "R"):
+        ids = [r["rollout_id"] for r in rows]
+        for r in data.rows("SELECT rollout_id, stage, R FROM stage_rewards WHERE list_contains(?, rollout_id)", [ids]):
+            if r["R"] is not None and not math.isnan(r["R"]):
+                rewards.setdefault(r["rollout_id"], {})[r["stage"]] = float(r["R"])
+    from rubricem_core.scaffold.segments import parse_segments
+
+    out = []
+    for row in rows:
+        parts: list[tuple[str, bool, str]] = []
+        used: dict[str, int] = {}
+        for seg in parse_segments(row["text"] or ""):
+            limit = SAMPLE_TOOL_CHARS if seg.is_tool_output else SAMPLE_STAGE_CHARS - used.get(seg.stage, 0)
+            text = seg.text if len(seg.text) <= max(limit, 0) else seg.text[: max(limit, 0)] + " […]"
+            if not seg.is_tool_output:
+                used[seg.stage] = used.get(seg.stage, 0) + len(seg.text)
+            if text.strip():
+                parts.append((seg.stage, seg.is_tool_output, text))
+        out.append({**{k: row[k] for k in row if k != "text"}, "R": rewards.get(row["rollout_id"], {}), "parts": parts})
+    return out
+
+
 def reflection_steps(data: RunData) -> list[dict[str, Any]]:
     if not data.has("reflections", "step", "valid", "score", "accepted"):
         return []
