@@ -45,6 +45,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SUMMARY_START = "pipeline finished ("  # rubricem_core.report.summary.pipeline_summary's first words
+
+
 @contextmanager
 def _writing(args: argparse.Namespace) -> Iterator[None]:
     """With no PREFECT_API_URL, a local Prefect API server that dies with this process
@@ -59,10 +62,13 @@ def _writing(args: argparse.Namespace) -> Iterator[None]:
 
 class _NoTracebacks(logging.Filter):
     """Drops the log records that carry a traceback (a failed task or flow run): the terminal gets the
-    CLI's one line instead; the Prefect run's log (its API handler) keeps the whole record."""
+    CLI's one line instead; the Prefect run's log (its API handler) keeps the whole record. Likewise the
+    pipeline's end summary, which `rubricem run` prints itself (once, without log prefixes)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info or record.exc_text)
+        if record.exc_info or record.exc_text:
+            return False
+        return not (isinstance(record.msg, str) and record.getMessage().startswith(SUMMARY_START))
 
 
 def _console_without_tracebacks() -> None:

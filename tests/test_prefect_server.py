@@ -276,3 +276,32 @@ def test_an_unknown_override_key_is_refused_with_a_suggestion_and_leaves_nothing
     err = capsys.readouterr().err
     assert "teacher.max_round: unknown key; did you mean teacher.max_rounds?" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_terminal_shows_the_pipeline_summary_once_and_no_tracebacks():
+    """`rubricem run` prints the end summary itself; the flow's copy of it (for the Prefect UI's log) and
+    records with tracebacks stay off the console handler."""
+    import logging
+    import sys
+
+    from flows.cli import _NoTracebacks
+    from rubricem_core.report.summary import pipeline_summary
+
+    result = {
+        "collect_sft_data": {"accepted": 1, "trajectories": 2, "rounds": 1},
+        "sft": {"final_dir": "f", "steps": 1, "final_loss": 0.5},
+        "rl": {"steps": 1, "recipe": "full", "final_checkpoint": "c"},
+        "evaluate": {"tag": "rl-step-000000", "retrieval": "none", "benchmarks": {}},
+    }
+
+    def record(msg: str, args: tuple = (), exc_info=None) -> logging.LogRecord:
+        return logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, msg, args, exc_info)
+
+    keep = _NoTracebacks().filter
+    assert not keep(record("%s", (pipeline_summary(result, "tiny", "runs/t"),)))
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        assert not keep(record("task failed", exc_info=sys.exc_info()))
+    assert keep(record("pipeline stage 5/5 (100%%): report: %s", ("runs/t/report/report.html",)))
+    assert keep(record("%s", ("pipeline finished: not the summary's form",)))
