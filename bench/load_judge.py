@@ -195,7 +195,7 @@ def main() -> None:
         shown = after or before
         assert shown is not None
         if after is not None:
-            print(after.line("adaptive (AIMD in-flight limit, shared Retry-After pause)", rate))
+            print(after.line("adaptive (AIMD in-flight limit; a 429 delays only its own retry)", rate))
         figures.append((shape, shown, rate))
     for shape, shown, rate in figures:
         ratio = shown.wall_s / shown.ideal_s(rate)

@@ -63,6 +63,19 @@ def test_a_retry_after_past_backoff_max_fails_the_call_unsent() -> None:
     assert all(r.ok and r.wait_s == 0 for r in results[1:])
 
 
+def test_a_429_delays_its_own_retry_and_no_other_call() -> None:
+    # the first call is refused with Retry-After: 1; the other calls start and finish meanwhile
+    with FakeOpenAIServer(echo, api_key=API_KEY, http_errors=[(429, {"Retry-After": "1"})]) as server:
+        results = run_concurrent(make_requests(6), settings_for(server, max_concurrency=2, backoff_base_s=0.01))
+        events = server.chat_events
+    refused = events[0]
+    assert refused.status == 429 and all(r.ok for r in results)
+    retried = [e for e in events[1:] if e.arrived >= refused.retry_at - 1e-3]
+    served_meanwhile = [e for e in events[1:] if e.status == 200 and e.ended < refused.retry_at]
+    assert len(retried) == 1 and len(served_meanwhile) == 5  # the five others did not wait for the hint
+    assert sum(r.wait_s for r in results[1:]) == 0 and results[0].wait_s >= 0.9
+
+
 def slow_echo(body: dict[str, Any]) -> str:
     time.sleep(0.03)
     return echo(body)

@@ -10,8 +10,10 @@ provider, model and key) share an ``EndpointState``. Its in-flight limit starts 
 grows by one per success until the first 429 and by about one per ``limit`` successes after it, and halves
 on a 429 (once per round of calls; never below 1 nor above ``max_concurrency``): an endpoint that limits
 sees fewer calls at once instead of retries piling up. A 429's ``retry-after-ms`` or ``Retry-After``
-(seconds or an HTTP-date) pauses every call to the endpoint until then, and the refused call is retried
-no earlier; a hint longer than ``backoff_max_s`` fails the call at once (a quota, not a burst). An
+(seconds or an HTTP-date) delays the refused call's retry until then and nothing else: the calls the
+endpoint is serving go on, and the lower limit is what keeps new ones from piling up (a shared pause
+stalled a concurrency-capped endpoint's every slot for each 429, 1.8x the ideal wall time). A hint longer
+than ``backoff_max_s`` fails the call at once (a quota, not a burst). An
 optional ``max_tokens_per_minute`` budget spaces calls by their estimated tokens. Each result reports its
 429s and the seconds it slept (``rate_limited``, ``wait_s``); callers sum them into ``llm_*`` metrics.
 """
@@ -194,15 +196,13 @@ DECREASE_FACTOR = 0.7  # every later one (a sawtooth of +-15% around what the en
 @dataclass
 class EndpointState:
     """What every caller of one endpoint learns and shares, across event loops (so a run's later steps
-    start where the earlier ones left off): the in-flight limit, the pause a Retry-After asked for and
-    the token budget."""
+    start where the earlier ones left off): the in-flight limit and the token budget."""
 
     ceiling: int
     adaptive: bool
     limit: float
     budget: TokenBudget | None = None
     slow_start: bool = True
-    not_before: float = 0.0  # time.monotonic() before which no call starts (a Retry-After in force)
     last_decrease: float = -math.inf
 
     def on_success(self, in_flight: int) -> None:
@@ -213,12 +213,10 @@ class EndpointState:
         step = SLOW_START_STEP if self.slow_start else 1.0 / self.limit
         self.limit = min(float(self.ceiling), self.limit + step)
 
-    def on_rate_limited(self, sent_at: float, hint: float | None, in_flight: int, now: float) -> None:
-        """Multiplicative decrease, once for all calls sent before the last decrease, and the pause."""
+    def on_rate_limited(self, sent_at: float, in_flight: int, now: float) -> None:
+        """Multiplicative decrease, once for all calls sent before the last decrease."""
         if not self.adaptive:
             return
-        if hint is not None:
-            self.not_before = max(self.not_before, now + hint)
         if sent_at >= self.last_decrease:
             # slow start may have overshot twofold within one round of calls: halve; later, gentler
             factor = SLOW_START_EXIT_FACTOR if self.slow_start else DECREASE_FACTOR
@@ -237,16 +235,11 @@ class EndpointGate:
         self._released = asyncio.Event()  # replaced by a fresh one at each release
 
     async def acquire(self, tokens: int) -> float:
-        """Wait until a call may start (the endpoint's pause over, a slot free, the budget there); returns
-        the seconds spent on the pause and the budget (waiting for a slot is queueing, not counted)."""
+        """Wait until a call may start (a slot free, the budget there); returns the seconds spent on the
+        budget (waiting for a slot is queueing, not counted)."""
         state = self.state
         waited = 0.0
         while True:
-            pause = state.not_before - time.monotonic()
-            if pause > 0:
-                await asyncio.sleep(pause)
-                waited += pause
-                continue
             if self.in_flight >= max(int(state.limit), 1):
                 await self._released.wait()
                 continue
@@ -322,7 +315,7 @@ def endpoint_state(settings: EndpointSettings) -> EndpointState | None:
 
 
 def reset_endpoint_states() -> None:
-    """Forget every endpoint's learned limit, pause and budget (tests and benchmarks start afresh)."""
+    """Forget every endpoint's learned limit and budget (tests and benchmarks start afresh)."""
     with _REGISTRY_LOCK:
         _STATES.clear()
         _GATES.clear()
@@ -401,9 +394,7 @@ async def _call_with_retries(request: ChatRequest, settings: EndpointSettings) -
             if error_status(exc) == 429:
                 rate_limited += 1
                 hint = retry_after_s(exc)
-                # a pause past the retry cap is a quota, not a burst: this call fails (below), others go on
-                pause = hint if hint is not None and hint <= settings.backoff_max_s else None
-                state.on_rate_limited(sent_at, pause, gate.in_flight, time.monotonic())
+                state.on_rate_limited(sent_at, gate.in_flight, time.monotonic())
             if state.budget is not None:
                 state.budget.settle(estimate, 0)  # a refused call used no tokens
             gate.release()

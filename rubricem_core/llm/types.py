@@ -66,7 +66,7 @@ class ChatResult:
     latency_s: float = 0.0  # wall time from the first attempt to the final outcome
     batch_id: str | None = None  # the batch whose output decided this result (batch path only)
     rate_limited: int = 0  # 429 answers (rate-limited batch lines) this request got before its outcome
-    wait_s: float = 0.0  # seconds it slept on backoff, a Retry-After, the endpoint's pause or its token budget
+    wait_s: float = 0.0  # seconds it slept on backoff, a Retry-After or its token budget
 
     @property
     def retries(self) -> int:
@@ -84,7 +84,7 @@ class RetryStats:
 
     retries: int = 0  # calls sent again (failures retried, unusable replies resampled, batches resubmitted)
     rate_limited: int = 0  # 429 answers (and rate-limited batch lines)
-    wait_s: float = 0.0  # seconds slept on backoff, Retry-After, the endpoint's pause and its token budget
+    wait_s: float = 0.0  # seconds slept on backoff, Retry-After and the token budget
 
     def add_retries(self, retries: int, rate_limited: int, wait_s: float) -> None:
         self.retries += retries
@@ -154,7 +154,7 @@ class EndpointSettings:
     max_concurrency: int = 8  # the most calls in flight; under 429s the runner keeps fewer (AIMD)
     max_tokens_per_minute: int | None = None  # client-side token budget (prompt chars/4 + max_tokens per call)
     # False: a fixed pool of max_concurrency calls, each backing off alone (the runner before #34;
-    # bench/load_judge.py --no-adaptive); True: one in-flight limit and pause per endpoint (concurrent.py).
+    # bench/load_judge.py --no-adaptive); True: one in-flight limit per endpoint (concurrent.py).
     adaptive_concurrency: bool = True
     batch_poll_interval_s: float = 10.0
     batch_poll_max_interval_s: float = 300.0
