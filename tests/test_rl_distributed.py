@@ -292,7 +292,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
     weight-transfer API (gloo: each rank gathers every parameter in turn, rank 0 broadcasts it) into a
     colocated server that sleeps through each update, and pushed by one trainer in the flow process; and a
     fleet of two servers (rollout.replicas: 2) that one push from the ranks reaches. Same weights, so the
-    four runs sample the same rollouts token for token."""
+    five runs (the last: two replicas reloading checkpoints) sample the same rollouts token for token."""
     from flows.collect_sft_data import collect_sft_data
     from flows.rl import rl
     from flows.sft import sft
@@ -312,6 +312,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
         ("gloo", "gloo", 2, True, 1),
         ("gloo-1-rank", "gloo", 1, False, 1),
         ("gloo-2-replicas", "gloo", 2, False, 2),
+        ("checkpoint-2-replicas", "checkpoint", 1, False, 2),  # both reload one side directory, built once
     ]
     for name, transfer, ranks, colocate, replicas in runs:
         run_dir = str(root / name)
@@ -348,10 +349,13 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
         # step 1's rollouts: the server (woken from the sleep of step 0's update) gets step 0's weights
         pushed, reloaded = (1, 0) if transfer == "gloo" else (0, 1)
         assert list(calls.values()) == [pushed, reloaded, 2 * colocate, 1 * colocate], (name, calls)
-        if replicas == 2:  # the second replica got the same push
+        if replicas == 2:  # the second replica got the same push or reload
             other = (Path(run_dir) / "state" / "vllm-server-1.log").read_text()
-            assert other.count('"POST /update_weights HTTP/1.1" 200') == 1
-    assert rollouts["gloo"] == rollouts["checkpoint"] == rollouts["gloo-1-rank"] == rollouts["gloo-2-replicas"]
+            assert (
+                other.count(f'"POST {"/update_weights" if transfer == "gloo" else "/collective_rpc"} HTTP/1.1" 200')
+                == 1
+            )
+    assert all(r == rollouts["checkpoint"] for r in rollouts.values()), "the runs sampled different rollouts"
 
     # evaluation samples through the same fleet: 2 replicas serving the final checkpoint's own weights
     from flows.evaluate import evaluate

@@ -10,6 +10,7 @@ engine = make_engine(cfg, checkpoint, tokenizer, model=model, log_path=..., push
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from rubricem_core.config import RunConfig
 from rubricem_core.policy.loading import auto_device, load_policy
 from rubricem_core.rollout.hf_engine import HFRolloutEngine
 from rubricem_core.rollout.types import RolloutError, StreamingRolloutEngine
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rubricem_core.rollout.vllm_server import VLLMServerEngine
@@ -75,6 +78,29 @@ def checkpoint_engine(cfg: RunConfig, checkpoint: str | Path) -> tuple[Streaming
     return make_engine(cfg, checkpoint, tokenizer, model=model, log_path=log, push=False), tokenizer
 
 
+def cpu_fleet_env(cfg: RunConfig, model_dir: str | Path, push: bool) -> dict[str, str]:
+    """``rollout.server_env`` with each replica's KV cache sized by the memory plan (rollout/memory_plan.py):
+    the replicas of a CPU fleet share this host's memory with each other and, under RL, the trainer."""
+    import os
+
+    from rubricem_core.rollout.memory_plan import KV_ENV, available_memory_bytes, param_count, plan_cpu_fleet
+
+    r = cfg.rollout
+    given = r.server_env.get(KV_ENV) or os.environ.get(KV_ENV)
+    plan = plan_cpu_fleet(
+        model_dir,
+        replicas=r.replicas,
+        max_model_len=r.max_total_tokens,
+        max_sequences=r.max_calls_per_replica,
+        dtype=r.server_dtype or cfg.policy.dtype,
+        available_bytes=available_memory_bytes(),
+        trainer_params=param_count(model_dir) if push else 0,
+        kv_cache_gib=int(given) if given else None,
+    )
+    log.info("memory plan: %s", plan.describe())
+    return {**r.server_env, KV_ENV: str(plan.kv_cache_gib)}
+
+
 def fleet_engine(
     model_dir: str | Path, tokenizer: Any, cfg: RunConfig, log_path: Path, *, push: bool
 ) -> VLLMServerEngine:
@@ -103,7 +129,9 @@ def fleet_engine(
         log_path=log_path,
         weight_transfer=r.weight_transfer if push and r.weight_transfer != "checkpoint" else None,
         sleep_mode=push and r.colocate and torch.cuda.is_available(),
-        env=r.server_env,
+        env=cpu_fleet_env(cfg, model_dir, push)
+        if r.placement == "local" and not torch.cuda.is_available()
+        else r.server_env,
         extra_args=["--enforce-eager"] if r.enforce_eager else [],
     )
     if r.placement == "ray":  # a ReplicaHost actor per replica, placed by Ray (rollout.ray_replicas)

@@ -210,7 +210,7 @@ class ServerProcess:
                 log.flush()
 
     def failure(self, what: str) -> RolloutError:
-        return server_failure(self.base_url, self.model_dir, what, self.tail())
+        return server_failure(self.base_url, self.model_dir, what, self.tail(), self.proc.poll())
 
     def wait_ready(self, timeout_s: float, api_key: str) -> None:
         """Until the server answers /health (RolloutError with its output's tail if it exits or times out)."""
@@ -253,8 +253,90 @@ class ServerProcess:
         stop_process_group(self.proc)
 
 
-def server_failure(base_url: str, model_dir: Path, what: str, tail: str) -> RolloutError:
-    return RolloutError(f"vLLM server ({base_url}, model {model_dir}) {what}; last lines of its output:\n{tail}")
+# what a dead server's output says killed it, most specific first: (pattern, what to tell the operator)
+ROOT_CAUSES: tuple[tuple[str, str], ...] = (
+    ("out of memory", "out of memory"),
+    ("OutOfMemoryError", "out of memory"),
+    ("Cannot allocate memory", "out of memory"),
+    ("insufficient memory", "out of memory"),
+    ("Address already in use", "its port is taken"),
+    ("No module named", "a module is missing from rollout.server_python's environment"),
+    ("ModuleNotFoundError", "a module is missing from rollout.server_python's environment"),
+)
+
+
+def root_cause(tail: str, code: int | None = None) -> str | None:
+    """One line on why a `vllm serve` process died, from its output's last lines and exit code."""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    for pattern, meaning in ROOT_CAUSES:
+        for line in reversed(lines):
+            if pattern.lower() in line.lower():
+                return f"{meaning}: {line[-300:]}"
+    if code in (-9, 137):
+        return "killed by SIGKILL, most likely the kernel's out-of-memory killer (dmesg says)"
+    errors = [line for line in lines if line.split(":")[0].endswith(("Error", "Exception"))]
+    return errors[-1][-300:] if errors else None
+
+
+def server_failure(base_url: str, model_dir: Path, what: str, tail: str, code: int | None = None) -> RolloutError:
+    cause = root_cause(tail, code)
+    because = f" ({cause})" if cause else ""
+    return RolloutError(
+        f"vLLM server ({base_url}, model {model_dir}) {what}{because}; last lines of its output:\n{tail}"
+    )
+
+
+RELOAD_READY = ".complete"  # written last into a reload side directory: it is whole
+
+
+def reload_source(directory: Path) -> Path:
+    """What vLLM's ``reload_weights`` reads for an HF checkpoint directory: the directory itself, or for a
+    model with tied embeddings a side directory beside it (its files linked, plus ``lm_head.weight``, which
+    vLLM's reload expects and the checkpoint does not store). The side directory is built once per
+    checkpoint, under a name of its own and renamed into place, so replicas reloading the same step
+    concurrently share one and never see it half-built (two used to rmtree and mkdir the same path)."""
+    directory = Path(directory).resolve()
+    config = json.loads((directory / "config.json").read_text())
+    if not config.get("tie_word_embeddings"):
+        return directory
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    side = directory.parent / f".{directory.name}.vllm-reload"
+    if (side / RELOAD_READY).is_file():
+        return side
+    staging = directory.parent / f".{directory.name}.vllm-reload.{os.getpid()}.{threading.get_ident()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    files = sorted(directory.glob("*.safetensors"))
+    for f in files:
+        (staging / f.name).symlink_to(f)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (directory / name).exists():
+            (staging / name).symlink_to(directory / name)
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            if "model.embed_tokens.weight" in handle.keys():
+                save_file(
+                    {"lm_head.weight": handle.get_tensor("model.embed_tokens.weight")},
+                    str(staging / "lm_head.safetensors"),
+                )
+    index = directory / "model.safetensors.index.json"
+    if index.exists():  # vLLM reads only the files an index names
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        (staging / index.name).unlink()
+        (staging / index.name).write_text(json.dumps(data))
+    (staging / RELOAD_READY).write_text("")
+    if side.exists() and not (side / RELOAD_READY).is_file():
+        shutil.rmtree(side, ignore_errors=True)  # left half-built by a process that died (or older code)
+    try:
+        staging.rename(side)
+    except OSError:  # another replica's is in place: the same content, use it
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (side / RELOAD_READY).is_file():
+            raise
+    return side
 
 
 class ServerClient:
@@ -302,10 +384,12 @@ class ServerClient:
 
     def lost_reason(self) -> str:
         """Why a dead replica is lost, with its output's last lines (for the fleet's report)."""
-        return f"exited with code {self.exit_code()}; last lines:\n{self.tail()}"
+        code, tail = self.exit_code(), self.tail()
+        cause = root_cause(tail, code)
+        return f"exited with code {code}{f' ({cause})' if cause else ''}; last lines:\n{tail}"
 
     def _failure(self, what: str) -> RolloutError:
-        return server_failure(self.base_url, self.model_dir, what, self.tail())
+        return server_failure(self.base_url, self.model_dir, what, self.tail(), self.exit_code())
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         code = self.exit_code()
@@ -374,37 +458,11 @@ class ServerClient:
         self._post("/reset_prefix_cache")
 
     def _reload_source(self, directory: Path) -> Path:
-        config = json.loads((directory / "config.json").read_text())
-        if not config.get("tie_word_embeddings"):
-            return directory
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-
-        side = directory.parent / f".{directory.name}.vllm-reload"
-        shutil.rmtree(side, ignore_errors=True)
-        side.mkdir()
-        files = sorted(directory.glob("*.safetensors"))
-        for f in files:
-            (side / f.name).symlink_to(f)
-        for name in ("config.json", "model.safetensors.index.json"):
-            if (directory / name).exists():
-                (side / name).symlink_to(directory / name)
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                if "model.embed_tokens.weight" in handle.keys():
-                    save_file(
-                        {"lm_head.weight": handle.get_tensor("model.embed_tokens.weight")},
-                        str(side / "lm_head.safetensors"),
-                    )
-        index = directory / "model.safetensors.index.json"
-        if index.exists():  # vLLM reads only the files an index names
-            data = json.loads(index.read_text())
-            data["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
-            (side / index.name).unlink()
-            (side / index.name).write_text(json.dumps(data))
+        side = reload_source(directory)
         if self._side_dir is not None and self._side_dir != side:
-            shutil.rmtree(self._side_dir, ignore_errors=True)
-        self._side_dir = side
+            shutil.rmtree(self._side_dir, ignore_errors=True)  # the last step's (other replicas are past it too)
+        if side != directory:
+            self._side_dir = side
         return side
 
     def close(self) -> None:
@@ -649,6 +707,7 @@ class VLLMFleet:
     def load_weights_from_dir(self, directory: str | Path) -> float:
         """Every live replica reloads the checkpoint (concurrently); the wall seconds."""
         started = time.perf_counter()
+        reload_source(Path(directory))  # prepared once for the step; each replica then finds it in place
         self._each(lambda server: server.load_weights_from_dir(directory))
         return time.perf_counter() - started
 
