@@ -262,6 +262,11 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    if args.dry_run:
+        from rubricem_core.dry_run import describe_run
+
+        print(describe_run(cfg))
+        return 0
     from flows.pipeline import pipeline
 
     with _writing(args):
@@ -424,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="the whole pipeline on a profile (the README's main job)")
     _common(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the teacher, judges, tools, trainer, fleet and each benchmark's grading protocol; call nothing",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("sql", help="read-only DuckDB SQL over a run's tables (one view per table)")
@@ -461,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with ExitStack() as stack:
-            if args.command in WRITERS:
+            if args.command in WRITERS and not getattr(args, "dry_run", False):
                 # before the config, the imports and the Prefect server: a second writer is refused at once
                 from rubricem_core.runlock import run_dir_lock
 

@@ -256,6 +256,19 @@ class TeacherConfig(EndpointConfig):
         description="Extra teacher reflections per accepted trajectory, each on a seeded prefix of it (an attempt "
         "that stopped early), so SFT teaches the format for attempts of every length, not only finished ones.",
     )
+
+    @model_validator(mode="after")
+    def _batch_speaks_openai(self) -> Any:
+        # the Batch API client uploads OpenAI-format JSONL through litellm's OpenAI files and batches calls
+        provider = self.model.split("/", 1)[0] if "/" in self.model else ""
+        if self.mode == "batch" and provider not in ("openai", "", "rubricem-teacher") and not self.api_base:
+            raise ValueError(
+                f"mode: batch sends OpenAI-format Batch API jobs, which {self.model!r} does not take (litellm's "
+                "batch calls here speak OpenAI's format; the Gemini API's batch mode is not among them); use "
+                "mode: concurrent, or an openai/ model or an OpenAI-compatible api_base"
+            )
+        return self
+
     # Error injection for the built-in teacher, so rejection filtering has real work to do.
     skip_stage_rate: float = Field(default=0.08, ge=0, le=1, description="Built-in: drop a stage.")
     malformed_call_rate: float = Field(default=0.05, ge=0, le=1, description="Built-in: malformed tool call.")

@@ -15,7 +15,7 @@ from rubricem_core.config import (
 )
 
 
-@pytest.mark.parametrize("profile", ["tiny", "small", "learn", "gpu", "research"])
+@pytest.mark.parametrize("profile", ["tiny", "small", "learn", "gpu", "research", "research-drtulu"])
 def test_builtin_profiles_load(profile):
     cfg = load_config(profile)
     assert isinstance(cfg, RunConfig)
@@ -111,10 +111,16 @@ def test_research_profile_is_the_papers_settings_on_real_tools():
     text = config_to_yaml(cfg)
     assert "shared" not in text and "sk-" not in text
     assert cfg.data.source == "files" and cfg.data.queries == [] and cfg.data.corpus is None
-    assert {s["kind"] for s in cfg.tools.specs} == {"serper", "semantic_scholar", "web_browse"} <= set(KIND_ARGS)
+    assert {s["kind"] for s in cfg.tools.specs} == {"gemini_google_search", "semantic_scholar", "web_browse"}
+    assert {s["kind"] for s in cfg.tools.specs} <= set(KIND_ARGS)
     assert all(s["cache"] for s in cfg.tools.specs) and cfg.tools.cache_dir
-    for endpoint in (cfg.teacher, cfg.judge, cfg.reflection.judge, cfg.eval.grader):
-        assert endpoint.api_key_env == "OPENAI_API_KEY" and not endpoint.model.startswith("rubricem-")
+    for endpoint in (cfg.teacher, cfg.judge, cfg.reflection.judge):  # the paper's Gemini families
+        assert endpoint.api_key_env == "GEMINI_API_KEY" and endpoint.model.startswith("gemini/")
+    assert cfg.eval.grader.api_key_env == "OPENAI_API_KEY" and not cfg.eval.grader.model.startswith("rubricem-")
+    drtulu = load_config("research-drtulu")
+    assert {s["kind"] for s in drtulu.tools.specs} == {"serper", "semantic_scholar", "web_browse"}
+    for endpoint in (drtulu.teacher, drtulu.judge, drtulu.reflection.judge, drtulu.eval.grader):
+        assert endpoint.api_key_env == "OPENAI_API_KEY" and endpoint.model.startswith("openai/")
     assert cfg.rollout.max_new_tokens == cfg.rollout.max_total_tokens  # only the total is capped
     assert (cfg.rl.lr, cfg.rl.warmup_steps, cfg.tools.max_tool_calls) == (5e-7, 0, 10)
     assert 2 * cfg.rl.window * cfg.rl.n_windows == 600
@@ -178,7 +184,7 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
 
     query = Query("q", source="user", split="train", kind="long_form", question="why?", messages=[])
     RunStore(run).write_table("queries", queries_to_table([query]))  # collection has written: tools are fixed now
-    moved = research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60, max_concurrency=2)
+    moved = research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=90, max_concurrency=2)
     changes = {c.field for c in record_config(run, moved, "evaluate")}
     assert changes == {f"tools.specs.search.{k}" for k in ("base_url", "api_key_env", "timeout_s", "max_concurrency")}
     revision = json.loads((run / "state" / "config_revisions.jsonl").read_text().splitlines()[-1])
@@ -189,7 +195,7 @@ def test_a_web_tools_url_key_and_timeouts_may_change_after_collection(tmp_path):
     with pytest.raises(ConfigError, match=r"tools\.specs\.search\.top_k: 8 → 3 .*collect-sft-data"):
         record_config(
             run,
-            research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=60, max_concurrency=2, top_k=3),
+            research(base_url="http://127.0.0.1:2", api_key_env="OTHER_KEY", timeout_s=90, max_concurrency=2, top_k=3),
             "evaluate",
         )
     fewer = load_config("research", {"tools.specs": moved.tools.specs[:1]})

@@ -1,6 +1,8 @@
-"""The `research` profile's code path end to end, offline (issue #20).
+"""The research profiles' code path end to end, offline (issue #20), on `research-drtulu` (DR Tulu's choices:
+the Batch API teacher and Serper; the paper's `research` differs in its models and its search tool, whose
+wire formats tests/test_tools_gemini_search.py and tests/test_research_paper_profile.py cover).
 
-data/profiles/research.yaml as it is — query files in DR Tulu format (train and eval splits), Serper /
+data/profiles/research-drtulu.yaml as it is — query files in DR Tulu format (train and eval splits), Serper /
 Semantic Scholar / browse tools behind the on-disk tool cache, a teacher on the Batch API, an LLM judge
 that never sees the answer key (judge.show_reference: false, the paper's rubric ranges), the reflection
 loop of recipe full with per-candidate reflection judging and within_source: window, seeded random eval
@@ -43,6 +45,7 @@ from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.web_search_server import FakeWebSearchServer
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
+PROFILE = "research-drtulu"
 
 # comparison and two-hop questions: two searches each, as research's filter.min_tool_calls asks
 WORLD = WorldConfig(seed=0, n_documents=80, n_queries=8, eval_fraction=0.25, query_kinds=["comparison", "multi_hop"])
@@ -187,7 +190,7 @@ class WorldSearch:
 
 def _web_specs(web: FakeWebSearchServer) -> list[dict[str, Any]]:
     """research's own tool specs, pointed at the fake search API (fast retries)."""
-    specs = yaml.safe_load((PROFILES_DIR / "research.yaml").read_text())["tools"]["specs"]
+    specs = yaml.safe_load((PROFILES_DIR / f"{PROFILE}.yaml").read_text())["tools"]["specs"]
     base = {"serper": web.base_url, "semantic_scholar": f"{web.base_url}/graph/v1"}
     out = []
     for spec in specs:
@@ -345,7 +348,7 @@ def research_run(tmp_path_factory, prefect_harness):
 
         def timed(stage: str, flow: Any, **kwargs: Any) -> Any:
             start = time.monotonic()
-            result = flow(run_dir=run_dir, profile="research", overrides=overrides, **kwargs)
+            result = flow(run_dir=run_dir, profile=PROFILE, overrides=overrides, **kwargs)
             times[stage] = round(time.monotonic() - start, 1)
             return result
 
@@ -390,7 +393,7 @@ def test_collection_uses_the_batch_api_and_the_web_tools(research_run):
     accepted = [r for r in rows if r["accepted"]]
     assert accepted, {r["trajectory_id"]: r["reject_reasons"] for r in rows}
     assert research_run["collected"]["accepted"] == len(accepted)
-    assert yaml.safe_load((Path(research_run["run_dir"]) / "config.yaml").read_text())["profile"] == "research"
+    assert yaml.safe_load((Path(research_run["run_dir"]) / "config.yaml").read_text())["profile"] == PROFILE
     assert all(r["n_tool_calls"] >= 2 for r in accepted)  # research's filter.min_tool_calls
     # the teacher on the Batch API only: one batch per round, then one for its reflections
     assert teacher.uploaded_lines and len(teacher.batches) >= 3 and not teacher.chat_calls

@@ -1,6 +1,6 @@
 """A self-hosted OpenAI-compatible server (e.g. `vllm serve` of an open model) for each of the four
 endpoints a run calls: the teacher (Batch API and concurrent), the judge, the reflection judge and the
-benchmark grader. Each endpoint section of the `research` profile is pointed at a fake server on
+benchmark grader. Each endpoint section of the `research-drtulu` profile is pointed at a fake server on
 127.0.0.1 with `api_base` and its own key variable, and its settings are built the way the tasks build
 them (teacher.endpoint.endpoint_settings + tasks.secrets.resolve_api_key): the call reaches that server,
 with the served model name and the key, through the same litellm client the tasks use."""
@@ -29,7 +29,7 @@ def _section(cfg, dotted: str):
 
 def _config(section: str, base_url: str, **extra):
     return load_config(
-        "research",
+        "research-drtulu",
         {
             f"{section}.model": "openai/Qwen3-32B",
             f"{section}.api_base": base_url,
@@ -51,7 +51,7 @@ def test_each_endpoint_reaches_a_self_hosted_server(section, monkeypatch):
 
 
 def test_the_teacher_batch_api_of_a_self_hosted_server(monkeypatch):
-    """The teacher's default mode in research is the Batch API: upload, create, poll, download."""
+    """The teacher's default mode in research-drtulu is the Batch API: upload, create, poll, download."""
     monkeypatch.setenv("RUBRICEM_SELF_HOSTED_KEY", KEY)
     with FakeOpenAIServer(lambda body: "trace", api_key=KEY) as server:
         cfg = _config(

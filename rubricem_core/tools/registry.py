@@ -43,6 +43,16 @@ KIND_ARGS: dict[str, tuple[str, ...]] = {
         "max_retries",
         "backoff_s",
     ),
+    "gemini_google_search": (
+        "api_key_env",
+        "base_url",
+        "model",
+        "top_k",
+        "snippet_chars",
+        "timeout_s_http",
+        "max_retries",
+        "backoff_s",
+    ),
     "web_browse": (
         "max_chars",
         "max_bytes",
@@ -55,7 +65,7 @@ KIND_ARGS: dict[str, tuple[str, ...]] = {
     "mcp": ("server", "tool_name", "argument_name", "description", "extra_arguments", "id_prefix", "max_snippet_chars"),
 }
 _REQUIRED_ARGS = {"mcp": ("server", "tool_name")}
-_WEB_KINDS = {"serper", "semantic_scholar", "web_browse"}
+_WEB_KINDS = {"serper", "semantic_scholar", "gemini_google_search", "web_browse"}
 
 
 def corpus_digest(corpus: pa.Table) -> str:
@@ -84,10 +94,12 @@ def _construct(kind: str, args: dict[str, Any], name: str, corpus: pa.Table | No
         return LocalSearchTool(corpus, name=name, embedder=embedder if dense else None, **args)
     if kind in _WEB_KINDS:
         from rubricem_core.tools import web
+        from rubricem_core.tools.gemini_search import GeminiGroundedSearchTool
 
         cls = {
             "serper": web.SerperSearchTool,
             "semantic_scholar": web.SemanticScholarSearchTool,
+            "gemini_google_search": GeminiGroundedSearchTool,
             "web_browse": web.WebBrowseTool,
         }[kind]
         if isinstance(args.get("base_url"), str):  # the config holds it with its credentials masked

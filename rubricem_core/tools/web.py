@@ -261,9 +261,71 @@ class _HttpTool(Tool):
 
 
 class _WebSearchTool(_HttpTool):
-    """Search tools that record id → URL for browsing and can replay that from a cached result."""
+    """Search tools that record id → URL for browsing and can replay that from a cached result. A subclass
+    names its defaults (key variable, whether the key is required, API root, tool name, snippet length) and
+    its ``spec`` text and fingerprint tag; the constructor is this one."""
+
+    KEY_ENV: str
+    KEY_REQUIRED = True
+    BASE_URL: str
+    NAME: str
+    SNIPPET_CHARS = 400
+    DESCRIPTION: str  # the tool's spec text for the policy
+    FINGERPRINT: str  # what cached results are keyed by, with the settings that shape them
 
     urls: UrlBook
+
+    def __init__(
+        self,
+        api_key_env: str | None = None,
+        base_url: str | None = None,
+        top_k: int = 5,
+        snippet_chars: int | None = None,
+        timeout_s: float = 20.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        urls: UrlBook | None = None,
+        name: str | None = None,
+    ):
+        who = type(self).__name__
+        snippet_chars = self.SNIPPET_CHARS if snippet_chars is None else snippet_chars
+        if top_k < 1 or snippet_chars < 1:
+            raise ToolError(f"{who}: top_k and snippet_chars must be positive")
+        key = _api_key(api_key_env or self.KEY_ENV, required=self.KEY_REQUIRED, who=who)
+        name = name or self.NAME
+        super().__init__(name, timeout_s, max_retries, backoff_s, [key] if key else [])
+        self._key = key
+        self.base_url = (base_url or self.BASE_URL).rstrip("/")
+        self.top_k = int(top_k)
+        self.snippet_chars = int(snippet_chars)
+        self.urls = urls if urls is not None else UrlBook()
+        self.spec = ToolSpec(name, self.DESCRIPTION)
+        self.fingerprint = (
+            f"{self.FINGERPRINT} {redact_text(self.base_url)} top_k={self.top_k} chars={self.snippet_chars}"
+        )
+
+    def __call__(self, query: str) -> ToolResult:
+        query = query.strip()
+        if not query:
+            return error_result("empty search query")
+        method, path, what, kwargs = self._request_for(query)
+        data, error = self._get_json(method, f"{self.base_url}{path}", what, **kwargs)
+        if error is not None:
+            return error
+        if not isinstance(data, dict):
+            return self._error(f"{what}: expected a JSON object, got {type(data).__name__}")
+        hits = self._hits(data)
+        if isinstance(hits, ToolResult):
+            return hits
+        return self._result(hits[: self.top_k], query)
+
+    def _request_for(self, query: str) -> tuple[str, str, str, dict[str, Any]]:
+        """(method, path under base_url, what the errors call it, request keywords) of one search."""
+        raise NotImplementedError
+
+    def _hits(self, data: dict[str, Any]) -> list[tuple[str, str, str, str]] | ToolResult:
+        """The answer's ``(id, title, text, url)`` hits in order, or an error result."""
+        raise NotImplementedError
 
     def _result(self, hits: list[tuple[str, str, str, str]], query: str) -> ToolResult:
         """``(id, title, text, url)`` hits → the tool output; records each id's URL."""
@@ -293,47 +355,17 @@ class _WebSearchTool(_HttpTool):
 class SerperSearchTool(_WebSearchTool):
     """Google results through serper.dev: POST ``/search`` with the ``X-API-KEY`` header."""
 
-    def __init__(
-        self,
-        api_key_env: str = "SERPER_API_KEY",
-        base_url: str = "https://google.serper.dev",
-        top_k: int = 5,
-        snippet_chars: int = 400,
-        timeout_s: float = 20.0,
-        max_retries: int = 3,
-        backoff_s: float = 1.0,
-        urls: UrlBook | None = None,
-        name: str = "search",
-    ):
-        if top_k < 1 or snippet_chars < 1:
-            raise ToolError("SerperSearchTool: top_k and snippet_chars must be positive")
-        key = _api_key(api_key_env, required=True, who="SerperSearchTool")
-        super().__init__(name, timeout_s, max_retries, backoff_s, [key])
-        self._key = key
-        self.base_url = base_url.rstrip("/")
-        self.top_k = int(top_k)
-        self.snippet_chars = int(snippet_chars)
-        self.urls = urls if urls is not None else UrlBook()
-        self.spec = ToolSpec(
-            name, "Search the web (Google); returns snippets with ids such as W3f2a9c01b7 and their URLs."
-        )
-        self.fingerprint = f"serper/v1 {redact_text(self.base_url)} top_k={self.top_k} chars={self.snippet_chars}"
+    KEY_ENV = "SERPER_API_KEY"
+    BASE_URL = "https://google.serper.dev"
+    NAME = "search"
+    DESCRIPTION = "Search the web (Google); returns snippets with ids such as W3f2a9c01b7 and their URLs."
+    FINGERPRINT = "serper/v1"
 
-    def __call__(self, query: str) -> ToolResult:
-        query = query.strip()
-        if not query:
-            return error_result("empty search query")
-        data, error = self._get_json(
-            "POST",
-            f"{self.base_url}/search",
-            "web search",
-            json={"q": query, "num": self.top_k},
-            headers={"X-API-KEY": self._key, "Content-Type": "application/json"},
-        )
-        if error is not None:
-            return error
-        if not isinstance(data, dict):
-            return self._error(f"web search: expected a JSON object, got {type(data).__name__}")
+    def _request_for(self, query: str) -> tuple[str, str, str, dict[str, Any]]:
+        headers = {"X-API-KEY": self._key, "Content-Type": "application/json"}
+        return "POST", "/search", "web search", {"json": {"q": query, "num": self.top_k}, "headers": headers}
+
+    def _hits(self, data: dict[str, Any]) -> list[tuple[str, str, str, str]] | ToolResult:
         organic = data.get("organic") or []
         if not isinstance(organic, list):
             return self._error("web search: 'organic' is not a list")
@@ -345,7 +377,7 @@ class SerperSearchTool(_WebSearchTool):
             title = _shorten(str(item.get("title") or ""), 200)
             text = _shorten(str(item.get("snippet") or ""), self.snippet_chars) or "(no snippet)"
             hits.append((url_id(link), title, text, link))
-        return self._result(hits[: self.top_k], query)
+        return hits
 
 
 class SemanticScholarSearchTool(_WebSearchTool):
@@ -353,49 +385,20 @@ class SemanticScholarSearchTool(_WebSearchTool):
     (shared rate limit without one)."""
 
     FIELDS = "title,abstract,year,url,paperId"
+    KEY_ENV = "S2_API_KEY"
+    KEY_REQUIRED = False
+    BASE_URL = "https://api.semanticscholar.org/graph/v1"
+    NAME = "paper_search"
+    SNIPPET_CHARS = 600
+    DESCRIPTION = "Search scientific papers (Semantic Scholar); returns abstracts with ids such as S2:<paperId>."
+    FINGERPRINT = "s2/v1"
 
-    def __init__(
-        self,
-        api_key_env: str = "S2_API_KEY",
-        base_url: str = "https://api.semanticscholar.org/graph/v1",
-        top_k: int = 5,
-        snippet_chars: int = 600,
-        timeout_s: float = 20.0,
-        max_retries: int = 3,
-        backoff_s: float = 1.0,
-        urls: UrlBook | None = None,
-        name: str = "paper_search",
-    ):
-        if top_k < 1 or snippet_chars < 1:
-            raise ToolError("SemanticScholarSearchTool: top_k and snippet_chars must be positive")
-        key = _api_key(api_key_env, required=False, who="SemanticScholarSearchTool")
-        super().__init__(name, timeout_s, max_retries, backoff_s, [key] if key else [])
-        self._key = key
-        self.base_url = base_url.rstrip("/")
-        self.top_k = int(top_k)
-        self.snippet_chars = int(snippet_chars)
-        self.urls = urls if urls is not None else UrlBook()
-        self.spec = ToolSpec(
-            name, "Search scientific papers (Semantic Scholar); returns abstracts with ids such as S2:<paperId>."
-        )
-        self.fingerprint = f"s2/v1 {redact_text(self.base_url)} top_k={self.top_k} chars={self.snippet_chars}"
-
-    def __call__(self, query: str) -> ToolResult:
-        query = query.strip()
-        if not query:
-            return error_result("empty search query")
+    def _request_for(self, query: str) -> tuple[str, str, str, dict[str, Any]]:
+        params = {"query": query, "limit": self.top_k, "fields": self.FIELDS}
         headers = {"x-api-key": self._key} if self._key else {}
-        data, error = self._get_json(
-            "GET",
-            f"{self.base_url}/paper/search",
-            "paper search",
-            params={"query": query, "limit": self.top_k, "fields": self.FIELDS},
-            headers=headers,
-        )
-        if error is not None:
-            return error
-        if not isinstance(data, dict):
-            return self._error(f"paper search: expected a JSON object, got {type(data).__name__}")
+        return "GET", "/paper/search", "paper search", {"params": params, "headers": headers}
+
+    def _hits(self, data: dict[str, Any]) -> list[tuple[str, str, str, str]] | ToolResult:
         papers = data.get("data") or []
         if not isinstance(papers, list):
             return self._error("paper search: 'data' is not a list")
@@ -410,7 +413,7 @@ class SemanticScholarSearchTool(_WebSearchTool):
             abstract = _shorten(str(paper.get("abstract") or ""), self.snippet_chars) or "(no abstract)"
             url = paper.get("url") if isinstance(paper.get("url"), str) else ""
             hits.append((f"S2:{paper_id}", title, abstract, url))
-        return self._result(hits[: self.top_k], query)
+        return hits
 
 
 # ---- browsing --------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ Endpoints:
   with ``num`` results from ``results_for(query)`` (default: deterministic fake pages about the query).
 - ``GET /graph/v1/paper/search`` (Semantic Scholar): ``query``, ``limit``, ``fields``; header
   ``x-api-key`` when ``s2_api_key`` is set; answers ``{"total", "offset", "data": [...]}``.
+- ``POST /v1beta/models/<model>:generateContent`` (Gemini with the ``google_search`` tool): header
+  ``x-goog-api-key`` when ``gemini_api_key`` is set; answers a candidate whose text states each result's
+  snippet and whose ``groundingMetadata`` holds ``webSearchQueries``, ``groundingChunks`` (``web.uri``,
+  ``web.title``: the page's host, as Google gives it) and ``groundingSupports`` (each sentence's segment and
+  the chunks it cites); a 429 fault answers Google's ``RESOURCE_EXHAUSTED`` body with a ``RetryInfo``
+  delay, ``"blocked"`` a ``promptFeedback.blockReason`` without candidates.
 - ``GET /page/<slug>``: an HTML page (``pages[slug]`` or a generated one) for the browse tool.
 
 Fault knobs (mutable attributes; change them between calls):
@@ -54,12 +60,14 @@ class FakeWebSearchServer:
         self,
         api_key: str | None = None,
         s2_api_key: str | None = None,
+        gemini_api_key: str | None = None,
         results_for: Callable[[str, int], list[dict[str, str]]] = default_results,
         pages: dict[str, tuple[str, str]] | None = None,
         slow_s: float = 1.0,
     ):
         self.api_key = api_key
         self.s2_api_key = s2_api_key
+        self.gemini_api_key = gemini_api_key
         self.results_for = results_for
         self.pages = dict(pages or {})  # slug -> (content type, body)
         self.slow_s = slow_s
@@ -159,7 +167,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = {}
         headers = {k.lower(): v for k, v in self.headers.items()}
         self.fake.record("POST", self.path, headers, body)
-        if urlparse(self.path).path != "/search":
+        path = urlparse(self.path).path
+        if path.startswith("/v1beta/models/") and path.endswith(":generateContent"):
+            return self._gemini(body, headers.get("x-goog-api-key"))
+        if path != "/search":
             return self._json(404, {"message": "not found"})
         key = headers.get("x-api-key")
         if self._fault(self.fake.next_fault(self.fake.faults), key):
@@ -172,6 +183,49 @@ class _Handler(BaseHTTPRequestHandler):
             for i, r in enumerate(self.fake.results_for(query, num)[:num])
         ]
         self._json(200, {"searchParameters": {"q": query}, "organic": organic})
+
+    def _gemini(self, body: dict[str, Any], key: str | None) -> None:
+        fault = self.fake.next_fault(self.fake.faults)
+        if fault == 429:  # Google's quota answer: the delay is in the body, not a header
+            details = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "0s"}]
+            error = {"code": 429, "message": "Resource has been exhausted", "status": "RESOURCE_EXHAUSTED"}
+            return self._json(429, {"error": {**error, "details": details}})
+        if fault == "blocked":
+            return self._json(200, {"promptFeedback": {"blockReason": "SAFETY"}})
+        if self._fault(fault, key):
+            return
+        if self.fake.gemini_api_key is not None and key != self.fake.gemini_api_key:
+            error = {
+                "code": 400,
+                "message": "API key not valid. Please pass a valid API key.",
+                "status": "INVALID_ARGUMENT",
+            }
+            return self._json(400, {"error": error})
+        if body.get("tools") != [{"google_search": {}}]:
+            return self._json(400, {"error": {"code": 400, "message": "expected the google_search tool"}})
+        query = str(body["contents"][0]["parts"][0]["text"])
+        results = self.fake.results_for(query, 5)
+        text, chunks, supports = "", [], []
+        for i, r in enumerate(results):
+            sentence = r["snippet"] + " "
+            chunks.append({"web": {"uri": self.fake.page_url(r["slug"]), "title": "127.0.0.1"}})
+            segment = {
+                "startIndex": len(text.encode()),
+                "endIndex": len((text + sentence).encode()),
+                "text": sentence.strip(),
+            }
+            supports.append({"segment": segment, "groundingChunkIndices": [i], "confidenceScores": [0.9]})
+            text += sentence
+        candidate = {
+            "content": {"role": "model", "parts": [{"text": text.strip()}]},
+            "finishReason": "STOP",
+            "groundingMetadata": {
+                "webSearchQueries": [query],
+                "groundingChunks": chunks,
+                "groundingSupports": supports,
+            },
+        }
+        self._json(200, {"candidates": [candidate], "usageMetadata": {"promptTokenCount": 9}})
 
     def do_GET(self) -> None:
         parsed = urlparse(self.path)
