@@ -94,7 +94,8 @@ def describe_run(cfg: RunConfig) -> str:
     fleet = f", {r.replicas} replica(s), weights by {r.weight_transfer}" if r.engine == "vllm_server" else ""
     lines.append(f"  rollouts:         {r.engine}{fleet}, {r.group_size} per query")
     e = cfg.eval
-    lines.append(f"  evaluation:       {e.max_queries} queries per benchmark ({e.sample}), retrieval {e.retrieval}")
+    chosen = "every query (the full sets)" if e.max_queries == "all" else f"{e.max_queries} queries ({e.sample})"
+    lines.append(f"  evaluation:       {chosen} per benchmark, retrieval {e.retrieval}")
     for benchmark in e.benchmarks:
         family = family_of(benchmark)
         choice = e.protocol_for(benchmark)

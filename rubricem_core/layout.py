@@ -104,6 +104,10 @@ class RunLayout:
     def state_dir(self) -> Path:
         return self.root / STATE_DIR
 
+    def eval_queries_file(self, part_name: str) -> Path:
+        """The query ids an `eval_results` part was evaluated on, in order, with how they were chosen."""
+        return self.state_dir / "eval_queries" / f"{part_name}.json"
+
     @property
     def bank_dir(self) -> Path:
         """The saved reflection bank: beside the run's other state, not under tables/ (tables/bank is

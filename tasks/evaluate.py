@@ -5,6 +5,7 @@ the summary of the part that exists instead of sampling again.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,16 @@ from rubricem_core.config import EVAL_PROTOCOL_SETTINGS, RunConfig
 from rubricem_core.eval.benchmark import (
     REFLECTIONS_TABLE,
     RESULTS_TABLE,
+    EvalPart,
     PartEvaluation,
     evaluate_part,
     reflection_valid_rate,
     reflection_validity_rows,
+    sample_seed,
 )
 from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.rollout.factory import checkpoint_engine
-from rubricem_core.store import RunStore
+from rubricem_core.store import RunStore, atomic_write_text
 from tasks.inputs import search_env
 from tasks.readback import parquet_task, read_back
 from tasks.secrets import resolve_api_key
@@ -82,6 +85,7 @@ def evaluate_benchmark(
         env=lambda: search_env(run_dir, cfg),
         info=log.info,
     )
+    _record_queries(store, cfg, done.part)
     if done.cached:
         summary = {"cached": True, **done.summary, **_reflection_validity(run_dir, store, cfg, checkpoint, done)}
         return read_back(summary, store.partition_path(TABLE, {}, done.part.name), run_dir)
@@ -94,6 +98,23 @@ def evaluate_benchmark(
         *(s["valid_scaffold_rate"], s["n_ungraded"], s["n_no_rubrics"], s["n_no_gold_answer"], s["n_no_reference"]),
     )
     return {"cached": False, **s}
+
+
+def _record_queries(store: RunStore, cfg: RunConfig, part: EvalPart) -> None:
+    """state/eval_queries/<part>.json: which queries the part evaluated, in order, and how they were chosen."""
+
+    record = {
+        "benchmark": part.benchmark,
+        "checkpoint": part.tag,
+        "retrieval": part.retrieval,
+        "max_queries": cfg.eval.max_queries,
+        "sample": cfg.eval.sample,
+        "seed": sample_seed(cfg) if cfg.eval.sample == "random" else None,
+        "query_ids": [q.query_id for q in part.queries],
+    }
+    path = store.layout.eval_queries_file(part.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 def _reflection_validity(

@@ -113,6 +113,17 @@ def test_random_sample_ignores_file_order_and_grows_as_a_superset():
     assert ids(select_queries(POOL, 80, "random", seed=3)) == ids(POOL)  # fewer than asked: all of them
 
 
+def test_all_is_the_full_set_in_file_order_whatever_the_sample():
+    from rubricem_core.config import ConfigError, load_config
+
+    assert ids(select_queries(POOL, "all")) == ids(select_queries(POOL, "all", "random", seed=3)) == ids(POOL)
+    assert load_config("tiny", {"eval.max_queries": "all"}).eval.max_queries == "all"
+    with pytest.raises(ConfigError, match="max_queries must be at least 1 or 'all'"):
+        load_config("tiny", {"eval.max_queries": 0})
+    with pytest.raises(ConfigError, match="max_queries"):
+        load_config("tiny", {"eval.max_queries": "most"})
+
+
 def test_unknown_sample_mode_is_refused():
     with pytest.raises(EvalError, match="eval.sample"):
         select_queries(POOL, 3, "stratified")

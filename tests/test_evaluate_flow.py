@@ -88,6 +88,10 @@ def test_evaluate_writes_eval_results_metrics_and_skips_on_rerun(run_dir, shared
     held_out = {q["query_id"] for q in store.read_rows("queries") if q["split"] == "eval"}
     assert {r["query_id"] for r in rows if r["benchmark"] == "synthetic"} <= held_out
     assert {r["query_id"] for r in rows if r["benchmark"] == "simpleqa"} == {"simpleqa-00000", "simpleqa-00001"}
+    # the chosen ids, in order, beside each part (the paper's fixed evaluation sets are checkable)
+    chosen = json.loads((Path(run_dir) / "state" / "eval_queries" / "sft--simpleqa--none.json").read_text())
+    assert chosen["query_ids"] == ["simpleqa-00000", "simpleqa-00001"] and chosen["sample"] == "first"
+    assert chosen["max_queries"] == 2 and chosen["benchmark"] == "simpleqa" and chosen["checkpoint"] == "sft"
     for row in rows:
         assert 0.0 <= row["score"] <= 1.0 and not row["grade_failed"]
         details = json.loads(row["details"])

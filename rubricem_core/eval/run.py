@@ -640,14 +640,19 @@ def run_sequential(
 # ---- benchmark files -----------------------------------------------------------------------------
 
 
-def select_queries(queries: Sequence[Query], max_queries: int, sample: str = "first", seed: int = 0) -> list[Query]:
-    """``max_queries`` of ``queries``: the first ones, or (``random``) a seeded sample.
+def select_queries(
+    queries: Sequence[Query], max_queries: int | str, sample: str = "first", seed: int = 0
+) -> list[Query]:
+    """``max_queries`` of ``queries`` (``"all"``: every one, in file order): the first ones, or (``random``) a
+    seeded sample.
 
     The random sample ranks each query by a hash of (seed, query_id) and keeps the lowest ranks: the
     same seed picks the same queries whatever the file order, and a larger ``max_queries`` picks a
     superset. The chosen queries keep their order in ``queries``."""
     if sample not in SAMPLES:
         raise EvalError(f"eval.sample must be one of {SAMPLES}, got {sample!r}")
+    if not isinstance(max_queries, int):  # "all"
+        return list(queries)
     if sample == "first" or max_queries >= len(queries):
         return list(queries[:max_queries])
     rank = {q.query_id: hashlib.sha256(f"{seed}\0{q.query_id}".encode()).hexdigest() for q in queries}
@@ -658,7 +663,7 @@ def select_queries(queries: Sequence[Query], max_queries: int, sample: str = "fi
 def load_benchmark_queries(
     benchmark: str,
     path: str | Path | None,
-    max_queries: int,
+    max_queries: int | str,
     sample: str = "first",
     seed: int = 0,
     reference_path: str | Path | None = None,
