@@ -992,12 +992,17 @@ class ReflectionConfig(_Strict):
         "the query's best-scoring reflection so far (any window, or the warm start).",
     )
     validity: Literal["strict", "structural"] = Field(
-        default="strict",
-        description="Which reflections count as valid (invalid ones get reward 0 and never enter the bank): "
-        "structural — the paper's format check (the reflection element with two non-empty lists, nothing "
-        "outside); strict — also no 12+ words copied from the attempt, no talk of scores, under 3000 characters, "
-        "at most 8 items a list, no scaffold tags. Also applies to the teacher's SFT reflections and to "
-        "evaluation's reflection validity.",
+        default="structural",
+        description="Which reflections count as valid (only valid ones enter the bank): structural — the paper's "
+        "format check (the reflection element with two non-empty lists, nothing outside); strict — also no 12+ "
+        "words copied from the attempt, no talk of scores, under 3000 characters, at most 8 items a list, no "
+        "scaffold tags. Also applies to the teacher's SFT reflections and to evaluation's reflection validity.",
+    )
+    invalid_candidates: Literal["judged", "zero"] = Field(
+        default="judged",
+        description="The reward of a candidate that fails `validity`: judged — the reflection judge scores it like "
+        "any other and the GRPO group uses that score (the paper, App. D: every candidate is scored, the bank "
+        "takes the best valid one); zero — reward 0 without a judge call (cheaper; it teaches the format first).",
     )
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)
 

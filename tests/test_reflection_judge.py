@@ -147,10 +147,11 @@ def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
 # ---- one call per trajectory, privileged inputs, invalid candidates ---------------------------------------
 
 
-def test_one_call_per_trajectory_scores_only_valid_candidates():
+@pytest.mark.parametrize("judge_invalid", [True, False], ids=["paper-every-candidate-judged", "invalid-zero"])
+def test_one_call_per_trajectory_scores_every_candidate_or_only_valid_ones(judge_invalid):
     inputs = [make_input([SPECIFIC, INVALID, GENERIC], "t0"), make_input([MET_ONLY, SPECIFIC], "t1")]
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
-        judge = ReflectionJudge(settings(server))
+        judge = ReflectionJudge(settings(server), ReflectionJudgeOptions(judge_invalid=judge_invalid))
         scores = judge.score(inputs)
     assert len(server.chat_calls) == 2  # one per source trajectory, not one per candidate
     assert [(s.source_rollout_id, s.candidate) for s in scores] == [
@@ -161,34 +162,45 @@ def test_one_call_per_trajectory_scores_only_valid_candidates():
         ("t1", 1),
     ]
     by = {(s.source_rollout_id, s.candidate): s for s in scores}
-    assert by["t0", 1].valid is False and by["t0", 1].score == 0.0 and "missing_reflection" in by["t0", 1].codes
+    assert by["t0", 1].valid is False and "missing_reflection" in by["t0", 1].codes
     assert by["t0", 0].score == pytest.approx(0.1) and by["t0", 2].score == pytest.approx(0.3)
     assert by["t0", 0].justification == "ok 0"
-    t0_body = next(b for b in server.chat_calls if candidates_in(b) == [0, 2])
-    assert INVALID not in user_of(t0_body)  # the invalid candidate is never sent
+    t0_body = next(b for b in server.chat_calls if INVALID in user_of(b) or candidates_in(b) == [0, 2])
+    sent = [0, 1, 2] if judge_invalid else [0, 2]
+    assert candidates_in(t0_body) == sent and (INVALID in user_of(t0_body)) == judge_invalid
     enum = t0_body["response_format"]["json_schema"]["schema"]["properties"]["scores"]["items"]["properties"][
         "candidate"
     ]["enum"]
-    assert enum == [0, 2]
+    assert enum == sent
+    # the paper: the invalid candidate's reward is the judge's score; the earlier rule: a zero without a call
+    assert by["t0", 1].score == pytest.approx(0.2 if judge_invalid else 0.0)
+    assert candidate_rewards([by["t0", i] for i in range(3)])[1] == pytest.approx(0.2 if judge_invalid else 0.0)
+    # either way it never enters the bank: the best valid candidate does
+    assert best_candidate([by["t0", i] for i in range(3)]).candidate == 2
     assert judge.usage.calls == 2 and judge.usage.candidates == 5 and judge.usage.invalid_candidates == 1
     assert judge.usage.cost_usd == pytest.approx(
         judge.usage.prompt_tokens * 1e-6 + judge.usage.completion_tokens * 2e-6
     )
 
 
-def test_per_candidate_mode_makes_one_call_per_valid_candidate():
-    """The paper's protocol: a call per valid candidate (invalid ones still cost none), each showing
-    that candidate alone."""
+@pytest.mark.parametrize("judge_invalid", [True, False], ids=["paper-every-candidate-judged", "invalid-zero"])
+def test_per_candidate_mode_makes_one_call_per_judged_candidate(judge_invalid):
+    """The paper's protocol: a call per candidate, each showing that candidate alone (judge_invalid off:
+    invalid ones cost none)."""
     inputs = [make_input([SPECIFIC, INVALID, GENERIC], "t0"), make_input([MET_ONLY, SPECIFIC], "t1")]
+    options = ReflectionJudgeOptions(mode="per_candidate", judge_invalid=judge_invalid)
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
-        judge = ReflectionJudge(settings(server), ReflectionJudgeOptions(mode="per_candidate"))
+        judge = ReflectionJudge(settings(server), options)
         scores = judge.score(inputs)
-    assert len(server.chat_calls) == 4 and judge.usage.calls == 4  # 2 + 2 valid candidates
-    assert sorted(candidates_in(b) for b in server.chat_calls) == [[0], [0], [1], [2]]
+    calls = 5 if judge_invalid else 4
+    assert len(server.chat_calls) == calls and judge.usage.calls == calls
+    expected = [[0], [0], [1], [1], [2]] if judge_invalid else [[0], [0], [1], [2]]
+    assert sorted(candidates_in(b) for b in server.chat_calls) == expected
     by = {(s.source_rollout_id, s.candidate): s for s in scores}
     # each candidate scored alone: good_reply gives 0.1 * (number + 1) to the one it sees
     assert by["t0", 0].score == pytest.approx(0.1) and by["t0", 2].score == pytest.approx(0.3)
     assert by["t1", 1].score == pytest.approx(0.2) and by["t0", 1].valid is False
+    assert by["t0", 1].score == pytest.approx(0.2 if judge_invalid else 0.0)
 
 
 def test_per_candidate_builtin_scores_match_joint_ones(builtin):
@@ -227,21 +239,29 @@ def test_trajectory_can_be_left_out_or_clipped():
     assert f"({len(TRAJECTORY) - 100} characters omitted from the middle)" in clipped["ATTEMPT"]
 
 
-def test_all_invalid_candidates_cost_no_call():
+def test_all_invalid_candidates_are_judged_but_never_banked_or_cost_no_call_when_zeroed():
+    candidates = [INVALID, "<reflection></reflection>"]
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
         judge = ReflectionJudge(settings(server))
-        scores = judge.score([make_input([INVALID, "<reflection></reflection>"])])
-    assert server.chat_calls == []
-    assert [(s.valid, s.score, s.judge_failed) for s in scores] == [(False, 0.0, False), (False, 0.0, False)]
-    assert judge.usage.calls == 0
+        scores = judge.score([make_input(candidates)])
+        assert len(server.chat_calls) == 1  # the paper: scored like any other
+        assert [(s.valid, s.score) for s in scores] == [(False, pytest.approx(0.1)), (False, pytest.approx(0.2))]
+        assert best_candidate(scores) is None
+        zeroing = ReflectionJudge(settings(server), ReflectionJudgeOptions(judge_invalid=False))
+        zeroed = zeroing.score([make_input(candidates)])
+        assert len(server.chat_calls) == 1 and zeroing.usage.calls == 0
+    assert [(s.valid, s.score, s.judge_failed) for s in zeroed] == [(False, 0.0, False), (False, 0.0, False)]
 
 
-def test_a_failed_source_judgment_fails_the_candidates_without_a_call():
+@pytest.mark.parametrize("judge_invalid", [True, False], ids=["paper-every-candidate-judged", "invalid-zero"])
+def test_a_failed_source_judgment_fails_the_candidates_without_a_call(judge_invalid):
+    options = ReflectionJudgeOptions(judge_invalid=judge_invalid)
     with FakeOpenAIServer(good_reply, api_key=API_KEY) as server:
-        scores = ReflectionJudge(settings(server)).score([make_input([SPECIFIC, INVALID], failed=True)])
+        scores = ReflectionJudge(settings(server), options).score([make_input([SPECIFIC, INVALID], failed=True)])
     assert server.chat_calls == []
     assert scores[0].judge_failed and scores[0].score is None and "judge down" in scores[0].error
-    assert not scores[1].judge_failed and scores[1].score == 0.0  # invalid stays a plain zero
+    # the invalid one fails with it when it would have been judged; a plain zero otherwise
+    assert scores[1].judge_failed == judge_invalid and scores[1].score == (None if judge_invalid else 0.0)
 
 
 def test_judgment_of_another_rollout_is_rejected():
@@ -283,15 +303,20 @@ def test_an_unusable_reply_is_repaired_once(broken):
     assert judge.usage.calls == 1 and judge.usage.repairs == 1 and judge.usage.failed_calls == 0
 
 
-def test_a_reply_that_stays_unusable_fails_the_candidates_never_zero():
+@pytest.mark.parametrize("judge_invalid", [True, False], ids=["paper-every-candidate-judged", "invalid-zero"])
+def test_a_reply_that_stays_unusable_fails_the_candidates_never_zero(judge_invalid):
+    options = ReflectionJudgeOptions(judge_invalid=judge_invalid)
     with FakeOpenAIServer(lambda body: '{"scores": "no"}', api_key=API_KEY) as server:
-        judge = ReflectionJudge(settings(server))
+        judge = ReflectionJudge(settings(server), options)
         scores = judge.score([make_input([SPECIFIC, INVALID, GENERIC])])
-    assert [s.judge_failed for s in scores] == [True, False, True]
+    assert [s.judge_failed for s in scores] == [True, judge_invalid, True]
     assert scores[0].score is None and "is not of type 'array'" in scores[0].error
-    assert judge.usage.repairs == 1 and judge.usage.failed_calls == 1 and judge.usage.failed_candidates == 2
+    failed = 3 if judge_invalid else 2
+    assert judge.usage.repairs == 1 and judge.usage.failed_calls == 1 and judge.usage.failed_candidates == failed
     rewards = candidate_rewards(scores)
-    assert np.isnan(rewards[0]) and rewards[1] == 0.0 and np.isnan(rewards[2])
+    assert (
+        np.isnan(rewards[0]) and np.isnan(rewards[2]) and (np.isnan(rewards[1]) if judge_invalid else rewards[1] == 0)
+    )
 
 
 def test_429_and_500_are_retried():

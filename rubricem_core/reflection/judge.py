@@ -4,15 +4,18 @@ It sees what the policy did not: the judge rubrics of the query and the source t
 rubric scores with their justifications. It returns a usefulness score in [0, 1] with a
 justification for every candidate.
 
-Calls (``mode``): ``per_candidate`` (the paper) scores each valid candidate in its own call, so a
+Calls (``mode``): ``per_candidate`` (the paper) scores each candidate in its own call, so a
 candidate's score never depends on the others in its group and one failed call costs one
-candidate. ``joint`` scores all valid candidates of a source trajectory in ONE call: n times fewer
+candidate. ``joint`` scores all candidates of a source trajectory in ONE call: n times fewer
 calls and prompt tokens (the rubrics and the attempt are sent once), the candidates side by side;
 a call that still fails after retries and one repair marks every candidate of that trajectory
 ``judge_failed``. Either way a failed candidate is excluded from the group, never scored 0.
 
-Invalid candidates (``validate_reflection`` codes) are scored 0 and marked invalid WITHOUT a call;
-a trajectory whose candidates are all invalid costs no call at all.
+Invalid candidates (``validate_reflection`` codes) are marked invalid and never enter the bank. As the paper
+(App. D) has it, every candidate is judged, invalid ones too, and the meta-policy's GRPO group uses the judge's
+scores: a candidate whose format is broken is rewarded for what it says, not zeroed by a check the judge
+never saw (``judge_invalid``, on by default; off: scored 0 without a call, the project's earlier rule, and a
+trajectory whose candidates are all invalid costs no call).
 
 The offline built-in judge (litellm provider ``rubricem-reflection-judge``) that reads the same prompt
 is a stand-in (sim/reflection_judge.py), reached by its provider name.
@@ -142,14 +145,16 @@ class ReflectionJudgeOptions(StructuredOptions):
         default=MAX_REFLECTION_CHARS, metadata={"help": "Longer candidates are invalid (too_long)."}
     )
     validity: str = field(
-        default="strict",
+        default="structural",
         metadata={"help": "Which candidates are valid: strict (this project's checks) or structural (the paper's)."},
     )
     mode: str = field(
         default="joint",
-        metadata={
-            "help": "per_candidate: one call per valid candidate (the paper); joint: one call per source trajectory."
-        },
+        metadata={"help": "per_candidate: one call per candidate (the paper); joint: one call per source trajectory."},
+    )
+    judge_invalid: bool = field(
+        default=True,
+        metadata={"help": "Judge invalid candidates too (the paper); False: score them 0 without a call."},
     )
 
     def __post_init__(self) -> None:
@@ -301,20 +306,20 @@ class ReflectionJudge:
                         item.query.query_id, item.source_rollout_id, number, text, valid=not codes, codes=codes
                     )
                 )
-                if codes:  # invalid: a zero, decided without the judge
+                if codes and not self.options.judge_invalid:  # a zero, decided without the judge
                     scores[-1].score = 0.0
                     scores[-1].justification = "invalid: " + ", ".join(codes)
             out.append(scores)
-            valid = [s.candidate for s in scores if s.valid]
-            if not valid:
+            judged = [s.candidate for s in scores if s.valid or self.options.judge_invalid]
+            if not judged:
                 continue
             if item.judgment.failed:
                 # no privileged inputs to judge with: the candidates cannot be scored, not scored 0
-                for s in scores:
-                    if s.valid:
-                        s.judge_failed, s.error = True, f"source trajectory judgment failed: {item.judgment.error}"
+                for number in judged:
+                    scores[number].judge_failed = True
+                    scores[number].error = f"source trajectory judgment failed: {item.judgment.error}"
                 continue
-            groups = [[n] for n in valid] if self.options.mode == "per_candidate" else [valid]
+            groups = [[n] for n in judged] if self.options.mode == "per_candidate" else [judged]
             for group in groups:
                 suffix = f":{group[0]}" if self.options.mode == "per_candidate" else ""
                 messages = judge_messages(item, group, self.options.max_trajectory_chars)

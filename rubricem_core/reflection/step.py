@@ -37,6 +37,7 @@ def reflection_judge(cfg: RunConfig, api_key: str | None) -> ReflectionJudge:
         seed=cfg.seed,
         max_trajectory_chars=endpoint.max_attempt_chars,
         validity=cfg.reflection.validity,
+        judge_invalid=cfg.reflection.invalid_candidates == "judged",
     )
     return ReflectionJudge(settings, options)
 
