@@ -7,6 +7,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import os
 import re
 import signal
 from collections.abc import Callable
@@ -46,6 +47,43 @@ Profile = Annotated[
 ]
 
 
+# What a run's parameters must not change when the run was started from a deployment (the Prefect UI or API):
+# the commands and environment of the processes it starts, and the tool servers it runs (an MCP tool's
+# `server` is a command line). Whoever can start a flow run could otherwise run a shell on the worker.
+COMMAND_FIELDS = ("tools.specs", "rollout.server_python", "rollout.server_env")
+ALLOW_COMMANDS_ENV = "RUBRICEM_ALLOW_COMMAND_OVERRIDES"
+
+
+def refuse_command_changes(run_dir: str, profile: str | None, cfg: RunConfig) -> None:
+    """A flow run of a deployment whose parameters change ``COMMAND_FIELDS`` from the profile (or the run
+    directory's recorded config) is refused, unless the worker's own environment sets
+    ``RUBRICEM_ALLOW_COMMAND_OVERRIDES=1`` (a flow run's job variables cannot: setting it there is refused)."""
+    from prefect.runtime import deployment, flow_run
+
+    if not (deployment.id or flow_run.parent_deployment_id):
+        return  # the CLI or a Python call: the user runs their own commands anyway
+    base = base_config(run_dir, profile, {})
+    changed = [f for f in COMMAND_FIELDS if _field(cfg, f) != _field(base, f)]
+    if not changed:
+        return
+    job_env = (flow_run.job_variables or {}).get("env") or {}
+    if ALLOW_COMMANDS_ENV in job_env:
+        raise ConfigError(f"{ALLOW_COMMANDS_ENV} is the worker operator's to set, not a flow run's job variable")
+    if os.environ.get(ALLOW_COMMANDS_ENV) == "1":
+        return
+    raise ConfigError(
+        f"a flow run of a deployment may not change {', '.join(changed)} (the commands, environment and tool "
+        f"servers it starts): put them in the profile, or start the worker with {ALLOW_COMMANDS_ENV}=1"
+    )
+
+
+def _field(cfg: RunConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
 def resolve_config(
     run_dir: str,
     profile: str | None = None,
@@ -61,6 +99,7 @@ def resolve_config(
     from its directory alone.
     """
     cfg = config if config is not None else base_config(run_dir, profile, overrides or {})
+    refuse_command_changes(run_dir, profile, cfg)
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"run directory {run_dir} is a file, not a directory")
     Path(run_dir).mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -29,11 +30,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from rubricem_core.processes import die_with_parent
 
 API_URL_ENV = "PREFECT_API_URL"
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # what a client sends (basic auth)
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # what the server demands
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 _STARTUP_FAILURE = 3  # uvicorn's exit code when it could not start, e.g. the port was taken meanwhile
@@ -51,6 +54,7 @@ class OwnedServer:
     process: subprocess.Popen[bytes]
     port: int
     log: IO[bytes]
+    auth_string: str | None = None  # basic auth the server demands ("rubricem:<random>"), held in memory only
 
     @property
     def pid(self) -> int:
@@ -81,7 +85,7 @@ def owned_ephemeral_server(log_path: str | os.PathLike[str] | None = None) -> It
     with _open_log(log_path) as log:
         server = start_server(log, startup_timeout())
         try:
-            with _api_url_in_process(server.api_url):
+            with _api_url_in_process(server.api_url, server.auth_string):
                 try:
                     yield server
                 finally:
@@ -106,14 +110,17 @@ def start_server(log: IO[bytes], timeout: float) -> OwnedServer:
     choosing and binding); raises RuntimeError with the server's output tail on any other early
     exit or after ``timeout`` seconds.
     """
-    env = _server_env()
+    # Another local user (or a web page's request to 127.0.0.1) must not read the flow runs' parameters or
+    # start runs: the server demands a random basic-auth string, which only this process and its children hold.
+    auth = f"rubricem:{secrets.token_urlsafe(24)}"
+    env = {**_server_env(), SERVER_AUTH_ENV: auth}
     deadline = time.monotonic() + timeout
     for _ in range(_PORT_ATTEMPTS):
         port = _free_port()
         process = _spawn(port, env, log)
         try:
             if _wait_healthy(process, port, deadline, log):
-                return OwnedServer(process=process, port=port, log=log)
+                return OwnedServer(process=process, port=port, log=log, auth_string=auth)
         except BaseException:
             stop_server(process)
             raise
@@ -236,25 +243,31 @@ def _tail(log: IO[bytes]) -> str:
 
 
 @contextmanager
-def _api_url_in_process(url: str) -> Iterator[None]:
-    """Point this process (env, current and global Prefect settings) at ``url``; restore after."""
+def _api_url_in_process(url: str, auth_string: str | None = None) -> Iterator[None]:
+    """Point this process (env, current and global Prefect settings) at ``url``, with the basic-auth string
+    the server demands; restore after."""
     import prefect.context
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    previous = os.environ.get(API_URL_ENV)
+    previous = {name: os.environ.get(name) for name in (API_URL_ENV, CLIENT_AUTH_ENV)}
     os.environ[API_URL_ENV] = url  # for children that import prefect afresh
+    updates: dict[Any, Any] = {PREFECT_API_URL: url}
+    if auth_string is not None:
+        os.environ[CLIENT_AUTH_ENV] = auth_string
+        updates[PREFECT_API_AUTH_STRING] = auth_string
     swap = getattr(prefect.context, "_temporary_global_settings_context", None)
     try:
-        with temporary_settings(updates={PREFECT_API_URL: url}):
+        with temporary_settings(updates=updates):
             # Threads Prefect starts itself (log and event workers) read the process-global
             # context, not this thread's; prefect_test_harness swaps it the same way.
             with swap(prefect.context.get_settings_context()) if swap else _refreshed_global(prefect.context):
                 yield
     finally:
-        if previous is None:
-            os.environ.pop(API_URL_ENV, None)
-        else:
-            os.environ[API_URL_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if swap is None:
             prefect.context.refresh_global_settings_context()
 

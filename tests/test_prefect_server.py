@@ -42,7 +42,16 @@ RUN_FLOW = textwrap.dedent(
         result = tiny(1)
         assert result == {"y": 2, "url": server.api_url}, result
         assert not SubprocessASGIServer._instances, "Prefect started its own ephemeral server"
-    assert "PREFECT_API_URL" not in os.environ
+        # only this process (and its children) holds the server's basic-auth string: another client is refused
+        import base64
+        import httpx
+        assert os.environ["PREFECT_API_AUTH_STRING"] == server.auth_string
+        stranger = httpx.post(server.api_url + "/flow_runs/filter", json={})
+        assert stranger.status_code == 401, stranger.status_code
+        token = base64.b64encode(server.auth_string.encode()).decode()
+        own = httpx.post(server.api_url + "/flow_runs/filter", json={}, headers={"Authorization": "Basic " + token})
+        assert own.status_code == 200 and len(own.json()) == 1, own.status_code
+    assert "PREFECT_API_URL" not in os.environ and "PREFECT_API_AUTH_STRING" not in os.environ
     assert PREFECT_API_URL.value() is None
     assert server.process.poll() is not None
     print("DONE", flush=True)

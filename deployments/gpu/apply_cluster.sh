@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Apply the RayCluster (raycluster.yaml, with its image set to $RUBRICEM_IMAGE) and its NetworkPolicy
 # (networkpolicy.yaml) in the namespace `rubricem`. Rerunning updates them in place. Prerequisites (once):
-# the KubeRay operator, the Secrets rubricem-ray-token (auth_token), rubricem-prefect (PREFECT_API_URL) and
+# the KubeRay operator, the Secrets rubricem-ray-token (auth_token), rubricem-prefect (PREFECT_API_URL,
+# PREFECT_API_AUTH_STRING) and
 # rubricem-api-keys (OPENAI_API_KEY), and the claims rubricem-runs (ReadWriteMany) and rubricem-hf-cache.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
