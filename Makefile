@@ -65,6 +65,7 @@ lint: $(STAMP)
 # links and anchors too). The configuration reference is written from the pydantic models first.
 docs: $(STAMP)
 	$(PY) -m rubricem_core.config_reference > docs/reference/configuration.md
+	$(PY) -m bench.results
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 clean-run:

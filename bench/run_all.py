@@ -12,6 +12,11 @@ run directory (an SFT checkpoint) are skipped when it is absent.
     .venv/bin/python bench/run_all.py                    # everything, default sizes (tens of minutes)
     .venv/bin/python bench/run_all.py --quick            # small sizes (a few minutes)
     .venv/bin/python bench/run_all.py --only duckdb_latency,throughput --quick
+
+Every figure a run parses is appended to ``bench/results.jsonl`` (``--results``): the figure, its goal and
+whether it was met, the script's seconds, whether ``--quick`` sizes were used, and the date, commit and
+machine it was measured on. ``python -m bench.results`` writes docs/benchmarks.md from it (the newest line
+per figure and size); quote a figure in the docs from there, with its date.
 """
 
 from __future__ import annotations
@@ -230,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per script")
     parser.add_argument("--log-dir", default=None, help="where each script's stdout/stderr go (default: a temp dir)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the scripts")
+    parser.add_argument(
+        "--results", default=str(BENCH_DIR / "results.jsonl"), help="append each figure here ('' : nowhere)"
+    )
+    parser.add_argument("--note", default="", help="recorded with each figure, e.g. 'beside a training run'")
     args = parser.parse_args(argv)
 
     known = {s.name: s for s in SCRIPTS}
@@ -253,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         for line in result.tail:
             print(f"    {line}")
         results.append(result)
+        if args.results and result.figure is not None:
+            sys.path.insert(0, str(REPO_ROOT))
+            from bench.results import append_result
+
+            append_result(Path(args.results), script.name, result.figure, result.seconds, args.quick, args.note)
     print(f"\nlogs: {log_dir}  (noisy numbers: timings on a shared machine vary from run to run)")
     print(render_table(results))
     return exit_code(results)

@@ -370,3 +370,31 @@ def test_soak_samples_a_process_tree(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_results_file_lines_carry_when_where_and_what_and_the_page_shows_the_newest(tmp_path):
+    from bench.results import append_result, read_results, render_page
+
+    path = tmp_path / "results.jsonl"
+    old = Figure("load_judge_wall_slots", 1.28, "x ideal", "<= 1.3 x ideal", True)
+    new = Figure("load_judge_wall_slots", 1.18, "x ideal", "<= 1.3 x ideal", True)
+    append_result(path, "load_judge", old, 40.2, quick=False)
+    append_result(path, "load_judge", new, 38.0, quick=False)
+    append_result(path, "load_judge", Figure("load_judge_wall_slots", 1.5, "x ideal", "<= 1.3 x ideal", False), 9, True)
+    rows = read_results(path)
+    assert len(rows) == 3 and all(r["commit"] and r["machine"] and r["date"].endswith("UTC") for r in rows)
+    assert "CPUs" in rows[0]["machine"]
+    page = render_page(rows)
+    table = [line for line in page.splitlines() if line.startswith("| `load_judge_wall_slots`")]
+    assert len(table) == 2  # the newest full-size and the newest quick measurement
+    assert "| 1.18 x ideal |" in table[0] and "| yes |" in table[0] and "| full |" in table[0]
+    assert "| 1.5 x ideal |" in table[1] and "| **no** |" in table[1] and "| quick |" in table[1]
+    path.write_text(path.read_text() + "not json\n")
+    with pytest.raises(ValueError, match=r"results.jsonl:4: not JSON"):
+        read_results(path)
+
+
+def test_the_committed_benchmarks_page_is_current():
+    from bench.results import main
+
+    assert main(["--check"]) == 0, "run: python -m bench.results"
