@@ -189,3 +189,33 @@ def test_summary_of_a_part_with_only_old_style_rows_is_unchanged():
     s = summarize(rows)
     assert (s["score_mean"], s["n_samples"], s["grade_failed"], s["n_ungraded"]) == (0.5, 2, 1, 0)
     assert math.isclose(s["valid_scaffold_rate"], 0.5)
+
+
+def _graded(details: dict, score: float) -> dict:
+    return {
+        "query_id": f"q{id(details)}",
+        "score": score,
+        "grade_failed": False,
+        "details": json.dumps(details),
+        "valid_scaffold": True,
+        "finish_reason": ANSWERED,
+        "n_tool_calls": 1,
+        "guidance": None,
+    }
+
+
+def test_simple_evals_aggregates_worked_by_hand():
+    # SimpleQA: 3 correct, 1 incorrect, 1 not attempted → correct 3/5, given attempted 3/4, F = 2·.75·.6/1.35
+    grades = ["correct", "correct", "correct", "incorrect", "not_attempted"]
+    s = summarize([_graded({"grade": g}, float(g == "correct")) for g in grades])
+    assert math.isclose(s["correct_rate"], 0.6) and math.isclose(s["accuracy_given_attempted"], 0.75)
+    assert math.isclose(s["f_score"], 2 * 0.75 * 0.6 / 1.35)
+    none = summarize([_graded({"grade": "not_attempted"}, 0.0)])
+    assert none["accuracy_given_attempted"] == 0.0 and none["f_score"] == 0.0
+    # HealthBench: examples scored -0.5 and 0.9 (raw) → per-example clipped mean (0 + 0.9) / 2 = 0.45, while
+    # simple-evals clips the mean: (-0.5 + 0.9) / 2 = 0.2
+    examples = [(-0.5, 0.0), (0.9, 0.9)]
+    hb = summarize(
+        [_graded({"achieved_points": raw * 10, "positive_points": 10, "raw": raw}, clipped) for raw, clipped in examples]
+    )
+    assert math.isclose(hb["score_mean"], 0.45) and math.isclose(hb["score_mean_clipped_mean"], 0.2)

@@ -475,6 +475,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     if grades:
         for name in ("correct", "incorrect", "not_attempted"):
             out[f"{name}_rate"] = grades.count(name) / len(grades)
+        # simple-evals' SimpleQA aggregates: accuracy among attempted answers, and its harmonic mean with the
+        # overall correct rate (the F-score, which rewards saying "I don't know" over a wrong answer)
+        attempted = grades.count("correct") + grades.count("incorrect")
+        given = grades.count("correct") / attempted if attempted else 0.0
+        overall = out["correct_rate"]
+        out["accuracy_given_attempted"] = given
+        out["f_score"] = 2 * given * overall / (given + overall) if given + overall > 0 else 0.0
+    raw = [d["raw"] for d in details if isinstance(d.get("raw"), (int, float)) and "achieved_points" in d]
+    if raw:  # HealthBench as simple-evals reports it: the mean of unclipped example scores, then clipped
+        out["score_mean_clipped_mean"] = min(1.0, max(0.0, float(np.mean(raw))))
     correct = [d["correct"] for d in details if "correct" in d]
     if correct:
         out["correct_rate"] = float(np.mean(correct))
