@@ -9,6 +9,7 @@ line per stage and the end summary with its links; its Markdown artifact has the
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +21,23 @@ from flows.evaluate import evaluate
 from flows.rl import rl
 from flows.sft import sft
 from rubricem_core.config import RunConfig
-from rubricem_core.progress import Progress
+from rubricem_core.progress import Progress, format_seconds
 from rubricem_core.report import write_report
 from rubricem_core.report.markdown import pipeline_markdown
 from rubricem_core.report.summary import pipeline_summary
 from rubricem_core.rl.session import curve_checkpoints, start_policy
+from rubricem_core.stage_costs import expected_costs, record_stage_seconds
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import mlflow_ui_command
 
 STAGES = ("collect_sft_data", "sft", "rl", "evaluate", "report")
 
 
-def learning_curve_checkpoints(run_dir: str, cfg: RunConfig) -> list[Path]:
+def learning_curve_checkpoints(store: RunStore, cfg: RunConfig) -> list[Path]:
     """What rl.eval_every evaluates before the final checkpoint: the SFT policy, then the curve's RL
     checkpoints, oldest first ([] without rl.eval_every)."""
     if cfg.rl.eval_every is None:
         return []
-    store = RunStore(run_dir)
     return [start_policy(store), *curve_checkpoints(store, cfg, before_last=True)]
 
 
@@ -57,19 +58,33 @@ def pipeline(
     """
     log = get_run_logger()
     cfg = resolve_config(run_dir, profile, overrides, command="pipeline")  # recorded: every stage reads it
-    stages = Progress("pipeline stage", len(STAGES), log.info, every_s=0.0)
+    store = RunStore(run_dir)
+    costs, source = expected_costs(store.layout.state_dir, cfg.profile, STAGES)
+    stages = Progress("pipeline stage", len(STAGES), log.info, every_s=0.0, costs=costs)
+    if costs is not None:
+        log.info("pipeline: %d stages, ETA %s (from %s)", len(STAGES), format_seconds(sum(costs)), source)
+    seconds: dict[str, float] = {}
+    clock = time.monotonic()
+
+    def done(stage: str, detail: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        seconds[stage], clock = now - clock, now
+        stages.update(len(seconds), f"{stage}: {detail}")
+
     collected = collect_sft_data(run_dir=run_dir)
-    stages.update(1, f"collect_sft_data: {collected['accepted']} of {collected['trajectories']} trajectories accepted")
+    done("collect_sft_data", f"{collected['accepted']} of {collected['trajectories']} trajectories accepted")
     tuned = sft(run_dir=run_dir)
-    stages.update(2, f"sft: {tuned['final_dir']}" + (" (read back)" if tuned.get("cached") else ""))
+    done("sft", f"{tuned['final_dir']}" + (" (read back)" if tuned.get("cached") else ""))
     trained = rl(run_dir=run_dir)
-    stages.update(3, f"rl: {trained['steps']} steps of {trained['recipe']}")
-    for checkpoint in learning_curve_checkpoints(run_dir, cfg):
+    done("rl", f"{trained['steps']} steps of {trained['recipe']}")
+    for checkpoint in learning_curve_checkpoints(store, cfg):
         evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
     evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])
-    stages.update(4, f"evaluate: {evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")
+    done("evaluate", f"{evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")
     report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
-    stages.update(5, f"report: {report}")
+    done("report", f"{report}")
+    record_stage_seconds(store.layout.state_dir, seconds)  # the next run of this directory estimates from these
     result = {"collect_sft_data": collected, "sft": tuned, "rl": trained, "evaluate": evaluated, "report": str(report)}
     links = experiment_links(cfg, run_dir)
     summary = pipeline_summary(result, cfg.profile, run_dir)

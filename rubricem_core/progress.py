@@ -1,7 +1,9 @@
 """Progress lines with totals, rate and time left, for the run log of long loops (teacher rounds, SFT
 steps, rollouts, RL steps): "sft step 20/74 (27%), 3m 10s elapsed, ETA 8m 33s".
 
-The ETA is linear in the work done so far: (elapsed / done) × (total − done). Lines are throttled
+The ETA is linear in the work done so far: (elapsed / done) × (total − done); items of unequal cost (the
+pipeline's stages) carry ``costs``, measured seconds of each, and the ETA is then the remaining items'
+costs scaled by how fast the done ones went (before the first is done: the costs as they are). Lines are throttled
 (`every_s`) so a loop of thousands of items writes a few lines, and the last item always writes one.
 """
 
@@ -32,6 +34,15 @@ def eta_seconds(done: int, total: int, elapsed: float) -> float:
     return elapsed / done * max(0, total - done)
 
 
+def weighted_eta(costs: list[float], start: int, done: int, elapsed: float) -> float:
+    """Seconds left when item i costs ``costs[i]``: the rest's costs × (elapsed / the done items' costs)."""
+    spent = sum(costs[start:done])
+    rest = sum(costs[done:])
+    if spent <= 0:
+        return rest if done == start else float("nan")
+    return rest * elapsed / spent
+
+
 class Progress:
     """Counts ``done`` of ``total`` items of one loop and says so through ``emit`` (a logger's info).
 
@@ -45,7 +56,11 @@ class Progress:
         every_s: float = 10.0,
         start_done: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        costs: list[float] | None = None,
     ) -> None:
+        if costs is not None and len(costs) != int(total):
+            raise ValueError(f"Progress: {len(costs)} costs for {total} items")
+        self.costs = costs
         self.what = what
         self.total = int(total)
         self.emit = emit
@@ -61,6 +76,8 @@ class Progress:
         elapsed = self.clock() - self.t0
         pct = f" ({100 * done / self.total:.0f}%)" if self.total > 0 else ""
         left = eta_seconds(done - self.start_done, self.total - self.start_done, elapsed)
+        if self.costs is not None:
+            left = weighted_eta(self.costs, self.start_done, done, elapsed)
         timing = f"{format_seconds(elapsed)} elapsed"
         if done < self.total:
             timing += f", ETA {format_seconds(left)}"

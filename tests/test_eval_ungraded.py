@@ -216,6 +216,9 @@ def test_simple_evals_aggregates_worked_by_hand():
     # simple-evals clips the mean: (-0.5 + 0.9) / 2 = 0.2
     examples = [(-0.5, 0.0), (0.9, 0.9)]
     hb = summarize(
-        [_graded({"achieved_points": raw * 10, "positive_points": 10, "raw": raw}, clipped) for raw, clipped in examples]
+        [
+            _graded({"achieved_points": raw * 10, "positive_points": 10, "raw": raw}, clipped)
+            for raw, clipped in examples
+        ]
     )
     assert math.isclose(hb["score_mean"], 0.45) and math.isclose(hb["score_mean_clipped_mean"], 0.2)

@@ -34,7 +34,7 @@ CORE_LAYERS: list[list[str]] = [
     # 2 the run's config and what reads it flat: SQL, MLflow tracking, recipes, token batches
     ["config", "sql", "tracking", "recipes", "batching", "encoding", "relabel", "config_reference"],
     # 3 the run directory's own config and lock, LLM clients, the research environment, log-probs
-    ["run_config", "runlock", "llm", "environment", "logprobs", "registry"],
+    ["run_config", "runlock", "llm", "environment", "logprobs", "registry", "stage_costs"],
     # 4 the judge; trainers and their ranks (distributed/: process groups, shards, memory plans)
     ["judge", "distributed", "training"],
     # 5 the policy (loading it for training included) and the rollout engines

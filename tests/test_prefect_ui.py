@@ -3,6 +3,7 @@ library logs in the run's log, and dead runs of a run directory marked Crashed b
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -359,3 +360,30 @@ def test_a_flow_run_refused_by_a_bad_override_leaves_nothing_behind(prefect_harn
     with pytest.raises(ConfigError, match="teacher.max_round: unknown key; did you mean teacher.max_rounds"):
         collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides={"teacher.max_round": 3})
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_weighted_progress_estimates_from_measured_stage_costs():
+    """The pipeline's stages cost what they cost (SFT is most of tiny's time): after a 30 s collection
+    measured at 30 s, the ETA is the other stages' measured seconds, not 4 × 30 s."""
+    clock = _Clock()
+    lines = []
+    costs = [30.0, 600.0, 240.0, 100.0, 10.0]
+    progress = Progress("pipeline stage", 5, lines.append, every_s=0.0, clock=clock, costs=costs)
+    clock.t = 30.0
+    progress.update(1, "collect_sft_data: done")
+    assert lines[-1] == "pipeline stage 1/5 (20%): collect_sft_data: done — 30s elapsed, ETA 15m 50s"
+    clock.t = 1260.0  # SFT took twice its measure: the rest is expected to be twice as slow as well
+    progress.update(2, "sft: done")
+    assert lines[-1].endswith("21m 00s elapsed, ETA 11m 40s")
+    with pytest.raises(ValueError, match="2 costs for 5 items"):
+        Progress("pipeline stage", 5, lines.append, costs=[1.0, 2.0])
+
+
+def test_stage_costs_come_from_the_run_directory_then_the_profile(tmp_path):
+    from rubricem_core.stage_costs import expected_costs, record_stage_seconds
+
+    stages = ("collect_sft_data", "sft", "rl", "evaluate", "report")
+    costs, source = expected_costs(tmp_path, "no-such-profile", stages)
+    assert costs is None and source == "no measured stage costs"
+    record_stage_seconds(tmp_path, dict(zip(stages, [1.0, 2.0, 3.0, 4.0, 5.0])))
+    assert expected_costs(tmp_path, "tiny", stages) == ([1.0, 2.0, 3.0, 4.0, 5.0], "this run directory's last pipeline")
