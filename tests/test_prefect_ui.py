@@ -3,7 +3,6 @@ library logs in the run's log, and dead runs of a run directory marked Crashed b
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
