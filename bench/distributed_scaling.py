@@ -322,6 +322,8 @@ def run(args: argparse.Namespace) -> None:
         "sharded reference": dict(reference="sharded"),
         "sharded, optimizer offload": dict(reference="sharded", offload=True),
         "no checkpointing": dict(reference="sharded", gradient_checkpointing=False),
+        "LoRA r=16, all linear": dict(reference="sharded", lora_rank=16),
+        "LoRA r=64, all linear": dict(reference="sharded", lora_rank=64),
     }.items():
         rows[name] = memory_plan(qwen, TrainSetup(n_gpus=args.gpus, gpu_bytes=int(args.gpu_gib * GIB), **kw))
     print(f"   {'':28s}" + "".join(f"{k:>12s}" for k in rows["sharded reference"].as_dict()) + "    fits")

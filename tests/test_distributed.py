@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import dist_cases
 from rubricem_core.distributed.shard import shard_micro_batches
@@ -131,6 +132,37 @@ def test_memory_plan_partitions_like_zero_by_hand():
         for g in (False, True)
     )
     assert full.activations > gc.activations  # checkpointing keeps the layer inputs (and recomputes one layer)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_lora_adapters_counted_like_every_linear_layer_of_a_real_qwen3(tie):
+    from rubricem_core.distributed.memory import ModelShape, lora_params
+
+    model = dist_cases.tiny_model(tie=tie)
+    shape = ModelShape.from_config(model.config.to_dict())
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in name]
+    assert len(linears) == 7 * shape.layers  # q, k, v, o, gate, up, down
+    for rank in (1, 8):
+        assert lora_params(shape, rank) == sum(rank * (m.in_features + m.out_features) for m in linears)
+
+
+def test_a_lora_plan_trains_only_the_adapters_by_hand():
+    from rubricem_core.distributed.memory import ModelShape, TrainSetup, lora_params, memory_plan
+
+    shape = ModelShape(hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1, head_dim=4, vocab=10)
+    a = lora_params(shape, 2)
+    assert a == 2 * ((8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8)) == 256
+    p = shape.params
+    setup = TrainSetup(n_gpus=4, zero_stage=3, reference="sharded", micro_batch_tokens=4, seq_len=4, lora_rank=2)
+    plan = memory_plan(shape, setup)
+    assert (plan.weights, plan.gradients, plan.optimizer, plan.reference) == (
+        (p + a) * 2 // 4,
+        a * 2 // 4,
+        12 * a // 4,
+        0,
+    )
+    full = memory_plan(shape, TrainSetup(n_gpus=4, zero_stage=3, reference="sharded", micro_batch_tokens=4, seq_len=4))
+    assert plan.activations == full.activations and plan.total < full.total
 
 
 def test_kv_cache_and_replica_plan_by_hand():

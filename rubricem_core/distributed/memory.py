@@ -121,6 +121,7 @@ class TrainSetup:
     reference: str = "replicated"  # replicated | sharded | cpu | none
     engine_fraction: float = 0.0  # share of each trainer GPU given to a colocated rollout engine
     gpu_bytes: int = 80 * 2**30
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank on every linear layer train; the base stays frozen
 
 
 @dataclass(frozen=True)
@@ -145,18 +146,32 @@ class MemoryPlan:
         return {**{k: v for k, v in asdict(self).items() if k != "gpu_bytes"}, "total": self.total}
 
 
+def lora_params(shape: ModelShape, rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on every linear layer of the decoder (q, k, v, o, gate, up,
+    down): r × (in + out) each (A is r × in, B is out × r)."""
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    return shape.layers * rank * per_layer
+
+
 def memory_plan(shape: ModelShape, setup: TrainSetup) -> MemoryPlan:
+    """Per-GPU bytes. With ``lora_rank`` the base weights are frozen (no gradients, no optimizer state) and
+    only the adapters train; the KL reference is the same model with its adapters off, so it costs nothing."""
     p, n, stage = shape.params, setup.n_gpus, setup.zero_stage
     w = BYTES[setup.precision]
-    weights = 0 if setup.offload_params else p * w // (n if stage == 3 else 1)
-    gradients = p * w // (n if stage >= 2 else 1)
+    trained = lora_params(shape, setup.lora_rank) if setup.lora_rank > 0 else p
+    held = p + trained if setup.lora_rank > 0 else p
+    weights = 0 if setup.offload_params else held * w // (n if stage == 3 else 1)
+    gradients = trained * w // (n if stage >= 2 else 1)
     # two fp32 Adam moments, plus the fp32 master partition ZeRO keeps even when training in fp32
     # (bench/distributed_scaling.py measures both in DeepSpeed's optimizer on 2 ranks)
     master = 4 if (setup.precision == "bf16" or stage >= 1) else 0
-    adam = p * (4 + 4 + master)
+    adam = trained * (4 + 4 + master)
     optimizer = 0 if setup.offload else adam // (n if stage >= 1 else 1)
     activations = activation_bytes(shape, setup.micro_batch_tokens, w, setup.gradient_checkpointing, setup.seq_len)
     reference = {"replicated": p * w, "sharded": p * w // n, "cpu": 0, "none": 0}[setup.reference]
+    if setup.lora_rank > 0:
+        reference = 0  # the base with its adapters disabled
     engine = int(setup.engine_fraction * setup.gpu_bytes)
     return MemoryPlan(weights, gradients, optimizer, activations, reference, engine, setup.gpu_bytes)
 
