@@ -122,7 +122,7 @@ def test_off_registers_nothing_and_a_bad_checkpoint_is_named(tracked, tmp_path):
 
 @pytest.mark.parametrize(
     ("run_dir", "configured", "name"),
-    [("runs/tiny", "", "rubricem-tiny"), ("runs/a b+c", "", "rubricem-a-b-c"), ("runs/x", "my-policy", "my-policy")],
+    [("out/tiny", "", "rubricem-tiny"), ("out/a b+c", "", "rubricem-a-b-c"), ("out/x", "my-policy", "my-policy")],
 )
 def test_model_names(run_dir, configured, name):
     assert model_name(run_dir, configured) == name
