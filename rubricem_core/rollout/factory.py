@@ -86,6 +86,9 @@ def cpu_fleet_env(cfg: RunConfig, model_dir: str | Path, push: bool) -> dict[str
     from rubricem_core.rollout.memory_plan import KV_ENV, available_memory_bytes, param_count, plan_cpu_fleet
 
     r = cfg.rollout
+    if not (Path(model_dir) / "config.json").is_file():  # not a local checkpoint: the server reports what it is
+        log.info("memory plan skipped: %s has no config.json to size the KV cache from", model_dir)
+        return r.server_env
     given = r.server_env.get(KV_ENV) or os.environ.get(KV_ENV)
     plan = plan_cpu_fleet(
         model_dir,
