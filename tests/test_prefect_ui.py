@@ -3,6 +3,7 @@ library logs in the run's log, and dead runs of a run directory marked Crashed b
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -379,10 +380,14 @@ def test_a_weighted_progress_estimates_from_measured_stage_costs():
 
 
 def test_stage_costs_come_from_the_run_directory_then_the_profile(tmp_path):
-    from rubricem_core.stage_costs import expected_costs, record_stage_seconds
+    from rubricem_core.stage_costs import PROFILE_COSTS, expected_costs, record_stage_seconds
 
     stages = ("collect_sft_data", "sft", "rl", "evaluate", "report")
     costs, source = expected_costs(tmp_path, "no-such-profile", stages)
     assert costs is None and source == "no measured stage costs"
     record_stage_seconds(tmp_path, dict(zip(stages, [1.0, 2.0, 3.0, 4.0, 5.0])))
     assert expected_costs(tmp_path, "tiny", stages) == ([1.0, 2.0, 3.0, 4.0, 5.0], "this run directory's last pipeline")
+    measured = json.loads(PROFILE_COSTS.read_text())  # tiny's: a measured `make run`
+    assert measured["tiny"]["sft"] > 10 * measured["tiny"]["collect_sft_data"]
+    costs, source = expected_costs(tmp_path / "new", "tiny", stages)
+    assert costs == [measured["tiny"][s] for s in stages] and source == "tiny's measured run"
