@@ -424,10 +424,12 @@ def test_rl_runs_two_steps_with_the_reflection_loop(research_run):
     prompts = json.dumps(research_run["judge"].chat_calls)
     assert research_run["judge"].chat_calls and marker not in prompts and "REFERENCE ANSWER" not in prompts
     assert marker not in json.dumps(research_run["reflect"].chat_calls)
-    # reflection.judge.mode: per_candidate — one call per valid candidate, each call one candidate
-    valid = [r for r in store.read_rows("reflections") if r["valid"]]
+    # reflection.judge.mode: per_candidate — one call per candidate, each call one candidate; the paper's
+    # reward (reflection.invalid_candidates: judged) judges the invalid ones too
+    candidates = store.read_rows("reflections")
     calls = research_run["reflect"].chat_calls
-    assert valid and len(calls) == len(valid) and not any(r["judge_failed"] for r in valid)
+    assert [r for r in candidates if r["valid"]] and len(calls) == len(candidates)
+    assert not any(r["judge_failed"] for r in candidates)
     assert all(json.dumps(c["messages"]).count("<<<CANDIDATE ") == 1 for c in calls)
     # reflection.warm_bank: the valid teacher reflections seed the bank (step -1), so step 0's cross retrieval
     # finds them; within_source: window — the replay (step 1) retrieves what step 0 wrote for each query
