@@ -35,14 +35,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "config.yaml, or tiny for a new run directory)",
     )
     parser.add_argument("--run-dir", required=True, help="run directory (created if missing)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set teacher.max_rounds=6 (repeatable; value parsed as YAML)",
-    )
+    _set_option(parser, "override a config field, e.g. --set teacher.max_rounds=6 (repeatable; value parsed as YAML)")
+
+
+def _set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
 
 
 SUMMARY_START = "pipeline finished ("  # rubricem_core.report.summary.pipeline_summary's first words
@@ -391,14 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object (each stage, tool calls, answer) at the end"
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not reproducible)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field for this question, e.g. --set eval.temperature=0",
-    )
+    _set_option(p, "override a config field for this question, e.g. --set eval.temperature=0")
     _debug(p)
     p.set_defaults(func=cmd_ask)
 
@@ -409,14 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set tracking.model_name=my-policy",
-    )
+    _set_option(p, "override a config field, e.g. --set tracking.model_name=my-policy")
     _debug(p)
     p.set_defaults(func=cmd_register)
 
