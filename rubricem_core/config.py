@@ -292,6 +292,28 @@ class FilterConfig(_Strict):
     )
 
 
+class LoraSettings(_Strict):
+    """Low-rank adapters (peft's LoRA) that SFT and RL train instead of every weight."""
+
+    rank: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA rank; 0 = off (every weight trains). On: SFT and RL train only the adapters, the KL "
+        "reference is the model with its adapter disabled, checkpoints and weight pushes hold the adapter.",
+    )
+    alpha: float = Field(default=32.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default="all-linear",
+        description="Which linear layers get adapters: 'all-linear' (attention and MLP, not the output head: what "
+        "'LoRA Without Regret' found to match full fine-tuning in RL) or module names, e.g. [q_proj, v_proj].",
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class PolicyConfig(_Strict):
     name_or_path: str = Field(
         default="tiny",
@@ -318,6 +340,11 @@ class PolicyConfig(_Strict):
         "tool output instead of a digit sequence (multi-token copying needs induction heads, which the tiny "
         "model does not form on CPU budgets). Skipped, with a warning, when ids would take over a quarter "
         "of vocab_size.",
+    )
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings,
+        description="LoRA adapters (rank 0 = off). Use about 10x the full fine-tuning learning rate with them "
+        "(sft.lr, rl.lr; 'LoRA Without Regret'); docs/lora.md.",
     )
 
 

@@ -1,5 +1,9 @@
 """Load a policy (causal LM + tokenizer) from a local Hugging Face directory or, when allowed, the hub.
 
+A LoRA checkpoint (training/adapters.py) loads as a plain model too: its base loaded, the adapter applied and
+merged, so whatever samples (evaluation, ``rubricem ask``, the rollout engines) reads it as a full one;
+engines that load weights from a directory (vLLM) get ``servable_dir``'s merged copy.
+
 Everything downstream needs a chat template (prompts are rendered with it) and a pad token
 (batched generation and training pad), so both are checked here, once, with the path named.
 """
@@ -19,6 +23,9 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rubricem_core.training.adapters import ADAPTER_WEIGHTS, AdapterError, add_adapter, is_adapter_dir
+from rubricem_core.training.checkpoint import META_FILE, CheckpointError, adapter_base, file_sha256, read_meta
+
 DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -32,10 +39,12 @@ WEIGHT_FILES: tuple[str, ...] = (
     "pytorch_model.bin.index.json",
 )
 if TYPE_CHECKING:
+    from rubricem_core.config import LoraSettings
     from rubricem_core.training.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
+MERGED_MARKER = ".merged-from"  # in servable_dir's copy: the digest of the adapter it was merged from
 
 
 class PolicyLoadError(RuntimeError):
@@ -60,6 +69,11 @@ def _check_local_dir(path: Path) -> None:
         raise PolicyLoadError(f"policy directory {path} does not exist")
     if not path.is_dir():
         raise PolicyLoadError(f"policy path {path} is a file, not a model directory")
+    if is_adapter_dir(path):  # a LoRA checkpoint: its own adapter weights, its base named inside
+        if not (path / ADAPTER_WEIGHTS).is_file():
+            raise PolicyLoadError(f"adapter directory {path} has no {ADAPTER_WEIGHTS}")
+        _check_recorded_sizes(path)
+        return
     if not (path / "config.json").is_file():
         raise PolicyLoadError(f"policy directory {path} has no config.json")
     if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
@@ -73,9 +87,6 @@ def _check_recorded_sizes(path: Path) -> None:
     Without this a truncated model.safetensors fails deep in safetensors ("incomplete metadata")
     naming no file. Directories without checkpoint.json (converted or downloaded models) pass.
     """
-    # Imported here: rubricem_core.training's package loads the trainers, which plain loading does not need
-    from rubricem_core.training.checkpoint import META_FILE, CheckpointError, read_meta
-
     if not (path / META_FILE).is_file():
         return
     try:
@@ -113,6 +124,8 @@ def load_policy(
     local = path.exists() or not _is_hub_name(name)
     if local:
         _check_local_dir(path)
+        if is_adapter_dir(path):  # base + adapter, merged: whoever samples sees a plain model
+            return load_adapter_policy(path, dtype=dtype, device=device)
         source, where = str(path), f"policy directory {path}"
     else:
         source, where = name, f"hub model {name!r}"
@@ -144,21 +157,25 @@ def load_policy(
 
 
 def load_for_training(
-    model_dir: str | Path, dtype: str, cfg: TrainerConfig
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model_dir: str | Path, dtype: str, cfg: TrainerConfig, lora: LoraSettings | None = None
+) -> tuple[Any, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` of a policy directory, for ``make_trainer(model, cfg)``. Under DeepSpeed
     ZeRO-3 on several ranks the model is built straight into this rank's partition (zero_init.py), so
-    no rank ever holds the whole policy; otherwise it is loaded whole."""
+    no rank ever holds the whole policy; otherwise it is loaded whole. With ``lora`` on, fresh LoRA adapters
+    are added (policy/adapters.py) and only they train; ``model_dir`` (merged, if itself an adapter) is their base."""
     # Imported here: the trainers' package is needed only by training code, not by plain loading
     from rubricem_core.training.zero_init import loads_partitioned, partitioned_loading, policy_ds_config
 
     if not loads_partitioned(cfg):
-        return load_policy(str(model_dir), dtype=dtype)
-    with partitioned_loading(policy_ds_config(model_dir, cfg)):
         model, tokenizer = load_policy(str(model_dir), dtype=dtype)
-    held = sum(p.ds_tensor.numel() for p in model.parameters())
-    total = sum(p.ds_numel for p in model.parameters())
-    log.info("%s built straight into ZeRO-3 partitions: this rank holds %d of %d parameters", model_dir, held, total)
+    else:
+        with partitioned_loading(policy_ds_config(model_dir, cfg)):
+            model, tokenizer = load_policy(str(model_dir), dtype=dtype)
+        held = sum(p.ds_tensor.numel() for p in model.parameters())
+        total = sum(p.ds_numel for p in model.parameters())
+        log.info("%s built into ZeRO-3 partitions: this rank holds %d of %d parameters", model_dir, held, total)
+    if lora is not None and lora.enabled:
+        model = add_adapter(model, lora, base=model_dir, seed=cfg.seed)  # model_dir: the adapter's base
     return model, tokenizer
 
 
@@ -258,3 +275,58 @@ def staged_directory(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+# ------------------------------------------------ adapter checkpoints (training/adapters.py) as plain models
+def load_adapter_policy(
+    directory: str | os.PathLike[str], dtype: str | torch.dtype, device: str | torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(merged model, tokenizer) of an adapter checkpoint: its base loaded (recursively: a base may be an
+    adapter too), the adapter applied and merged. The model's ``name_or_path`` is ``directory``."""
+    from peft import PeftModel
+
+    directory = Path(directory)
+    try:
+        base = adapter_base(directory)
+    except AdapterError as error:
+        raise PolicyLoadError(str(error)) from error
+    model, base_tokenizer = load_policy(base, dtype=dtype, device=device)
+    try:
+        merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    except Exception as error:  # peft raises several types for a damaged or mismatched adapter
+        raise PolicyLoadError(f"cannot apply the adapter in {directory}: {type(error).__name__}: {error}") from error
+    merged.config._name_or_path = str(directory)
+    tokenizer = load_tokenizer(directory) if (directory / "tokenizer_config.json").is_file() else base_tokenizer
+    return merged.eval(), tokenizer
+
+
+def write_merged_dir(directory: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "auto") -> Path:
+    """A Hugging Face directory (config, safetensors, tokenizer) of an adapter checkpoint's merged weights,
+    written whole or not at all: what `vllm serve` and any HF tool load."""
+    model, tokenizer = load_adapter_policy(directory, dtype=dtype, device="cpu")
+    out = Path(out)
+    with staged_directory(out) as staging:
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        add_legacy_config_keys(staging)
+    return out
+
+
+def servable_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself for a full model directory; for an adapter checkpoint, a merged copy beside it
+    (``.<name>.merged``, ignored as a checkpoint; rewritten when the adapter changed), for engines that load
+    weights from a directory (vLLM)."""
+    path = Path(path)
+    if not is_adapter_dir(path):
+        return path
+    source = path / META_FILE if (path / META_FILE).is_file() else path / ADAPTER_WEIGHTS
+    stamp = file_sha256(source)
+    out = path.parent / f".{path.name}.merged"
+    marker = out / MERGED_MARKER
+    if marker.is_file() and marker.read_text().strip() == stamp:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    write_merged_dir(path, out)
+    marker.write_text(stamp + "\n")
+    log.info("adapter %s merged into %s for a directory-loading engine", path, out)
+    return out

@@ -44,6 +44,7 @@ from rubricem_core.distributed.guard import bound_store, gloo_group, group_token
 from rubricem_core.processes import free_port
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_gloo import GROUP_PREFIX
+from rubricem_core.training.adapters import is_adapter_model, merged_named_tensors, merged_params
 
 BACKENDS = ("nccl", "gloo")
 LOOPBACK = "127.0.0.1"
@@ -76,12 +77,20 @@ class ModelWeights:
         self.model = model
 
     def metadata(self) -> list[ParamMeta]:
+        if is_adapter_model(self.model):  # LoRA: the merged weights, under the base model's names
+            return [
+                ParamMeta(n, p.dtype, tuple(p.ds_shape) if _zero3(p) else tuple(p.shape))
+                for n, p in merged_params(self.model)
+            ]
         return [
             ParamMeta(name, p.dtype, tuple(p.ds_shape) if _zero3(p) else tuple(p.shape))
             for name, p in self.model.named_parameters(remove_duplicate=False)
         ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if is_adapter_model(self.model):  # base + (alpha/r)·BA per layer, computed beside the base
+            yield from merged_named_tensors(self.model)
+            return
         for name, param in self.model.named_parameters(remove_duplicate=False):
             if _zero3(param):
                 import deepspeed

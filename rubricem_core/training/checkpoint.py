@@ -1,6 +1,7 @@
 """Checkpoints: HF weights plus the trainer state, written atomically.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (a LoRA one holds adapter_config.json and adapter_model.safetensors
+instead of the HF weights, and names its base model: see "adapter checkpoints" below)::
 
     config.json, model.safetensors (or shards + index)   save_pretrained: loadable by any HF tool
     tokenizer files                                        when a tokenizer is given
@@ -34,6 +35,15 @@ import torch
 from torch import nn
 
 from rubricem_core.faults import fault_point
+from rubricem_core.training.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_NAME,
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    adapter_state_dict,
+    is_adapter_dir,
+    is_adapter_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +120,9 @@ def write_checkpoint_files(
     if save_pretrained is None:
         raise TypeError(f"{type(model).__name__} has no save_pretrained(); checkpoints need a Hugging Face model")
     try:
-        save_pretrained(str(directory), state_dict=state_dict)  # safetensors (the only format in transformers 5)
+        # safetensors (the only format in transformers 5); a LoRA model writes its adapter alone
+        kwargs = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+        save_pretrained(str(directory), state_dict=state_dict, **kwargs)
         fault_point("checkpoint.weights_written")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
@@ -126,8 +138,8 @@ def readable_like_siblings(directory: Path) -> None:
     """Give files written private (transformers writes model.safetensors through a 0600 temporary file) the
     mode of the directory's other files (config.json: the process's umask), so a serving process or another
     user reads the weights as it reads the rest of the run directory."""
-    reference = directory / "config.json"
-    if not reference.is_file():
+    reference = next((directory / n for n in ("config.json", "adapter_config.json") if (directory / n).is_file()), None)
+    if reference is None:
         return
     mode = reference.stat().st_mode & 0o777
     for path in directory.iterdir():
@@ -191,12 +203,17 @@ def save_checkpoint(
     staging.mkdir(parents=True)
     try:
         write_checkpoint_files(staging, model, tokenizer, trainer_state)
-        meta = dict(meta or {})
+        meta = {**(meta or {}), **adapter_meta_of(model, final)}
         meta.setdefault("step", int((trainer_state or {}).get("global_step", 0)))
         return commit(staging, final, meta)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def adapter_meta_of(model: nn.Module, final: Path) -> dict[str, Any]:
+    """``{"adapter": ...}`` for a LoRA model (its base by reference), else nothing."""
+    return {"adapter": adapter_meta(model, final)} if is_adapter_model(model) else {}
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -284,7 +301,9 @@ def weight_files(directory: str | Path) -> list[Path]:
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
-    if (directory / _WEIGHTS_INDEX).is_file():
+    if (directory / ADAPTER_WEIGHTS).is_file() and not (directory / "config.json").is_file():
+        names = [ADAPTER_WEIGHTS]  # a LoRA checkpoint: the adapter's weights, the base named by reference
+    elif (directory / _WEIGHTS_INDEX).is_file():
         try:
             names = sorted(set(json.loads((directory / _WEIGHTS_INDEX).read_text())["weight_map"].values()))
         except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
@@ -308,6 +327,19 @@ def load_weights_into(model: nn.Module, directory: str | Path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if is_adapter_model(model) or is_adapter_dir(directory):
+        if not (is_adapter_model(model) and is_adapter_dir(directory)):
+            kind = "a LoRA adapter" if is_adapter_dir(directory) else "full weights"
+            raise CheckpointError(
+                f"checkpoint {directory} holds {kind}, the model {'has' if is_adapter_model(model) else 'has no'} "
+                "adapters: resume with the policy.lora setting the checkpoint was trained with"
+            )
+        weight_files(directory)
+        try:
+            load_adapter_into(model, Path(directory))
+        except (AdapterError, SafetensorError, OSError) as exc:
+            raise CheckpointError(str(exc)) from exc
+        return
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         try:
@@ -338,6 +370,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module | None = None) -> Ch
     if model is None:
         from transformers import AutoModelForCausalLM
 
+        if is_adapter_dir(directory):
+            raise CheckpointError(
+                f"{directory} holds a LoRA adapter, not a model: load it with its base through "
+                "rubricem_core.policy.loading.load_policy (merged), or into an adapter model with model="
+            )
         try:
             model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
         except Exception as exc:
@@ -368,3 +405,73 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         if best is None or key > best:
             best, best_path = key, child
     return best_path
+
+
+# ------------------------------------------------------------------------------ adapter checkpoints
+# A LoRA checkpoint holds peft's adapter_config.json and adapter_model.safetensors (megabytes) and names its
+# base model by reference: the directory the trained model was loaded from, which may itself be an adapter
+# checkpoint (RL's adapter over SFT's). checkpoint.json records the base relative to the checkpoint (a moved
+# run still loads) and the SHA-256 of the base's own checkpoint.json (a base that changed since is refused).
+def adapter_meta(model: nn.Module, directory: Path) -> dict[str, Any]:
+    """What checkpoint.json records of an adapter: its base (relative to the checkpoint's final directory,
+    and absolute), the base's fingerprint, and the LoRA shape."""
+    config = model.peft_config[ADAPTER_NAME]
+    base = Path(config.base_model_name_or_path)
+    return {
+        "base": os.path.relpath(base, Path(directory).resolve()),
+        "base_abs": str(base),
+        "base_sha256": base_fingerprint(base),
+        "rank": int(config.r),
+        "alpha": float(config.lora_alpha),
+    }
+
+
+def base_fingerprint(base: Path) -> str | None:
+    """SHA-256 of the base's checkpoint.json (which records every file's digest); None for a directory not
+    written by save_checkpoint (a converted or downloaded model)."""
+    meta = base / META_FILE
+    return file_sha256(meta) if meta.is_file() else None
+
+
+def adapter_base(directory: str | os.PathLike[str]) -> Path:
+    """The base model directory an adapter checkpoint names: the recorded relative path, else the absolute
+    one; refused when neither exists or the base's checkpoint changed since the adapter was trained."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+        meta_path = directory / META_FILE
+        meta = json.loads(meta_path.read_text()).get("adapter", {}) if meta_path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as error:
+        raise AdapterError(f"adapter {directory}: cannot read {ADAPTER_CONFIG} or {META_FILE}: {error}") from error
+    candidates = [directory / meta["base"]] if meta.get("base") else []
+    candidates.append(Path(config.get("base_model_name_or_path") or ""))
+    base = next((c.resolve() for c in candidates if str(c) and c.is_dir()), None)
+    if base is None:
+        named = ", ".join(str(c) for c in candidates if str(c)) or "nothing"
+        raise AdapterError(
+            f"adapter {directory}: its base model is missing (it names {named}); the adapter holds only the "
+            "low-rank weights, so the base it was trained on must be where it was"
+        )
+    expected = meta.get("base_sha256")
+    if expected and base_fingerprint(base) != expected:
+        raise AdapterError(
+            f"adapter {directory}: its base {base} changed after the adapter was trained (its checkpoint.json "
+            "digest differs from the one the adapter recorded); retrain the adapter or restore that base"
+        )
+    return base
+
+
+def load_adapter_into(model: nn.Module, directory: Path) -> None:
+    """Load an adapter checkpoint's weights into a model that has the same adapters (resume), exactly."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / ADAPTER_WEIGHTS))
+    result = set_peft_model_state_dict(model, state)
+    own = {k for k in adapter_state_dict(model)}
+    missing = sorted(own - set(state))
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if missing or unexpected:
+        raise AdapterError(
+            f"the adapter in {directory} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )

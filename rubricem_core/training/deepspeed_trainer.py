@@ -42,8 +42,10 @@ from torch import Tensor, nn
 
 from rubricem_core.distributed.ranks import init_process_group
 from rubricem_core.processes import free_port
+from rubricem_core.training.adapters import is_adapter_model, merged_state_dict
 from rubricem_core.training.checkpoint import (
     CheckpointError,
+    adapter_meta_of,
     capture_rng_state,
     commit,
     load_torch_file,
@@ -244,7 +246,8 @@ class DeepSpeedTrainer:
             }
             try:
                 write_checkpoint_files(staging, self.model, tokenizer, state, state_dict=full)
-                commit(staging, final, {"step": self.global_step, "backend": self.backend})
+                meta = {"step": self.global_step, "backend": self.backend, **adapter_meta_of(self.model, final)}
+                commit(staging, final, meta)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
@@ -281,6 +284,8 @@ class DeepSpeedTrainer:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """Full weights for a rollout engine. Collective under ZeRO-3 (gathered layer by layer;
         ranks other than 0 get an empty dict)."""
+        if is_adapter_model(self.model):  # base + adapter merged, under the HF names (gathered under ZeRO-3)
+            return merged_state_dict(self.model)
         if self.cfg.zero_stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict() or {}
         return {k: v.detach() for k, v in self.model.state_dict().items()}

@@ -41,6 +41,7 @@ from rubricem_core.distributed.shard import (
     micro_batch_scales,  # noqa: F401  (re-exported)
     shard_micro_batches,
 )
+from rubricem_core.training.adapters import is_adapter_model, merged_state_dict
 from rubricem_core.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -338,7 +339,10 @@ class TorchTrainer:
         return dict(state.get("extra") or {})
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
-        """Full weights (name → tensor, detached views, no copy) for a rollout engine's weight sync."""
+        """Full weights (name → tensor, detached views, no copy) for a rollout engine's weight sync; with LoRA
+        adapters, the merged weights under the base model's names (policy/adapters.py)."""
+        if is_adapter_model(self.model):
+            return merged_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
