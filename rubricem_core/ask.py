@@ -22,6 +22,7 @@ from rubricem_core.encoding import encode_prompt
 from rubricem_core.environment import local_tool_env, prompt_messages
 from rubricem_core.eval.benchmark import default_checkpoint, load_bank
 from rubricem_core.eval.run import guidance_for
+from rubricem_core.layout import holds_policy
 from rubricem_core.rollout.types import RolloutRequest, SamplingParams, TextPiece
 from rubricem_core.scaffold import STAGES, extract_answer, extract_tool_calls, stage_texts, validate
 from rubricem_core.schemas import CORPUS_SCHEMA, Query
@@ -66,9 +67,9 @@ def resolve_checkpoint(store: RunStore, checkpoint: str | None) -> Path:
         path = store.layout.rl_step_checkpoint(int(checkpoint.split(":")[1]))
     else:
         path = Path(checkpoint)
-    if not (path / "config.json").is_file():
+    if not holds_policy(path):
         raise AskError(
-            f"no policy checkpoint at {path} (a directory with config.json; --checkpoint sft, step:N or a path)"
+            f"no policy checkpoint at {path} (a directory with config.json or a LoRA adapter; --checkpoint sft, step:N or a path)"
         )
     return path
 

@@ -73,6 +73,12 @@ def final_checkpoint_dir(checkpoint_root: str | os.PathLike[str]) -> Path:
     return Path(checkpoint_root) / FINAL_CHECKPOINT
 
 
+def holds_policy(directory: Path) -> bool:
+    """Whether ``directory`` holds a policy: a Hugging Face model (``config.json``) or a LoRA adapter over a
+    base it names (``adapter_config.json``, training/adapters.py); both are written last-renamed, whole."""
+    return (directory / "config.json").exists() or (directory / "adapter_config.json").exists()
+
+
 class RunLayout:
     """Every path of one run directory (see the module doc for the tree)."""
 
@@ -190,8 +196,8 @@ class RunLayout:
         return step_checkpoint_dir(self.rl_checkpoints_dir, step)
 
     def has_sft_policy(self) -> bool:
-        """Whether the SFT policy is written (its ``config.json``): what RL and the benchmarks start from."""
-        return (self.sft_final / "config.json").exists()
+        """Whether the SFT policy is written: what RL and the benchmarks start from."""
+        return holds_policy(self.sft_final)
 
     # ---- outputs -----------------------------------------------------------------------------------
     @property

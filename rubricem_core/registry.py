@@ -4,7 +4,8 @@ At the end of SFT and of RL, and on demand (``rubricem register``), a policy che
 serving files (the Hugging Face directory `vllm serve` loads: config, weights, tokenizer, chat template —
 never the optimizer state) are logged as the stage run's ``policy/`` artifact and the version's source
 points there; a checkpoint larger than ``tracking.model_copy_max_gb`` is registered by reference to its
-directory instead (tag ``artifact: reference``). Tags carry the lineage: stage, step, recipe, run
+directory instead (tag ``artifact: reference``). A LoRA checkpoint registers its merged copy (what a server
+loads; ``rubricem export`` writes the adapter alone in peft's format). Tags carry the lineage: stage, step, recipe, run
 directory, the run's config hash, the weights' SHA-256; ``evaluate`` adds the held-out scores of the
 version it graded. Registering the same weights again returns the existing version.
 """
@@ -21,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.layout import STEP_CHECKPOINT, RunLayout
+from rubricem_core.policy.loading import servable_dir
 from rubricem_core.tracking import ChildRun, Tracker, _retry
+from rubricem_core.training.adapters import ADAPTER_WEIGHTS, is_adapter_dir
+from rubricem_core.training.checkpoint import adapter_base
 
 # what a checkpoint holds beyond the model a server loads
 NOT_SERVED = frozenset({"trainer_state.pt", "checkpoint.json"})
@@ -57,10 +61,16 @@ def serving_files(checkpoint: Path) -> list[Path]:
 
 
 def weights_digest(checkpoint: Path) -> str:
-    """The SHA-256 of the weights: the checkpoint's own record when it has one, else computed."""
+    """The SHA-256 of the weights: the checkpoint's own record when it has one, else computed. A LoRA
+    checkpoint's: of its adapter's recorded digest and its base's (the pair fixes the merged weights)."""
     meta_file = checkpoint / "checkpoint.json"
     if meta_file.is_file():
-        recorded = (json.loads(meta_file.read_text(encoding="utf-8")).get("sha256") or {}).get("model.safetensors")
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        adapter = meta.get("adapter")
+        if adapter and (meta.get("sha256") or {}).get(ADAPTER_WEIGHTS):
+            pair = f"{meta['sha256'][ADAPTER_WEIGHTS]}:{adapter.get('base_sha256') or adapter.get('base_abs')}"
+            return hashlib.sha256(pair.encode()).hexdigest()
+        recorded = (meta.get("sha256") or {}).get("model.safetensors")
         if recorded:
             return str(recorded)
     digest = hashlib.sha256()
@@ -113,7 +123,7 @@ def register_policy(
     from mlflow.exceptions import MlflowException
 
     path = Path(checkpoint).resolve()
-    files = serving_files(path)
+    files = serving_files(servable_dir(path))  # a LoRA checkpoint: its merged copy is what a server loads
     digest = weights_digest(path)
     client = tracker.client
     existing = find_version(tracker, name, digest)
@@ -121,6 +131,8 @@ def register_policy(
         return existing
     size = sum(p.stat().st_size for p in files)
     all_tags = {**{k: str(v) for k, v in tags.items()}, WEIGHTS_TAG: digest, "rubricem.checkpoint": str(path)}
+    if is_adapter_dir(path):
+        all_tags["rubricem.adapter_base"] = str(adapter_base(path))
     if size <= copy_max_bytes:
         with tempfile.TemporaryDirectory() as tmp:
             staged = Path(tmp) / "policy"
@@ -150,7 +162,7 @@ def tag_scores(
 ) -> RegisteredVersion | None:
     """Add held-out scores to the version registered from ``checkpoint``'s weights (None: not registered)."""
     path = Path(checkpoint).resolve()
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not is_adapter_dir(path):
         return None
     found = find_version(tracker, name, weights_digest(path))
     if found is None:

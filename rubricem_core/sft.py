@@ -225,7 +225,7 @@ def run_sft(
     random.seed(seed)
     # ZeRO-3 ranks load straight into their partitions; the step count (not known before the data is
     # encoded) does not shape them
-    model, tokenizer = load_for_training(policy_dir, policy.dtype, trainer_config(sft, 1, seed))
+    model, tokenizer = load_for_training(policy_dir, policy.dtype, trainer_config(sft, 1, seed), lora=policy.lora)
     data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
     n_research = len(data.trajectories)
     n_reflections = add_reflections(

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from rubricem_core.config import RunConfig
-from rubricem_core.layout import RunLayout, final_checkpoint_dir
+from rubricem_core.layout import RunLayout, final_checkpoint_dir, holds_policy
 from rubricem_core.sft import prepare_policy, train_sft
 from rubricem_core.store import RunStore
 from tasks.readback import parquet_task, read_back
@@ -58,7 +58,7 @@ def train_sft_task(
     log = get_run_logger()
     root = sft_checkpoint_root(run_dir)
     final = final_checkpoint_dir(root)
-    if (final / "config.json").exists():
+    if holds_policy(final):
         log.info("SFT already finished: %s (cached)", final)
         return read_back({"final_dir": str(final), "cached": True}, final, run_dir)
 

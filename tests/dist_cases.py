@@ -51,16 +51,23 @@ def trainer_steps(
     return weights, history, seen
 
 
-def ppo_update(cfg: dict, update: dict) -> tuple[dict, list[dict], list[list[int]]]:
+def ppo_update(cfg: dict, update: dict, lora_rank: int = 0) -> tuple[dict, list[dict], list[list[int]]]:
     """One SS-GRPO update with sample reuse (minibatches × epochs), the reference a copy of the start. On
-    several ranks each is given only the trajectories of its own micro-batches, as RayPolicy sends them."""
+    several ranks each is given only the trajectories of its own micro-batches, as RayPolicy sends them.
+    ``lora_rank``: LoRA adapters train, the reference is the same model with them off (as LocalPolicy)."""
     import copy
 
+    from rubricem_core.config import LoraSettings
     from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, update_plan
+    from rubricem_core.training.adapters import AdapterDisabled, add_adapter
 
     torch.set_num_threads(1)
     model = tiny_model()
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if lora_rank:
+        model = add_adapter(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank), base="tiny", seed=0)
+        ref = AdapterDisabled(model)
+    else:
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
     trajs = rl_trajectories(7)
     with_sampled_logprobs(trajs, model, shift=0.1)
     advs = rl_advantages(trajs)
@@ -108,7 +115,7 @@ def zero_init(arg: dict) -> dict[str, Any] | None:
 
 
 def ppo(arg: dict) -> dict[str, Any] | None:
-    return _result(*ppo_update(arg["trainer"], arg["update"]))
+    return _result(*ppo_update(arg["trainer"], arg["update"], arg.get("lora_rank", 0)))
 
 
 def _result(weights: dict, history: list[dict], seen: list[list[int]], extra: dict | None = None) -> dict | None:

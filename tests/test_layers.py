@@ -34,13 +34,14 @@ CORE_LAYERS: list[list[str]] = [
     # 2 the run's config and what reads it flat: SQL, MLflow tracking, recipes, token batches
     ["config", "sql", "tracking", "recipes", "batching", "encoding", "relabel", "config_reference"],
     # 3 the run directory's own config and lock, LLM clients, the research environment, log-probs
-    ["run_config", "runlock", "llm", "environment", "logprobs", "registry", "stage_costs"],
+    ["run_config", "runlock", "llm", "environment", "logprobs", "stage_costs"],
     # 4 the judge; trainers and their ranks (distributed/: process groups, shards, memory plans)
     ["judge", "distributed", "training"],
     # 5 the policy (loading it for training included) and the rollout engines
     ["policy", "rollout"],
-    # 6 what trains or samples through them: reflection meta-policy, SFT, the teacher
-    ["reflection", "sft", "teacher"],
+    # 6 what trains or samples through them: reflection meta-policy, SFT, the teacher; the model registry
+    # (a LoRA checkpoint registers its merged copy)
+    ["reflection", "sft", "teacher", "registry"],
     # 7 the RL loop and evaluation
     ["rl", "eval"],
     # 8 reports over everything, `rubricem ask` (a checkpoint on one question); the offline stand-ins (sim/: the synthetic world, the scripted teacher,

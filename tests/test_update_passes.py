@@ -247,3 +247,28 @@ def test_ppo_reuse_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, stage
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
     assert metrics["tis_weight_mean"] == pytest.approx(ref_metrics["tis_weight_mean"], rel=1e-5)
     assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 2, 1e-5), ("deepspeed", 3, 1e-4)])
+def test_a_lora_update_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, stage, tol):
+    """LoRA adapters train (the reference: the same model with them off); the merged weights every rank
+    ends with, as the push sends them, are the one-rank run's."""
+    import dist_cases
+    from rubricem_core.distributed.actors import RankGroup
+
+    trainer_cfg = {**PPO_TRAINER, "backend": backend, "zero_stage": stage}
+    ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE, lora_rank=4)
+    start = dist_cases.tiny_model().state_dict()
+    assert set(ref_weights) == set(start)  # the base model's names: what an engine loads
+    assert max(float((ref_weights[k] - start[k]).abs().max()) for k in start) > 1e-4  # the adapter moved them
+    group = RankGroup("lora", 2, tmp_path / "ranks", timeout_s=600)
+    try:
+        got = group.run("dist_cases:ppo", {"trainer": trainer_cfg, "update": PPO_UPDATE, "lora_rank": 4})[0]
+    finally:
+        group.close()
+    metrics = got["history"][0]
+    assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == 4
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
+    assert metrics["kl"] == pytest.approx(ref_metrics["kl"], abs=1e-6)
+    assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol

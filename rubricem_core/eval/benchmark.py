@@ -33,6 +33,7 @@ from rubricem_core.eval.run import (
     ungraded_reason,
 )
 from rubricem_core.eval.types import EvalError, family_of
+from rubricem_core.layout import holds_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
 from rubricem_core.rl.session import completed_step, newest_checkpoint
@@ -69,7 +70,7 @@ def default_checkpoint(store: RunStore) -> Path:
     one; mid-run, the newest of rl.checkpoint_every's), else the SFT policy."""
     step = newest_checkpoint(store, completed_step(store))
     path = store.layout.rl_step_checkpoint(step) if step >= 0 else store.layout.sft_final
-    if not (path / "config.json").exists():
+    if not holds_policy(path):
         raise FileNotFoundError(
             f"no policy checkpoint at {path}: run `rubricem sft` (or rl) first, or pass --checkpoint"
         )

@@ -16,6 +16,7 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update
 from rubricem_core.rollout.weight_transfer import LOOPBACK, WeightPusher, master_address_for
 from rubricem_core.training import TrainerConfig, make_trainer
+from rubricem_core.training.adapters import AdapterDisabled
 from rubricem_core.trajectory import TokenTrajectory
 
 
@@ -100,10 +101,14 @@ class LocalPolicy:
 
     def __init__(self, base: Path, cfg: RunConfig) -> None:
         trainer_cfg = rl_trainer_config(cfg)
-        model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg)
+        model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg, lora=cfg.policy.lora)
         self.trainer = make_trainer(model, trainer_cfg)
-        # β = 0: the KL term is 0 whatever the reference says, so none is loaded and none runs a forward
-        self.ref_model = load_reference(base, cfg, self.trainer.device) if cfg.rl.kl_coef > 0 else None
+        # β = 0: the KL term is 0 whatever the reference says, so none is loaded and none runs a forward.
+        # With LoRA the reference is the trainer's own model with its adapter off: no second copy.
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.rl.kl_coef > 0:
+            lora = cfg.policy.lora.enabled
+            self.ref_model = AdapterDisabled(self.trainer.model) if lora else load_reference(base, cfg, self.device)
         self._transfer_timeout_s = cfg.distributed.timeout_s
         self._pusher: WeightPusher | None = None
 

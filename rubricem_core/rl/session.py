@@ -40,6 +40,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.embedders import HashingEmbedder, make_embedder
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
+from rubricem_core.layout import holds_policy
 from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
@@ -68,7 +69,7 @@ def step_checkpoint(store: RunStore, step: int) -> Path:
 
 def start_policy(store: RunStore) -> Path:
     final = store.layout.sft_final
-    if not (final / "config.json").exists():
+    if not holds_policy(final):
         raise FileNotFoundError(f"no SFT checkpoint at {final}: run `rubricem sft` (or the pipeline) first")
     return final
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rubricem_core.config import RunConfig
-from rubricem_core.policy.loading import auto_device, load_policy
+from rubricem_core.policy.loading import auto_device, load_policy, servable_dir
 from rubricem_core.rollout.hf_engine import HFRolloutEngine
 from rubricem_core.rollout.types import RolloutError, StreamingRolloutEngine
 
@@ -44,6 +44,8 @@ def make_engine(
     module the transformers engine samples with (shared, e.g. the trainer's); without it a frozen copy is
     loaded from ``model_dir`` onto ``device``. ``push`` and ``log_path``: see ``fleet_engine``."""
     kind = cfg.rollout.engine
+    if kind in ("vllm", "vllm_server"):
+        model_dir = servable_dir(model_dir)  # a LoRA checkpoint: vLLM loads a merged copy of it
     if kind == "vllm_server":
         # rollout.replicas processes of their own, on rollout.devices split across them
         return fleet_engine(model_dir, tokenizer, cfg, log_path, push=push)

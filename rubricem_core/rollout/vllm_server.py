@@ -295,7 +295,9 @@ def reload_source(directory: Path) -> Path:
     vLLM's reload expects and the checkpoint does not store). The side directory is built once per
     checkpoint, under a name of its own and renamed into place, so replicas reloading the same step
     concurrently share one and never see it half-built (two used to rmtree and mkdir the same path)."""
-    directory = Path(directory).resolve()
+    from rubricem_core.policy.loading import servable_dir
+
+    directory = servable_dir(Path(directory)).resolve()  # a LoRA checkpoint: its merged copy
     config = json.loads((directory / "config.json").read_text())
     if not config.get("tie_word_embeddings"):
         return directory

@@ -91,8 +91,13 @@ class AdapterDisabled(nn.Module):
         self.model = model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.model.disable_adapter():
-            return self.model(*args, **kwargs)
+        was_training = self.model.training
+        self.model.eval()  # as a separate frozen reference would be: no dropout
+        try:
+            with self.model.disable_adapter():
+                return self.model(*args, **kwargs)
+        finally:
+            self.model.train(was_training)
 
 
 # --------------------------------------------------------------------------------- merged weights

@@ -123,6 +123,8 @@ def write_checkpoint_files(
         # safetensors (the only format in transformers 5); a LoRA model writes its adapter alone
         kwargs = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
         save_pretrained(str(directory), state_dict=state_dict, **kwargs)
+        if kwargs:
+            (directory / "README.md").unlink(missing_ok=True)  # peft's model-card template, nothing of the run's
         fault_point("checkpoint.weights_written")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
