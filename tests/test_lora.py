@@ -199,3 +199,42 @@ def test_only_the_adapter_has_optimizer_state(base_dir):
     held = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
     assert held == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert held < sum(p.numel() for p in model.parameters()) / 5
+
+
+def test_export_writes_a_merged_directory_and_a_peft_adapter_that_agree(base_dir, tmp_path):
+    from peft import PeftModel
+
+    from rubricem_core.export import export_checkpoint
+
+    sft, tok = load_for_training(base_dir, "float32", trainer_config(), lora=LORA)
+    sft_trainer = make_trainer(sft, trainer_config())
+    sft_trainer.step([ids(0)], lm_loss)
+    sft_ckpt = sft_trainer.save(tmp_path / "sft", tokenizer=tok)
+    rl, _ = load_for_training(sft_ckpt, "float32", trainer_config(), lora=LORA)
+    rl_trainer = make_trainer(rl, trainer_config())
+    rl_trainer.step([ids(1)], lm_loss)
+    rl_ckpt = rl_trainer.save(tmp_path / "rl", tokenizer=tok)
+
+    done = export_checkpoint(rl_ckpt, tmp_path / "out")
+    assert sorted(p.name for p in done.adapter.iterdir()) == sorted(
+        [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "chat_template.jinja",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    )
+    assert not (done.merged / "trainer_state.pt").exists()
+    x = ids(5)
+    with torch.no_grad():
+        want = rl_trainer.model(input_ids=x).logits
+        merged = AutoModelForCausalLM.from_pretrained(done.merged)  # what vllm serve loads
+        assert torch.allclose(merged(input_ids=x).logits, want, atol=1e-5)
+        # peft alone, by the base name the adapter carries (SFT's merged copy: RL trained over it)
+        base = AutoModelForCausalLM.from_pretrained(
+            json.loads((done.adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+        )
+        assert torch.allclose(PeftModel.from_pretrained(base, done.adapter)(input_ids=x).logits, want, atol=1e-5)
+    with pytest.raises(FileExistsError):
+        export_checkpoint(rl_ckpt, tmp_path / "out")  # never over an earlier export
