@@ -525,3 +525,55 @@ def test_a_missing_endpoint_key_fails_before_any_work(reference, tmp_path, monke
     with pytest.raises(MissingSecretError, match="RUBRICEM_TEST_JUDGE_KEY"):
         rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "judge.api_key_env": "RUBRICEM_TEST_JUDGE_KEY"})
     assert not RunStore(run).files("rollouts"), "the key is checked before the first rollouts"
+
+
+# LoRA on (policy.lora): SFT and RL train adapters, checkpoints hold them (the base by reference); the
+# same kills at the SFT save and across RL's write boundaries resume to the uninterrupted run's adapters.
+LORA = {"policy.lora.rank": 4, "policy.lora.alpha": 8, "sft.lr": 3e-3, "rl.lr": 1e-4}
+LORA_SETS = [a for k, v in LORA.items() for a in ("--set", f"{k}={v}")]
+LORA_BOUNDARIES = [
+    "checkpoint.weights_written:1",  # step 0: inside the adapter checkpoint's save
+    "rl.step_done:1",  # step 0 marked done, no reflections
+    "rl.reflection_update_done:1",  # step 1: the deferred reflection update applied in memory only
+    "rl.judge_done:1",  # step 1 judged (the first judgment of this process), not updated
+]
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors"
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6, msg=f"{k} differs from the uninterrupted run")
+
+
+def test_lora_runs_killed_in_sft_and_across_rl_resume_to_the_uninterrupted_adapters(reference, tmp_path):
+    from flows.rl import rl
+    from flows.sft import sft
+
+    overrides = {**SMALL, **LORA, "reflection.schedule": "sync"}
+    want = tmp_path / "uninterrupted"
+    shutil.copytree(reference["collected"], want)
+    sft(run_dir=str(want), profile="tiny", overrides=overrides)
+    rl(run_dir=str(want), profile="tiny", overrides=overrides)
+
+    run = tmp_path / "run"
+    shutil.copytree(reference["collected"], run)
+    kill_at("sft", run, "checkpoint.weights_written:2", extra=LORA_SETS + SYNC, tag="lora")
+    assert (run / "checkpoints" / "sft" / ".final.tmp" / "adapter_model.safetensors").exists()
+    sft(run_dir=str(run), profile="tiny", overrides=overrides)  # resumes from the step-2 adapter checkpoint
+    for i, point in enumerate(LORA_BOUNDARIES):
+        kill_at("rl", run, point, extra=LORA_SETS + SYNC, tag=f"lora{i}")
+    result = rl(run_dir=str(run), profile="tiny", overrides=overrides)
+    assert result["steps"] == 2
+    sft_final = run / "checkpoints" / "sft" / "final"
+    assert not (sft_final / "model.safetensors").exists()  # an adapter, its base by reference
+    assert_same_adapter(sft_final, want / "checkpoints" / "sft" / "final")
+    for name in ("step-000000", "step-000001"):
+        got, ref = run / "checkpoints" / "rl" / name, want / "checkpoints" / "rl" / name
+        assert json.loads((got / "checkpoint.json").read_text())["adapter"]["base"] == "../../sft/final"
+        assert_same_adapter(got, ref)
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, want, table, key)

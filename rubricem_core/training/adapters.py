@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from rubricem_core.config import LoraSettings
 
 log = logging.getLogger(__name__)
+# peft asks transformers a deprecated question on every wrap; the answer is the same, the warning noise
+warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -161,4 +164,4 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's own tensors (peft's names, as saved in adapter_model.safetensors)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()}
