@@ -130,6 +130,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("step_bytes", quick_args=("--quick",)),
     Script("soak", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),
+    Script("lora", quick_args=("--quick",)),
 )
 
 
