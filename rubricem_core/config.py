@@ -542,13 +542,15 @@ class RolloutConfig(_Strict):
         description="vllm_server: start the servers with --enforce-eager (no graph capture or compilation): a "
         "faster start for short runs and CPUs, slower decoding on GPUs.",
     )
-    weight_transfer: Literal["checkpoint", "nccl", "gloo"] = Field(
+    weight_transfer: Literal["checkpoint", "nccl", "gloo", "adapter"] = Field(
         default="checkpoint",
         description="vllm_server: how the trainer's new weights reach the server before each step's rollouts. "
         "checkpoint: the server reloads the step checkpoint rank 0 wrote; nccl: trainer rank 0 broadcasts the "
         "gathered weights tensor by tensor into the server's workers through vLLM's weight-transfer API (GPUs; "
         "the trainer's environment needs vLLM); gloo: the same over gloo (CPUs, tests; the server's environment "
-        "needs this project installed, whose vLLM plugin adds the backend).",
+        "needs this project installed, whose vLLM plugin adds the backend); adapter: LoRA runs (policy.lora) only: "
+        "rank 0 writes the step's adapter (megabytes) and the servers load it at run time (vLLM's runtime LoRA "
+        "loading; the run directory on storage the servers read). nccl and gloo send LoRA runs merged weights.",
     )
 
     replicas: int = Field(
@@ -1153,6 +1155,11 @@ class RunConfig(_Strict):
                 f"rl.checkpoint_every: {self.rl.checkpoint_every} leaves steps without a checkpoint, and "
                 "rollout.weight_transfer: checkpoint makes the vLLM server reload each step's checkpoint; push the "
                 "weights instead (rollout.weight_transfer: nccl on GPUs, gloo on CPUs) or set rl.checkpoint_every: 1"
+            )
+        if self.rollout.weight_transfer == "adapter" and not self.policy.lora.enabled:
+            raise ValueError(
+                "rollout.weight_transfer: adapter sends each step's LoRA adapter; it needs policy.lora.rank > 0 "
+                "(without LoRA use nccl on GPUs, gloo on CPUs, or checkpoint)"
             )
         if self.rollout.colocate and self.distributed.nnodes > 1:
             raise ValueError("rollout.colocate shares one node's GPUs; it needs distributed.nnodes: 1")

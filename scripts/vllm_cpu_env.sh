@@ -20,6 +20,8 @@ if [[ -f "$STAMP" ]]; then
     # the project's own install is refreshed every time: its vLLM plugin (the gloo weight-transfer backend)
     # is an entry point, which an editable install records only when it runs
     out=$("$VENV/bin/python" -m pip install -q --no-deps -e . 2>&1) || { echo "$out"; exit 1; }
+    # peft (LoRA adapters: the adapter push's tests) joined the list after some venvs were built
+    "$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/python" -m pip install -q peft
     echo "$VENV is ready ($(cat "$STAMP"))"
     exit 0
 fi
@@ -37,7 +39,7 @@ PIP=("$VENV/bin/python" -m pip)
 # The project itself without its dependency list (prefect, mlflow, litellm... are not on the rollout
 # path and their pins may clash), then only what the rollout path and its tests import.
 "${PIP[@]}" install -q --no-deps -e .
-"${PIP[@]}" install -q pyarrow pydantic pyyaml bm25s faiss-cpu duckdb jsonschema httpx pytest pytest-timeout
+"${PIP[@]}" install -q pyarrow pydantic pyyaml bm25s faiss-cpu duckdb jsonschema httpx pytest pytest-timeout peft
 # Fail now, not in the tests, if the engine's import chain is incomplete or vLLM does not see this project's
 # plugin (the `gloo` weight-transfer backend: rubricem_core/rollout/vllm_gloo.py).
 VLLM_HOST_IP=127.0.0.1 "$VENV/bin/python" - <<'PY'

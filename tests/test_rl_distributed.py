@@ -382,6 +382,53 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
     assert any(r["checkpoint"] == out["tag"] for r in RunStore(run_dir).read_rows("eval_results"))
 
 
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
+    tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
+):
+    """policy.lora: SFT and RL train adapters; the server serves SFT's merged copy and gets RL's weights as
+    merged tensors (gloo, one process) or as each step's adapter loaded at run time (adapter, from 2 ranks:
+    rank 0 writes it), and samples with the trainer's logprobs either way."""
+    pytest.importorskip("peft")
+    from flows.collect_sft_data import collect_sft_data
+    from flows.rl import rl
+    from flows.sft import sft
+
+    lora = {**SERVER_FLOW, "policy.lora.rank": 8, "policy.lora.alpha": 16, "sft.lr": 3e-3, "rl.lr": 1e-4}
+    root = tmp_path_factory.mktemp("rl-lora-server")
+    sft_dir = str(root / "sft")
+    collect_sft_data(run_dir=sft_dir, profile="tiny", overrides=lora)
+    sft(run_dir=sft_dir, profile="tiny", overrides=lora)
+    assert (Path(sft_dir) / "checkpoints" / "sft" / "final" / "adapter_model.safetensors").is_file()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    for transfer, ranks in (("gloo", 1), ("adapter", 2)):
+        run_dir = str(root / transfer)
+        shutil.copytree(sft_dir, run_dir)
+        rl(
+            run_dir=run_dir,
+            profile="tiny",
+            overrides={
+                **lora,
+                "distributed.nproc_per_node": ranks,
+                "rollout.engine": "vllm_server",
+                "rollout.server_python": str(VLLM_PYTHON),
+                "rollout.weight_transfer": transfer,
+            },
+        )
+        closed_sessions.clear()
+        gaps = _gaps(run_dir)
+        assert sorted(gaps) == [0, 1] and all(g < 1e-4 for g in gaps.values()), (transfer, gaps)
+        log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
+        calls = {
+            path: log.count(f'"POST {path} HTTP/1.1" 200') for path in ("/update_weights", "/v1/load_lora_adapter")
+        }
+        assert calls == ({"/update_weights": 1, "/v1/load_lora_adapter": 0} if transfer == "gloo" else
+                         {"/update_weights": 0, "/v1/load_lora_adapter": 1}), (transfer, calls)  # fmt: skip
+        pushed = list((Path(run_dir) / "state" / "adapter-push").glob("step-*"))
+        assert len(pushed) == (transfer == "adapter")  # the last one kept, the earlier removed
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """A head and a worker Ray node on this machine, 1 CPU each (tests/two_node_ray.py)."""

@@ -586,7 +586,7 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
 
 
 # ---- vLLM as its own process ---------------------------------------------------------------------
-def _cpu_server(model_dir, tmp_path, **kwargs):
+def _cpu_server(model_dir, tmp_path, env=None, **kwargs):
     from rubricem_core.rollout.vllm_server import VLLMServer
 
     return VLLMServer(
@@ -594,7 +594,7 @@ def _cpu_server(model_dir, tmp_path, **kwargs):
         dtype="float32",
         max_model_len=2048,
         log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})},
         **kwargs,
     )
 
@@ -692,6 +692,47 @@ def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env
         )
         with pytest.raises(WeightTransferError, match="update_weights"):  # the server's own refusal, at once
             WeightPusher(wrong, "gloo", timeout_s=300).push(server.base_url, server.n_workers, is_sender=True)
+    finally:
+        engine.close()
+
+
+def test_vllm_server_samples_each_loaded_lora_adapter_as_the_merged_weights(
+    model_dir, model, tok, env, world, tmp_path
+):
+    """rollout.weight_transfer adapter: the trainer writes its LoRA adapter (peft's files, megabytes) and the
+    server loads it at run time, in place of the last one; it then samples exactly as the merged weights
+    (base + alpha/r · B A) would, by a transformers recompute; a second adapter moves it again."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("peft")
+    from rubricem_core.config import LoraSettings
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine, lora_server_args
+    from rubricem_core.training.adapters import add_adapter, merged_state_dict, write_adapter
+
+    args, lora_env = lora_server_args(8)
+    server = _cpu_server(model_dir, tmp_path, env=lora_env, extra_args=args)
+    engine = VLLMServerEngine(server, tok, max_model_len=2048)
+    trained = add_adapter(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraSettings(rank=8, alpha=16), model_dir
+    )
+    try:
+        worst_error = _server_sampling_check(engine, tok, env, world)
+        before, error = worst_error(model)
+        assert error < 1e-4
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, p in trained.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            adapter = write_adapter(trained, tmp_path / f"adapter-{seed}")
+            assert sum(f.stat().st_size for f in adapter.iterdir()) < (model_dir / "model.safetensors").stat().st_size
+            engine.load_adapter(adapter)
+            assert engine.stats["update_weights_s"] > 0
+            merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            merged.load_state_dict(merged_state_dict(trained))
+            after, error = worst_error(merged)
+            assert after != before and error < 1e-4, (seed, error)
+            before = after
     finally:
         engine.close()
 

@@ -16,7 +16,7 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update
 from rubricem_core.rollout.weight_transfer import LOOPBACK, WeightPusher, master_address_for
 from rubricem_core.training import TrainerConfig, make_trainer
-from rubricem_core.training.adapters import AdapterDisabled
+from rubricem_core.training.adapters import AdapterDisabled, write_adapter
 from rubricem_core.trajectory import TokenTrajectory
 
 
@@ -57,6 +57,9 @@ class Policy(Protocol):
         """Push the current weights into a vLLM server's workers, or every replica's of a fleet (a list
         of URLs: one transfer group over all of them; vLLM's weight-transfer API, from the process or
         ranks that hold them); the seconds it took."""
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write the current LoRA adapter in peft's format (what a server loads at run time)."""
 
     def close(self) -> None: ...
 
@@ -148,6 +151,10 @@ class LocalPolicy:
             master = master_address_for(server_url) if is_sender else LOOPBACK
             self._pusher = WeightPusher(self.trainer.model, backend, self._transfer_timeout_s, master_address=master)
         return self._pusher.push(server_url, n_workers, is_sender)
+
+    def save_adapter(self, directory: Path, is_writer: bool = True) -> None:
+        """On every trainer rank (ZeRO-3 gathers the adapter's partitions); rank 0 writes."""
+        write_adapter(self.trainer.model, directory, is_writer=is_writer)
 
     def close(self) -> None:
         if self._pusher is not None:

@@ -80,6 +80,9 @@ class RLRank:
     def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
         return self.policy.push_weights(server_url, backend, n_workers, is_sender=self.rank == 0)
 
+    def save_adapter(self, directory: str) -> None:
+        self.policy.save_adapter(Path(directory), is_writer=self.rank == 0)
+
     def close(self) -> None:
         self.policy.close()
 
@@ -137,6 +140,9 @@ class RayPolicy:
 
     def push_weights(self, server_url: str | Sequence[str], backend: str, n_workers: int) -> float:
         return self.group.call("push_weights", server_url, backend, n_workers)[0]
+
+    def save_adapter(self, directory: Path) -> None:
+        self.group.call("save_adapter", str(Path(directory).resolve()))
 
     def close(self) -> None:
         self.group.close()

@@ -516,7 +516,9 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
         holds = trainer_holds(session, step)
         if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
             served = cast("VLLMServerEngine", session.engine)
-            if cfg.rollout.weight_transfer != "checkpoint" and holds:
+            if cfg.rollout.weight_transfer == "adapter":  # LoRA: the step's adapter, loaded at run time
+                served.load_adapter(_adapter_source(session, step, holds))
+            elif cfg.rollout.weight_transfer != "checkpoint" and holds:
                 served.push_weights(session.policy)  # straight from the trainer, tensor by tensor
             else:  # the server reads the checkpoint itself
                 served.load_weights_from_dir(_checkpoint_source(session, step))
@@ -529,6 +531,22 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
             model, _ = load_policy(str(_checkpoint_source(session, step)), dtype=cfg.policy.dtype)
             session.engine.update_weights(model.state_dict())
         session.engine_step = step
+
+
+def _adapter_source(session: RLSession, step: int, holds: bool) -> Path:
+    """The LoRA adapter the servers load for ``step``: written by the trainer now (state/adapter-push/, the
+    previous one removed), or, when the trainer does not hold that step's weights, the step's adapter checkpoint
+    itself (peft's files, over the base the servers serve)."""
+    if not holds:
+        return _checkpoint_source(session, step)
+    root = session.store.state_dir / "adapter-push"
+    out = root / f"step-{step:06d}"
+    shutil.rmtree(out, ignore_errors=True)
+    session.policy.save_adapter(out)
+    for old in root.iterdir():
+        if old != out:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 # ---- reflection bank ---------------------------------------------------------------------------

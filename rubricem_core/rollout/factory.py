@@ -114,10 +114,12 @@ def fleet_engine(
     sampled with ``rollout.schedule`` (default async). ``push``: the replicas join the trainer's weight
     transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
     serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+    from rubricem_core.rollout.vllm_server import VLLMServerEngine, lora_server_args, start_fleet
 
     r = cfg.rollout
     python = r.server_python or sys.executable
+    adapter = push and r.weight_transfer == "adapter"  # LoRA: each step's adapter, loaded at run time
+    lora_args, lora_env = lora_server_args(cfg.policy.lora.rank) if adapter else ([], {})
     if not Path(python).exists():
         raise RolloutError(
             f"rollout.server_python {python!r} does not exist (relative paths are taken from {Path.cwd()}); "
@@ -132,12 +134,17 @@ def fleet_engine(
         dtype=r.server_dtype or cfg.policy.dtype,
         startup_timeout_s=r.server_startup_timeout_s,
         log_path=log_path,
-        weight_transfer=r.weight_transfer if push and r.weight_transfer != "checkpoint" else None,
+        weight_transfer=r.weight_transfer if push and r.weight_transfer in ("nccl", "gloo") else None,
         sleep_mode=push and r.colocate and torch.cuda.is_available(),
-        env=cpu_fleet_env(cfg, model_dir, push)
-        if r.placement == "local" and not torch.cuda.is_available()
-        else r.server_env,
-        extra_args=["--enforce-eager"] if r.enforce_eager else [],
+        env={
+            **(
+                cpu_fleet_env(cfg, model_dir, push)
+                if r.placement == "local" and not torch.cuda.is_available()
+                else r.server_env
+            ),
+            **lora_env,
+        },
+        extra_args=(["--enforce-eager"] if r.enforce_eager else []) + lora_args,
     )
     if r.placement == "ray":  # a ReplicaHost actor per replica, placed by Ray (rollout.ray_replicas)
         from rubricem_core.distributed.cluster import connect

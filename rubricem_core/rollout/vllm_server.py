@@ -54,6 +54,19 @@ from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample, VLLMRolloutEngine
 
 SERVED_NAME = "policy"
+ADAPTER_NAME = "policy-lora"  # rollout.weight_transfer adapter: the name each step's adapter is loaded under
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
+
+
+def lora_server_args(rank: int) -> tuple[list[str], dict[str, str]]:
+    """(arguments, environment) of a `vllm serve` that loads each step's LoRA adapter at run time."""
+    max_rank = next((r for r in LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise RolloutError(f"policy.lora.rank {rank} is above the largest rank vLLM serves ({LORA_RANKS[-1]})")
+    args = ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"]
+    return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 AUTH_MIDDLEWARE = "rubricem_core.rollout.vllm_auth.RequireApiKey"  # the key on every route, not only /v1
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -364,6 +377,7 @@ class ServerClient:
         self.n_workers = tensor_parallel_size  # the workers a weight push reaches (one data-parallel replica)
         self.weight_transfer = weight_transfer
         self.max_concurrency = max_concurrency
+        self.model_name = SERVED_NAME  # ADAPTER_NAME once a LoRA adapter is loaded (load_adapter)
         self.asleep = False
         # one connection per call in flight (httpx's default pool of 100 would queue the rest)
         limits = httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
@@ -393,19 +407,22 @@ class ServerClient:
     def _failure(self, what: str) -> RolloutError:
         return server_failure(self.base_url, self.model_dir, what, self.tail(), self.exit_code())
 
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _post(self, path: str, body: dict[str, Any] | None = None, text: bool = False) -> Any:
+        """The JSON reply (``text``: the reply's text, for routes that answer in words)."""
         code = self.exit_code()
         if code is not None:
             raise self._failure(f"exited with code {code}")
         response = self.http.post(path, json=body)
         if response.status_code != 200:
             raise self._failure(f"answered {path} with HTTP {response.status_code}: {response.text[:500]}")
+        if text:
+            return response.text
         return response.json() if response.content else None
 
     # ---- sampling -------------------------------------------------------------------------------
     def sample_one(self, call: TurnCall) -> TurnSample:
         body = {
-            "model": SERVED_NAME,
+            "model": self.model_name,
             "prompt": call.prompt_ids,
             "max_tokens": call.max_tokens,
             "temperature": call.sampling.temperature,
@@ -442,6 +459,17 @@ class ServerClient:
         started = time.perf_counter()
         source = self._reload_source(Path(directory).resolve())
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(source)}})
+        self.reset_prefix_cache()
+        return time.perf_counter() - started
+
+    def load_adapter(self, directory: str | Path) -> float:
+        """Load a LoRA adapter (peft's files) in place of the last one, sample with it from now on, and drop the
+        prefix cache; the seconds it took. The server must have been started with ``lora_server_args`` and read
+        ``directory`` (a replica on another node: storage every node mounts)."""
+        started = time.perf_counter()
+        body = {"lora_name": ADAPTER_NAME, "lora_path": str(Path(directory).resolve()), "load_inplace": True}
+        self._post("/v1/load_lora_adapter", body, text=True)  # "Success: LoRA adapter ... added successfully."
+        self.model_name = ADAPTER_NAME
         self.reset_prefix_cache()
         return time.perf_counter() - started
 
@@ -713,6 +741,12 @@ class VLLMFleet:
         self._each(lambda server: server.load_weights_from_dir(directory))
         return time.perf_counter() - started
 
+    def load_adapter(self, directory: str | Path) -> float:
+        """Every live replica loads the LoRA adapter in ``directory`` (concurrently); the wall seconds."""
+        started = time.perf_counter()
+        self._each(lambda server: server.load_adapter(directory))
+        return time.perf_counter() - started
+
     def reset_prefix_cache(self) -> None:
         self._each(lambda server: server.reset_prefix_cache())
 
@@ -848,6 +882,10 @@ class VLLMServerEngine(VLLMRolloutEngine):
 
     def load_weights_from_dir(self, directory: str | Path) -> None:
         self.stats["update_weights_s"] = self.fleet.load_weights_from_dir(directory)
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """A LoRA step's adapter into every replica (``rollout.weight_transfer: adapter``)."""
+        self.stats["update_weights_s"] = self.fleet.load_adapter(directory)
 
     def push_weights(self, policy: Any) -> None:
         """The trainer's current weights, pushed by ``policy`` through vLLM's weight-transfer API into

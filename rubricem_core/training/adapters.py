@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +166,29 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: v.detach() for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+
+
+def write_adapter(model: nn.Module, directory: str | os.PathLike[str], is_writer: bool = True) -> Path:
+    """The adapter of ``model`` in peft's format (adapter_config.json, adapter_model.safetensors), written whole
+    or not at all: what `vllm serve` loads at run time (``rollout.weight_transfer: adapter``). Collective under
+    ZeRO-3 (every rank gathers the adapter's partitions); only ``is_writer`` writes."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    with _gathered(lora):
+        state = {
+            k: v.detach().to("cpu").contiguous().clone()
+            for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()
+        }
+    if not is_writer:
+        return directory
+    staging = directory.with_name(f".{directory.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    model.peft_config[ADAPTER_NAME].save_pretrained(str(staging))
+    save_file(state, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
+    return directory
