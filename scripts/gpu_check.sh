@@ -10,6 +10,7 @@
 #    in bf16 on DeepSpeed ZeRO-3 with gradient checkpointing: 2 SFT steps and 2 RL steps (rollouts with the
 #    real local tools, SS-GRPO update, gathered weights synced into the engine's own copy): peak GPU memory,
 #    SFT / update / rollout tokens/s, weight-sync seconds;
+# 2b. full fine-tuning vs LoRA r=16 on that model (bench/lora.py): update tokens/s, peak GPU memory, checkpoint MiB;
 # 3. the memory plan for that model against the measured peak;
 # 4. vLLM, where the image has it: bench/fleet_throughput.py (2 replicas, one push checked against a recompute,
 #    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
@@ -63,6 +64,17 @@ $PY bench/rl_step_time.py --policy "$POLICY" --random-init --device "$DEVICE" "$
     | grep -v -i "warn\|return func" | tee /tmp/gpu-check-rl.log \
     | sed -E 's/^(rollout_tokens_per_s|update_tokens_per_s|update_recompute_tokens_per_s|update_time_ratio|sft_tokens_per_s|weight_sync_s|peak_gpu_memory): /gpu_check: \1=/' \
     | sed -E 's/^(update_mfu|update_recompute_mfu): (.*)$/gpu_check: \1=\2 (goal >= 0.35)/'
+
+echo "== 2b. full fine-tuning vs LoRA r=16 on this model: update tokens/s and peak GPU memory (issue #45)"
+if $PY -c "import peft" 2>/dev/null; then
+    [ "${GPU_CHECK_SIZE:-}" = tiny ] && LORA_SHAPE=(--tokens 256 --steps 1) || LORA_SHAPE=(--tokens 4096 --steps 3)
+    LORA_DTYPE=bfloat16; [ "$DEVICE" = cpu ] && LORA_DTYPE=float32
+    timeout 240 $PY bench/lora.py --policy "$POLICY" --device "$DEVICE" --dtype "$LORA_DTYPE" "${LORA_SHAPE[@]}" 2>&1 \
+        | grep -v -i "warn" | sed -E 's/^lora_bench: /gpu_check: lora_vs_full: /'
+    echo "gpu_check: lora_exit=${PIPESTATUS[0]}"
+else
+    echo "gpu_check: lora=absent (peft is not in this image)"
+fi
 
 echo "== 3. the memory plan for this model (ZeRO-3 on 1 GPU, checkpointing, 16k-token micro-batches)"
 $PY - "$POLICY" <<'PY'
