@@ -290,7 +290,7 @@ def main() -> int:
     from flows.ablation import prepare_recipe_run
     from flows.common import resolve_config
     from flows.rl import rl
-    from rubricem_core.rl.session import step_checkpoint
+    from rubricem_core.rl.session import completed_step, step_checkpoint
     from rubricem_core.runlock import run_dir_lock
     from rubricem_core.store import RunStore
 
@@ -324,8 +324,11 @@ def main() -> int:
                 rl_cfg = cfg.rl.model_copy(update={"recipe": recipe, "n_windows": end // per_window})
                 t0 = time.perf_counter()
                 with run_dir_lock(sub, command="learning_curve"):
-                    resolve_config(sub, config=cfg.model_copy(update={"rl": rl_cfg}), command="learning_curve")
-                    rl(run_dir=sub)
+                    # a recipe already trained past this chunk (a longer curve, or one the defaults have moved
+                    # on from since) is only evaluated: its recorded config is the later chunk's
+                    if completed_step(RunStore(sub)) < end - 1:
+                        resolve_config(sub, config=cfg.model_copy(update={"rl": rl_cfg}), command="learning_curve")
+                        rl(run_dir=sub)
                     t1 = time.perf_counter()
                     progress.ran("steps", end - done, t1 - t0)
                     ev = evaluation(sub, str(step_checkpoint(RunStore(sub), end - 1)))

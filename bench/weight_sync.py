@@ -4,7 +4,9 @@
   reload_weights) — what rank 0's step checkpoint plus `checkpoint` costs when the checkpoint is written anyway
   only for the engine;
 - gloo push: vLLM's weight-transfer API, the tensors broadcast from this process into the server's worker
-  (the CPU twin of `nccl`: same protocol, same layerwise reload on the server side).
+  (the CPU twin of `nccl`: same protocol, same layerwise reload on the server side);
+- adapter (``--lora-rank``, a LoRA run's `rollout.weight_transfer: adapter`): the trainer writes its LoRA
+  adapter (peft's files) and the server loads it at run time in place of the last one.
 
 After each transfer the server's greedy next-token logprob on a fixed prompt is checked against the new
 weights (transformers), so a road that loses weights fails here rather than looking fast. The server runs
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from run_all import figure_line  # noqa: E402
 
-from rubricem_core.rollout.vllm_server import VLLMServer  # noqa: E402
+from rubricem_core.rollout.vllm_server import VLLMServer, lora_server_args  # noqa: E402
 from rubricem_core.rollout.weight_transfer import WeightPusher  # noqa: E402
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy, init_tiny_model  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
@@ -42,7 +44,7 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def greedy_logprob(server: VLLMServer, prompt: list[int]) -> float:
-    body = {"model": "policy", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0}
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0}
     return float(server._post("/v1/completions", body)["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
@@ -51,12 +53,45 @@ def expected_logprob(model: torch.nn.Module, prompt: list[int]) -> float:
         return float(model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1).max())
 
 
+def adapter_road(server, trainer, base, prompt, args, tmp: Path) -> tuple[list[float], float]:
+    """Seconds of each adapter write + load (new B each time: the server must change) and the adapter's MiB;
+    each checked against the merged weights' logprob."""
+    import copy
+
+    from rubricem_core.config import LoraSettings
+    from rubricem_core.training.adapters import add_adapter, merged_state_dict, write_adapter
+
+    peft_model = add_adapter(
+        copy.deepcopy(trainer), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank), base
+    )
+    merged = copy.deepcopy(trainer)
+    times, size = [], 0.0
+    for i in range(args.repeats):
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        started = time.perf_counter()
+        directory = write_adapter(peft_model, tmp / f"adapter-{i}")
+        server.load_adapter(directory)
+        times.append(time.perf_counter() - started)
+        size = sum(f.stat().st_size for f in directory.iterdir()) / 2**20
+        with torch.no_grad():
+            merged.load_state_dict(merged_state_dict(peft_model))
+        got, want = greedy_logprob(server, prompt), expected_logprob(merged, prompt)
+        if abs(got - want) > 1e-3:
+            raise SystemExit(f"adapter: the server's logprob {got:.5f} is not the merged weights' {want:.5f}")
+    return times, size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 2-layer, width-128 model")
     ap.add_argument("--hidden-size", type=int, default=768, help="model width (default: ~0.1B parameters)")
     ap.add_argument("--layers", type=int, default=12, help="decoder layers")
     ap.add_argument("--repeats", type=int, default=3, help="transfers per road (the median is reported)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="the adapter road's LoRA rank (0: no adapter road)")
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         print(f"no {VLLM_PYTHON}: run `bash scripts/vllm_cpu_env.sh` first")
@@ -78,18 +113,21 @@ def main() -> None:
         n_params = sum(p.numel() for p in trainer.parameters())
         megabytes = sum(p.numel() * p.element_size() for p in trainer.parameters()) / 2**20
         print(f"model: {n_params / 1e6:.1f}M parameters, {megabytes:.0f} MiB in float32 ({layers} layers of {hidden})")
+        lora_args, lora_env = lora_server_args(args.lora_rank) if args.lora_rank else ([], {})
         server = VLLMServer(
             base,
             python=str(VLLM_PYTHON),
             dtype="float32",
             max_model_len=512,
             weight_transfer="gloo",
-            env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+            env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **lora_env},
+            extra_args=lora_args,
             log_path=Path(tmp) / "server.log",
         )
         prompt = list(range(5, 37))
         pusher = WeightPusher(trainer, "gloo", timeout_s=600)
         times: dict[str, list[float]] = {"checkpoint": [], "push": []}
+        sizes = {"checkpoint": megabytes, "push": megabytes}
         try:
             for i in range(args.repeats):
                 for road in ("checkpoint", "push"):
@@ -109,12 +147,14 @@ def main() -> None:
                     got, want = greedy_logprob(server, prompt), expected_logprob(trainer, prompt)
                     if abs(got - want) > 1e-3:
                         raise SystemExit(f"{road}: the server's logprob {got:.5f} is not the new weights' {want:.5f}")
+            if args.lora_rank:  # over the last pushed weights: the server's base is the trainer's now
+                times["adapter"], sizes["adapter"] = adapter_road(server, trainer, base, prompt, args, Path(tmp))
         finally:
             pusher.close()
             server.close()
     for road, values in times.items():
         med = statistics.median(values)
-        print(f"{road}: median {med:.3f} s over {len(values)} ({megabytes / med:.0f} MiB/s); all {values}")
+        print(f"{road}: median {med:.3f} s over {len(values)}, {sizes[road]:.2f} MiB a transfer; all {values}")
     push = statistics.median(times["push"])
     print(f"push / checkpoint: {push / statistics.median(times['checkpoint']):.2f}")
     print(figure_line("weight_push_s", push, "s", "report", None))
