@@ -70,7 +70,7 @@ def measure(model_dir: str, rank: int, tokens: int, steps: int, dtype: str, devi
     from rubricem_core.training.adapters import AdapterDisabled, adapter_state_dict, is_adapter_model
 
     torch.manual_seed(0)
-    lora = LoraSettings(rank=rank, alpha=2.0 * rank) if rank else None
+    lora = LoraSettings(rank=rank, alpha=2 * rank) if rank else None
     cfg = TrainerConfig(lr=1e-5, total_steps=100, precision="bf16", device=device)
     model, tokenizer = load_for_training(model_dir, dtype, cfg, lora=lora)
     trainer = make_trainer(model, cfg)

@@ -61,9 +61,7 @@ def adapter_road(server, trainer, base, prompt, args, tmp: Path) -> tuple[list[f
     from rubricem_core.config import LoraSettings
     from rubricem_core.training.adapters import add_adapter, merged_state_dict, write_adapter
 
-    peft_model = add_adapter(
-        copy.deepcopy(trainer), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank), base
-    )
+    peft_model = add_adapter(copy.deepcopy(trainer), LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank), base)
     merged = copy.deepcopy(trainer)
     times, size = [], 0.0
     for i in range(args.repeats):

@@ -301,7 +301,7 @@ class LoraSettings(_Strict):
         description="LoRA rank; 0 = off (every weight trains). On: SFT and RL train only the adapters, the KL "
         "reference is the model with its adapter disabled, checkpoints and weight pushes hold the adapter.",
     )
-    alpha: float = Field(default=32.0, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank.")
+    alpha: int = Field(default=32, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         default="all-linear",
         description="Which linear layers get adapters: 'all-linear' (attention and MLP, not the output head: what "

@@ -64,7 +64,7 @@ def ppo_update(cfg: dict, update: dict, lora_rank: int = 0) -> tuple[dict, list[
     torch.set_num_threads(1)
     model = tiny_model()
     if lora_rank:
-        model = add_adapter(model, LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank), base="tiny", seed=0)
+        model = add_adapter(model, LoraSettings(rank=lora_rank, alpha=2 * lora_rank), base="tiny", seed=0)
         ref = AdapterDisabled(model)
     else:
         ref = copy.deepcopy(model).eval().requires_grad_(False)

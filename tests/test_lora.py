@@ -22,7 +22,7 @@ from tests.tiny_models import one_thread  # noqa: F401
 
 pytest.importorskip("peft")
 
-LORA = LoraSettings(rank=4, alpha=8.0)
+LORA = LoraSettings(rank=4, alpha=8)
 
 
 @pytest.fixture(scope="module")
