@@ -577,3 +577,11 @@ def test_lora_runs_killed_in_sft_and_across_rl_resume_to_the_uninterrupted_adapt
         assert_same_adapter(got, ref)
     for table, key in RL_TABLES.items():
         assert_same_table(run, want, table, key)
+    # evaluation samples the adapter checkpoint as a plain (merged) model
+    from flows.evaluate import evaluate
+
+    out = evaluate(
+        run_dir=str(run), profile="tiny", overrides={**overrides, "eval.max_queries": 2}, benchmarks=["synthetic"]
+    )
+    assert out["checkpoint"].endswith("step-000001")
+    assert any(r["checkpoint"] == out["tag"] for r in RunStore(run).read_rows("eval_results"))
