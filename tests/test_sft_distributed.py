@@ -92,6 +92,34 @@ def test_two_zero3_ranks_load_the_policy_partitioned_and_train_like_one_rank(col
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
 
 
+def test_lora_sft_on_two_zero3_ranks_loaded_partitioned_equals_one_rank(collected_run, tmp_path):
+    """policy.lora with the base built straight into ZeRO-3 partitions on 2 ranks: the adapters added over the
+    partitioned base train like one plain rank's, and the final checkpoint is the adapter (its base named)."""
+    pytest.importorskip("peft")
+    from flows.sft import sft
+
+    lora = {**DIST, "policy.lora.rank": 4, "policy.lora.alpha": 8, "sft.lr": 3e-3}
+    run_dir = tmp_path / "run"
+    shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
+    zero3 = {**lora, "sft.backend": "deepspeed", "sft.zero_stage": 3, "distributed.nproc_per_node": 2}
+    result = sft(run_dir=str(run_dir), profile="tiny", overrides=zero3)
+    cfg = load_config("tiny", lora)
+    rows, reflections = sft_inputs(run_dir)
+    ref = run_sft(
+        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
+    )
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
+    final = run_dir / "checkpoints" / "sft" / "final"
+    assert not (final / "model.safetensors").exists()
+    a = load_file(str(final / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert max(float(b[k].abs().max()) for k in b if "lora_B" in k) > 1e-4  # SFT moved the adapters
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+    meta = json.loads((final / "checkpoint.json").read_text())["adapter"]
+    assert (final / meta["base"]).resolve() == (run_dir / "policy" / "base").resolve()
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """A head and a worker Ray node on this machine, 1 CPU each (tests/two_node_ray.py)."""
