@@ -45,6 +45,14 @@ def trainer_config(**kw) -> TrainerConfig:
     return TrainerConfig(lr=1e-2, total_steps=10, device="cpu", **kw)
 
 
+def adapter_step(base: Path, out: Path, seed: int):
+    """(trainer, checkpoint): fresh adapters over ``base``, one step on batch ``seed``, saved to ``out``."""
+    model, tok = load_for_training(base, "float32", trainer_config(), lora=LORA)
+    trainer = make_trainer(model, trainer_config())
+    trainer.step([ids(seed)], lm_loss)
+    return trainer, trainer.save(out, tokenizer=tok)
+
+
 def perturb(model: torch.nn.Module, seed: int = 1) -> None:
     """Non-zero B matrices, so the adapter changes the output."""
     g = torch.Generator().manual_seed(seed)
@@ -143,18 +151,14 @@ def test_adapter_checkpoint_resumes_exactly_and_loads_merged(base_dir, tmp_path,
 
 def test_an_adapter_over_an_adapter_loads_through_its_chain(base_dir, tmp_path):
     """RL's adapter trains over SFT's merged adapter policy: both named by reference."""
-    sft, tok = load_for_training(base_dir, "float32", trainer_config(), lora=LORA)
-    sft_trainer = make_trainer(sft, trainer_config())
-    sft_trainer.step([ids(0)], lm_loss)
-    sft_ckpt = sft_trainer.save(tmp_path / "sft", tokenizer=tok)
-    rl, _ = load_for_training(sft_ckpt, "float32", trainer_config(), lora=LORA)
+    sft_trainer, sft_ckpt = adapter_step(base_dir, tmp_path / "sft", 0)
+    rl_trainer, rl_ckpt = adapter_step(sft_ckpt, tmp_path / "rl", 1)
     x = ids(3)
     with torch.no_grad():
         # the RL reference (adapter off) is the SFT policy
-        assert torch.allclose(AdapterDisabled(rl)(input_ids=x).logits, sft_trainer.model(input_ids=x).logits, atol=1e-5)
-    rl_trainer = make_trainer(rl, trainer_config())
-    rl_trainer.step([ids(1)], lm_loss)
-    rl_ckpt = rl_trainer.save(tmp_path / "rl", tokenizer=tok)
+        assert torch.allclose(
+            AdapterDisabled(rl_trainer.model)(input_ids=x).logits, sft_trainer.model(input_ids=x).logits, atol=1e-5
+        )
     loaded, _ = load_policy(rl_ckpt)
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=x).logits, rl_trainer.model(input_ids=x).logits, atol=1e-5)
@@ -206,14 +210,8 @@ def test_export_writes_a_merged_directory_and_a_peft_adapter_that_agree(base_dir
 
     from rubricem_core.export import export_checkpoint
 
-    sft, tok = load_for_training(base_dir, "float32", trainer_config(), lora=LORA)
-    sft_trainer = make_trainer(sft, trainer_config())
-    sft_trainer.step([ids(0)], lm_loss)
-    sft_ckpt = sft_trainer.save(tmp_path / "sft", tokenizer=tok)
-    rl, _ = load_for_training(sft_ckpt, "float32", trainer_config(), lora=LORA)
-    rl_trainer = make_trainer(rl, trainer_config())
-    rl_trainer.step([ids(1)], lm_loss)
-    rl_ckpt = rl_trainer.save(tmp_path / "rl", tokenizer=tok)
+    _, sft_ckpt = adapter_step(base_dir, tmp_path / "sft", 0)
+    rl_trainer, rl_ckpt = adapter_step(sft_ckpt, tmp_path / "rl", 1)
 
     done = export_checkpoint(rl_ckpt, tmp_path / "out")
     assert sorted(p.name for p in done.adapter.iterdir()) == sorted(

@@ -71,20 +71,27 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
     assert torch.isfinite(torch.tensor([r["value"] for r in losses])).all()
 
 
-def test_two_zero3_ranks_load_the_policy_partitioned_and_train_like_one_rank(collected_run, tmp_path):
-    """ZeRO-3 over 2 ranks builds the base policy straight into its partitions (zero.Init) and ends
-    where one plain rank ends (within ZeRO-3's summation-order rounding)."""
+def zero3_and_one_rank(collected_run, tmp_path, overrides: dict):
+    """The sft flow on 2 ZeRO-3 ranks (the base loaded partitioned) and run_sft on one plain rank, same config and
+    base: (the flow's run dir, its result, the one rank's result; its checkpoints under tmp_path/one)."""
     from flows.sft import sft
 
     run_dir = tmp_path / "run"
     shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
-    zero3 = {**DIST, "sft.backend": "deepspeed", "sft.zero_stage": 3, "distributed.nproc_per_node": 2}
+    zero3 = {**overrides, "sft.backend": "deepspeed", "sft.zero_stage": 3, "distributed.nproc_per_node": 2}
     result = sft(run_dir=str(run_dir), profile="tiny", overrides=zero3)
-    cfg = load_config("tiny", DIST)
+    cfg = load_config("tiny", overrides)
     rows, reflections = sft_inputs(run_dir)
     ref = run_sft(
         run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
     )
+    return run_dir, result, ref
+
+
+def test_two_zero3_ranks_load_the_policy_partitioned_and_train_like_one_rank(collected_run, tmp_path):
+    """ZeRO-3 over 2 ranks builds the base policy straight into its partitions (zero.Init) and ends
+    where one plain rank ends (within ZeRO-3's summation-order rounding)."""
+    run_dir, result, ref = zero3_and_one_rank(collected_run, tmp_path, DIST)
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
     a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
@@ -96,18 +103,8 @@ def test_lora_sft_on_two_zero3_ranks_loaded_partitioned_equals_one_rank(collecte
     """policy.lora with the base built straight into ZeRO-3 partitions on 2 ranks: the adapters added over the
     partitioned base train like one plain rank's, and the final checkpoint is the adapter (its base named)."""
     pytest.importorskip("peft")
-    from flows.sft import sft
-
     lora = {**DIST, "policy.lora.rank": 4, "policy.lora.alpha": 8, "sft.lr": 3e-3}
-    run_dir = tmp_path / "run"
-    shutil.copytree(f"{collected_run}/tables", run_dir / "tables")
-    zero3 = {**lora, "sft.backend": "deepspeed", "sft.zero_stage": 3, "distributed.nproc_per_node": 2}
-    result = sft(run_dir=str(run_dir), profile="tiny", overrides=zero3)
-    cfg = load_config("tiny", lora)
-    rows, reflections = sft_inputs(run_dir)
-    ref = run_sft(
-        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
-    )
+    run_dir, result, ref = zero3_and_one_rank(collected_run, tmp_path, lora)
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-4)
     final = run_dir / "checkpoints" / "sft" / "final"
     assert not (final / "model.safetensors").exists()

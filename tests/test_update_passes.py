@@ -228,20 +228,26 @@ PPO_UPDATE = dict(
 )
 
 
+def two_rank_ppo(tmp_path, arg: dict) -> dict:
+    """``dist_cases.ppo(arg)`` on 2 gloo ranks (Ray actors of the session's local Ray); rank 0's result."""
+    from rubricem_core.distributed.actors import RankGroup
+
+    group = RankGroup("ppo", 2, tmp_path / "ranks", timeout_s=600)
+    try:
+        return group.run("dist_cases:ppo", arg)[0]
+    finally:
+        group.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 3, 1e-4)])
 def test_ppo_reuse_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, stage, tol):
     """Each rank is given only its micro-batches' trajectories (as RayPolicy sends them)."""
     import dist_cases
-    from rubricem_core.distributed.actors import RankGroup
 
     trainer_cfg = {**PPO_TRAINER, "backend": backend, "zero_stage": stage}
     ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE)
-    group = RankGroup("ppo", 2, tmp_path / "ranks", timeout_s=600)
-    try:
-        got = group.run("dist_cases:ppo", {"trainer": trainer_cfg, "update": PPO_UPDATE})[0]
-    finally:
-        group.close()
+    got = two_rank_ppo(tmp_path, {"trainer": trainer_cfg, "update": PPO_UPDATE})
     metrics = got["history"][0]
     assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == 4
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
@@ -255,18 +261,13 @@ def test_a_lora_update_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, s
     """LoRA adapters train (the reference: the same model with them off); the merged weights every rank
     ends with, as the push sends them, are the one-rank run's."""
     import dist_cases
-    from rubricem_core.distributed.actors import RankGroup
 
     trainer_cfg = {**PPO_TRAINER, "backend": backend, "zero_stage": stage}
     ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE, lora_rank=4)
     start = dist_cases.tiny_model().state_dict()
     assert set(ref_weights) == set(start)  # the base model's names: what an engine loads
     assert max(float((ref_weights[k] - start[k]).abs().max()) for k in start) > 1e-4  # the adapter moved them
-    group = RankGroup("lora", 2, tmp_path / "ranks", timeout_s=600)
-    try:
-        got = group.run("dist_cases:ppo", {"trainer": trainer_cfg, "update": PPO_UPDATE, "lora_rank": 4})[0]
-    finally:
-        group.close()
+    got = two_rank_ppo(tmp_path, {"trainer": trainer_cfg, "update": PPO_UPDATE, "lora_rank": 4})
     metrics = got["history"][0]
     assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == 4
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)

@@ -172,16 +172,12 @@ def write_adapter(model: nn.Module, directory: str | os.PathLike[str], is_writer
     """The adapter of ``model`` in peft's format (adapter_config.json, adapter_model.safetensors), written whole
     or not at all: what `vllm serve` loads at run time (``rollout.weight_transfer: adapter``). Collective under
     ZeRO-3 (every rank gathers the adapter's partitions); only ``is_writer`` writes."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     directory = Path(directory)
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     with _gathered(lora):
-        state = {
-            k: v.detach().to("cpu").contiguous().clone()
-            for k, v in get_peft_model_state_dict(model, save_embedding_layers=False).items()
-        }
+        state = {k: v.to("cpu").contiguous().clone() for k, v in adapter_state_dict(model).items()}
     if not is_writer:
         return directory
     staging = directory.with_name(f".{directory.name}.tmp")

@@ -121,7 +121,7 @@ def write_checkpoint_files(
         raise TypeError(f"{type(model).__name__} has no save_pretrained(); checkpoints need a Hugging Face model")
     try:
         # safetensors (the only format in transformers 5); a LoRA model writes its adapter alone
-        kwargs = {"save_embedding_layers": False} if hasattr(model, "peft_config") else {}
+        kwargs = {"save_embedding_layers": False} if is_adapter_model(model) else {}
         save_pretrained(str(directory), state_dict=state_dict, **kwargs)
         if kwargs:
             (directory / "README.md").unlink(missing_ok=True)  # peft's model-card template, nothing of the run's
