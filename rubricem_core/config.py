@@ -402,13 +402,30 @@ class TrainerSettings(_Strict):
         return self
 
 
+class PackingSettings(_Strict):
+    """How a training section lays its sequences into micro-batches (``sft`` and ``rl`` alike)."""
+
+    packing: bool = Field(
+        default=False,
+        description="Pack sequences end to end into rows of pack_length tokens (attention confined to each sequence "
+        "by restarting position ids; the loss equals the padded batch's) instead of right-padded length buckets.",
+    )
+    pack_length: int | None = Field(
+        default=None,
+        ge=256,
+        description="Tokens per packed row, at least the longest sequence and at most max_tokens_per_batch; default "
+        "max_tokens_per_batch (one row a micro-batch). Eager and SDPA attention compute the whole row's square, so "
+        "on CPU a row near the longest sequence costs less; flash-attention kernels skip across sequences.",
+    )
+
+
 def trainer_default(name: str, value: Any) -> Any:
     """TrainerSettings' field ``name`` (its checks and help text) with another default, for a section that
     trains with other numbers: ``lr: float = trainer_default("lr", 3e-3)``."""
     return FieldInfo.merge_field_infos(TrainerSettings.model_fields[name], default=value)
 
 
-class SFTConfig(TrainerSettings):
+class SFTConfig(TrainerSettings, PackingSettings):
     lr: float = trainer_default("lr", 3e-3)
     warmup_steps: int = trainer_default("warmup_steps", 10)
     epochs: float = Field(default=12.0, gt=0, description="Passes over the accepted trajectories.")
@@ -656,7 +673,7 @@ class RolloutConfig(_Strict):
 REFLECTION_RECIPES = ("meta_policy", "full")  # recipes.py's with reflection=True (config loads without torch)
 
 
-class RLConfig(TrainerSettings):
+class RLConfig(TrainerSettings, PackingSettings):
     recipe: Literal["baseline", "ss_grpo", "meta_policy", "full"] = Field(
         default="ss_grpo",
         description="Paper recipe: Λ preset, judged stages, reflection on/off (meta_policy and full train the "
@@ -1217,9 +1234,18 @@ def bound_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _sequence_capacity(section: str, settings: PackingSettings) -> tuple[str, int]:
+    """The field that bounds one sequence of a training section, and its value: the packed row's length
+    when packing with one set, else the micro-batch budget."""
+    if settings.packing and settings.pack_length is not None:
+        return f"{section}.pack_length", settings.pack_length
+    return f"{section}.max_tokens_per_batch", settings.max_tokens_per_batch  # type: ignore[attr-defined]
+
+
 def token_budget_problems(cfg: RunConfig) -> list[str]:
-    """Where a trainer's micro-batch budget (``max_tokens_per_batch``) is below the longest sequence the run
-    can give it: ``bucket_batches`` refuses such a sequence mid-run, after the step's sampling and judging.
+    """Where a trainer's micro-batch budget (``max_tokens_per_batch``, or with packing ``pack_length``) is below
+    the longest sequence the run can give it: ``bucket_batches``/``pack_batches`` refuse such a sequence
+    mid-run, after the step's sampling and judging.
 
     - RL updates on rollouts, which the sampler stops at rollout.max_total_tokens (prompt, sampled and tool
       tokens; a tool output that would pass it is not appended), and on reflection candidates sampled under
@@ -1234,12 +1260,20 @@ def token_budget_problems(cfg: RunConfig) -> list[str]:
     - SFT skips (never cuts) trajectories and teacher reflections longer than policy.max_seq_len and batches
       all others.
     """
-    out = []
-    rl, total = cfg.rl.max_tokens_per_batch, cfg.rollout.max_total_tokens
+    out = [
+        f"{section}.pack_length {settings.pack_length} > {section}.max_tokens_per_batch {settings.max_tokens_per_batch}: "
+        f"a packed row must fit one micro-batch; set {section}.pack_length ≤ {settings.max_tokens_per_batch}"
+        for section, settings in (("rl", cfg.rl), ("sft", cfg.sft))
+        if settings.packing
+        and settings.pack_length is not None
+        and settings.pack_length > settings.max_tokens_per_batch
+    ]
+    rl_field, rl = _sequence_capacity("rl", cfg.rl)
+    total = cfg.rollout.max_total_tokens
     if rl < total:
         out.append(
-            f"rl.max_tokens_per_batch {rl} < rollout.max_total_tokens {total}: a rollout of {total} tokens cannot fit "
-            f"one micro-batch; set rl.max_tokens_per_batch ≥ {total}"
+            f"{rl_field} {rl} < rollout.max_total_tokens {total}: a rollout of {total} tokens cannot fit "
+            f"one micro-batch; set {rl_field} ≥ {total}"
         )
     bound, new = cfg.reflection.max_trajectory_tokens, cfg.reflection.max_new_tokens
     if cfg.rl.recipe in REFLECTION_RECIPES and bound is not None and rl < min(bound, total) + new:
@@ -1253,16 +1287,17 @@ def token_budget_problems(cfg: RunConfig) -> list[str]:
             )
         lower = f" or reflection.max_trajectory_tokens ≤ {rl - new}" if rl - new >= 64 else ""
         out.append(
-            f"rl.max_tokens_per_batch {rl} < {what}: rl.recipe {cfg.rl.recipe} also updates the policy on its "
+            f"{rl_field} {rl} < {what}: rl.recipe {cfg.rl.recipe} also updates the policy on its "
             f"reflection candidates, and a reflection prompt showing an attempt of {need - new} tokens with a "
-            f"reflection of {new} tokens cannot fit one micro-batch; set rl.max_tokens_per_batch ≥ {need}{lower}"
+            f"reflection of {new} tokens cannot fit one micro-batch; set {rl_field} ≥ {need}{lower}"
         )
-    sft, seq = cfg.sft.max_tokens_per_batch, cfg.policy.max_seq_len
+    sft_field, sft = _sequence_capacity("sft", cfg.sft)
+    seq = cfg.policy.max_seq_len
     if sft < seq:
         out.append(
-            f"sft.max_tokens_per_batch {sft} < policy.max_seq_len {seq}: SFT trains sequences of up to {seq} tokens "
+            f"{sft_field} {sft} < policy.max_seq_len {seq}: SFT trains sequences of up to {seq} tokens "
             f"(it skips only longer ones), and one of {seq} tokens cannot fit one micro-batch; set "
-            f"sft.max_tokens_per_batch ≥ {seq} or policy.max_seq_len ≤ {sft}"
+            f"{sft_field} ≥ {seq} or policy.max_seq_len ≤ {sft}"
         )
     return out
 

@@ -18,8 +18,15 @@ from rubricem_core.scaffold import STAGES
 from rubricem_core.trajectory import REFLECTION_STAGE
 
 
-def _logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
+def _logits_of(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    if position_ids is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    else:
+        # Packed rows: position ids and no mask make transformers confine attention to each sequence;
+        # a KV cache would turn that detection off, so none is built.
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     return out.logits if hasattr(out, "logits") else out
 
 
@@ -37,10 +44,13 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, T) float32: ``out[:, t] = log p(ids[:, t] | ids[:, :t])``; ``out[:, 0]`` and padding are 0.
 
-    ``temperature`` divides the logits, to match a sampler that used one.
+    ``temperature`` divides the logits, to match a sampler that used one. ``position_ids`` (packed rows,
+    see ``batching.collate_packed``): each sequence is conditioned on itself only, and its first token,
+    which nothing of its own precedes, gets 0 like ``out[:, 0]``.
     """
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -51,7 +61,11 @@ def token_logprobs(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = _logits_of(model, input_ids, attention_mask)
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} must have input_ids' shape {tuple(input_ids.shape)}"
+        )
+    logits = _logits_of(model, input_ids, attention_mask, position_ids)
     batch, length = input_ids.shape
     # logits at t-1 predict the token at t.
     pred, targets = logits[:, :-1], input_ids[:, 1:]
@@ -66,7 +80,31 @@ def token_logprobs(
             pieces.append(_chunk_logprobs(*args))
     first = torch.zeros(batch, 1, dtype=torch.float32, device=input_ids.device)
     out = torch.cat([first, *pieces], dim=1)
+    if position_ids is not None:
+        out = out * (position_ids != 0).to(out.dtype)  # a packed sequence's first token: nothing precedes it
     return out * attention_mask.to(out.dtype)  # padding positions carry no logprob
+
+
+def batch_logprobs(model: Any, batch: TokenBatch, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` of a batch, padded or packed, on the batch's device."""
+    return token_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        position_ids=batch.position_ids,
+    )
+
+
+def target_mask(batch: TokenBatch) -> torch.Tensor:
+    """Trained positions that something precedes: the loss mask without padding, position 0, and (packed)
+    each sequence's first token."""
+    mask = batch.loss_mask.bool() & batch.attention_mask.bool()
+    mask[:, 0] = False
+    if batch.position_ids is not None:
+        mask &= batch.position_ids != 0
+    return mask
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -89,11 +127,10 @@ def sft_loss(
 
     The loss is ``sum(NLL) / n_tokens`` where ``n_tokens`` is this batch's trained-token count, or
     ``n_tokens_total`` when given (gradient accumulation: pass the count over all micro-batches so
-    every token weighs the same). Position 0 is never a target: nothing precedes it.
+    every token weighs the same). Position 0 (and a packed sequence's first token) is never a target: nothing precedes it.
     """
-    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, chunk_size=chunk_size)
-    mask = batch.loss_mask.bool() & batch.attention_mask.bool()
-    mask[:, 0] = False
+    logp = batch_logprobs(model, batch, chunk_size=chunk_size)
+    mask = target_mask(batch)
     nll = -logp
     n_tokens = int(mask.sum())
     denom = n_tokens_total if n_tokens_total is not None else n_tokens

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.batching import bucket_batches, collate
+from rubricem_core.batching import TokenBatch, bucket_batches, collate, collate_packed, pack_batches
 from rubricem_core.config import PolicyConfig, RunConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
 from rubricem_core.faults import fault_point
@@ -182,11 +182,15 @@ def sft_inputs(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[list[int]]]:
-    """optimizer step → its micro-batches (trajectory indices). Epochs reshuffle the buckets with
-    seed + epoch; a fractional epoch count takes a prefix of the last epoch."""
+    """optimizer step → its micro-batches (trajectory indices). Epochs reshuffle the buckets (or packed
+    micro-batches) with seed + epoch; a fractional epoch count takes a prefix of the last epoch."""
     micro: list[list[int]] = []
     for epoch in range(math.ceil(sft.epochs)):
-        batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=derive_seed(seed, SFT_EPOCH, epoch))
+        shuffle = derive_seed(seed, SFT_EPOCH, epoch)
+        if sft.packing:
+            batches = pack_batches(lengths, sft.max_tokens_per_batch, sft.pack_length, shuffle_seed=shuffle)
+        else:
+            batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=shuffle)
         if epoch + 1 > sft.epochs:  # fractional last epoch
             batches = batches[: max(1, int(len(batches) * (sft.epochs - epoch)))]
         micro.extend(batches)
@@ -194,6 +198,13 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
     if sft.max_steps is not None:
         steps = steps[: sft.max_steps]
     return steps
+
+
+def sft_micro_batch(trajs: list[TokenTrajectory], pad_id: int, sft: SFTConfig) -> TokenBatch:
+    """One scheduled micro-batch's tensors: packed rows or a right-padded bucket, as ``step_schedule`` made it."""
+    if sft.packing:
+        return collate_packed(trajs, pad_id, sft.pack_length or sft.max_tokens_per_batch)
+    return collate(trajs, pad_id)
 
 
 def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
@@ -251,8 +262,10 @@ def run_sft(
     metrics: dict[str, float] = {}
     for step in range(trainer.global_step, len(schedule)):
         micro_batches = [
-            collate(
-                [relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx], pad_id
+            sft_micro_batch(
+                [relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx],
+                pad_id,
+                sft,
             )
             for idx in schedule[step]
         ]

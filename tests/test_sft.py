@@ -137,6 +137,25 @@ def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_packed_sft_pads_less_and_resumes_exactly(collected_run, tmp_path):
+    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 4})
+    rows = RunStore(collected_run).read_rows("sft_trajectories")
+    corpus = RunStore(collected_run).read_table("corpus")
+    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
+    packed = cfg.sft.model_copy(update={"packing": True})
+    bucketed = run_sft(base, rows, tmp_path / "bucketed", cfg.policy, cfg.sft, seed=0)
+    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, packed, seed=0)
+    assert straight["padding_fraction"] < bucketed["padding_fraction"]
+    assert straight["padding_fraction"] < 0.05
+    assert run_sft(base, rows, tmp_path / "b", cfg.policy, packed, seed=0, stop_after=2)["stopped_at"] == 2
+    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, packed, seed=0)
+    assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
+    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
 def final_weights(root):
     from safetensors.torch import load_file
 

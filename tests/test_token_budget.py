@@ -203,8 +203,11 @@ def test_show_research_sized_rollouts_and_reflections_batch_under_the_research_b
         assert sorted(i for b in batches for i in b) == list(range(len(trajs)))
         assert all(len(b) * max(len(trajs[i]) for i in b) <= budget for b in batches)
         # what the RL update (and the reflection update) runs: bucket, then collate with the extras
-        plan = update_plan(trajs, UpdateConfig(max_tokens_per_batch=budget))
-        micro = [_micro_batch(dict(enumerate(trajs)), dict(enumerate(advs)), picked, 0) for picked in plan.parts[0]]
+        config = UpdateConfig(max_tokens_per_batch=budget)
+        plan = update_plan(trajs, config)
+        micro = [
+            _micro_batch(dict(enumerate(trajs)), dict(enumerate(advs)), picked, 0, config) for picked in plan.parts[0]
+        ]
         assert plan.weights[0] == [float(b.loss_mask.sum()) for b in micro]  # the plan's weights: the trained tokens
         assert sum(b.batch_size for b in micro) == len(trajs)
         assert all(b.n_padded_tokens <= budget for b in micro)

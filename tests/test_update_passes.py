@@ -273,3 +273,20 @@ def test_a_lora_update_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, s
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
     assert metrics["kl"] == pytest.approx(ref_metrics["kl"], abs=1e-6)
     assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol
+
+
+@pytest.mark.slow
+def test_a_packed_update_on_two_ranks_equals_one_rank_bucketed(ray_cluster, tmp_path):
+    """Packed rows of 60 tokens, two a micro-batch: each rank is given its packed micro-batches' trajectories;
+    the step's loss is the bucketed step's and the weights the one-rank packed run's."""
+    import dist_cases
+
+    packed = {**PPO_UPDATE, "packing": True, "pack_length": 60}
+    _, (bucketed_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE)
+    ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, packed)
+    got = two_rank_ppo(tmp_path, {"trainer": PPO_TRAINER, "update": packed})
+    metrics = got["history"][0]
+    assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == bucketed_metrics["optimizer_steps"] == 4
+    assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
+    assert ref_metrics["loss"] == pytest.approx(bucketed_metrics["loss"], abs=1e-5)
+    assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < 1e-5

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rubricem_core.batching import collate
 from rubricem_core.logprobs import token_logprobs
@@ -29,9 +29,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def tiny_model(seed: int = 0, tie: bool = False) -> Qwen3ForCausalLM:
+def tiny_model(seed: int = 0, tie: bool = False, arch: str = "qwen3") -> Qwen3ForCausalLM | LlamaForCausalLM:
+    """A random 2-layer Qwen3 (or, ``arch="llama"``, the SmolLM2 family's Llama) of the same sizes."""
     torch.manual_seed(seed)
-    config = Qwen3Config(
+    shape = {"config": Qwen3Config, "model": Qwen3ForCausalLM}
+    if arch == "llama":
+        shape = {"config": LlamaConfig, "model": LlamaForCausalLM}
+    config = shape["config"](
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -42,7 +46,7 @@ def tiny_model(seed: int = 0, tie: bool = False) -> Qwen3ForCausalLM:
         max_position_embeddings=128,
         tie_word_embeddings=tie,
     )
-    return Qwen3ForCausalLM(config)
+    return shape["model"](config)
 
 
 def world_tokenizer(world, vocab_size: int = 600):

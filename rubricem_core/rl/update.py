@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rubricem_core.batching import TokenBatch, bucket_batches, collate
+from rubricem_core.batching import TokenBatch, bucket_batches, collate, collate_packed, pack_batches
 from rubricem_core.config import RLConfig
 from rubricem_core.judge.aggregate import stage_reward_rows
-from rubricem_core.logprobs import token_logprobs
+from rubricem_core.logprobs import batch_logprobs
 from rubricem_core.reflection.meta import candidate_advantages, reflection_token_advantages
 from rubricem_core.rl.records import rollout_trajectory
 from rubricem_core.scaffold import STAGES
@@ -47,6 +47,8 @@ class UpdateConfig:
     clip_high: float = 0.2  # ratios above 1 + clip_high (for a > 0) get no gradient
     kl_coef: float = 0.001  # β of the k3 KL to the reference
     max_tokens_per_batch: int = 16384  # padded tokens per micro-batch
+    packing: bool = False  # micro-batches of packed rows instead of length buckets
+    pack_length: int | None = None  # tokens per packed row (None: max_tokens_per_batch)
     minibatches: int = 1  # optimizer steps per pass, each on its share of the trajectories
     epochs: int = 1  # passes over the trajectories (more than one step in all: PPO reuse)
     importance_correction: str = "none"  # "tis": truncated importance weights π_old/π_sampler
@@ -62,6 +64,8 @@ class UpdateConfig:
             clip_high=rl.clip_high,
             kl_coef=rl.kl_coef,
             max_tokens_per_batch=rl.max_tokens_per_batch,
+            packing=rl.packing,
+            pack_length=rl.pack_length,
             minibatches=rl.minibatches,
             epochs=rl.epochs,
             importance_correction=rl.importance_correction,
@@ -174,7 +178,7 @@ def make_loss_fn(config: UpdateConfig):
     """logp → (old: the batch's recomputed logprobs, else these detached) → ratio → clip → aggregate."""
 
     def loss_fn(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=config.temperature)
+        logp = batch_logprobs(model, batch, temperature=config.temperature)
         # One optimizer pass over fresh samples: the old policy is the current one, so its logprobs
         # are ours detached (ratio 1, the plain policy gradient) and no extra forward is needed.
         old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
@@ -211,7 +215,7 @@ def make_loss_fn(config: UpdateConfig):
 def _logprobs_on_model_device(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
     # The reference model may sit on another device than the trainer's batch.
     device = next(model.parameters()).device
-    return token_logprobs(model, batch.input_ids.to(device), batch.attention_mask.to(device), temperature=temperature)
+    return batch_logprobs(model, batch.to(device), temperature=temperature)
 
 
 def old_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
@@ -219,7 +223,7 @@ def old_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) 
     was_training = model.training
     model.eval()
     try:
-        return token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature).float()
+        return batch_logprobs(model, batch, temperature=temperature).float()
     finally:
         model.train(was_training)
 
@@ -293,25 +297,33 @@ def update_plan(trajectories: Sequence[TokenTrajectory], config: UpdateConfig) -
     trained = [float(sum(t.loss_mask)) for t in trajectories]
     parts, weights = [], []
     for idx in minibatch_split(len(trajectories), config.minibatches):
-        micro = [
-            [idx[j] for j in bucket]
-            for bucket in bucket_batches([lengths[i] for i in idx], config.max_tokens_per_batch)
-        ]
+        part = [lengths[i] for i in idx]
+        if config.packing:
+            groups = pack_batches(part, config.max_tokens_per_batch, config.pack_length)
+        else:
+            groups = bucket_batches(part, config.max_tokens_per_batch)
+        micro = [[idx[j] for j in group] for group in groups]
         parts.append(micro)
         weights.append([sum(trained[i] for i in picked) for picked in micro])
     return UpdatePlan(len(trajectories), parts, weights)
 
 
 def _micro_batch(
-    trajectories: Mapping[int, TokenTrajectory], token_advs: Mapping[int, list[float]], picked: list[int], pad_id: int
+    trajectories: Mapping[int, TokenTrajectory],
+    token_advs: Mapping[int, list[float]],
+    picked: list[int],
+    pad_id: int,
+    config: UpdateConfig,
 ) -> TokenBatch | None:
     """One micro-batch, or None when this rank was not given its trajectories (another rank trains it)."""
     if not all(i in trajectories for i in picked):
         return None
     trajs = [trajectories[i] for i in picked]
     # the sampler's logprob on every trained token (NaN where it gave none: no importance weight)
-    sampled = [list(t.logprobs) for t in trajs]
-    return collate(trajs, pad_id, extras={"advantages": [token_advs[i] for i in picked], "sampled_logprobs": sampled})
+    extras = {"advantages": [token_advs[i] for i in picked], "sampled_logprobs": [list(t.logprobs) for t in trajs]}
+    if config.packing:
+        return collate_packed(trajs, pad_id, config.pack_length or config.max_tokens_per_batch, extras=extras)
+    return collate(trajs, pad_id, extras=extras)
 
 
 def ss_grpo_update(
@@ -338,7 +350,9 @@ def ss_grpo_update(
         return {"skipped": 1.0}
     trajs = trajectories if isinstance(trajectories, Mapping) else dict(enumerate(trajectories))
     advs = token_advs if isinstance(token_advs, Mapping) else dict(enumerate(token_advs))
-    parts: list[list[Any]] = [[_micro_batch(trajs, advs, picked, pad_id) for picked in micro] for micro in plan.parts]
+    parts: list[list[Any]] = [
+        [_micro_batch(trajs, advs, picked, pad_id, config) for picked in micro] for micro in plan.parts
+    ]
     weights = plan.weights
     reuse = len(parts) * config.epochs > 1
     if reuse:
