@@ -54,6 +54,25 @@ class TokenBatch:
         return TokenBatch(**moved)
 
 
+def _checked_lengths(trajs: Sequence[Sized | int], limit: int, what: str) -> list[int]:
+    lengths = [t if isinstance(t, int) else len(t) for t in trajs]
+    for index, length in enumerate(lengths):
+        if length == 0:
+            raise ValueError(f"trajectory {index} is empty")
+        if length > limit:
+            raise ValueError(f"trajectory {index} has {length} tokens, more than {what} {limit}")
+    return lengths
+
+
+def _longest_first(lengths: list[int], rng: random.Random | None) -> list[int]:
+    """Indices by length, longest first; ``rng`` shuffles equal-length ties (the sort is stable)."""
+    order = list(range(len(lengths)))
+    if rng is not None:
+        rng.shuffle(order)
+    order.sort(key=lambda i: -lengths[i])
+    return order
+
+
 def bucket_batches(
     trajs: Sequence[Sized | int],
     max_tokens_per_batch: int,
@@ -70,20 +89,9 @@ def bucket_batches(
         raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
     if max_batch_size is not None and max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
-    lengths = [t if isinstance(t, int) else len(t) for t in trajs]
-    for index, length in enumerate(lengths):
-        if length == 0:
-            raise ValueError(f"trajectory {index} is empty")
-        if length > max_tokens_per_batch:
-            raise ValueError(
-                f"trajectory {index} has {length} tokens, more than max_tokens_per_batch {max_tokens_per_batch}"
-            )
+    lengths = _checked_lengths(trajs, max_tokens_per_batch, "max_tokens_per_batch")
     rng = random.Random(shuffle_seed)
-    order = list(range(len(lengths)))
-    if shuffle_seed is not None:
-        rng.shuffle(order)
-    order.sort(key=lambda i: -lengths[i])  # stable: ties keep the shuffled order
-
+    order = _longest_first(lengths, rng if shuffle_seed is not None else None)
     batches: list[list[int]] = []
     current: list[int] = []
     for index in order:
@@ -130,17 +138,9 @@ def pack_batches(
     pack_length = max_tokens_per_batch if pack_length is None else pack_length
     if not 1 <= pack_length <= max_tokens_per_batch:
         raise ValueError(f"pack_length must be in [1, max_tokens_per_batch {max_tokens_per_batch}], got {pack_length}")
-    lengths = [t if isinstance(t, int) else len(t) for t in trajs]
-    for index, length in enumerate(lengths):
-        if length == 0:
-            raise ValueError(f"trajectory {index} is empty")
-        if length > pack_length:
-            raise ValueError(f"trajectory {index} has {length} tokens, more than the pack length {pack_length}")
+    lengths = _checked_lengths(trajs, pack_length, "the pack length")
     rng = random.Random(shuffle_seed)
-    order = list(range(len(lengths)))
-    if shuffle_seed is not None:
-        rng.shuffle(order)
-    order.sort(key=lambda i: -lengths[i])
+    order = _longest_first(lengths, rng if shuffle_seed is not None else None)
     rows: list[list[int]] = []
     room: list[int] = []
     for index in order:  # first fit decreasing: a row's room only shrinks, so next fit rebuilds it
