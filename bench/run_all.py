@@ -131,6 +131,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("soak", quick_args=("--quick",)),
     Script("reflection_validity", quick_args=("--quick",), needs_run_dir=True),
     Script("lora", quick_args=("--quick",)),
+    Script("packing", quick_args=("--quick",), needs_run_dir=True),
 )
 
 
