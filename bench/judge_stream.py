@@ -1,7 +1,7 @@
 """Streaming judge vs batch judge: how long the judging holds a step up after its last rollout.
 
 Rollouts: the transformers engine (a tiny random Qwen3 over the synthetic world, real local tools) with
-forced scaffold traces (tests/fakes/scaffold_writer.py), `--rows` rows decoded at a time so the groups
+forced scaffold traces (rubricem_core/testing/scaffold_writer.py), `--rows` rows decoded at a time so the groups
 end one after another. Judge: an LLM judge over HTTP (a fake OpenAI-compatible server on 127.0.0.1
 answering with the built-in judge's replies after a random latency). The streamed run submits each group
 to a StreamingJudge as it ends; the batch run judges the same groups with judge_step afterwards; both
@@ -37,10 +37,10 @@ from rubricem_core.rl.records import rollout_text  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine  # noqa: E402
 from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.testing.openai_server import FakeOpenAIServer  # noqa: E402
+from rubricem_core.testing.scaffold_writer import ScaffoldWriter, scaffold_requests  # noqa: E402
+from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer  # noqa: E402
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
-from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
-from tests.fakes.scaffold_writer import ScaffoldWriter, scaffold_requests  # noqa: E402
-from tests.tiny_models import tool_policy, world_tokenizer  # noqa: E402
 
 GOAL = 0.5  # streamed judging after the rollouts ≤ half the batch judge's
 

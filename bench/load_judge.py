@@ -1,7 +1,7 @@
 """One judge step against a limiting endpoint: does the concurrent runner finish every judgment, pay
 for few calls beyond those needed, and take about the time the limit allows?
 
-The endpoint is the fake OpenAI-compatible server (tests/fakes/openai_server.py) on 127.0.0.1, in one of
+The endpoint is the fake OpenAI-compatible server (rubricem_core/testing/openai_server.py) on 127.0.0.1, in one of
 two shapes (`--shape`, default both, one after the other):
 - `rate`: a token bucket admits `--rate` calls/s (a burst of one second's worth) and answers the excess 429
   with the time to the next token (`Retry-After`, and `retry-after-ms` as OpenAI sends it); ideal wall time:
@@ -53,8 +53,8 @@ from rubricem_core.llm.concurrent import reset_endpoint_states  # noqa: E402
 from rubricem_core.llm.endpoints import endpoint_settings  # noqa: E402
 from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.testing.openai_server import FakeOpenAIServer, RateLimit  # noqa: E402
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool  # noqa: E402
-from tests.fakes.openai_server import FakeOpenAIServer, RateLimit  # noqa: E402
 
 CALLS_GOAL = 1.05  # calls made per call needed
 WALL_GOAL = 1.3  # wall time per the limit's ideal

@@ -36,8 +36,8 @@ from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.sim.reflection_judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
-from tests.fakes.forced_reflections import forcing_engine  # noqa: E402
-from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
+from rubricem_core.testing.forced_reflections import forcing_engine  # noqa: E402
+from rubricem_core.testing.openai_server import FakeOpenAIServer  # noqa: E402
 
 KEY_ENV = "RUBRICEM_BENCH_REFLECTION_JUDGE_KEY"
 

@@ -55,8 +55,8 @@ from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutE
 from rubricem_core.scaffold import EXAMPLE_TRACE  # noqa: E402
 from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.testing.openai_server import FakeOpenAIServer  # noqa: E402
 from rubricem_core.tools.base import ToolEnv  # noqa: E402
-from tests.fakes.openai_server import FakeOpenAIServer  # noqa: E402
 
 
 class BusyClock:

@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rubricem_core.testing.tiny_models import (
+    PAD,
+    VOCAB,
+    rl_advantages,
+    rl_trajectories,
+    tiny_model,
+    with_sampled_logprobs,
+)
 from rubricem_core.training import TrainerConfig, make_trainer
-from tiny_models import PAD, VOCAB, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 
 
 def lm_batch(i: int, n_seqs: int, seq_len: int = 16) -> dict[str, torch.Tensor]:

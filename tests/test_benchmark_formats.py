@@ -19,7 +19,7 @@ from rubricem_core.eval.run import summarize, ungraded_reason
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.readers import QueryFileError, detect_format, read_queries
 from rubricem_core.sim.grader import register_builtin_grader
-from tests.fakes.openai_server import FakeOpenAIServer
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 
 DATA = Path(__file__).parent / "data" / "benchmarks"
 FILES = {

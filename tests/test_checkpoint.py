@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rubricem_core.testing.tiny_models import VOCAB, tiny_model
 from rubricem_core.training import CheckpointError, TrainerConfig, latest_checkpoint, load_checkpoint, make_trainer
 from rubricem_core.training import checkpoint as ckpt_mod
 from rubricem_core.training.checkpoint import (
@@ -20,7 +21,7 @@ from rubricem_core.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
+from tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 
 def data_for_step(step: int) -> list[dict[str, torch.Tensor]]:

@@ -76,7 +76,7 @@ def test_rejected_rows_say_why(tmp_path):
 
 @pytest.fixture()
 def fake_provider(monkeypatch):
-    from fakes.openai_server import FakeOpenAIServer
+    from rubricem_core.testing.openai_server import FakeOpenAIServer
 
     teacher = ScriptedTeacher(TeacherRates(max_tool_calls=10))
     monkeypatch.setenv("FAKE_PROVIDER_KEY", "sk-fake-test-key")

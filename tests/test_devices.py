@@ -17,10 +17,11 @@ from rubricem_core.policy.loading import auto_device
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams
 from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.torch_trainer import TorchTrainer
-from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)
+from tests.tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]

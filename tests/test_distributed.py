@@ -10,7 +10,7 @@ import torch
 
 import dist_cases
 from rubricem_core.distributed.shard import shard_micro_batches
-from tiny_models import one_thread  # noqa: F401  (autouse)
+from tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 
 # ------------------------------------------------------------------------------------ sharding

@@ -31,8 +31,8 @@ from rubricem_core.reflection.format import guidance_text, parse_reflection
 from rubricem_core.rollout.types import ANSWERED
 from rubricem_core.schemas import Query
 from rubricem_core.sim.grader import register_builtin_grader
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.conftest import shared_file
-from tests.fakes.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-test-fidelity"
 DRB_DIR = "deep_research_bench"

@@ -21,8 +21,8 @@ from rubricem_core.sim.grader import BuiltinGraderError, contains_answer, regist
 from rubricem_core.sim.judge import register_builtin_judge
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sim.world_grader import grade_synthetic
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.conftest import shared_file
-from tests.fakes.openai_server import FakeOpenAIServer
 from tests.test_judge_builtin import answer_rewards, write_traces
 
 API_KEY = "sk-test-grader"

@@ -82,7 +82,7 @@ def _sets(overrides: dict[str, object]) -> list[str]:
 def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
     from prefect.settings import PREFECT_API_URL
 
-    from fakes.openai_server import FakeOpenAIServer
+    from rubricem_core.testing.openai_server import FakeOpenAIServer
 
     # random per test run, so nothing else in the session can contain them by chance
     teacher_key = f"sk-teacher-{secrets.token_hex(16)}"

@@ -29,7 +29,7 @@ from rubricem_core.judge.prompts import (
 )
 from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout, JudgeUsage, Rubric
 from rubricem_core.llm.types import EndpointSettings
-from tests.fakes.openai_server import FakeOpenAIServer
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-judge-test-0123456789"
 QUERY = JudgeQuery(

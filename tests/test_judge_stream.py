@@ -1,7 +1,7 @@
 """The streaming judge ≡ the batch judge, and the engines' per-group hook that feeds it.
 
 Rollouts come from the transformers engine (a tiny random Qwen3 over a synthetic world, real search and
-browse tools) with a forced policy writing traces of three kinds per group (tests/fakes/scaffold_writer.py:
+browse tools) with a forced policy writing traces of three kinds per group (rubricem_core/testing/scaffold_writer.py:
 a grounded answer, a wrong uncited one, free sampling), so the judge has something to tell apart. Each
 query's group is submitted to a ``StreamingJudge`` from ``engine.on_group_done`` while the later groups still sample; the
 same trajectories judged by ``judge_step`` after the last one must give the same judge tables row for
@@ -32,10 +32,11 @@ from rubricem_core.rollout.batch import RowBatch
 from rubricem_core.sim.judge import register_builtin_judge
 from rubricem_core.sim.judge import respond as builtin_judge_reply
 from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.testing.openai_server import FakeOpenAIServer
+from rubricem_core.testing.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
+from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
-from tests.fakes.openai_server import FakeOpenAIServer
-from tests.fakes.scaffold_writer import KINDS, ScaffoldWriter, scaffold_requests
-from tests.tiny_models import one_thread, tool_policy, world_tokenizer  # noqa: F401 (one_thread: autouse)
+from tests.tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 N = KINDS  # rollouts per group: one of each kind
 LAM = get_recipe("ss_grpo").lam()

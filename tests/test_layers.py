@@ -46,7 +46,8 @@ CORE_LAYERS: list[list[str]] = [
     ["rl", "eval"],
     # 8 reports over everything, `rubricem ask` (a checkpoint on one question); the offline stand-ins (sim/: the synthetic world, the scripted teacher,
     # judge and grader, the fake provider, the tiny policy), which the method reaches only through stand_ins
-    ["report", "sim", "ask", "dry_run"],
+    # testing/: the fakes of third-party services and tiny models that tests and benches share
+    ["report", "sim", "ask", "dry_run", "testing"],
 ]
 
 # RunStore(...) / RunLayout(...) constructions in flows/, tasks/ and rubricem_core/ (#35: one RunStore

@@ -11,7 +11,7 @@ import pytest
 from rubricem_core.llm.batch import BatchClient, BatchError, BatchTimeoutError
 from rubricem_core.llm.cost import call_cost
 from rubricem_core.llm.types import ChatRequest, EndpointSettings
-from tests.fakes.openai_server import FakeOpenAIServer
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-batch-test-key"
 

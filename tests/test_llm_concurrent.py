@@ -13,7 +13,7 @@ import pytest
 from rubricem_core.llm.concurrent import arun_concurrent, run_concurrent
 from rubricem_core.llm.types import ChatRequest, EndpointSettings, LLMRequestError
 from rubricem_core.sim.provider import register_completion_provider
-from tests.fakes.openai_server import FakeOpenAIServer
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-test-secret-0123456789"
 

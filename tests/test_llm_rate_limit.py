@@ -17,7 +17,7 @@ from rubricem_core.llm.batch import BatchClient
 from rubricem_core.llm.concurrent import TokenBudget, endpoint_state, estimate_tokens, run_concurrent
 from rubricem_core.llm.types import ChatRequest, EndpointSettings, RetryStats
 from rubricem_core.teacher.endpoint import run_round
-from tests.fakes.openai_server import FakeOpenAIServer, RateLimit
+from rubricem_core.testing.openai_server import FakeOpenAIServer, RateLimit
 from tests.test_llm_concurrent import API_KEY, echo, make_requests, make_settings
 
 

@@ -18,7 +18,7 @@ from rubricem_core.rollout.weight_transfer import ModelWeights
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 from rubricem_core.training import CheckpointError, TrainerConfig, make_trainer
 from rubricem_core.training.adapters import ADAPTER_WEIGHTS, AdapterDisabled, is_adapter_dir, merged_state_dict
-from tests.tiny_models import one_thread  # noqa: F401
+from tests.tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 pytest.importorskip("peft")
 

@@ -25,17 +25,11 @@ from rubricem_core.config import ConfigError, SFTConfig, load_config
 from rubricem_core.logprobs import batch_logprobs, sft_loss
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, update_plan
 from rubricem_core.sft import sft_micro_batch, step_schedule
+from rubricem_core.testing.tiny_models import PAD, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.torch_trainer import TorchTrainer
 from rubricem_core.trajectory import TokenTrajectory
-from tests.tiny_models import (  # noqa: F401 (one_thread: autouse)
-    PAD,
-    one_thread,
-    rl_advantages,
-    rl_trajectories,
-    tiny_model,
-    with_sampled_logprobs,
-)
+from tests.tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 
 def _sequence(n: int) -> TokenTrajectory:

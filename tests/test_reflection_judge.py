@@ -22,7 +22,7 @@ from rubricem_core.reflection.judge import (
     reflection_rows,
 )
 from rubricem_core.sim.reflection_judge import MODEL, builtin_score, register_builtin_reflection_judge
-from tests.fakes.openai_server import FakeOpenAIServer
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 
 API_KEY = "sk-reflect-test-0123456789"
 QUERY = JudgeQuery("q1", "Which was founded earlier, Voralis Labs or Keto Works?")

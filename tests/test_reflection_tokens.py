@@ -16,7 +16,7 @@ from rubricem_core.reflection.meta import candidate_requests
 from rubricem_core.rollout import SamplingParams
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.reflections import reflection_requests
-from tests.tiny_models import world_tokenizer
+from rubricem_core.testing.tiny_models import world_tokenizer
 
 QUESTION = "Which of the two organisations was founded earlier, and in which city?"
 BOUNDS = (64, 128, 512)

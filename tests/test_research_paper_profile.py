@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from rubricem_core.config import ConfigError, load_config
+from rubricem_core.testing.web_search_server import FakeWebSearchServer
 from rubricem_core.tools.registry import build_tools
-from tests.fakes.web_search_server import FakeWebSearchServer
 
 GEMINI_KEY = "AIzaSy-paper-profile-0123456789ab"
 

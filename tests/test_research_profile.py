@@ -17,7 +17,7 @@ API whose organic results are BM25 hits over a synthetic world's corpus, so the 
 through web snippets (W-hash ids) and browses the pages they link to.
 
 The tiny policy after two SFT steps writes no valid reflection, so even reflection candidates are forced
-through the engine's test hook (tests/fakes/forced_reflections.py) to give the reflection judge work.
+through the engine's test hook (rubricem_core/testing/forced_reflections.py) to give the reflection judge work.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from rubricem_core.sim.reflection_judge import respond as builtin_reflection_jud
 from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sql import run_sql
+from rubricem_core.testing.forced_reflections import forcing_engine
+from rubricem_core.testing.openai_server import FakeOpenAIServer
+from rubricem_core.testing.web_search_server import FakeWebSearchServer
 from rubricem_core.tools.cache import ToolCache
-from tests.fakes.forced_reflections import forcing_engine
-from tests.fakes.openai_server import FakeOpenAIServer
-from tests.fakes.web_search_server import FakeWebSearchServer
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 PROFILE = "research-drtulu"

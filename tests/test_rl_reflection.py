@@ -19,7 +19,7 @@ from rubricem_core.reflection.format import parse_reflection, validate_reflectio
 from rubricem_core.reflection.meta import candidate_advantages, pick_source_rollouts
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
-from tests.fakes.forced_reflections import forcing_engine
+from rubricem_core.testing.forced_reflections import forcing_engine
 from tests.test_rl import SMALL, sft_run  # noqa: F401  (module fixture)
 
 REFLECT = {

@@ -22,9 +22,9 @@ from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutE
 from rubricem_core.rollout.vllm_server import ReplicaRouter, VLLMFleet, VLLMServerEngine, call_cost
 from rubricem_core.scaffold import ToolSpec, format_tool_output
 from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.testing.tiny_models import world_tokenizer
 from rubricem_core.tools.base import Tool, ToolEnv, ToolResult
 from rubricem_core.trajectory import TokenTrajectory
-from tests.tiny_models import world_tokenizer
 
 # What the fake policy writes in one call (each ends where vLLM's stop strings would end it).
 FRAGMENTS = (

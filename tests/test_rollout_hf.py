@@ -29,9 +29,9 @@ from rubricem_core.rollout import (
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
 from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, Tool, ToolEnv, ToolResult, ToolSpec
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
-from tests.tiny_models import tool_policy, world_tokenizer
 
 PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
 FINISH = (

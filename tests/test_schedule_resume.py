@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rubricem_core.testing.tiny_models import VOCAB, tiny_model
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
-from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
+from tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 WARMUP, MIN_RATIO, LR = 2, 0.1, 1e-3
 

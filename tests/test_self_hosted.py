@@ -13,8 +13,8 @@ from rubricem_core.config import load_config
 from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import ChatRequest
 from rubricem_core.teacher.endpoint import endpoint_settings, run_round
+from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tasks.secrets import resolve_api_key
-from tests.fakes.openai_server import FakeOpenAIServer
 
 KEY = "self-hosted-test-key"
 SECTIONS = ("teacher", "judge", "reflection.judge", "eval.grader")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from rubricem_core.testing.web_search_server import FakeWebSearchServer
 from rubricem_core.tools.base import ToolError
 from rubricem_core.tools.gemini_search import GeminiGroundedSearchTool
 from rubricem_core.tools.registry import build_tools
 from rubricem_core.tools.web import UrlBook, WebBrowseTool
-from tests.fakes.web_search_server import FakeWebSearchServer
 
 KEY = "AIzaSy-test-key-0123456789abcdef"
 

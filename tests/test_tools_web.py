@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rubricem_core.testing.web_search_server import FakeWebSearchServer
 from rubricem_core.tools import ToolError
 from rubricem_core.tools.cache import ToolCache
 from rubricem_core.tools.registry import build_tools
@@ -20,7 +21,6 @@ from rubricem_core.tools.web import (
     html_to_text,
     url_id,
 )
-from tests.fakes.web_search_server import FakeWebSearchServer
 
 KEY = "sk-test-SECRET-4242"
 LOOPBACK = ["127.0.0.0/8"]  # the fake pages are on this machine: browse refuses loopback unless allowed
@@ -338,7 +338,7 @@ def test_browse_refuses_loopback_private_and_metadata_addresses_unless_allowed()
 
 
 def test_a_page_that_redirects_to_an_internal_address_is_refused_before_anything_reaches_it():
-    from tests.fakes.redirect_server import RecordingServer
+    from rubricem_core.testing.redirect_server import RecordingServer
 
     with RecordingServer("127.0.0.2", body="internal-only metadata") as internal:
         with RecordingServer("127.0.0.1", redirect_to=internal.url("/secret")) as hostile:
@@ -352,7 +352,7 @@ def test_a_page_that_redirects_to_an_internal_address_is_refused_before_anything
 
 
 def test_an_api_key_never_follows_a_redirect_to_another_host(monkeypatch):
-    from tests.fakes.redirect_server import RecordingServer
+    from rubricem_core.testing.redirect_server import RecordingServer
 
     monkeypatch.setenv("SERPER_API_KEY", KEY)
     with RecordingServer("127.0.0.2", body="{}") as elsewhere:
@@ -364,7 +364,7 @@ def test_an_api_key_never_follows_a_redirect_to_another_host(monkeypatch):
 
 
 def test_browse_follows_a_redirect_to_an_allowed_address():
-    from tests.fakes.redirect_server import RecordingServer
+    from rubricem_core.testing.redirect_server import RecordingServer
 
     with RecordingServer("127.0.0.1", body="plain text page") as site:
         with RecordingServer("127.0.0.1", redirect_to=site.url("/moved")) as first:

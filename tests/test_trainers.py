@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rubricem_core.testing.tiny_models import VOCAB, tiny_model
 from rubricem_core.training import TrainerConfig, TrainerConfigError, make_trainer
 from rubricem_core.training.schedule import WarmupCosine, make_scheduler
 from rubricem_core.training.torch_trainer import micro_batch_scales
-from tiny_models import VOCAB, one_thread, tiny_model  # noqa: F401  (one_thread is an autouse fixture)
+from tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 
 def batch(n_seqs: int, seq_len: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -24,16 +24,10 @@ from rubricem_core.rl.update import (
     ss_grpo_update,
 )
 from rubricem_core.ssgrpo import policy_loss
+from rubricem_core.testing.tiny_models import PAD, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.torch_trainer import TorchTrainer
-from tests.tiny_models import (  # noqa: F401 (one_thread: autouse)
-    PAD,
-    one_thread,
-    rl_advantages,
-    rl_trajectories,
-    tiny_model,
-    with_sampled_logprobs,
-)
+from tests.tiny_models import one_thread  # noqa: F401 (an autouse fixture)
 
 
 def _trainer(seed: int = 0, lr: float = 1e-2) -> TorchTrainer:

@@ -1,22 +1,9 @@
-"""Tiny random Qwen3 models, a BPE tokenizer over a small world, and a one-thread fixture, shared by tests."""
+"""The one-thread fixture of tests that train or sample tiny models (rubricem_core.testing.tiny_models)."""
 
 from __future__ import annotations
 
-import math
-import random
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-from rubricem_core.batching import collate
-from rubricem_core.logprobs import token_logprobs
-from rubricem_core.policy.tokenizer import train_bpe_tokenizer
-from rubricem_core.scaffold import EXAMPLE_TRACE
-from rubricem_core.trajectory import TokenTrajectory
-
-VOCAB = 512
-PAD = 0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,76 +14,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def tiny_model(seed: int = 0, tie: bool = False, arch: str = "qwen3") -> Qwen3ForCausalLM | LlamaForCausalLM:
-    """A random 2-layer Qwen3 (or, ``arch="llama"``, the SmolLM2 family's Llama) of the same sizes."""
-    torch.manual_seed(seed)
-    shape = {"config": Qwen3Config, "model": Qwen3ForCausalLM}
-    if arch == "llama":
-        shape = {"config": LlamaConfig, "model": LlamaForCausalLM}
-    config = shape["config"](
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-    )
-    return shape["model"](config)
-
-
-def world_tokenizer(world, vocab_size: int = 600):
-    """A byte-level BPE over a synthetic world's documents and questions and the scaffold's example."""
-    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
-    return train_bpe_tokenizer(texts, vocab_size=vocab_size)
-
-
-def tool_policy(tok, seed: int = 0, attn: str = "sdpa", max_positions: int = 4096) -> Qwen3ForCausalLM:
-    """A tiny random Qwen3 (eval mode) sized to ``tok``, for rollout-engine tests with real tools."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    config._attn_implementation = attn
-    return Qwen3ForCausalLM(config).eval()
-
-
-# ---- trajectories for update tests: random ids, stages 0..3, a prompt and a tool output untrained
-def rl_trajectories(n: int = 6, seed: int = 3) -> list[TokenTrajectory]:
-    """Prompt tokens (untrained), then policy tokens of stages 0..3, some tool output in between."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = rng.randint(20, 40)
-        ids = [rng.randrange(1, VOCAB) for _ in range(length)]
-        mask = [0] * 5 + [1 if not 15 <= t < 19 else 0 for t in range(5, length)]
-        stages = [-1] * 5 + [min(3, (t - 5) * 4 // (length - 5)) for t in range(5, length)]
-        out.append(TokenTrajectory(ids, mask, stages, [math.nan] * length, n_tool_calls=i % 2))
-    return out
-
-
-def rl_advantages(trajs: list[TokenTrajectory]) -> list[list[float]]:
-    return [[(0.5 + i / 4) * (1 if i % 2 else -1) * m for m in t.loss_mask] for i, t in enumerate(trajs)]
-
-
-def with_sampled_logprobs(trajs: list[TokenTrajectory], model: torch.nn.Module, shift: float = 0.0) -> None:
-    """The sampler's logprobs: the model's own (an on-policy engine), shifted by ``shift`` per token."""
-    batch = collate(trajs, PAD)
-    with torch.no_grad():
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask)
-    for row, t in enumerate(trajs):
-        t.logprobs = [float(logp[row, j]) + shift if m else math.nan for j, m in enumerate(t.loss_mask)]

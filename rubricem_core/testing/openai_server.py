@@ -194,7 +194,7 @@ class FakeOpenAIServer:
         if self._httpd is None:
             raise RuntimeError("FakeOpenAIServer is not running; use it as a context manager or call start()")
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://{host!s}:{port}/v1"
 
     def start(self) -> FakeOpenAIServer:
         handler = _make_handler(self)
@@ -266,7 +266,7 @@ class FakeOpenAIServer:
         if limit is None:
             return None
         now = time.monotonic()
-        assert limit.burst is not None
+        assert limit.burst is not None and self._tokens is not None
         self._tokens = min(limit.burst, self._tokens + (now - self._tokens_at) * limit.per_second)
         self._tokens_at = now
         if self._tokens >= 1.0:
@@ -606,7 +606,8 @@ def _parse_multipart(content_type: str, raw: bytes) -> dict[str, tuple[str | Non
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if name:
-            fields[str(name)] = (part.get_filename(), part.get_payload(decode=True) or b"")
+            payload = part.get_payload(decode=True)
+            fields[str(name)] = (part.get_filename(), payload if isinstance(payload, bytes) else b"")
     return fields
 
 

@@ -23,7 +23,7 @@ class RecordingServer:
 
     def url(self, path: str = "/") -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}{path}"
+        return f"http://{host!s}:{port}{path}"
 
     def __enter__(self) -> RecordingServer:
         self._thread.start()
