@@ -111,7 +111,7 @@ def render_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from `rubricem_core/config.py` by `make docs`: every field of `RunConfig`, as "
+        "Generated from `rubricem_core/config/` by `make docs`: every field of `RunConfig`, as "
         "`--set` and a profile's YAML name it. Profiles (`data/profiles/*.yaml`) change some defaults; "
         "`<run_dir>/config.yaml` holds a run's resolved values. How the sections fit together: "
         "[Configuration](../configuration.md).",

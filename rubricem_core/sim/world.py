@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from rubricem_core.config import WorldConfig  # the profile's section; config.py owns every section
+from rubricem_core.config import WorldConfig  # the profile's section; config/ owns every section
 from rubricem_core.schemas import CORPUS_SCHEMA, Query, queries_to_table
 
 

@@ -1,6 +1,6 @@
 """The trainers' config: the ``sft``/``rl`` sections' TrainerSettings plus the run's own numbers.
 
-TrainerSettings (rubricem_core/config.py) declares every setting a user sets in a training section
+TrainerSettings (rubricem_core/config/) declares every setting a user sets in a training section
 (backend, ZeRO stage, precision, offload, lr, warm-up, ...); TrainerConfig adds what the run derives
 (total steps, seed) or only code sets (AdamW betas/eps, device, DeepSpeed overrides), so SFT and RL build
 it with ``TrainerConfig.from_settings(section, total_steps=..., seed=...)`` and both backends read the
