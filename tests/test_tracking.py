@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from rubricem_core.config import ConfigError, TrackingConfig, config_to_yaml, load_config
+from rubricem_core.redact import is_secret_name
 from rubricem_core.sql import run_sql
 from rubricem_core.tracking import (
     HEADLINE_KEYS,
     Tracker,
     TrackingError,
     flatten_params,
-    is_secret_name,
     mlflow_ui_command,
     mlflow_ui_url,
     ui_base,

@@ -1,40 +1,5 @@
-"""MLflow tracking for one pipeline run directory: a parent run per run dir, a child run per stage attempt.
-
-By default everything lives inside the run dir (``mlflow/mlflow.db`` SQLite store,
-``mlflow/artifacts``), so a run directory is self-contained and can be inspected with ``mlflow ui``;
-``tracking.uri`` sends it to any MLflow tracking server instead (runs of many run dirs compared in
-one UI; artifacts go where the server keeps them). Rules:
-
-* **Run ids** are persisted in ``state/mlflow_parent.json`` (parent id, the current child id per flow,
-  the store they live in and the absolute run-dir path the store was written for).
-* **One run per attempt, one history per stage.** Every run of a flow (a first run, a retry, a rerun
-  with nothing left to do) is a new child run ``"<flow>"``, ``"<flow> · attempt N"`` under the same
-  parent, tagged ``rubricem.flow``, ``rubricem.attempt``, ``rubricem.retry_of`` and
-  ``rubricem.current`` (``true`` on the newest attempt only). So each attempt's params, Prefect link,
-  status and duration are its own. Steps keep their numbers across attempts, and an attempt carries
-  the earlier attempts' points forward (from the ``metrics`` table, with their original timestamps):
-  before its first point of a metric, those at lower steps; when it ends, every step it did not log
-  itself. The current attempt's chart is thus the stage's whole series (RL steps 0–7 over a crash
-  after step 4), equal to the ``metrics`` table; an older attempt keeps what it logged. A previous
-  attempt still RUNNING is marked FAILED (its process crashed), unless this process runs it.
-* **Parent run.** Named after the run dir, tagged ``rubricem.run_dir``; it follows its stages'
-  status, holds the headline settings of ``config.yaml`` as params (:data:`HEADLINE_KEYS`; MLflow
-  params cannot change, so a later change is listed in the ``rubricem.params_changed`` tag) and the
-  evaluation scores as metrics (:meth:`Tracker.log_parent_metrics`, step = checkpoint updates).
-* **Moved or copied run dirs.** MLflow stores absolute artifact locations. When the local store is
-  opened from another path than the one recorded, the stored locations under the old
-  ``<run_dir>/mlflow/artifacts`` are rewritten to this directory's (one SQLite transaction, under
-  the state-file lock, before any MLflow call), so a copy reads and writes its own artifacts. On a
-  tracking server a copy (the recorded directory still exists) gets a parent run of its own; a moved
-  directory keeps its runs.
-* **UI view.** The experiment is tagged ``mlflow.experimentKind=custom_model_development`` (the tag
-  MLflow 3's kind selector writes); MLflow 3.17's UI picks the view from its ``workflowType``
-  switch instead, so every link (:func:`mlflow_ui_url`) ends in ``?workflowType=machine_learning``.
-* **Threads.** All calls go through ``MlflowClient`` with explicit run ids: the global active-run
-  stack of ``mlflow.start_run`` is per-thread state that concurrent Prefect tasks would trample.
-* **Metrics** are mirrored into the ``metrics`` Parquet table for SQL, one file per (flow, step,
-  metric names): a step logged again by a retry replaces its rows, ``run_id`` names the attempt.
-"""
+"""The run directory's MLflow runs: the `Tracker` (its parent run, one child run per stage attempt, the model
+registry) and a stage attempt's `ChildRun` (params, metrics mirrored to the `metrics` table, artifacts, status)."""
 
 from __future__ import annotations
 
@@ -43,23 +8,18 @@ import fcntl
 import json
 import logging
 import os
-import re
-import shlex
-import sqlite3
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rubricem_core.layout import TRACKING_STATE_FILE, RunLayout
-from rubricem_core.offline import OFFLINE_DEFAULTS, apply_offline_defaults
-from rubricem_core.redact import is_secret_name, redact_text
+from rubricem_core.layout import RunLayout
+from rubricem_core.offline import apply_offline_defaults
 from rubricem_core.schemas import METRICS_SCHEMA
 from rubricem_core.store import RunStore, StoreError, atomic_write_text, read_parquet_file
 
@@ -67,305 +27,43 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
+from rubricem_core.tracking.links import (
+    ATTEMPT_TAG,
+    CURRENT_TAG,
+    EXPERIMENT_KIND_TAG,
+    FLOW_TAG,
+    HEADLINE_KEYS,
+    LOCAL_STORE,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VALUE_CHARS,
+    MAX_PARAMS_PER_BATCH,
+    MAX_TAG_VALUE_CHARS,
+    MODEL_TRAINING_KIND,
+    PARAMS_CHANGED_TAG,
+    RETRY_OF_TAG,
+    RUN_DIR_TAG,
+    STATE_FILE,
+    TrackingError,
+    flatten_params,
+    is_local_store,
+    mlflow_ui_url,
+    ui_base,
+)
+from rubricem_core.tracking.relocate import _artifact_root, _forget_foreign_artifact_repos, relocate_store
+from rubricem_core.tracking.values import (
+    _attempt_of,
+    _claim_live,
+    _clean_key,
+    _clip,
+    _is_live,
+    _param_text,
+    _refuse_secrets,
+    _release_live,
+    _retry,
+    _safe_part_name,
+)
+
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# MLflow's documented limits (mlflow.utils.validation); kept here so importing this module stays cheap
-MAX_PARAM_VALUE_CHARS = 6000
-MAX_TAG_VALUE_CHARS = 8000
-MAX_KEY_CHARS = 250
-MAX_PARAMS_PER_BATCH = 100
-MAX_METRICS_PER_BATCH = 1000
-
-STATE_FILE = TRACKING_STATE_FILE  # state/<this>: the run directory's parent run and its children
-# MLflow 3's UI reads this experiment tag to pick the experiment's view (its kind selector writes it)
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-MODEL_TRAINING_KIND = "custom_model_development"
-FLOW_TAG = "rubricem.flow"
-ATTEMPT_TAG = "rubricem.attempt"
-RETRY_OF_TAG = "rubricem.retry_of"
-CURRENT_TAG = "rubricem.current"  # "true" on a stage's newest attempt, "false" on the ones before
-RUN_DIR_TAG = "rubricem.run_dir"
-PARAMS_CHANGED_TAG = "rubricem.params_changed"
-DEFAULT_UI = "http://127.0.0.1:5000"
-UI_URL_ENV = "MLFLOW_UI_URL"  # where `mlflow ui` serves a run dir's store (a tracking server serves its own)
-MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # MLflow 3.17's UI view switch, as a URL parameter
-LOCAL_STORE = "local"  # the state file's name for the run directory's own SQLite store
-# config.yaml settings the parent run carries as params: enough to tell runs apart in one experiment
-HEADLINE_KEYS = (
-    "profile",
-    "seed",
-    "policy.name_or_path",
-    "teacher.model",
-    "judge.model",
-    "sft.epochs",
-    "rl.recipe",
-    "rl.window",
-    "rl.n_windows",
-    "rl.queries_per_step",
-    "rollout.engine",
-    "eval.benchmarks",
-    "eval.retrieval",
-)
-# (table, column, extra condition) holding absolute artifact locations in MLflow's SQLite schema
-_LOCATION_COLUMNS = (
-    ("experiments", "artifact_location", ""),
-    ("runs", "artifact_uri", ""),
-    ("logged_models", "artifact_location", ""),
-    ("trace_tags", "value", "key = 'mlflow.artifactLocation' AND "),
-)
-_KEY_CHARS = re.compile(r"[^\w\-. /:]")  # MLflow accepts alphanumerics, _ - . space / :
-
-
-class TrackingError(RuntimeError):
-    """MLflow state of a run directory is unusable (corrupt state file, unreachable store)."""
-
-
-# ---- links: every MLflow address the project prints or publishes is built here ------------------
-def is_local_store(uri: str | None) -> bool:
-    """True for the run directory's own store (``tracking.uri`` empty)."""
-    return not (uri or "").strip()
-
-
-def ui_base(tracking_uri: str | None = None) -> str:
-    """The MLflow UI's address: a tracking server (http/https) serves its own; for the run dir's store
-    it is where ``mlflow ui`` listens (``MLFLOW_UI_URL``, default http://127.0.0.1:5000)."""
-    uri = (tracking_uri or "").strip()
-    if os.environ.get(UI_URL_ENV):
-        return os.environ[UI_URL_ENV].rstrip("/")
-    if uri.startswith(("http://", "https://")):
-        return uri.rstrip("/")
-    return DEFAULT_UI
-
-
-def mlflow_ui_url(base: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
-    """A page of the MLflow UI at ``base`` opened in the model-training view: the experiments list, an
-    experiment's runs, or one run. MLflow 3.17 picks GenAI or model training by its ``workflowType``
-    switch (this URL parameter, else the browser's last choice), not by the experiment's kind tag."""
-    if run_id and not experiment_id:
-        raise ValueError("a run's MLflow link needs its experiment id")
-    page = "#/experiments"
-    if experiment_id:
-        page += f"/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
-    return f"{base.rstrip('/')}/{page}?{MODEL_TRAINING_VIEW}"
-
-
-def mlflow_ui_command(store_uri: str, mlflow: str = "mlflow") -> str:
-    """The shell command that serves a run dir's store (``sqlite:///…/mlflow.db``) with ``mlflow ui``,
-    offline: the UI imports litellm, which downloads its cost map unless told not to, and MLflow sends
-    telemetry."""
-    env = " ".join(f"{k}={OFFLINE_DEFAULTS[k]}" for k in ("LITELLM_LOCAL_MODEL_COST_MAP", "MLFLOW_DISABLE_TELEMETRY"))
-    return f"{env} {mlflow} ui --backend-store-uri {shlex.quote(store_uri)}"
-
-
-def configured_uri(run_dir: str | os.PathLike[str]) -> str:
-    """``tracking.uri`` of the run directory's ``config.yaml`` ("" for its own store, or no config)."""
-    path = RunLayout(run_dir).config_file
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return ""
-    tracking = raw.get("tracking") if isinstance(raw, dict) else None
-    uri = tracking.get("uri") if isinstance(tracking, dict) else None
-    return uri.strip() if isinstance(uri, str) else ""
-
-
-def ui_instructions(run_dir: str | os.PathLike[str], mlflow: str = "mlflow") -> str:
-    """How to look at a run directory's MLflow runs: start ``mlflow ui`` on its store, then the link;
-    on a tracking server, the link alone."""
-    uri = configured_uri(run_dir)
-    link = mlflow_ui_url(ui_base(uri))
-    if not is_local_store(uri):
-        return f"open {link} (tracking server {uri})"
-    db = RunLayout(Path(run_dir).expanduser().resolve()).mlflow_db
-    return f"{mlflow_ui_command(f'sqlite:///{db}', mlflow)}\n(then open {link})"
-
-
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts become dotted keys: ``{"rl": {"lr": 1e-6}}`` → ``{"rl.lr": 1e-6}``."""
-    flat: dict[str, Any] = {}
-    for key, value in params.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_params(value, prefix=f"{name}."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _param_text(value: Any) -> str:
-    """A param or tag value as MLflow stores it, credentials of any URL in it masked."""
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, (list, tuple, dict)):
-        try:
-            return redact_text(json.dumps(value, sort_keys=True, default=str))
-        except (TypeError, ValueError):
-            return redact_text(str(value))
-    return str(value)
-
-
-def _clean_key(name: str, kind: str) -> str:
-    key = _KEY_CHARS.sub("_", str(name)).strip()
-    if not key:
-        raise ValueError(f"{kind} name {name!r} is empty")
-    if len(key) > MAX_KEY_CHARS:
-        raise ValueError(f"{kind} name {name[:60]!r}… is longer than MLflow's {MAX_KEY_CHARS} characters")
-    return key
-
-
-def _refuse_secrets(names: list[str], kind: str) -> None:
-    secret = [n for n in names if is_secret_name(n)]
-    if secret:
-        raise ValueError(
-            f"refusing to log {kind} {secret}: the name looks like a secret (key/token/secret/password); "
-            "secrets come from the environment and are never tracked"
-        )
-
-
-def _is_locked_error(exc: Exception) -> bool:
-    return "database is locked" in str(exc).lower() or "database table is locked" in str(exc).lower()
-
-
-def _retry(fn: Callable[..., T], *args: Any, attempts: int = 10, **kwargs: Any) -> T:
-    """SQLite allows one writer; concurrent tasks get "database is locked" and simply try again."""
-    delay = 0.05
-    for attempt in range(attempts):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            if not _is_locked_error(exc) or attempt == attempts - 1:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-    raise AssertionError("unreachable")
-
-
-def _safe_part_name(flow: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_\-]+", "_", flow).strip("_") or "flow"
-
-
-_LIVE_RUNS: Counter[str] = Counter()  # child runs inside a child_run() block of this process
-_LIVE_LOCK = threading.Lock()
-
-
-def _claim_live(run_id: str) -> None:
-    """Marks ``run_id`` as run by this process, so its RUNNING status is not taken for a crash."""
-    with _LIVE_LOCK:
-        _LIVE_RUNS[run_id] += 1
-
-
-def _release_live(run_id: str) -> None:
-    with _LIVE_LOCK:
-        _LIVE_RUNS[run_id] -= 1
-        if _LIVE_RUNS[run_id] <= 0:
-            del _LIVE_RUNS[run_id]
-
-
-def _is_live(run_id: str) -> bool:
-    with _LIVE_LOCK:
-        return _LIVE_RUNS[run_id] > 0
-
-
-def _attempt_of(run: Run) -> int:
-    try:
-        return max(1, int(run.data.tags.get(ATTEMPT_TAG, "1")))
-    except ValueError:
-        return 1
-
-
-def _artifact_root(run_dir: str | os.PathLike[str]) -> str:
-    return RunLayout(run_dir).mlflow_artifacts_dir.as_uri()
-
-
-def _tables(conn: sqlite3.Connection) -> set[str]:
-    return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-
-
-def _stored_roots(conn: sqlite3.Connection) -> set[str]:
-    """Artifact roots (``file://…/mlflow/artifacts``) of the run-dir paths the experiments were made in."""
-    rows = conn.execute("SELECT artifact_location FROM experiments").fetchall()
-    return {
-        loc
-        for (loc,) in rows
-        if isinstance(loc, str) and loc.startswith("file://") and loc.endswith("/mlflow/artifacts")
-    }
-
-
-def _rewrite_prefix(conn: sqlite3.Connection, tables: set[str], old: str, new: str) -> int:
-    """Replace the prefix ``old`` (a whole path component) by ``new`` in every stored location."""
-    changed = 0
-    for table, column, condition in _LOCATION_COLUMNS:
-        if table in tables:
-            cursor = conn.execute(
-                f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
-                f"WHERE {condition}({column} = ? OR substr({column}, 1, ?) = ?)",
-                (new, len(old) + 1, old, len(old) + 1, old + "/"),
-            )
-            changed += cursor.rowcount
-    return changed
-
-
-def relocate_store(db: Path, run_dir: Path, recorded_run_dir: str | None = None) -> list[str]:
-    """Point the artifact locations of the SQLite store ``db`` at ``run_dir``'s ``mlflow/artifacts``.
-
-    MLflow stores absolute locations, so a copied or moved run dir would otherwise read and write
-    the original's artifacts. Old roots are those of the experiments plus ``recorded_run_dir``'s;
-    everything changes in one transaction. Returns the old roots that were rewritten.
-    """
-    own = _artifact_root(run_dir)
-    conn = sqlite3.connect(db, timeout=60, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            tables = _tables(conn)
-            old = _stored_roots(conn) if "experiments" in tables else set()
-            if recorded_run_dir:
-                old.add(_artifact_root(recorded_run_dir))
-            old.discard(own)
-            moved = [root for root in sorted(old) if _rewrite_prefix(conn, tables, root, own)]
-            if moved and "tags" in tables:
-                conn.execute(
-                    "UPDATE tags SET value = ? WHERE key = ? AND value != ?", (str(run_dir), RUN_DIR_TAG, str(run_dir))
-                )
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-    except sqlite3.Error as exc:
-        raise TrackingError(f"cannot update the artifact locations in {db}: {exc}") from exc
-    finally:
-        conn.close()
-    return moved
-
-
-def _forget_foreign_artifact_repos(own_root: str) -> None:
-    """Drop MLflow's cached artifact repositories that point into another run dir's artifacts.
-
-    MLflow caches them per run id for the whole process, whatever the store; a copied run dir has
-    the original's run ids, so a process that touched both would send the copy's artifact reads
-    and writes to the original (or, after a move, recreate the old path).
-    """
-    try:
-        from mlflow.tracking._tracking_service import utils as service_utils
-
-        cache = service_utils._artifact_repos_cache
-        entries = list(cache.items())
-    except (ImportError, AttributeError, RuntimeError):
-        return
-    for resource_id, repo in entries:
-        uri = getattr(repo, "artifact_uri", None)
-        if (
-            isinstance(uri, str)
-            and uri.startswith("file://")
-            and "/mlflow/artifacts/" in uri
-            and not uri.startswith(own_root + "/")
-        ):
-            cache.pop(resource_id, None)
 
 
 class ChildRun:
