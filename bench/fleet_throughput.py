@@ -47,7 +47,8 @@ from run_all import figure_line  # noqa: E402
 
 from rubricem_core.rollout import SamplingParams  # noqa: E402
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample  # noqa: E402
-from rubricem_core.rollout.vllm_server import VLLMFleet, VLLMServer, start_fleet  # noqa: E402
+from rubricem_core.rollout.vllm_fleet import VLLMFleet, start_fleet  # noqa: E402
+from rubricem_core.rollout.vllm_server import VLLMServer  # noqa: E402
 from rubricem_core.rollout.weight_transfer import WeightPusher  # noqa: E402
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402

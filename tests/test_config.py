@@ -307,7 +307,7 @@ def test_fleet_settings_are_checked_when_the_config_loads(overrides, message):
 
 
 def test_fleet_settings_load_where_they_fit():
-    from rubricem_core.rollout.vllm_server import split_devices
+    from rubricem_core.rollout.vllm_fleet import split_devices
 
     cfg = load_config(
         "tiny",

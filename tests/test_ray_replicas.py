@@ -20,7 +20,8 @@ import pytest
 
 from rubricem_core.config import DistributedConfig, RolloutConfig
 from rubricem_core.rollout import RolloutError, RolloutRequest, SamplingParams
-from rubricem_core.rollout.vllm_server import VLLMServerEngine, start_fleet
+from rubricem_core.rollout.vllm_fleet import start_fleet
+from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 from rubricem_core.tools import LocalSearchTool, ToolEnv
 from tests.test_rollout_vllm import _assert_same, _flat, _prompt, model_dir, tok, world  # noqa: F401  (its module fixtures: the same tiny policy)
 

@@ -19,7 +19,8 @@ import pytest
 
 from rubricem_core.rollout import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
-from rubricem_core.rollout.vllm_server import ReplicaRouter, VLLMFleet, VLLMServerEngine, call_cost
+from rubricem_core.rollout.vllm_fleet import ReplicaRouter, VLLMFleet, call_cost
+from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 from rubricem_core.scaffold import ToolSpec, format_tool_output
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.testing.tiny_models import world_tokenizer

@@ -621,7 +621,7 @@ def test_vllm_server_samples_the_pushed_weights(model_dir, model, tok, env, worl
     """`vllm serve` in its own process: its sampling logprobs equal a transformers recompute, before and
     after new weights are pushed from a checkpoint directory (a tied-embedding model: the lm_head too)."""
     pytest.importorskip("vllm")
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
     server = _cpu_server(model_dir, tmp_path)
     engine = VLLMServerEngine(server, tok, max_model_len=2048)
@@ -650,7 +650,7 @@ def test_vllm_server_samples_weights_pushed_over_gloo(model_dir, model, tok, env
     moves it again; a model whose parameters do not fit the server's fails the push with the server's
     answer (not after the transfer group's timeout)."""
     pytest.importorskip("vllm")
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
     from rubricem_core.rollout.weight_transfer import WeightPusher, WeightTransferError
 
     start = model_dir
@@ -705,7 +705,8 @@ def test_vllm_server_samples_each_loaded_lora_adapter_as_the_merged_weights(
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
     from rubricem_core.config import LoraSettings
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine, lora_server_args
+    from rubricem_core.rollout.vllm_server import lora_server_args
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
     from rubricem_core.training.adapters import add_adapter, merged_state_dict, write_adapter
 
     args, lora_env = lora_server_args(8)
@@ -767,7 +768,7 @@ class _Trainer:
 def fleet(model_dir, tmp_path_factory):
     """Two CPU `vllm serve` replicas of the tiny policy, with the gloo weight-transfer backend."""
     pytest.importorskip("vllm")
-    from rubricem_core.rollout.vllm_server import start_fleet
+    from rubricem_core.rollout.vllm_fleet import start_fleet
 
     fleet = start_fleet(
         model_dir,
@@ -803,7 +804,8 @@ def test_vllm_fleet_async_rows_and_two_replicas_equal_lockstep_on_one_and_a_push
     """(a) rows that never wait ≡ lockstep, with tool calls that sleep 0-0.3 s; (b) two replicas ≡ one,
     token for token; (c) one gloo push (one transfer group over both replicas' workers) reaches both:
     each replica then samples with exactly the pushed weights."""
-    from rubricem_core.rollout.vllm_server import VLLMFleet, VLLMServerEngine
+    from rubricem_core.rollout.vllm_fleet import VLLMFleet
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
     sleepy = ToolEnv({name: _SleepyTools(tool) for name, tool in env.tools.items()}, max_calls=4)
     requests = _fleet_requests(tok, world)
@@ -851,7 +853,7 @@ def test_vllm_fleet_async_rows_and_two_replicas_equal_lockstep_on_one_and_a_push
 def test_vllm_fleet_replica_killed_mid_batch_has_its_rows_resent(fleet, model, tok, env, world):
     """A replica whose process dies mid-batch: its calls go to the survivor and the batch's trajectories
     are those the whole fleet gives; the next push reaches the survivor alone (a new transfer group)."""
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
     engine = VLLMServerEngine(fleet, tok, max_model_len=2048)
     requests = _fleet_requests(tok, world)

@@ -53,7 +53,7 @@ from rubricem_core.ssgrpo import as_lambda
 from rubricem_core.store import RunStore, atomic_write_text
 
 if TYPE_CHECKING:
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from rubricem_core.rollout.types import RolloutError, StreamingRolloutEngine
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
 ENGINES = ("hf", "vllm", "vllm_server")
 
@@ -114,7 +114,9 @@ def fleet_engine(
     sampled with ``rollout.schedule`` (default async). ``push``: the replicas join the trainer's weight
     transfer (``rollout.weight_transfer`` nccl|gloo) and can sleep beside a colocated trainer; without it they
     serve ``model_dir``'s weights (evaluation), or reload checkpoints (``weight_transfer: checkpoint``)."""
-    from rubricem_core.rollout.vllm_server import VLLMServerEngine, lora_server_args, start_fleet
+    from rubricem_core.rollout.vllm_fleet import start_fleet
+    from rubricem_core.rollout.vllm_server import lora_server_args
+    from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 
     r = cfg.rollout
     python = r.server_python or sys.executable

@@ -43,7 +43,8 @@ from typing import Any
 import httpx
 
 from rubricem_core.rollout.types import RolloutError
-from rubricem_core.rollout.vllm_server import ServerClient, ServerProcess, VLLMFleet, replica_log
+from rubricem_core.rollout.vllm_fleet import VLLMFleet, replica_log
+from rubricem_core.rollout.vllm_server import ServerClient, ServerProcess
 
 log = logging.getLogger(__name__)
 PLACEMENT_STRATEGY = "PACK"
