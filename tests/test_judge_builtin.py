@@ -18,13 +18,13 @@ from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.sim.judge import (
     BuiltinJudgeError,
     Context,
-    TraceView,
     parse_prompt,
     register_builtin_judge,
     respond,
     score_rubric,
 )
 from rubricem_core.sim.teacher import register_builtin_teacher
+from rubricem_core.sim.trace_view import TraceView
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
 from rubricem_core.tools.base import ToolEnv

@@ -1,7 +1,8 @@
 """The offline stand-ins live in rubricem_core/sim/ and the method reaches them only by name.
 
-- no module of rubricem_core outside sim/ imports rubricem_core.sim (statically, or by a module-name
-  string for importlib) except the one lazy door, rubricem_core/stand_ins.py;
+- no module of the method (rubricem_core outside sim/ and testing/, the fakes tests and benches share) imports
+  rubricem_core.sim (statically, or by a module-name string for importlib) except the one lazy door,
+  rubricem_core/stand_ins.py;
 - every name in the table resolves, and every stand-in a profile names is in the table;
 - asking for one stand-in imports its own module and no other.
 """
@@ -28,7 +29,8 @@ DOOR = CORE / "stand_ins.py"
 
 
 def _method_modules() -> list[Path]:
-    return [p for p in sorted(CORE.rglob("*.py")) if (CORE / "sim") not in p.parents]
+    outside = (CORE / "sim", CORE / "testing")
+    return [p for p in sorted(CORE.rglob("*.py")) if not any(d in p.parents for d in outside)]
 
 
 def _imported_modules(tree: ast.AST) -> set[str]:

@@ -170,7 +170,8 @@ def test_teacher_reflection_of_a_question_outside_the_world():
 
 
 def test_the_terse_style_keeps_every_tag_fact_and_source_in_fewer_words(world, tools):
-    from rubricem_core.sim.judge import Context, TraceView, score_rubric
+    from rubricem_core.sim.judge import Context, score_rubric
+    from rubricem_core.sim.trace_view import TraceView
 
     queries, full = collect(world, tools)
     _, terse = collect(world, tools, style="terse")

@@ -29,8 +29,9 @@ from typing import Any
 
 from rubricem_core.eval.prompts import ANSWER_SET_KIND, CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
-from rubricem_core.sim.judge import Context, TraceView, score_rubric
+from rubricem_core.sim.judge import Context, score_rubric
 from rubricem_core.sim.provider import message_text, register_completion_provider
+from rubricem_core.sim.trace_view import TraceView
 
 PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"

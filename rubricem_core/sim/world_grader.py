@@ -19,7 +19,8 @@ from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.scaffold import STAGE_IDS, extract_citations, validate
 from rubricem_core.schemas import Query
-from rubricem_core.sim.judge import Context, TraceView, score_rubric
+from rubricem_core.sim.judge import Context, score_rubric
+from rubricem_core.sim.trace_view import TraceView
 
 
 def citation_grounding(text: str) -> dict[str, Any]:
