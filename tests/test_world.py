@@ -13,7 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from rubricem_core.schemas import CORPUS_SCHEMA, QUERIES_SCHEMA, queries_from_table
-from rubricem_core.sim.world import Fact, WorldConfig, generate_world, read_facts
+from rubricem_core.sim.facts import Fact, read_facts
+from rubricem_core.sim.world import WorldConfig, generate_world
 
 
 @pytest.fixture(scope="module")

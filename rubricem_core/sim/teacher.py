@@ -22,8 +22,8 @@ from rubricem_core.config import TeacherConfig
 from rubricem_core.reflection.format import REFLECTION_SYSTEM, Reflection
 from rubricem_core.scaffold import extract_tool_calls
 from rubricem_core.seeds import TEACHER_TURN, derive_seed
+from rubricem_core.sim.facts import read_facts
 from rubricem_core.sim.provider import message_text, register_completion_provider
-from rubricem_core.sim.world import read_facts
 
 PROVIDER = "rubricem-teacher"
 

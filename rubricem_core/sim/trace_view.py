@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from rubricem_core.scaffold import STAGES, extract_citations, extract_plan, parse_segments, strip_tags
-from rubricem_core.sim.world import Fact, read_facts
+from rubricem_core.sim.facts import Fact, read_facts
 
 _SNIPPET = re.compile(r'<snippet id="([^"]+)">(.*?)</snippet>', re.S)
 _TITLE_PREFIX = re.compile(r"^[^.:<>]{1,80}:\s+")  # search snippets read "Title: text"
