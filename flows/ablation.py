@@ -23,7 +23,7 @@ from flows.common import RUN_HOOKS, Profile, resolve_config, writes_run_dir
 from flows.evaluate import evaluate
 from flows.rl import rl
 from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, ablation_rows, final_rows
-from rubricem_core.eval.run import checkpoint_updates
+from rubricem_core.eval.checkpoints import checkpoint_updates
 from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
 from rubricem_core.rl.session import curve_checkpoints, start_policy

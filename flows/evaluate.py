@@ -24,7 +24,8 @@ from flows.common import (
 )
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.benchmark import default_checkpoint
-from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES, checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.checkpoints import checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES
 from rubricem_core.eval.types import EvalError
 from rubricem_core.registry import model_name, tag_scores
 from rubricem_core.report.markdown import eval_markdown

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from rubricem_core.config import ConfigError, EvalConfig, load_config
+from rubricem_core.eval.grading import summarize, ungraded_reason
 from rubricem_core.eval.llm_grader import BenchmarkGrader
 from rubricem_core.eval.prompts import ITEMS_PER_CALL, aggregate_answer_set
-from rubricem_core.eval.run import summarize, ungraded_reason
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.readers import QueryFileError, detect_format, read_queries
 from rubricem_core.sim.grader import register_builtin_grader

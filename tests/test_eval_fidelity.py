@@ -12,18 +12,11 @@ from typing import Any
 import pytest
 
 from rubricem_core.eval import run as eval_run
+from rubricem_core.eval.grading import NO_REFERENCE, ungraded_reason
 from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 from rubricem_core.eval.prompts import aggregate_race, grade_items, race_messages
-from rubricem_core.eval.run import (
-    NO_REFERENCE,
-    EvalOptions,
-    SequentialOptions,
-    load_benchmark_queries,
-    reflection_guidance,
-    run_eval,
-    select_queries,
-    ungraded_reason,
-)
+from rubricem_core.eval.queries import load_benchmark_queries, select_queries
+from rubricem_core.eval.run import EvalOptions, SequentialOptions, reflection_guidance, run_eval
 from rubricem_core.eval.types import EvalError, EvalSample
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.readers import DRB_REFERENCE_KEY, attach_drb_references, read_drb_references

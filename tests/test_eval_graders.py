@@ -10,9 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rubricem_core.eval.checkpoints import checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.grading import plain_answer
 from rubricem_core.eval.llm_grader import BenchmarkGrader, GraderOptions
 from rubricem_core.eval.prompts import aggregate_items, grade_items, items_messages
-from rubricem_core.eval.run import checkpoint_tag, checkpoint_updates, guidance_for, plain_answer
+from rubricem_core.eval.run import guidance_for
 from rubricem_core.eval.types import EvalError, GradeResult
 from rubricem_core.judge.llm_judge import LLMJudge
 from rubricem_core.llm.types import EndpointSettings
@@ -362,7 +364,7 @@ def test_builtin_grader_refuses_other_prompts():
     ],
 )
 def test_builtin_grader_on_real_benchmark_files(shared_data, builtin_grader, benchmark, relative):
-    from rubricem_core.eval.run import load_benchmark_queries
+    from rubricem_core.eval.queries import load_benchmark_queries
 
     queries = load_benchmark_queries(benchmark, shared_file(shared_data, relative), 3)
     assert len(queries) == 3
@@ -376,7 +378,7 @@ def test_builtin_grader_on_real_benchmark_files(shared_data, builtin_grader, ben
 
 
 def test_builtin_grader_on_deep_research_bench_reports(shared_data, builtin_grader):
-    from rubricem_core.eval.run import load_benchmark_queries
+    from rubricem_core.eval.queries import load_benchmark_queries
 
     path = shared_file(shared_data, "deep_research_bench/prompt_data_query.jsonl")
     reports = shared_file(shared_data, "deep_research_bench/test_data_cleaned_data_claude-3-7-sonnet-latest.jsonl")
@@ -400,7 +402,7 @@ def test_builtin_grader_on_deep_research_bench_reports(shared_data, builtin_grad
 
 
 def test_missing_benchmark_file_names_the_config_field(tmp_path):
-    from rubricem_core.eval.run import load_benchmark_queries
+    from rubricem_core.eval.queries import load_benchmark_queries
 
     with pytest.raises(FileNotFoundError, match="eval.paths.simpleqa"):
         load_benchmark_queries("simpleqa", tmp_path / "nope.csv", 3)

@@ -20,7 +20,7 @@ from rubricem_core.eval.benchmark import (
     reflection_valid_rate,
     reflection_validity_rows,
 )
-from rubricem_core.eval.run import summarize
+from rubricem_core.eval.grading import summarize
 from rubricem_core.store import RunStore
 from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 

@@ -13,15 +13,10 @@ import pyarrow as pa
 import pytest
 
 from rubricem_core.eval import run as eval_run
+from rubricem_core.eval.grading import summarize, ungraded_reason
 from rubricem_core.eval.llm_grader import BenchmarkGrader
-from rubricem_core.eval.run import (
-    EVAL_RESULTS_SCHEMA,
-    EvalOptions,
-    load_benchmark_queries,
-    run_eval,
-    summarize,
-    ungraded_reason,
-)
+from rubricem_core.eval.queries import load_benchmark_queries
+from rubricem_core.eval.run import EVAL_RESULTS_SCHEMA, EvalOptions, run_eval
 from rubricem_core.eval.types import EvalError, EvalSample
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.rollout.types import ANSWERED

@@ -346,7 +346,7 @@ def test_layout_matches_the_bank_and_its_saved_schema(tmp_path: Path) -> None:
 
 def test_layout_matches_config_lock_tracking_and_checkpoint_tags(tmp_path: Path) -> None:
     from rubricem_core.config import load_config
-    from rubricem_core.eval.run import checkpoint_tag
+    from rubricem_core.eval.checkpoints import checkpoint_tag
     from rubricem_core.run_config import record_config
     from rubricem_core.runlock import lock_path, run_dir_lock
     from rubricem_core.tracking import Tracker

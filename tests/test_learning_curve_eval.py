@@ -11,7 +11,8 @@ from matplotlib.image import imread
 
 from rubricem_core.config import load_config
 from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, curve_points, final_rows
-from rubricem_core.eval.run import checkpoint_step, checkpoint_updates, result_rows, ungraded_row
+from rubricem_core.eval.checkpoints import checkpoint_step, checkpoint_updates
+from rubricem_core.eval.grading import result_rows, ungraded_row
 from rubricem_core.report.data import RunData
 from rubricem_core.report.plots import plot_eval_curve
 from rubricem_core.rl.session import (

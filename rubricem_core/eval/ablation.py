@@ -16,7 +16,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from rubricem_core import schemas
-from rubricem_core.eval.run import checkpoint_updates
+from rubricem_core.eval.checkpoints import checkpoint_updates
 from rubricem_core.schemas import nan_to_none
 
 ABLATION_SCHEMA = schemas.ABLATION_SCHEMA  # defined in schemas; the ablation flow imports it from here

@@ -17,20 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import RunConfig
+from rubricem_core.eval.checkpoints import checkpoint_tag
+from rubricem_core.eval.grading import summarize, ungraded_code, ungraded_reason
 from rubricem_core.eval.prompts import reference_article
+from rubricem_core.eval.queries import load_benchmark_queries, select_queries
 from rubricem_core.eval.run import (
     SEQUENTIAL,
     SEQUENTIAL_TRIALS,
     EvalOptions,
     SequentialOptions,
-    checkpoint_tag,
-    load_benchmark_queries,
     run_eval,
-    select_queries,
     settings_digest,
-    summarize,
-    ungraded_code,
-    ungraded_reason,
 )
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.layout import holds_policy

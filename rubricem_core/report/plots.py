@@ -17,7 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from rubricem_core.eval.run import checkpoint_updates
+from rubricem_core.eval.checkpoints import checkpoint_updates
 from rubricem_core.report.data import STAGES, RunData
 from rubricem_core.report.sections import eval_graded
 from rubricem_core.store import atomic_write_bytes
