@@ -67,7 +67,7 @@ GRADERS = ("independent", "builtin")  # answer match (eval/answer_match.py), the
 def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
     """One row per finished RL step of a recipe's run: training reward per stage, valid scaffolds,
     reflection validity, bank size, tokens and seconds, from the step's tables and saved task metrics."""
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
     from tasks.rl import step_metrics
 
@@ -290,7 +290,7 @@ def main() -> int:
     from flows.ablation import prepare_recipe_run
     from flows.common import resolve_config
     from flows.rl import rl
-    from rubricem_core.rl.session import completed_step, step_checkpoint
+    from rubricem_core.rl.progress import completed_step, step_checkpoint
     from rubricem_core.runlock import run_dir_lock
     from rubricem_core.store import RunStore
 

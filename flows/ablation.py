@@ -26,7 +26,7 @@ from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, abla
 from rubricem_core.eval.checkpoints import checkpoint_updates
 from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
-from rubricem_core.rl.session import curve_checkpoints, start_policy
+from rubricem_core.rl.progress import curve_checkpoints, start_policy
 from rubricem_core.runlock import run_dir_lock
 from rubricem_core.schemas import ABLATION_SCHEMA
 from rubricem_core.store import RunStore, atomic_write_bytes

@@ -25,7 +25,7 @@ from rubricem_core.progress import Progress, format_seconds
 from rubricem_core.report import write_report
 from rubricem_core.report.markdown import pipeline_markdown
 from rubricem_core.report.summary import pipeline_summary
-from rubricem_core.rl.session import curve_checkpoints, start_policy
+from rubricem_core.rl.progress import curve_checkpoints, start_policy
 from rubricem_core.stage_costs import expected_costs, record_stage_seconds
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import mlflow_ui_command

@@ -36,15 +36,8 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
-from rubricem_core.rl.session import (
-    SessionManager,
-    completed_step,
-    open_session,
-    recipe_settings,
-    reflection_on,
-    start_policy,
-    step_checkpoint,
-)
+from rubricem_core.rl.progress import completed_step, start_policy, step_checkpoint
+from rubricem_core.rl.session import SessionManager, open_session, recipe_settings, reflection_on
 from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker

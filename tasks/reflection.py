@@ -18,7 +18,8 @@ from prefect.states import State
 from rubricem_core.faults import fault_point
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.session import SessionManager, completed_step
+from rubricem_core.rl.progress import completed_step
+from rubricem_core.rl.session import SessionManager
 from rubricem_core.rl.steps import reflect_step, reflection_update_step, reload_bank_step
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA
 from rubricem_core.store import RunStore, cached_task_metrics, save_task_metrics

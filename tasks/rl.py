@@ -17,7 +17,8 @@ from prefect.states import State
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.step import check_enough_judged
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.rl.session import SessionManager, completed_step, curve_steps, mark_step_done, prune_checkpoints
+from rubricem_core.rl.progress import completed_step, curve_steps, mark_step_done, prune_checkpoints
+from rubricem_core.rl.session import SessionManager
 from rubricem_core.rl.steps import judge_rl_step, sample_step, update_step
 from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA
 from rubricem_core.store import RunStore, cached_task_metrics, save_task_metrics

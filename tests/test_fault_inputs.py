@@ -146,7 +146,7 @@ def test_run_dir_that_is_a_file(tmp_path):
 
 
 def test_rl_without_sft_checkpoint_or_with_a_lost_one(tmp_path):
-    from rubricem_core.rl.session import completed_step, start_policy
+    from rubricem_core.rl.progress import completed_step, start_policy
     from rubricem_core.store import RunStore
 
     run = tmp_path / "run"

@@ -270,7 +270,7 @@ SYNC = ["--set", "reflection.schedule=sync"]
 
 def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(reference, tmp_path):
     from flows.rl import rl
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
 
     run = tmp_path / "run"
@@ -330,7 +330,7 @@ def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(referenc
     ends with the tables, metrics, weights and trainer state (optimizer, schedule, step counter, RNG)
     of an uninterrupted run that checkpointed every step."""
     from flows.rl import rl
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
 
     # the uninterrupted run: the module's reference (2 steps, deferred schedule) extended to two windows
@@ -376,7 +376,7 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
     import rubricem_core.llm.concurrent as concurrent
     from flows.rl import rl
     from rubricem_core.judge.step import JudgeStepError
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.sim.judge import MODEL as JUDGE_MODEL
     from rubricem_core.store import RunStore
 

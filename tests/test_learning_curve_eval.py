@@ -15,7 +15,7 @@ from rubricem_core.eval.checkpoints import checkpoint_step, checkpoint_updates
 from rubricem_core.eval.grading import result_rows, ungraded_row
 from rubricem_core.report.data import RunData
 from rubricem_core.report.plots import plot_eval_curve
-from rubricem_core.rl.session import (
+from rubricem_core.rl.progress import (
     checkpoint_due,
     curve_checkpoints,
     curve_steps,

@@ -10,8 +10,8 @@ from rubricem_core.embedders import HashingEmbedder
 from rubricem_core.reflection.bank import BankEntry, BankError, ReflectionBank
 from rubricem_core.reflection.format import Reflection
 from rubricem_core.reflection.meta import rebuild_bank, retrieve_guidance
-from rubricem_core.rl.curriculum import windowed_schedule
-from rubricem_core.rl.session import new_bank, replay_source_step
+from rubricem_core.rl.curriculum import replay_source_step, windowed_schedule
+from rubricem_core.rl.session import new_bank
 
 QUESTIONS = {
     "q1": "Which was founded earlier, Voralis Labs or Keto Works?",

@@ -162,7 +162,7 @@ def _check_prefect_view(run_dir: str) -> None:
 @pytest.mark.slow
 def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     from flows.rl import rl
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
 
     straight = _copy_run(sft_run, tmp_path / "straight")

@@ -152,7 +152,7 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
 
 @pytest.mark.slow
 def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced_reflections, monkeypatch):
-    from rubricem_core.rl.session import completed_step
+    from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
 
     straight = deferred_run

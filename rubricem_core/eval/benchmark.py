@@ -33,7 +33,7 @@ from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.layout import holds_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
 from rubricem_core.reflection.meta import sample_reflections
-from rubricem_core.rl.session import completed_step, newest_checkpoint
+from rubricem_core.rl.progress import completed_step, newest_checkpoint
 from rubricem_core.rollout.types import SamplingParams
 from rubricem_core.schemas import Query, queries_from_table
 from rubricem_core.seeds import EVAL_REFLECTION, EVAL_SAMPLING, derive_seed

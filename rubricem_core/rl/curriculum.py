@@ -62,3 +62,9 @@ def windowed_schedule(
             plans.append(StepPlan(step, w, "repeat", "within" if reflection else "none", batch))
             step += 1
     return plans
+
+
+def replay_source_step(step: int, window: int) -> int | None:
+    """The new-query step whose batch replay step ``step`` repeats; None for a new-query step.
+    windowed_schedule lays each window out as K new steps, then their K replays in the same order."""
+    return step - window if step % (2 * window) >= window else None

@@ -34,19 +34,17 @@ from rubricem_core.progress import Progress
 from rubricem_core.reflection.bank import ReflectionBank
 from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts, pick_source_rollouts, retrieve_guidance
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
-from rubricem_core.rl.curriculum import StepPlan
+from rubricem_core.rl.curriculum import StepPlan, replay_source_step
+from rubricem_core.rl.progress import checkpoint_due, step_checkpoint
 from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
     buffers_at,
-    checkpoint_due,
     engine_asleep,
     ensure_engine_weights,
     load_bank_steps,
     recipe_settings,
-    replay_source_step,
     reset_bank,
-    step_checkpoint,
     update_settings,
 )
 from rubricem_core.rl.update import group_advantages, reflection_training_batch, training_batch
