@@ -10,6 +10,7 @@ import json
 import pytest
 
 from rubricem_core.config import ConfigError, load_config
+from rubricem_core.rl import progress as rl_progress
 from rubricem_core.rl import session as rl_session
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.run_config import Change, is_safe
@@ -18,8 +19,8 @@ from rubricem_core.store import RunStore
 
 def test_checkpoint_steps_every_n_and_always_the_last():
     cfg = load_config("tiny", {"rl.n_windows": 3, "rl.checkpoint_every": 4})  # 6 steps
-    assert [s for s in range(6) if rl_session.checkpoint_due(cfg, s)] == [3, 5]
-    assert all(rl_session.checkpoint_due(load_config("tiny"), s) for s in range(4))  # tiny: every step
+    assert [s for s in range(6) if rl_progress.checkpoint_due(cfg, s)] == [3, 5]
+    assert all(rl_progress.checkpoint_due(load_config("tiny"), s) for s in range(4))  # tiny: every step
     assert load_config("gpu").rl.checkpoint_every == load_config("research").rl.checkpoint_every == 10
     assert load_config("small").rl.checkpoint_every == 1 and load_config("tiny").rl.keep_checkpoints == 2
 
@@ -32,13 +33,13 @@ def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
 
     cfg = load_config("tiny", {"rl.window": window, "rl.n_windows": 2})
     plans = windowed_schedule([f"q{i}" for i in range(8)], window, 2, 2, 0)
-    assert rl_session.last_step(cfg) == plans[-1].step
+    assert rl_progress.last_step(cfg) == plans[-1].step
     _write_steps(RunStore(tmp_path), ("reflections",), range(len(plans)))  # so the flow's helper writes none
     session = rl_session.SessionManager(RunStore(tmp_path), cfg)  # opens nothing until a task asks
     trained = [_reflections_to_train(session, prev) for prev in [None, *plans[:-1]]]
     flow = [p.step if p is not None else None for p in trained]
-    assert [rl_session.reflection_source_step(cfg, p.step) for p in plans] == flow
-    assert any(flow) and rl_session.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None
+    assert [rl_progress.reflection_source_step(cfg, p.step) for p in plans] == flow
+    assert any(flow) and rl_progress.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None
 
 
 def test_checkpoint_every_needs_pushed_weights_for_a_vllm_server():
@@ -66,23 +67,23 @@ def test_a_done_step_needs_its_checkpoint_or_the_tables_to_replay_it(tmp_path):
     progress.parent.mkdir(parents=True)
     progress.write_text(json.dumps({"completed_step": 4}))
     with pytest.raises(FileNotFoundError, match=r"step 4 is complete .* rollouts/step=0000"):
-        rl_session.completed_step(RunStore(run))
+        rl_progress.completed_step(RunStore(run))
     _write_steps(store, ("rollouts", "stage_rewards"), range(5))
-    assert rl_session.completed_step(RunStore(run)) == 4 and rl_session.newest_checkpoint(RunStore(run), 4) == -1
+    assert rl_progress.completed_step(RunStore(run)) == 4 and rl_progress.newest_checkpoint(RunStore(run), 4) == -1
     for step in (2, 5):  # step 5: written by an update whose step was never marked done
-        ckpt = rl_session.step_checkpoint(RunStore(run), step)
+        ckpt = rl_progress.step_checkpoint(RunStore(run), step)
         ckpt.mkdir(parents=True)
         (ckpt / "checkpoint.json").write_text("{}")
-    (rl_session.step_checkpoint(RunStore(run), 3)).mkdir()  # a staging leftover: not a checkpoint
-    assert rl_session.newest_checkpoint(RunStore(run), 4) == 2
+    (rl_progress.step_checkpoint(RunStore(run), 3)).mkdir()  # a staging leftover: not a checkpoint
+    assert rl_progress.newest_checkpoint(RunStore(run), 4) == 2
     cfg = load_config("tiny", {"rl.n_windows": 3})  # window 1: reflection updates in steps 1, 3, 5
-    assert rl_session.replay_gaps(RunStore(run), 2, 4, cfg) == ["reflections/step=0002"]
-    assert rl_session.replay_gaps(RunStore(run), 0, 4) == []
+    assert rl_progress.replay_gaps(RunStore(run), 2, 4, cfg) == ["reflections/step=0002"]
+    assert rl_progress.replay_gaps(RunStore(run), 0, 4) == []
 
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
 
     for step in (2, 5, 8, 11):
-        rl_session.step_checkpoint(RunStore(tmp_path), step).mkdir(parents=True)
-    rl_session.prune_checkpoints(RunStore(tmp_path), keep=2)
-    assert sorted(p.name for p in rl_session.rl_dir(RunStore(tmp_path)).iterdir()) == ["step-000008", "step-000011"]
+        rl_progress.step_checkpoint(RunStore(tmp_path), step).mkdir(parents=True)
+    rl_progress.prune_checkpoints(RunStore(tmp_path), keep=2)
+    assert sorted(p.name for p in rl_progress.rl_dir(RunStore(tmp_path)).iterdir()) == ["step-000008", "step-000011"]

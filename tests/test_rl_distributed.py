@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rubricem_core.config import load_config
+from rubricem_core.rl import progress as rl_progress
 from rubricem_core.rl import session as rl_session
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
@@ -103,7 +104,7 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
         metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
         session.step = 0
         rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
-        assert not rl_session.rl_dir(RunStore(run_dir)).exists()
+        assert not rl_progress.rl_dir(RunStore(run_dir)).exists()
         engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}
     finally:
         sessions.close()
@@ -261,7 +262,7 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
     message = str(failed["exc"])
     assert re.search(rf"rl trainer rank 1 of 2 on node \S+ \(pid {pid}\) died", message), message
     assert detected_s < 30
-    assert rl_session.completed_step(RunStore(run_dir)) == 0 and closed_sessions
+    assert rl_progress.completed_step(RunStore(run_dir)) == 0 and closed_sessions
     closed_sessions.clear()
 
     # the ranks kill themselves while writing step 1's checkpoint (the flow process writes none)
@@ -269,10 +270,10 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
     monkeypatch.delenv("RUBRICEM_FAULT_ACTION")
     with pytest.raises(RankFailure, match=r"trainer rank \d of 2 .*(died|raised)"):
         rl(run_dir=run_dir, profile="tiny", overrides=overrides)
-    assert rl_session.completed_step(RunStore(run_dir)) == 0 and closed_sessions
+    assert rl_progress.completed_step(RunStore(run_dir)) == 0 and closed_sessions
     monkeypatch.delenv("RUBRICEM_FAULT_POINT")
     rl(run_dir=run_dir, profile="tiny", overrides=overrides)
-    assert rl_session.completed_step(RunStore(run_dir)) == 1
+    assert rl_progress.completed_step(RunStore(run_dir)) == 1
     assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
     _same_tables(run_dir, one_process_flow)
 
