@@ -255,3 +255,15 @@ if __name__ == "__main__":
                 edges[room(src), room(dst)].append(re.sub(r"^rubricem_core\.", "", src))
     for (a, b), srcs in sorted(edges.items()):
         print(f"{a} -> {b}: {', '.join(sorted(set(srcs)))}")
+
+
+MAX_MODULE_LINES = 600  # #44: a module past this is split by concern (config by section, readers by source)
+
+
+def test_no_module_of_the_project_is_over_600_lines():
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in project_files().values()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
