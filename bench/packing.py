@@ -15,6 +15,14 @@ printed, with the ratio packed/bucketed.
 
 Prints ``padding_fraction_bucketed=`` and ``padding_fraction_packed=`` per run and sequence set; the figure is
 the largest packed padding fraction (goal ≤ 5%). Nothing in the run directory is written.
+
+``--policy DIR`` (a device with no run directory, e.g. scripts/gpu_check.sh): ``--n-seqs`` random sequences of
+mixed lengths (uniform in ``--lengths``, a 64-token untrained prompt each) at ``--budget``, on ``--device`` in
+``--dtype``, with the model's attention (``--attn``: sdpa, or flash_attention_2 where installed); first the
+largest difference between packed and padded logprobs of one micro-batch (``packing_logprob_max_diff=``),
+then padding and tokens/s both ways.
+
+    python bench/packing.py --policy /tmp/gpu-check-policy --device cuda --dtype bfloat16 --budget 16384
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.batching import bucket_batches, collate, collate_packed, pack_batches, padding_fraction  # noqa: E402
 from rubricem_core.config import RunConfig  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
-from rubricem_core.logprobs import sft_loss  # noqa: E402
+from rubricem_core.logprobs import batch_logprobs, sft_loss  # noqa: E402
 from rubricem_core.policy.loading import load_for_training, load_policy  # noqa: E402
 from rubricem_core.rl.records import rollout_trajectory  # noqa: E402
 from rubricem_core.run_config import stored_config  # noqa: E402
@@ -108,6 +116,67 @@ def first_tokens(steps: list[list[TokenTrajectory]], tokens: int) -> list[TokenT
     return picked
 
 
+def random_sequences(n: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[TokenTrajectory]:
+    """Random token ids, a 64-token prompt untrained and the rest trained (one stage)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=gen))
+        ids = torch.randint(1, vocab, (length,), generator=gen).tolist()
+        mask = [0] * min(64, length - 1) + [1] * (length - min(64, length - 1))
+        out.append(TokenTrajectory(ids, mask, [0] * length, [float("nan")] * length))
+    return out
+
+
+def device_check(args: argparse.Namespace) -> int:
+    """Packing on a device from a bare policy directory: logprob equivalence, padding, tokens/s."""
+    from transformers import AutoModelForCausalLM
+
+    from rubricem_core.training import TrainerConfig
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=dtype, attn_implementation=args.attn).to(device)
+    budget = args.budget or 16384
+    seqs = random_sequences(args.n_seqs, args.lengths, model.config.vocab_size, seed=0)
+    got = layouts([seqs], budget, args.pack_length, pad_id=0)
+    with torch.no_grad():
+        packed = got["packed"][0]
+        picked = [s for s, _ in zip(seqs, range(4))]
+        padded_lp = batch_logprobs(model.eval(), collate(picked, 0).to(device))
+        packed_lp = batch_logprobs(model, collate_packed(picked, 0, budget).to(device))
+        diff, offset = 0.0, 0
+        for i, t in enumerate(picked):  # a row holds them end to end when they fit one row
+            if offset + len(t) > packed_lp.shape[1]:
+                break
+            diff = max(diff, float((packed_lp[0, offset : offset + len(t)] - padded_lp[i, : len(t)]).abs().max()))
+            offset += len(t)
+    print(f"{args.policy} on {device} ({args.dtype}, {args.attn}): {len(seqs)} sequences of "
+          f"{args.lengths[0]}–{args.lengths[1]} tokens, budget {budget}; first micro-batch packed {packed.n_real_tokens} tokens")  # fmt: skip
+    print(f"packing_logprob_max_diff={diff:.2e}")
+    fractions = {way: padding_fraction(micro) for way, micro in got.items()}
+    print(f"padding_fraction_bucketed={fractions['bucketed']:.4f} padding_fraction_packed={fractions['packed']:.4f}")
+    speed = {}
+    for way, micro in got.items():
+        model.train()
+        precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+        trainer = make_trainer(model, TrainerConfig(lr=1e-6, total_steps=args.steps + 1, precision=precision, device=str(device)))  # fmt: skip
+        weights = [float(b.loss_mask.sum()) for b in micro]
+        trainer.step(micro[:1], sft_loss, weights=weights[:1])  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.step(micro, sft_loss, weights=weights)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        speed[way] = args.steps * sum(b.n_real_tokens for b in micro) / (time.perf_counter() - t0)
+    print(f"update_tokens_per_s_bucketed={speed['bucketed']:.1f} update_tokens_per_s_packed={speed['packed']:.1f} "
+          f"packed_over_bucketed={speed['packed'] / speed['bucketed']:.2f}")  # fmt: skip
+    print(figure_line("padding_fraction_packed", fractions["packed"], "", "<= 0.05", fractions["packed"] <= 0.05))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", action="append", type=Path, help="a run directory (repeatable); default runs/tiny")
@@ -116,7 +185,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of each timed step (0: no timing)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per batching")
     ap.add_argument("--quick", action="store_true", help="one timed step of at most 1024 tokens")
+    ap.add_argument("--policy", default=None, help="a policy directory: random sequences on --device, no run dir")
+    ap.add_argument("--device", default="cpu", help="with --policy: cpu, cuda, ...")
+    ap.add_argument("--dtype", default="float32", help="with --policy: float32 or bfloat16")
+    ap.add_argument("--attn", default="sdpa", help="with --policy: sdpa, eager or flash_attention_2")
+    ap.add_argument("--n-seqs", type=int, default=32, help="with --policy: random sequences")
+    ap.add_argument("--lengths", type=int, nargs=2, default=(256, 4096), help="with --policy: their length range")
     args = ap.parse_args()
+    if args.policy:
+        return device_check(args)
     if args.quick:
         args.steps, args.tokens = 1, min(args.tokens, 1024)
     torch.manual_seed(0)

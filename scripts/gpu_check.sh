@@ -11,6 +11,8 @@
 #    real local tools, SS-GRPO update, gathered weights synced into the engine's own copy): peak GPU memory,
 #    SFT / update / rollout tokens/s, weight-sync seconds;
 # 2b. full fine-tuning vs LoRA r=16 on that model (bench/lora.py): update tokens/s, peak GPU memory, checkpoint MiB;
+# 2c. sample packing on that model (bench/packing.py --policy): packed vs padded logprobs (max difference), padding
+#     and SFT tokens/s bucketed vs packed at a 16k-token budget, with SDPA and, where installed, flash-attention 2;
 # 3. the memory plan for that model against the measured peak;
 # 4. vLLM, where the image has it: bench/fleet_throughput.py (2 replicas, one push checked against a recompute,
 #    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
@@ -75,6 +77,17 @@ if $PY -c "import peft" 2>/dev/null; then
 else
     echo "gpu_check: lora=absent (peft is not in this image)"
 fi
+
+echo "== 2c. sample packing on this model: logprobs packed vs padded, padding, tokens/s (issue #44)"
+[ "${GPU_CHECK_SIZE:-}" = tiny ] && PACK_SHAPE=(--n-seqs 6 --lengths 64 300 --budget 1024 --steps 1) \
+    || PACK_SHAPE=(--n-seqs 48 --lengths 256 4096 --budget 16384 --steps 2)
+PACK_DTYPE=bfloat16; [ "$DEVICE" = cpu ] && PACK_DTYPE=float32
+ATTNS=(sdpa); $PY -c "import flash_attn" 2>/dev/null && ATTNS+=(flash_attention_2)
+for ATTN in "${ATTNS[@]}"; do
+    timeout 180 $PY bench/packing.py --policy "$POLICY" --device "$DEVICE" --dtype "$PACK_DTYPE" --attn "$ATTN" \
+        "${PACK_SHAPE[@]}" 2>&1 | grep -E "^(packing_|padding_|update_)" | sed -E "s/^/gpu_check: packing_$ATTN: /"
+    echo "gpu_check: packing_${ATTN}_exit=${PIPESTATUS[0]}"
+done
 
 echo "== 3. the memory plan for this model (ZeRO-3 on 1 GPU, checkpointing, 16k-token micro-batches)"
 $PY - "$POLICY" <<'PY'
