@@ -11,39 +11,10 @@ from typing import Any
 import pytest
 
 from rubricem_core.llm.concurrent import arun_concurrent, run_concurrent
-from rubricem_core.llm.types import ChatRequest, EndpointSettings, LLMRequestError
+from rubricem_core.llm.types import EndpointSettings, LLMRequestError
 from rubricem_core.sim.provider import register_completion_provider
 from rubricem_core.testing.openai_server import FakeOpenAIServer
-
-API_KEY = "sk-test-secret-0123456789"
-
-
-def echo(body: dict[str, Any]) -> str:
-    return "echo: " + body["messages"][-1]["content"]
-
-
-def make_settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/fake-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=3,
-        backoff_base_s=0.01,
-        backoff_max_s=0.05,
-        max_concurrency=4,
-        input_cost_per_token=1e-6,
-        output_cost_per_token=2e-6,
-    )
-    values.update(overrides)
-    return EndpointSettings(**values)
-
-
-def make_requests(n: int, **fields: Any) -> list[ChatRequest]:
-    return [
-        ChatRequest(custom_id=f"r{i}", model="", messages=[{"role": "user", "content": f"question {i}"}], **fields)
-        for i in range(n)
-    ]
+from tests.llm_endpoints import API_KEY, echo, make_requests, make_settings
 
 
 def test_results_come_back_in_request_order_with_usage_and_cost() -> None:

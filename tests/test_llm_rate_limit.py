@@ -18,7 +18,7 @@ from rubricem_core.llm.concurrent import TokenBudget, endpoint_state, estimate_t
 from rubricem_core.llm.types import ChatRequest, EndpointSettings, RetryStats
 from rubricem_core.teacher.endpoint import run_round
 from rubricem_core.testing.openai_server import FakeOpenAIServer, RateLimit
-from tests.test_llm_concurrent import API_KEY, echo, make_requests, make_settings
+from tests.llm_endpoints import API_KEY, echo, make_requests, make_settings
 
 
 def settings_for(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
