@@ -25,7 +25,7 @@ from rubricem_core.judge.prompts import (
 from rubricem_core.judge.types import JudgeError, JudgeQuery, JudgeRollout
 from rubricem_core.sim.judge import respond
 from rubricem_core.testing.openai_server import FakeOpenAIServer
-from tests.test_judge_llm import API_KEY, RUBRICS, good_reply, is_repair, settings, trace
+from tests.judge_replies import API_KEY, RUBRICS, good_reply, is_repair, settings, trace
 
 REFERENCE = "REFERENCE-MARK: Keto Works was founded in 1921"
 SPEC_MARK = "SPEC-MARK-42"
