@@ -25,7 +25,7 @@ from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sim.world_grader import grade_synthetic
 from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.conftest import shared_file
-from tests.test_judge_builtin import answer_rewards, write_traces
+from tests.teacher_traces import answer_rewards, write_traces
 
 API_KEY = "sk-test-grader"
 

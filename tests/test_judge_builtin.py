@@ -8,12 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from rubricem_core.config import TeacherConfig
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.llm_judge import GenerationInput, LLMJudge, ScoringInput, judge_step
 from rubricem_core.judge.prompts import generation_messages, scoring_messages
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
-from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.sim.judge import (
     BuiltinJudgeError,
@@ -23,15 +21,10 @@ from rubricem_core.sim.judge import (
     respond,
     score_rubric,
 )
-from rubricem_core.sim.teacher import register_builtin_teacher
 from rubricem_core.sim.trace_view import TraceView
 from rubricem_core.sim.world import WorldConfig, generate_world
-from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
-from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-
-TEACHER = "rubricem-teacher/scripted"
-ANSWER = 3  # column of the answer stage in R
+from tests.teacher_traces import ANSWER, answer_rewards, judge_query, persistent, write_traces
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +43,6 @@ def queries(world):
     return world.queries_table().to_pylist()
 
 
-def write_traces(queries, tools, max_tool_calls=10, **rates) -> dict[str, str]:
-    """One teacher trace per query (seeded: the same query gets the same searches across variants)."""
-    cfg = TeacherConfig(
-        **{"skip_stage_rate": 0, "malformed_call_rate": 0, "uncited_rate": 0, "ungrounded_rate": 0, **rates}
-    )
-    register_builtin_teacher(cfg, max_tool_calls=max_tool_calls)
-    settings = EndpointSettings(model=TEACHER, max_concurrency=4, max_retries=0, timeout_s=30)
-    states = initial_states(queries, trajectories_per_query=1, seed=0)
-    env = ToolEnv(tools, max_calls=10**6)
-    for r in range(12):
-        requests = build_requests(states, r, TEACHER, 2048, 0.7)
-        if not requests:
-            break
-        results = {x.custom_id: x for x in run_concurrent(requests, settings)}
-        by_id = {s.trajectory_id: s for s in states}
-        for request in requests:
-            apply_result(
-                by_id[request.metadata["trajectory_id"]],
-                results[request.custom_id],
-                lambda call: env.execute(call).text,
-                r,
-                12,
-                max_tool_calls,
-            )
-    return {s.query_id: s.text for s in states}
-
-
 @pytest.fixture(scope="module")
 def variants(queries, tools):
     return {
@@ -92,25 +58,6 @@ def variants(queries, tools):
 def judge():
     model = register_builtin_judge()
     return LLMJudge(EndpointSettings(model=model, max_concurrency=4, max_retries=0, timeout_s=60))
-
-
-def judge_query(row) -> JudgeQuery:
-    return JudgeQuery(row["query_id"], row["question"], json.loads(row["spec"]), row["reference_answer"])
-
-
-def persistent(row) -> list[Rubric]:
-    return RubricBuffer.from_query(row["query_id"], row["rubrics"]).active()
-
-
-def answer_rewards(judge, queries, traces: dict[str, str]) -> np.ndarray:
-    from rubricem_core.judge.aggregate import stage_scores
-
-    inputs = [
-        ScoringInput(judge_query(q), JudgeRollout(q["query_id"], traces[q["query_id"]]), persistent(q)) for q in queries
-    ]
-    judgments = judge.score(inputs)
-    assert not any(j.failed for j in judgments), [j.error for j in judgments]
-    return np.array([stage_scores([j], i.rubrics)[0, ANSWER] for j, i in zip(judgments, inputs)])
 
 
 # ---- answer scores order traces the way a grader would -----------------------------------------------
