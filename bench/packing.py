@@ -43,7 +43,13 @@ apply_offline_defaults()
 import torch  # noqa: E402
 
 from bench.run_all import figure_line  # noqa: E402
-from rubricem_core.batching import bucket_batches, collate, collate_packed, pack_batches, padding_fraction  # noqa: E402
+from rubricem_core.batching import (  # noqa: E402
+    collate,
+    collate_micro_batch,
+    collate_packed,
+    padding_fraction,
+    plan_micro_batches,
+)
 from rubricem_core.config import RunConfig  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.logprobs import batch_logprobs, sft_loss  # noqa: E402
@@ -86,12 +92,11 @@ def layouts(steps: list[list[TokenTrajectory]], budget: int, pack_length: int | 
     """Each step's micro-batches, bucketed and packed."""
     out: dict[str, list] = {"bucketed": [], "packed": []}
     for trajs in steps:
-        lengths = [len(t) for t in trajs]
-        out["bucketed"] += [collate([trajs[i] for i in b], pad_id) for b in bucket_batches(lengths, budget)]
-        out["packed"] += [
-            collate_packed([trajs[i] for i in b], pad_id, pack_length or budget)
-            for b in pack_batches(lengths, budget, pack_length)
-        ]
+        for way, packing in (("bucketed", False), ("packed", True)):
+            out[way] += [
+                collate_micro_batch([trajs[i] for i in b], pad_id, budget, packing, pack_length)
+                for b in plan_micro_batches([len(t) for t in trajs], budget, packing, pack_length)
+            ]
     return out
 
 

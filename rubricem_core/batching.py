@@ -264,6 +264,34 @@ def collate_packed(
     return _lay_out(trajs, pad_id, pack_rows([len(t) for t in trajs], pack_length), extras, packed=True)
 
 
+def plan_micro_batches(
+    trajs: Sequence[Sized | int],
+    max_tokens_per_batch: int,
+    packing: bool = False,
+    pack_length: int | None = None,
+    shuffle_seed: int | None = None,
+) -> list[list[int]]:
+    """A training section's micro-batches (trajectory indices): packed rows with ``packing``, else length
+    buckets; ``collate_micro_batch`` lays each one out the same way."""
+    if packing:
+        return pack_batches(trajs, max_tokens_per_batch, pack_length, shuffle_seed=shuffle_seed)
+    return bucket_batches(trajs, max_tokens_per_batch, shuffle_seed=shuffle_seed)
+
+
+def collate_micro_batch(
+    trajs: Sequence[TokenTrajectory],
+    pad_id: int,
+    max_tokens_per_batch: int,
+    packing: bool = False,
+    pack_length: int | None = None,
+    extras: dict[str, list[list[float]]] | None = None,
+) -> TokenBatch:
+    """One micro-batch of ``plan_micro_batches``: packed rows or a right-padded bucket."""
+    if packing:
+        return collate_packed(trajs, pad_id, pack_length or max_tokens_per_batch, extras=extras)
+    return collate(trajs, pad_id, extras=extras)
+
+
 def padding_fraction(batches: Sequence[TokenBatch]) -> float:
     """Share of all batch positions that are padding (0 = none wasted)."""
     padded = sum(b.n_padded_tokens for b in batches)

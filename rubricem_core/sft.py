@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.batching import TokenBatch, bucket_batches, collate, collate_packed, pack_batches
+from rubricem_core.batching import collate_micro_batch, plan_micro_batches
 from rubricem_core.config import PolicyConfig, RunConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
 from rubricem_core.faults import fault_point
@@ -187,10 +187,7 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
     micro: list[list[int]] = []
     for epoch in range(math.ceil(sft.epochs)):
         shuffle = derive_seed(seed, SFT_EPOCH, epoch)
-        if sft.packing:
-            batches = pack_batches(lengths, sft.max_tokens_per_batch, sft.pack_length, shuffle_seed=shuffle)
-        else:
-            batches = bucket_batches(lengths, sft.max_tokens_per_batch, shuffle_seed=shuffle)
+        batches = plan_micro_batches(lengths, sft.max_tokens_per_batch, sft.packing, sft.pack_length, shuffle)
         if epoch + 1 > sft.epochs:  # fractional last epoch
             batches = batches[: max(1, int(len(batches) * (sft.epochs - epoch)))]
         micro.extend(batches)
@@ -198,13 +195,6 @@ def step_schedule(lengths: list[int], sft: SFTConfig, seed: int) -> list[list[li
     if sft.max_steps is not None:
         steps = steps[: sft.max_steps]
     return steps
-
-
-def sft_micro_batch(trajs: list[TokenTrajectory], pad_id: int, sft: SFTConfig) -> TokenBatch:
-    """One scheduled micro-batch's tensors: packed rows or a right-padded bucket, as ``step_schedule`` made it."""
-    if sft.packing:
-        return collate_packed(trajs, pad_id, sft.pack_length or sft.max_tokens_per_batch)
-    return collate(trajs, pad_id)
 
 
 def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig:
@@ -262,10 +252,12 @@ def run_sft(
     metrics: dict[str, float] = {}
     for step in range(trainer.global_step, len(schedule)):
         micro_batches = [
-            sft_micro_batch(
+            collate_micro_batch(
                 [relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx],
                 pad_id,
-                sft,
+                sft.max_tokens_per_batch,
+                sft.packing,
+                sft.pack_length,
             )
             for idx in schedule[step]
         ]

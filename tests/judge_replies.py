@@ -15,6 +15,7 @@ from rubricem_core.judge.prompts import (
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.llm_endpoints import make_settings
 
 API_KEY = "sk-judge-test-0123456789"
 QUERY = JudgeQuery(
@@ -92,20 +93,9 @@ def good_reply(body: dict[str, Any]) -> str:
 
 
 def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/judge-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=2,
-        backoff_base_s=0.01,
-        backoff_max_s=0.02,
-        max_concurrency=4,
-        input_cost_per_token=1e-6,
-        output_cost_per_token=2e-6,
-    )
-    values.update(overrides)
-    return EndpointSettings(**values)
+    """The judge's endpoint on the fake server (tests.llm_endpoints' settings, with the judge's model and key)."""
+    values: dict[str, Any] = dict(model="openai/judge-model", api_key=API_KEY, max_retries=2, backoff_max_s=0.02)
+    return make_settings(server, **{**values, **overrides})
 
 
 def score_inputs(rollouts=ROLLOUTS, rubrics=RUBRICS) -> list[ScoringInput]:

@@ -16,6 +16,7 @@ import torch
 from rubricem_core.batching import (
     bucket_batches,
     collate,
+    collate_micro_batch,
     collate_packed,
     pack_batches,
     pack_rows,
@@ -24,7 +25,7 @@ from rubricem_core.batching import (
 from rubricem_core.config import ConfigError, SFTConfig, load_config
 from rubricem_core.logprobs import batch_logprobs, sft_loss
 from rubricem_core.rl.update import UpdateConfig, ss_grpo_update, update_plan
-from rubricem_core.sft import sft_micro_batch, step_schedule
+from rubricem_core.sft import step_schedule
 from rubricem_core.testing.tiny_models import PAD, rl_advantages, rl_trajectories, tiny_model, with_sampled_logprobs
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.torch_trainer import TorchTrainer
@@ -218,5 +219,5 @@ def test_the_packed_sft_schedule_covers_every_sequence_each_epoch_in_fewer_micro
     for epoch in (b[:half], b[half:]):
         assert sorted(i for step in epoch for micro in step for i in micro) == list(range(len(lengths)))
     assert step_schedule(lengths, packed, seed=3) == b  # a pure function of the seed (ranks agree)
-    batch = sft_micro_batch([_sequence(lengths[i]) for i in b[0][0]], PAD, packed)
+    batch = collate_micro_batch([_sequence(lengths[i]) for i in b[0][0]], PAD, 512, packing=True)
     assert batch.position_ids is not None and batch.n_padded_tokens <= 512

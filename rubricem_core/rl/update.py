@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rubricem_core.batching import TokenBatch, bucket_batches, collate, collate_packed, pack_batches
+from rubricem_core.batching import TokenBatch, collate_micro_batch, plan_micro_batches
 from rubricem_core.config import RLConfig
 from rubricem_core.judge.aggregate import stage_reward_rows
 from rubricem_core.logprobs import batch_logprobs
@@ -297,11 +297,9 @@ def update_plan(trajectories: Sequence[TokenTrajectory], config: UpdateConfig) -
     trained = [float(sum(t.loss_mask)) for t in trajectories]
     parts, weights = [], []
     for idx in minibatch_split(len(trajectories), config.minibatches):
-        part = [lengths[i] for i in idx]
-        if config.packing:
-            groups = pack_batches(part, config.max_tokens_per_batch, config.pack_length)
-        else:
-            groups = bucket_batches(part, config.max_tokens_per_batch)
+        groups = plan_micro_batches(
+            [lengths[i] for i in idx], config.max_tokens_per_batch, config.packing, config.pack_length
+        )
         micro = [[idx[j] for j in group] for group in groups]
         parts.append(micro)
         weights.append([sum(trained[i] for i in picked) for picked in micro])
@@ -321,9 +319,9 @@ def _micro_batch(
     trajs = [trajectories[i] for i in picked]
     # the sampler's logprob on every trained token (NaN where it gave none: no importance weight)
     extras = {"advantages": [token_advs[i] for i in picked], "sampled_logprobs": [list(t.logprobs) for t in trajs]}
-    if config.packing:
-        return collate_packed(trajs, pad_id, config.pack_length or config.max_tokens_per_batch, extras=extras)
-    return collate(trajs, pad_id, extras=extras)
+    return collate_micro_batch(
+        trajs, pad_id, config.max_tokens_per_batch, config.packing, config.pack_length, extras=extras
+    )
 
 
 def ss_grpo_update(
