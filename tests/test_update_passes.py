@@ -270,17 +270,20 @@ def test_a_lora_update_on_two_ranks_equals_one(ray_cluster, tmp_path, backend, s
 
 
 @pytest.mark.slow
-def test_a_packed_update_on_two_ranks_equals_one_rank_bucketed(ray_cluster, tmp_path):
-    """Packed rows of 60 tokens, two a micro-batch: each rank is given its packed micro-batches' trajectories;
-    the step's loss is the bucketed step's and the weights the one-rank packed run's."""
+@pytest.mark.parametrize("backend, stage, tol", [("torch", 0, 1e-5), ("deepspeed", 3, 1e-4)])
+def test_a_packed_update_on_two_ranks_equals_one_rank_bucketed(ray_cluster, tmp_path, backend, stage, tol):
+    """Packed rows of 60 tokens, two a micro-batch: each rank is given its packed micro-batches' trajectories
+    (ZeRO-3 included: position ids pass through DeepSpeed's engine); the step's loss is the bucketed step's and
+    the weights the one-rank packed run's."""
     import dist_cases
 
     packed = {**PPO_UPDATE, "packing": True, "pack_length": 60}
     _, (bucketed_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, PPO_UPDATE)
     ref_weights, (ref_metrics,), _ = dist_cases.ppo_update(PPO_TRAINER, packed)
-    got = two_rank_ppo(tmp_path, {"trainer": PPO_TRAINER, "update": packed})
+    trainer_cfg = {**PPO_TRAINER, "backend": backend, "zero_stage": stage}
+    got = two_rank_ppo(tmp_path, {"trainer": trainer_cfg, "update": packed})
     metrics = got["history"][0]
     assert metrics["optimizer_steps"] == ref_metrics["optimizer_steps"] == bucketed_metrics["optimizer_steps"] == 4
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-5)
     assert ref_metrics["loss"] == pytest.approx(bucketed_metrics["loss"], abs=1e-5)
-    assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < 1e-5
+    assert max(float((ref_weights[k] - got["weights"][k]).abs().max()) for k in ref_weights) < tol
