@@ -11,6 +11,13 @@ With the reflection meta-policy (recipes meta_policy, full) a step N also runs
   reflect (candidates, judge, bank; new-query steps) alongside  ss-grpo-update,
 so the Prefect timeline shows the overlap. `reflection.schedule: sync` runs the same tasks one after
 another in the same order of weight changes, so both schedules give the same numbers.
+
+With one-step asynchronous RL (rl.async_steps: 1, the paper's) a step N runs
+  judge (of the rollouts sampled during step N−1)  →  reflection-update, ss-grpo-update
+                                          alongside  rollout of step N+1, reflect of step N
+with the engine sampling the weights after step N−1 while the trainer moves to N (policy lag one;
+rl.importance_correction: tis corrects it). `reflection.schedule: sync` runs that work one task after
+another: again the same numbers.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from rubricem_core.progress import Progress
 from rubricem_core.recipes import get_recipe
 from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import rl_markdown
-from rubricem_core.rl.curriculum import StepPlan, windowed_schedule
+from rubricem_core.rl.curriculum import StepPlan, reflect_before_next_rollouts, windowed_schedule
 from rubricem_core.rl.progress import completed_step, start_policy, step_checkpoint
 from rubricem_core.rl.session import SessionManager, open_session, recipe_settings, reflection_on
 from rubricem_core.splits import rl_queries
@@ -48,10 +55,17 @@ from tasks.secrets import check_endpoint_keys
 
 @flow(name="rl_step", flow_run_name="step-{plan.step}-{plan.phase}", **RUN_HOOKS)
 def rl_step(
-    run_dir: str, cfg: RunConfig, plan: StepPlan, session: SessionManager, previous: StepPlan | None = None
+    run_dir: str,
+    cfg: RunConfig,
+    plan: StepPlan,
+    session: SessionManager,
+    previous: StepPlan | None = None,
+    next_plan: StepPlan | None = None,
 ) -> None:
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections.
+    With rl.async_steps: 1 the step's rollouts were sampled during ``previous``'s update, and
+    ``next_plan``'s are sampled during this one (_async_step).
     ``session``: the `rl` flow run's (open_session), handed to every task; ``run_dir`` and ``cfg`` are
     its own, kept as parameters for the Prefect UI and the crashed-run cleanup (flows.common).
 
@@ -59,15 +73,51 @@ def rl_step(
     whatever a subflow returns to the parent flow run (``FlowRunContext.run_results``, one entry per
     value) for the parent's whole life, so a returned metrics dict grew the `rl` flow by ~16 KiB a step."""
     overlap = cfg.reflection.schedule == "deferred"
+    if cfg.rl.async_steps:
+        _async_step(session, plan, previous, next_plan, overlap)
+        return
     pending = _reflections_to_train(session, previous)
     reflecting_now = reflection_on(cfg) and plan.phase == "new"
     _alongside(
         overlap,
-        (rollout_task, session, plan),
-        (reflection_update_task, session, pending, plan.step) if pending else None,
+        [(rollout_task, session, plan)],
+        [(reflection_update_task, session, pending, plan.step)] if pending else [],
     )
     judge_task(session, plan)
-    _alongside(overlap, (update_task, session, plan), (reflect_task, session, plan) if reflecting_now else None)
+    _alongside(overlap, [(update_task, session, plan)], [(reflect_task, session, plan)] if reflecting_now else [])
+
+
+def _async_step(
+    session: SessionManager, plan: StepPlan, previous: StepPlan | None, next_plan: StepPlan | None, overlap: bool
+) -> None:
+    """One-step asynchronous RL: the trainer's work of the step (the deferred reflection update, then the
+    SS-GRPO update) alongside the engine's (``next_plan``'s rollouts with the weights before this update,
+    and this step's reflections). What a killed run left of the step before's engine work is done
+    first, in its own order; the step's own rollouts are then in the table."""
+    catch_up = _engine_work(session, previous, plan) if previous is not None else [(rollout_task, session, plan)]
+    for task, *args in _not_written(session, catch_up):
+        task(*args)
+    pending = _reflections_to_train(session, previous)
+    judge_task(session, plan)
+    trainer = [(reflection_update_task, session, pending, plan.step)] if pending else []
+    _alongside(overlap, [*trainer, (update_task, session, plan)], _engine_work(session, plan, next_plan))
+
+
+def _engine_work(session: SessionManager, plan: StepPlan, next_plan: StepPlan | None) -> list[tuple]:
+    """What the engine samples during ``plan``'s update with one-step async, in its fixed order
+    (curriculum.reflect_before_next_rollouts): ``next_plan``'s rollouts and ``plan``'s reflections."""
+    work = [(rollout_task, session, next_plan)] if next_plan is not None else []
+    if reflection_on(session.cfg) and plan.phase == "new":
+        reflect = (reflect_task, session, plan)
+        first = reflect_before_next_rollouts(plan, next_plan, session.cfg.rl.window)
+        work = [reflect, *work] if first else [*work, reflect]
+    return work
+
+
+def _not_written(session: SessionManager, work: list[tuple]) -> list[tuple]:
+    """The engine tasks of ``work`` whose table a killed run did not write (rollouts, reflections)."""
+    table = {rollout_task: "rollouts", reflect_task: "reflections"}
+    return [call for call in work if not session.store.has(table[call[0]], {"step": call[2].step})]
 
 
 def _reflections_to_train(session: SessionManager, previous: StepPlan | None) -> StepPlan | None:
@@ -80,30 +130,38 @@ def _reflections_to_train(session: SessionManager, previous: StepPlan | None) ->
     return previous
 
 
-def _alongside(overlap: bool, main: tuple, side: tuple | None) -> tuple[Any, Any]:
-    """Run ``main`` (a task and its arguments), and ``side`` with it: submitted to run concurrently when
-    ``overlap`` (reflection.schedule: deferred), else after ``main`` — the same order of weight
-    changes either way, so both schedules give the same numbers."""
-    main_task, *main_args = main
-    if not side:
-        return main_task(*main_args), None
-    side_task, *side_args = side
+def _alongside(overlap: bool, main: list[tuple], side: list[tuple]) -> None:
+    """Run the ``main`` tasks (each a task and its arguments) one after another, and the ``side`` tasks
+    one after another beside them: submitted to run concurrently when ``overlap``
+    (reflection.schedule: deferred), else after ``main`` — the same order of weight changes either
+    way, so both schedules give the same numbers."""
     if not overlap:
-        return main_task(*main_args), side_task(*side_args)
-    side_future = side_task.submit(*side_args)
+        for task, *args in [*main, *side]:
+            task(*args)
+        return
+    futures: list[Any] = []
+    for task, *args in side:  # each waits for the one before it
+        futures.append(task.submit(*args, wait_for=futures[-1:]))
     try:
-        out = main_task(*main_args)
+        for task, *args in main:
+            task(*args)
     finally:
-        side_future.wait()  # a failure of one must not leave the other still changing the weights
-    return out, side_future.result()
+        for future in futures:
+            future.wait()  # a failure of one must not leave the other still changing the weights
+    for future in futures:
+        future.result()
 
 
-def _finish_done_step(session: SessionManager, plan: StepPlan, child: Any) -> None:
+def _finish_done_step(session: SessionManager, plan: StepPlan, next_plan: StepPlan | None, child: Any) -> None:
     """A step a killed run marked done but did not finish: its reflections (written alongside the
     update; sampled with the weights after the step before, replayed from the tables when no checkpoint
-    kept them) and its metrics, from the tasks' saved metrics."""
+    kept them), with one-step async the next step's rollouts too, in the engine's order, and its
+    metrics, from the tasks' saved metrics."""
     store = session.store
-    if reflection_on(session.cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
+    if session.cfg.rl.async_steps:
+        for task, *args in _not_written(session, _engine_work(session, plan, next_plan)):
+            task(*args)
+    elif reflection_on(session.cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
         reflect_task(session, plan)
     if child is not None and not step_metrics_logged(store, "rl", plan.step):
         child.log_metrics(step_metrics(store, plan.step), step=plan.step)
@@ -170,10 +228,11 @@ def rl(
             log.info("resuming RL after step %d", done)
         progress = Progress("RL step", len(plans), log.info, every_s=0.0, start_done=sum(p.step <= done for p in plans))
         for i, plan in enumerate(plans):
+            next_plan = plans[i + 1] if i + 1 < len(plans) else None
             if plan.step <= done:  # its update is in the newest checkpoint or replayed from its tables
-                _finish_done_step(session, plan, child)
+                _finish_done_step(session, plan, next_plan, child)
                 continue
-            rl_step(run_dir, cfg, plan, session, plans[i - 1] if i > 0 else None)
+            rl_step(run_dir, cfg, plan, session, plans[i - 1] if i > 0 else None, next_plan)
             metrics = step_metrics(store, plan.step)  # what the step's tasks returned
             if metrics and child is not None:
                 child.log_metrics(metrics, step=plan.step)

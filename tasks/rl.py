@@ -16,7 +16,7 @@ from prefect.states import State
 
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.step import check_enough_judged
-from rubricem_core.rl.curriculum import StepPlan
+from rubricem_core.rl.curriculum import StepPlan, sampling_step
 from rubricem_core.rl.progress import completed_step, curve_steps, mark_step_done, prune_checkpoints
 from rubricem_core.rl.session import SessionManager
 from rubricem_core.rl.steps import judge_rl_step, sample_step, update_step
@@ -51,8 +51,9 @@ def step_metrics_logged(store: RunStore, flow: str, step: int) -> bool:
 # ---- tasks --------------------------------------------------------------------------------------
 @parquet_task(name="rollout", task_run_name="rollout-step-{plan.step}")
 def rollout_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | State:
-    """Sample a group per query with the current weights and the real tools → `rollouts` (with
-    `judge.stream`, each group is judged as it ends; rubricem_core.rl.steps.sample_step)."""
+    """Sample a group per query with the current weights (one-step async: those before the update now
+    running) and the real tools → `rollouts` (with `judge.stream`, each group is judged as it ends;
+    rubricem_core.rl.steps.sample_step)."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if store.has("rollouts", _key(plan.step)):
         metrics = cached_task_metrics(store, "rollout", plan.step)
@@ -61,7 +62,9 @@ def rollout_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | St
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     api_key = resolve_api_key(cfg.judge) if cfg.judge.stream else None
     tools = search_env(str(store.run_dir), cfg)
-    sampled = sample_step(session.at(plan.step - 1), cfg, plan, queries, tools, api_key, log.info)
+    # on-policy: the trainer at step−1; one-step async: the live session while its update of step−1 runs
+    rl_session = session.sampling(sampling_step(plan.step, cfg.rl.async_steps)) if cfg.rl.async_steps else session.at(plan.step - 1)
+    sampled = sample_step(rl_session, cfg, plan, queries, tools, api_key, log.info)
     save_task_metrics(store, "rollout", plan.step, sampled.metrics)  # before the table: it marks the task done
     store.write_table("rollouts", sampled.rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)
     fault_point("rl.rollouts_written")

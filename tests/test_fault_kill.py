@@ -307,6 +307,44 @@ def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(refe
     assert saved_bank(run) == saved_bank(reference["final"])
 
 
+# One-step async RL (window 1) run one task after another (reflection.schedule: sync fixes the order):
+# step 0's rollouts, judge and update, then the engine's work during that update (K = 1: step 0's
+# reflections before step 1's rollouts, sampled with the SFT weights), then step 1.
+ASYNC = {"rl.async_steps": 1, "rl.importance_correction": "tis"}
+ASYNC_SETS = [a for k, v in ASYNC.items() for a in ("--set", f"{k}={v}")]
+ASYNC_BOUNDARIES = [
+    "rl.rollouts_written:1",  # step 0's rollouts (SFT weights)
+    "rl.judge_done:1",
+    "rl.step_done:1",  # step 0's update done, the engine's work beside it not
+    "rl.reflections_written:1",  # step 0's reflections, step 1's rollouts not yet sampled
+    "rl.rollouts_written:1",  # step 1's rollouts, sampled with the weights before step 0's update
+    "rl.reflection_update_done:1",  # step 1: the reflection update of step 0 in memory only
+    "rl.step_done:1",
+]
+
+
+def test_async_rl_killed_at_its_boundaries_resumes_to_the_uninterrupted_async_run(reference, tmp_path):
+    from flows.rl import rl
+    from rubricem_core.rl.progress import completed_step
+
+    straight = tmp_path / "straight"
+    shutil.copytree(reference["trained"], straight)
+    rl(run_dir=str(straight), profile="tiny", overrides={**SMALL, **ASYNC})
+    run = tmp_path / "run"
+    shutil.copytree(reference["trained"], run)
+    for i, point in enumerate(ASYNC_BOUNDARIES):
+        kill_at("rl", run, point, extra=[*SYNC, *ASYNC_SETS], tag=str(i))
+    assert completed_step(RunStore(run)) == 1
+    rl(run_dir=str(run), profile="tiny", overrides={**SMALL, **ASYNC, "reflection.schedule": "sync"})
+    for table, key in RL_TABLES.items():
+        assert_same_table(run, straight, table, key)
+    assert_same_metrics(run, straight, "rl")
+    for name in ("step-000000", "step-000001"):
+        assert_same_weights(run / "checkpoints" / "rl" / name, straight / "checkpoints" / "rl" / name)
+    lag = {r["step"]: r["value"] for r in _rows(run, "metrics") if r["name"] == "rollout/policy_lag"}
+    assert lag == {0: 0.0, 1: 1.0}  # step 1 sampled with the weights before step 0's update
+
+
 # rl.checkpoint_every=3 over two windows (steps 0 new, 1 repeat with the reflection update of step 0,
 # 2 new with the first checkpoint, 3 repeat, the last step, checkpointed): kills where no checkpoint
 # holds the weights, each resumed by a fresh process that replays the updates from the tables.

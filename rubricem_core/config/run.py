@@ -141,6 +141,16 @@ class RunConfig(_Strict):
                 "rollout.weight_transfer: adapter sends each step's LoRA adapter; it needs policy.lora.rank > 0 "
                 "(without LoRA use nccl on GPUs, gloo on CPUs, or checkpoint)"
             )
+        if self.rl.async_steps and self.rl.importance_correction != "tis":
+            raise ValueError(
+                "rl.async_steps: 1 trains each step on rollouts sampled one update earlier; set "
+                "rl.importance_correction: tis, which corrects that lag (min(π_old/π_sampler, rl.tis_cap) per token)"
+            )
+        if self.rl.async_steps and self.rollout.colocate:
+            raise ValueError(
+                "rl.async_steps: 1 samples the next step while the trainer updates; rollout.colocate puts vLLM to "
+                "sleep during every update: set one of them off"
+            )
         if self.rollout.colocate and self.distributed.nnodes > 1:
             raise ValueError("rollout.colocate shares one node's GPUs; it needs distributed.nnodes: 1")
         if self.rollout.colocate and self.reflection.schedule == "deferred" and self.rl.recipe in REFLECTION_RECIPES:

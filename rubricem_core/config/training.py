@@ -228,6 +228,13 @@ class RLConfig(TrainerSettings, PackingSettings):
         "moved the weights, and engine/trainer numeric mismatch. none: no correction.",
     )
     tis_cap: float = Field(default=2.0, gt=0, description="Cap of the truncated importance weights (tis).")
+    async_steps: Literal[0, 1] = Field(
+        default=0,
+        description="1: one-step asynchronous RL (the paper's, App. F): step t+1's rollouts sample with the weights "
+        "after step t−1 while step t's update runs (policy lag one), and the new step's reflections are written "
+        "meanwhile; needs importance_correction: tis, which corrects the lag. 0: on-policy, each step's rollouts "
+        "wait for the previous update (the exact step of the tiny figures).",
+    )
 
     @field_validator("kl_coef", mode="before")
     @classmethod

@@ -68,3 +68,18 @@ def replay_source_step(step: int, window: int) -> int | None:
     """The new-query step whose batch replay step ``step`` repeats; None for a new-query step.
     windowed_schedule lays each window out as K new steps, then their K replays in the same order."""
     return step - window if step % (2 * window) >= window else None
+
+
+def sampling_step(step: int, async_steps: int) -> int:
+    """The step whose weights sample step ``step``'s rollouts (-1: the SFT policy): the step before it
+    on-policy, one earlier with one-step asynchronous RL (rl.async_steps: 1; its rollouts sample while
+    the previous step's update runs)."""
+    return max(step - 1 - async_steps, -1)
+
+
+def reflect_before_next_rollouts(plan: StepPlan, next_plan: StepPlan | None, window: int) -> bool:
+    """With one-step asynchronous RL the engine writes step ``plan``'s reflections and samples
+    ``next_plan``'s rollouts during ``plan``'s update, one after the other: rollouts first, so they start
+    at once and retrieve from the bank of the steps before ``plan``, unless ``next_plan`` replays
+    ``plan`` (rl.window: 1), whose within-episode retrieval needs ``plan``'s reflections banked first."""
+    return next_plan is not None and replay_source_step(next_plan.step, window) == plan.step

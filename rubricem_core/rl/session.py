@@ -91,11 +91,12 @@ def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
 
 def shares_engine_module(cfg: RunConfig) -> bool:
     """The engine can sample with the trainer's own module only in one process, without ZeRO-3's
-    partitioned parameters, and without the reflection loop's overlap."""
+    partitioned parameters, and without the reflection loop's or one-step async's overlap."""
     return (
         cfg.distributed.world_size == 1
         and cfg.rollout.engine == "hf"
         and not reflection_on(cfg)
+        and not cfg.rl.async_steps
         and not (cfg.rl.backend == "deepspeed" and cfg.rl.zero_stage == 3)
     )
 

@@ -34,7 +34,7 @@ from rubricem_core.progress import Progress
 from rubricem_core.reflection.bank import ReflectionBank
 from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts, pick_source_rollouts, retrieve_guidance
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
-from rubricem_core.rl.curriculum import StepPlan, replay_source_step
+from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_step
 from rubricem_core.rl.progress import checkpoint_due, step_checkpoint
 from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (
@@ -43,6 +43,7 @@ from rubricem_core.rl.session import (
     engine_asleep,
     ensure_engine_weights,
     load_bank_steps,
+    rebuild_buffers,
     recipe_settings,
     reset_bank,
     update_settings,
@@ -93,14 +94,17 @@ def sample_step(
     judge_api_key: str | None,
     log_line: LogLine,
 ) -> SampledStep:
-    """Sample a group per query with the weights after the step before and the real tools. With
-    `judge.stream` each query's group is handed to the step's StreamingJudge the moment it ends (kept on
-    the session for the judge task), so judging overlaps the groups still sampling."""
+    """Sample a group per query with the weights after the step before (one-step async: the step before
+    that; curriculum.sampling_step) and the real tools. With `judge.stream` each query's group is handed
+    to the step's StreamingJudge the moment it ends (kept on the session for the judge task), so judging
+    overlaps the groups still sampling."""
+    weights_step = sampling_step(plan.step, cfg.rl.async_steps)
     pushed = time.perf_counter()
-    ensure_engine_weights(session, plan.step - 1, cfg)  # the last update's weights into the engine (the push)
+    ensure_engine_weights(session, weights_step, cfg)  # that update's weights into the engine (the push)
     push_seconds = time.perf_counter() - pushed
     guidance, metrics = bank_guidance(session, cfg, plan, queries)
     metrics["rollout/push_seconds"] = push_seconds
+    metrics["rollout/policy_lag"] = float(plan.step - 1 - weights_step)  # updates the samples lag the trainer
     requests = rollout_requests(session.tokenizer, cfg, plan, queries, guidance)
     progress = Progress(
         f"step {plan.step}: trajectories finished", len(requests) * cfg.rollout.group_size, log_line, every_s=30.0
@@ -338,6 +342,9 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     batch = training_batch(
         store.read_rows("rollouts", {"step": plan.step}), store.read_rows("stage_rewards", {"step": plan.step})
     )
+    if cfg.rl.async_steps:
+        # the next step's rollouts sample with the weights before this update: the engine takes them now
+        ensure_engine_weights(session, plan.step - 1, cfg)
     t0 = time.perf_counter()
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
     with engine_asleep(session, cfg):
@@ -351,8 +358,11 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     fault_point("rl.update_applied")
     saved = checkpoint_due(cfg, plan.step)
     if saved:
-        # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`.
-        buffers = json.dumps({qid: b.to_dict() for qid, b in buffers_at(session, plan.step, cfg).items()})
+        # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`. From
+        # the tables when the session's are not this step's: the next step's streamed judge may be changing them.
+        at_step = session.buffers if session.buffers_step == plan.step else None
+        at_step = at_step or rebuild_buffers(store, plan.step, cfg.judge.cap_per_stage)
+        buffers = json.dumps({qid: b.to_dict() for qid, b in at_step.items()})
         session.policy.save(step_checkpoint(store, plan.step), extra={"buffers": buffers, "step": plan.step})
         fault_point("rl.checkpoint_saved")
     out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
