@@ -63,7 +63,12 @@ class FleetStandIn(VLLMRolloutEngine):
         self.clock, self.call_s, self.token_s = clock, call_s, token_s
         self.pushes = 0
         super().__init__(
-            None, tokenizer, sampler=self._sample_one_each, schedule="async", max_in_flight=rows, max_tool_concurrency=rows
+            None,
+            tokenizer,
+            sampler=self._sample_one_each,
+            schedule="async",
+            max_in_flight=rows,
+            max_tool_concurrency=rows,
         )
 
     def _sample_one(self, call: TurnCall) -> TurnSample:
@@ -141,11 +146,12 @@ def run_rl(base: Path, name: str, overrides: dict[str, Any], args: argparse.Name
     finally:
         rl_session.make_engine, rl_tasks.search_env = real_make_engine, real_search_env
     from rubricem_core.store import RunStore
+    from tasks.rl import step_metrics
 
-    metrics = RunStore(run_dir).read_rows("metrics")
+    steps = [step_metrics(RunStore(run_dir), s) for s in range(2 * args.window)]
 
     def total(name: str) -> float:
-        return sum(r["value"] for r in metrics if r["name"] == name and r["flow"] == "rl")
+        return sum(m.get(name, 0.0) for m in steps)
 
     return {
         "wall": wall,
@@ -153,7 +159,7 @@ def run_rl(base: Path, name: str, overrides: dict[str, Any], args: argparse.Name
         "update_s": total("rl/update_seconds"),
         "rollout_s": total("rollout/seconds"),
         "pushes": sum(e.pushes for e in engines),
-        "lags": sorted({r["value"] for r in metrics if r["name"] == "rollout/policy_lag"}),
+        "lags": sorted({m["rollout/policy_lag"] for m in steps}),
     }
 
 

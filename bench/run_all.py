@@ -126,6 +126,7 @@ SCRIPTS: tuple[Script, ...] = (
     Script("fleet_throughput", quick_args=("--quick",)),  # n/a without a vLLM for its servers (.venv-vllm)
     Script("rollout_schedule", quick_args=("--quick",)),
     Script("step_timeline", quick_args=("--quick",)),
+    Script("async_rl", quick_args=("--quick",)),
     Script("fault_matrix", quick_args=("--quick",)),
     Script("step_bytes", quick_args=("--quick",)),
     Script("soak", quick_args=("--quick",)),

@@ -26,6 +26,7 @@ from rubricem_core.eval.ablation import ablation_curve_plot, ablation_plot, abla
 from rubricem_core.eval.checkpoints import checkpoint_updates
 from rubricem_core.layout import RunLayout
 from rubricem_core.recipes import RECIPES
+from rubricem_core.rl.curriculum import schedule_length
 from rubricem_core.rl.progress import curve_checkpoints, start_policy
 from rubricem_core.runlock import run_dir_lock
 from rubricem_core.schemas import ABLATION_SCHEMA
@@ -89,7 +90,7 @@ def ablation(
     store = RunStore(run_dir)
     sft_policy = start_policy(store)  # fail before any training when there is no SFT policy
     budget = {
-        "rl_steps": 2 * cfg.rl.window * cfg.rl.n_windows,
+        "rl_steps": schedule_length(cfg.rl.window, cfg.rl.n_windows),
         "queries_per_step": cfg.rl.queries_per_step,
         "group_size": cfg.rollout.group_size,
     }

@@ -43,7 +43,7 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, reflect_before_next_rollouts, windowed_schedule
-from rubricem_core.rl.progress import completed_step, start_policy, step_checkpoint
+from rubricem_core.rl.progress import completed_step, reflection_source_step, start_policy, step_checkpoint
 from rubricem_core.rl.session import SessionManager, open_session, recipe_settings, reflection_on
 from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
@@ -76,7 +76,7 @@ def rl_step(
     if cfg.rl.async_steps:
         _async_step(session, plan, previous, next_plan, overlap)
         return
-    pending = _reflections_to_train(session, previous)
+    pending = _reflections_to_train(session, plan, previous)
     reflecting_now = reflection_on(cfg) and plan.phase == "new"
     _alongside(
         overlap,
@@ -97,7 +97,7 @@ def _async_step(
     catch_up = _engine_work(session, previous, plan) if previous is not None else [(rollout_task, session, plan)]
     for task, *args in _not_written(session, catch_up):
         task(*args)
-    pending = _reflections_to_train(session, previous)
+    pending = _reflections_to_train(session, plan, previous)
     judge_task(session, plan)
     trainer = [(reflection_update_task, session, pending, plan.step)] if pending else []
     _alongside(overlap, [*trainer, (update_task, session, plan)], _engine_work(session, plan, next_plan))
@@ -120,10 +120,10 @@ def _not_written(session: SessionManager, work: list[tuple]) -> list[tuple]:
     return [call for call in work if not session.store.has(table[call[0]], {"step": call[2].step})]
 
 
-def _reflections_to_train(session: SessionManager, previous: StepPlan | None) -> StepPlan | None:
-    """The new-query step before this one, whose reflection candidates this step trains on (written
-    now if a killed run left them out)."""
-    if not reflection_on(session.cfg) or previous is None or previous.phase != "new":
+def _reflections_to_train(session: SessionManager, plan: StepPlan, previous: StepPlan | None) -> StepPlan | None:
+    """The step whose reflection candidates this step trains on (rl.progress.reflection_source_step; its
+    reflections written now if a killed run left them out)."""
+    if previous is None or reflection_source_step(session.cfg, plan.step) != previous.step:
         return None
     if not session.store.has("reflections", {"step": previous.step}):
         reflect_task(session, previous)  # the previous step's reflections (its metrics are that step's)

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from rubricem_core.config import RunConfig
+from rubricem_core.rl.curriculum import schedule_length
 
 # how each grader family scores (rubricem_core/eval/llm_grader.py), in a line
 FAMILY_PROTOCOLS: dict[str, str] = {
@@ -88,7 +89,7 @@ def describe_run(cfg: RunConfig) -> str:
     lines.append(
         f"  policy:           {cfg.policy.name_or_path} ({cfg.policy.dtype}); SFT {cfg.sft.backend}, RL {cfg.rl.backend} "
         f"on {cfg.distributed.nproc_per_node} rank(s), recipe {cfg.rl.recipe}, "
-        f"{cfg.rl.window * 2 * cfg.rl.n_windows} steps"
+        f"{schedule_length(cfg.rl.window, cfg.rl.n_windows)} steps"
     )
     r = cfg.rollout
     fleet = f", {r.replicas} replica(s), weights by {r.weight_transfer}" if r.engine == "vllm_server" else ""

@@ -63,7 +63,11 @@ def rollout_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | St
     api_key = resolve_api_key(cfg.judge) if cfg.judge.stream else None
     tools = search_env(str(store.run_dir), cfg)
     # on-policy: the trainer at step−1; one-step async: the live session while its update of step−1 runs
-    rl_session = session.sampling(sampling_step(plan.step, cfg.rl.async_steps)) if cfg.rl.async_steps else session.at(plan.step - 1)
+    rl_session = (
+        session.sampling(sampling_step(plan.step, cfg.rl.async_steps))
+        if cfg.rl.async_steps
+        else session.at(plan.step - 1)
+    )
     sampled = sample_step(rl_session, cfg, plan, queries, tools, api_key, log.info)
     save_task_metrics(store, "rollout", plan.step, sampled.metrics)  # before the table: it marks the task done
     store.write_table("rollouts", sampled.rows, _key(plan.step), schema=ROLLOUTS_SCHEMA)

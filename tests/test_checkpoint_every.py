@@ -27,8 +27,9 @@ def test_checkpoint_steps_every_n_and_always_the_last():
 
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
-    """The replay applies a reflection update in exactly the steps where rl_step runs one (flows/rl.py:
-    on the candidates of the previous plan when it is a new-query step)."""
+    """The replay and rl_step apply a reflection update in the same steps (one rule:
+    curriculum.reflection_source), and that rule is the paper's, worked from the plans by hand: on the
+    candidates of the previous plan when it is a new-query step."""
     from flows.rl import _reflections_to_train
 
     cfg = load_config("tiny", {"rl.window": window, "rl.n_windows": 2})
@@ -36,9 +37,10 @@ def test_replayed_reflection_updates_are_the_flows(window, tmp_path):
     assert rl_progress.last_step(cfg) == plans[-1].step
     _write_steps(RunStore(tmp_path), ("reflections",), range(len(plans)))  # so the flow's helper writes none
     session = rl_session.SessionManager(RunStore(tmp_path), cfg)  # opens nothing until a task asks
-    trained = [_reflections_to_train(session, prev) for prev in [None, *plans[:-1]]]
+    trained = [_reflections_to_train(session, plan, prev) for plan, prev in zip(plans, [None, *plans[:-1]])]
     flow = [p.step if p is not None else None for p in trained]
-    assert [rl_progress.reflection_source_step(cfg, p.step) for p in plans] == flow
+    by_hand = [prev.step if prev is not None and prev.phase == "new" else None for prev in [None, *plans[:-1]]]
+    assert [rl_progress.reflection_source_step(cfg, p.step) for p in plans] == flow == by_hand
     assert any(flow) and rl_progress.reflection_source_step(load_config("tiny", {"rl.recipe": "ss_grpo"}), 1) is None
 
 

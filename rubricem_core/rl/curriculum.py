@@ -64,10 +64,24 @@ def windowed_schedule(
     return plans
 
 
+def schedule_length(window: int, n_windows: int) -> int:
+    """Steps of a windowed schedule: 2·K per window."""
+    return 2 * window * n_windows
+
+
 def replay_source_step(step: int, window: int) -> int | None:
     """The new-query step whose batch replay step ``step`` repeats; None for a new-query step.
     windowed_schedule lays each window out as K new steps, then their K replays in the same order."""
     return step - window if step % (2 * window) >= window else None
+
+
+def reflection_source(step: int, window: int) -> int | None:
+    """The step whose reflection candidates the deferred reflection update trains on during ``step``
+    (applied before that step's task update): the step before, when it was a new-query step; None: no
+    reflection update in ``step``."""
+    if step < 1 or replay_source_step(step - 1, window) is not None:
+        return None
+    return step - 1
 
 
 def sampling_step(step: int, async_steps: int) -> int:

@@ -13,6 +13,7 @@ import torch
 from rubricem_core.config import RunConfig
 from rubricem_core.policy.loading import load_for_training, load_policy
 from rubricem_core.recipes import get_recipe
+from rubricem_core.rl.curriculum import reflection_source, schedule_length
 from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update
 from rubricem_core.rollout.weight_transfer import LOOPBACK, WeightPusher, master_address_for
 from rubricem_core.training import TrainerConfig, make_trainer
@@ -27,8 +28,9 @@ def reflection_on(cfg: RunConfig) -> bool:
 def total_updates(cfg: RunConfig) -> int:
     """Optimizer steps of the whole run (the LR schedule's length): every task and reflection update
     takes minibatches × epochs of them."""
-    task_updates = 2 * cfg.rl.window * cfg.rl.n_windows
-    updates = task_updates + (cfg.rl.window * cfg.rl.n_windows if reflection_on(cfg) else 0)
+    steps = schedule_length(cfg.rl.window, cfg.rl.n_windows)
+    reflection_updates = sum(reflection_source(s, cfg.rl.window) is not None for s in range(steps))
+    updates = steps + (reflection_updates if reflection_on(cfg) else 0)
     return updates * cfg.rl.minibatches * cfg.rl.epochs
 
 

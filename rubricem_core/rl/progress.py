@@ -8,17 +8,12 @@ import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rubricem_core.config import RunConfig
 from rubricem_core.layout import holds_policy
+from rubricem_core.rl.curriculum import reflection_source, schedule_length
 from rubricem_core.rl.policy import reflection_on
 from rubricem_core.store import RunStore, atomic_write_text
-
-if TYPE_CHECKING:
-    pass
-
-from rubricem_core.rl.curriculum import replay_source_step
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +82,7 @@ def newest_checkpoint(store: RunStore, at_most: int) -> int:
 
 def last_step(cfg: RunConfig) -> int:
     """The run's last RL step (windowed_schedule: 2·K steps per window)."""
-    return 2 * cfg.rl.window * cfg.rl.n_windows - 1
+    return schedule_length(cfg.rl.window, cfg.rl.n_windows) - 1
 
 
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
@@ -117,9 +112,7 @@ def reflection_source_step(cfg: RunConfig, step: int) -> int | None:
     """The step whose reflection candidates the deferred reflection update of ``step`` trains on (the
     new-query step before it; flows/rl.py runs it in ``step``, before the step's task update); None:
     no reflection update in ``step``."""
-    if not reflection_on(cfg) or step < 1:
-        return None
-    return step - 1 if replay_source_step(step - 1, cfg.rl.window) is None else None
+    return reflection_source(step, cfg.rl.window) if reflection_on(cfg) else None
 
 
 def replay_gaps(store: RunStore, checkpoint: int, step: int, cfg: RunConfig | None = None) -> list[str]:
