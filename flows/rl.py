@@ -43,7 +43,8 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.registry import register_stage_policy, version_link
 from rubricem_core.report.markdown import rl_markdown
 from rubricem_core.rl.curriculum import StepPlan, reflect_before_next_rollouts, windowed_schedule
-from rubricem_core.rl.progress import completed_step, reflection_source_step, start_policy, step_checkpoint
+from rubricem_core.rl.learner import step_updates
+from rubricem_core.rl.progress import completed_step, start_policy, step_checkpoint
 from rubricem_core.rl.session import SessionManager, open_session, recipe_settings, reflection_on
 from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
@@ -121,9 +122,10 @@ def _not_written(session: SessionManager, work: list[tuple]) -> list[tuple]:
 
 
 def _reflections_to_train(session: SessionManager, plan: StepPlan, previous: StepPlan | None) -> StepPlan | None:
-    """The step whose reflection candidates this step trains on (rl.progress.reflection_source_step; its
-    reflections written now if a killed run left them out)."""
-    if previous is None or reflection_source_step(session.cfg, plan.step) != previous.step:
+    """The step whose reflection candidates this step trains on (its reflection update in
+    rl.learner.step_updates; its reflections written now if a killed run left them out)."""
+    sources = [u.source_step for u in step_updates(session.cfg, plan.step) if u.kind == "reflection"]
+    if previous is None or sources != [previous.step]:
         return None
     if not session.store.has("reflections", {"step": previous.step}):
         reflect_task(session, previous)  # the previous step's reflections (its metrics are that step's)

