@@ -66,7 +66,7 @@ def rl_step(
     """One RL step: rollouts with the current weights, the stagewise judge, the SS-GRPO update, and with
     the reflection loop the deferred reflection update of ``previous`` and this step's reflections.
     With rl.async_steps: 1 the step's rollouts were sampled during ``previous``'s update, and
-    ``next_plan``'s are sampled during this one (_async_step).
+    ``next_plan``'s, with this step's reflections, are sampled during this one (_engine_work).
     ``session``: the `rl` flow run's (open_session), handed to every task; ``run_dir`` and ``cfg`` are
     its own, kept as parameters for the Prefect UI and the crashed-run cleanup (flows.common).
 
@@ -74,34 +74,19 @@ def rl_step(
     whatever a subflow returns to the parent flow run (``FlowRunContext.run_results``, one entry per
     value) for the parent's whole life, so a returned metrics dict grew the `rl` flow by ~16 KiB a step."""
     overlap = cfg.reflection.schedule == "deferred"
-    if cfg.rl.async_steps:
-        _async_step(session, plan, previous, next_plan, overlap)
+    if cfg.rl.async_steps:  # the step's rollouts: sampled during the previous update, or now if a kill lost them
+        catch_up = _engine_work(session, previous, plan) if previous is not None else [(rollout_task, session, plan)]
+        _alongside(False, _not_written(session, catch_up), [])
+    pending = _reflections_to_train(session, plan, previous)
+    reflection_update = [(reflection_update_task, session, pending, plan.step)] if pending else []
+    if cfg.rl.async_steps:  # the trainer's updates beside the engine's next rollouts and this step's reflections
+        judge_task(session, plan)
+        _alongside(overlap, [*reflection_update, (update_task, session, plan)], _engine_work(session, plan, next_plan))
         return
-    pending = _reflections_to_train(session, plan, previous)
-    reflecting_now = reflection_on(cfg) and plan.phase == "new"
-    _alongside(
-        overlap,
-        [(rollout_task, session, plan)],
-        [(reflection_update_task, session, pending, plan.step)] if pending else [],
-    )
+    _alongside(overlap, [(rollout_task, session, plan)], reflection_update)
     judge_task(session, plan)
-    _alongside(overlap, [(update_task, session, plan)], [(reflect_task, session, plan)] if reflecting_now else [])
-
-
-def _async_step(
-    session: SessionManager, plan: StepPlan, previous: StepPlan | None, next_plan: StepPlan | None, overlap: bool
-) -> None:
-    """One-step asynchronous RL: the trainer's work of the step (the deferred reflection update, then the
-    SS-GRPO update) alongside the engine's (``next_plan``'s rollouts with the weights before this update,
-    and this step's reflections). What a killed run left of the step before's engine work is done
-    first, in its own order; the step's own rollouts are then in the table."""
-    catch_up = _engine_work(session, previous, plan) if previous is not None else [(rollout_task, session, plan)]
-    for task, *args in _not_written(session, catch_up):
-        task(*args)
-    pending = _reflections_to_train(session, plan, previous)
-    judge_task(session, plan)
-    trainer = [(reflection_update_task, session, pending, plan.step)] if pending else []
-    _alongside(overlap, [*trainer, (update_task, session, plan)], _engine_work(session, plan, next_plan))
+    reflect = [(reflect_task, session, plan)] if reflection_on(cfg) and plan.phase == "new" else []
+    _alongside(overlap, [(update_task, session, plan)], reflect)
 
 
 def _engine_work(session: SessionManager, plan: StepPlan, next_plan: StepPlan | None) -> list[tuple]:
