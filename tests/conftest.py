@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rubricem_core.offline import apply_offline_defaults
+from rubricem_core.testing import MICRO_PROFILE
 
 apply_offline_defaults()
 
@@ -72,29 +73,10 @@ def prefect_harness():
         yield
 
 
-# `make run` shrunk: the tiny profile with a smaller world, policy, SFT and RL, so the whole pipeline
-# (collect → sft → rl → evaluate → report) takes about a minute on a CPU.
-TINY_PIPELINE = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 8,
-    "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1,
-    "policy.prompt_style": "compact",
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
-    "sft.max_steps": 2,
-    "sft.warmup_steps": 1,
-    "rl.window": 1,
-    "rl.n_windows": 1,
-    "rl.queries_per_step": 2,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
-    "rl.eval_every": 1,  # a learning curve: SFT and both RL steps evaluated
-}
+# `make run` shrunk: the suite's run (MICRO_PROFILE: the tiny profile with a smaller world, policy, SFT and
+# RL), so the whole pipeline (collect → sft → rl → evaluate → report) takes about a minute on a CPU; with a
+# learning curve: SFT and both RL steps evaluated.
+TINY_PIPELINE = {"rl.eval_every": 1}
 
 
 @pytest.fixture(scope="session")
@@ -104,5 +86,5 @@ def tiny_pipeline_run(tmp_path_factory, prefect_harness) -> Path:
     from flows.pipeline import pipeline
 
     run_dir = tmp_path_factory.mktemp("tiny_pipeline") / "tiny"
-    pipeline(run_dir=str(run_dir), profile="tiny", overrides=TINY_PIPELINE)
+    pipeline(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=TINY_PIPELINE)
     return run_dir

@@ -464,3 +464,36 @@ def test_a_secret_block_name_is_accepted():
     assert (
         load_config("tiny", {"judge.api_key_secret_block": "judge-key-2"}).judge.api_key_secret_block == "judge-key-2"
     )
+
+
+def test_a_profile_extends_its_base_section_by_section(tmp_path):
+    from rubricem_core.testing import MICRO_PROFILE
+
+    child = tmp_path / "child.yaml"
+    child.write_text("base: tiny\nrl:\n  window: 3\npolicy:\n  hidden_size: 96\n")
+    grandchild = tmp_path / "grandchild.yaml"
+    grandchild.write_text("base: child.yaml\nrl:\n  recipe: baseline\n")
+    tiny, got = load_config("tiny"), load_config(grandchild)
+    assert got.profile == "grandchild"
+    assert (got.rl.window, got.rl.recipe, got.policy.hidden_size) == (3, "baseline", 96)
+    # every other key of the touched sections, and every other section, is the base's
+    assert got.rl.n_windows == tiny.rl.n_windows and got.policy.n_layers == tiny.policy.n_layers
+    assert got.teacher == tiny.teacher and got.judge == tiny.judge
+    micro = load_config(MICRO_PROFILE, {"rl.recipe": "ss_grpo"})  # overrides apply over the merged profile
+    assert (micro.profile, micro.policy.hidden_size, micro.rl.recipe) == ("micro", 64, "ss_grpo")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("base: nosuch\n", "unknown profile 'nosuch'"),
+        ("base: missing.yaml\n", "profile file not found"),
+        ("base: [tiny]\n", "base must name a profile"),
+        ("base: self.yaml\n", "cycle"),
+    ],
+)
+def test_a_bad_base_is_named(tmp_path, text, message):
+    path = tmp_path / "self.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)

@@ -24,6 +24,7 @@ import torch
 
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.training.checkpoint import load_checkpoint, read_meta
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
@@ -31,27 +32,7 @@ pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "flows.cli"]
 
-SMALL = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 8,
-    "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
-    "sft.max_steps": 4,
-    "sft.warmup_steps": 1,
-    "sft.checkpoint_every": 2,
-    "sft.log_every": 1,
-    "rl.window": 1,
-    "rl.n_windows": 1,
-    "rl.queries_per_step": 2,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
-}
+SMALL = {"sft.max_steps": 4, "sft.checkpoint_every": 2, "sft.log_every": 1}  # over MICRO_PROFILE
 SETS = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
 # columns that legitimately differ between two runs of the same config (wall-clock times)
 VOLATILE = {"latency_s", "submitted_at", "logged_at"}
@@ -66,11 +47,11 @@ def reference(tmp_path_factory, prefect_harness) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("fault_kill")
     run = root / "reference"
-    collect_sft_data(run_dir=str(run), profile="tiny", overrides=SMALL)
+    collect_sft_data(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
     shutil.copytree(run, root / "collected")
-    sft(run_dir=str(run), profile="tiny", overrides=SMALL)
+    sft(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
     shutil.copytree(run, root / "trained")
-    rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+    rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
     return {"collected": root / "collected", "trained": root / "trained", "final": run}
 
 
@@ -202,7 +183,7 @@ def test_collection_killed_mid_write_and_after_a_round_resumes(reference, tmp_pa
     kill_at("collect-sft-data", run, "collect.round_written:1")
     assert not store.has("sft_trajectories")
     # 3) the rerun completes with exactly the uninterrupted run's tables
-    collect_sft_data(run_dir=str(run), profile="tiny", overrides=SMALL)
+    collect_sft_data(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
     for table, key in COLLECT_TABLES.items():
         assert_same_table(run, reference["collected"], table, key)
     assert_same_metrics(run, reference["collected"], "collect_sft_data")
@@ -222,7 +203,7 @@ def test_sft_killed_mid_checkpoint_resumes_to_the_same_weights(reference, tmp_pa
     assert (ckpts / ".final.tmp" / "model.safetensors").exists(), "the kill must land inside the final save"
     assert not (ckpts / "final").exists()
     read_meta(ckpts / "step-000002")  # the earlier checkpoint is whole
-    sft(run_dir=str(run), profile="tiny", overrides=SMALL)
+    sft(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
     assert sorted(p.name for p in ckpts.iterdir()) == ["final", "step-000002"], "a staging directory was left behind"
     loaded = load_checkpoint(ckpts / "final")
     # the tokenizer is part of the atomic save (it used to be written after the rename)
@@ -281,7 +262,7 @@ def test_rl_killed_at_every_write_boundary_reproduces_the_uninterrupted_run(refe
         for table in RunStore(run).tables():  # whatever exists after a kill is whole
             RunStore(run).read_table(table)
     assert completed_step(RunStore(run)) == 1  # the last kill: step 1 done, its metrics not logged
-    result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "reflection.schedule": "sync"})
+    result = rl(run_dir=str(run), profile=MICRO_PROFILE, overrides={**SMALL, "reflection.schedule": "sync"})
     assert result["steps"] == 2
     assert json.loads((run / "state" / "rl_progress.json").read_text()) == {"completed_step": 1}
     for table, key in RL_TABLES.items():
@@ -329,13 +310,13 @@ def test_async_rl_killed_at_its_boundaries_resumes_to_the_uninterrupted_async_ru
 
     straight = tmp_path / "straight"
     shutil.copytree(reference["trained"], straight)
-    rl(run_dir=str(straight), profile="tiny", overrides={**SMALL, **ASYNC})
+    rl(run_dir=str(straight), profile=MICRO_PROFILE, overrides={**SMALL, **ASYNC})
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
     for i, point in enumerate(ASYNC_BOUNDARIES):
         kill_at("rl", run, point, extra=[*SYNC, *ASYNC_SETS], tag=str(i))
     assert completed_step(RunStore(run)) == 1
-    rl(run_dir=str(run), profile="tiny", overrides={**SMALL, **ASYNC, "reflection.schedule": "sync"})
+    rl(run_dir=str(run), profile=MICRO_PROFILE, overrides={**SMALL, **ASYNC, "reflection.schedule": "sync"})
     for table, key in RL_TABLES.items():
         assert_same_table(run, straight, table, key)
     assert_same_metrics(run, straight, "rl")
@@ -374,7 +355,7 @@ def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(referenc
     # the uninterrupted run: the module's reference (2 steps, deferred schedule) extended to two windows
     straight = tmp_path / "straight"
     shutil.copytree(reference["final"], straight)
-    rl(run_dir=str(straight), profile="tiny", overrides={**SMALL, "rl.n_windows": 2})
+    rl(run_dir=str(straight), profile=MICRO_PROFILE, overrides={**SMALL, "rl.n_windows": 2})
 
     run = tmp_path / "run"
     shutil.copytree(reference["trained"], run)
@@ -383,7 +364,7 @@ def test_rl_with_sparse_checkpoints_killed_between_them_resumes_exactly(referenc
         if i < 2:  # nothing but the tables holds steps 0 and 1
             assert completed_step(RunStore(run)) == 1 and not (run / "checkpoints" / "rl").exists()
     assert completed_step(RunStore(run)) == 2
-    result = rl(run_dir=str(run), profile="tiny", overrides={**SMALL, **SPARSE, "reflection.schedule": "sync"})
+    result = rl(run_dir=str(run), profile=MICRO_PROFILE, overrides={**SMALL, **SPARSE, "reflection.schedule": "sync"})
     assert result["steps"] == 4 and result["final_checkpoint"].endswith("step-000003")
     for table, key in RL_TABLES.items():
         assert_same_table(run, straight, table, key)
@@ -432,7 +413,7 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
     overrides = {**SMALL, "judge.max_retries": 1}  # operational: recorded as a config revision
     monkeypatch.setattr(concurrent.litellm, "acompletion", endpoint_down)
     with pytest.raises(JudgeStepError, match=r"step 0: 4 of 4 judgments failed.*Connection refused"):
-        rl(run_dir=str(run), profile="tiny", overrides=overrides)
+        rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=overrides)
     assert calls["judge"] >= 4
     store = RunStore(run)
     assert not store.partitions("stage_rewards", "step") and not store.partitions("judge_scores", "step")
@@ -441,7 +422,7 @@ def test_a_judge_outage_fails_the_step_and_the_rerun_reproduces_the_run(referenc
     assert all(r["judge_failed"] and "Connection refused" in r["judge_error"] for r in failed)  # why, per rollout
 
     monkeypatch.setattr(concurrent.litellm, "acompletion", real)  # the endpoint is back
-    rl(run_dir=str(run), profile="tiny", overrides=overrides)
+    rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=overrides)
     for table, key in RL_TABLES.items():
         assert_same_table(run, reference["final"], table, key)
     assert not any(r["judge_failed"] or r["judge_error"] for r in store.read_rows("rollouts"))
@@ -494,7 +475,7 @@ def test_a_second_writer_is_refused_at_once_and_the_first_run_is_intact(referenc
         from rubricem_core.runlock import RunDirLocked
 
         with pytest.raises(RunDirLocked, match=f"pid {first.pid}"):
-            rl.fn(run_dir=str(run), profile="tiny", overrides=SMALL)
+            rl.fn(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
         assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         if first.poll() is None:
@@ -516,7 +497,7 @@ def test_a_changed_config_is_refused_once_its_stage_has_written(reference, tmp_p
     shutil.copytree(reference["final"], run)
     before = (run / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"seed: 0 → 1.*collect-sft-data"):
-        collect_sft_data(run_dir=str(run), profile="tiny", overrides={**SMALL, "seed": 1})
+        collect_sft_data(run_dir=str(run), profile=MICRO_PROFILE, overrides={**SMALL, "seed": 1})
     out = subprocess.run(
         [*CLI, "rl", "--run-dir", str(run), *SETS, "--set", "rl.recipe=baseline", "--set", "data.world.n_documents=61"],
         cwd=REPO,
@@ -561,7 +542,7 @@ def test_a_missing_endpoint_key_fails_before_any_work(reference, tmp_path, monke
     shutil.copytree(reference["trained"], run)
     monkeypatch.delenv("RUBRICEM_TEST_JUDGE_KEY", raising=False)
     with pytest.raises(MissingSecretError, match="RUBRICEM_TEST_JUDGE_KEY"):
-        rl(run_dir=str(run), profile="tiny", overrides={**SMALL, "judge.api_key_env": "RUBRICEM_TEST_JUDGE_KEY"})
+        rl(run_dir=str(run), profile=MICRO_PROFILE, overrides={**SMALL, "judge.api_key_env": "RUBRICEM_TEST_JUDGE_KEY"})
     assert not RunStore(run).files("rollouts"), "the key is checked before the first rollouts"
 
 
@@ -594,17 +575,17 @@ def test_lora_runs_killed_in_sft_and_across_rl_resume_to_the_uninterrupted_adapt
     overrides = {**SMALL, **LORA, "reflection.schedule": "sync"}
     want = tmp_path / "uninterrupted"
     shutil.copytree(reference["collected"], want)
-    sft(run_dir=str(want), profile="tiny", overrides=overrides)
-    rl(run_dir=str(want), profile="tiny", overrides=overrides)
+    sft(run_dir=str(want), profile=MICRO_PROFILE, overrides=overrides)
+    rl(run_dir=str(want), profile=MICRO_PROFILE, overrides=overrides)
 
     run = tmp_path / "run"
     shutil.copytree(reference["collected"], run)
     kill_at("sft", run, "checkpoint.weights_written:2", extra=LORA_SETS + SYNC, tag="lora")
     assert (run / "checkpoints" / "sft" / ".final.tmp" / "adapter_model.safetensors").exists()
-    sft(run_dir=str(run), profile="tiny", overrides=overrides)  # resumes from the step-2 adapter checkpoint
+    sft(run_dir=str(run), profile=MICRO_PROFILE, overrides=overrides)  # resumes from the step-2 adapter checkpoint
     for i, point in enumerate(LORA_BOUNDARIES):
         kill_at("rl", run, point, extra=LORA_SETS + SYNC, tag=f"lora{i}")
-    result = rl(run_dir=str(run), profile="tiny", overrides=overrides)
+    result = rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=overrides)
     assert result["steps"] == 2
     sft_final = run / "checkpoints" / "sft" / "final"
     assert not (sft_final / "model.safetensors").exists()  # an adapter, its base by reference
@@ -619,7 +600,10 @@ def test_lora_runs_killed_in_sft_and_across_rl_resume_to_the_uninterrupted_adapt
     from flows.evaluate import evaluate
 
     out = evaluate(
-        run_dir=str(run), profile="tiny", overrides={**overrides, "eval.max_queries": 2}, benchmarks=["synthetic"]
+        run_dir=str(run),
+        profile=MICRO_PROFILE,
+        overrides={**overrides, "eval.max_queries": 2},
+        benchmarks=["synthetic"],
     )
     assert out["checkpoint"].endswith("step-000001")
     assert any(r["checkpoint"] == out["tag"] for r in RunStore(run).read_rows("eval_results"))

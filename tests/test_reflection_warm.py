@@ -11,6 +11,7 @@ import pytest
 
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 from tests.test_rl import SMALL, sft_run  # noqa: F401,F811  (module fixture)
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
@@ -22,7 +23,7 @@ def _rl(sft_run, dst, **extra) -> str:
     from flows.rl import rl
 
     shutil.copytree(sft_run, dst)
-    rl(run_dir=str(dst), profile="tiny", overrides={**UNFORCED, **extra})
+    rl(run_dir=str(dst), profile=MICRO_PROFILE, overrides={**UNFORCED, **extra})
     return str(dst)
 
 

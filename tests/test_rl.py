@@ -14,6 +14,7 @@ from rubricem_core.rl.update import group_advantages, per_token_advantages
 from rubricem_core.scaffold import STAGES
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.trajectory import TokenTrajectory
 
 
@@ -95,26 +96,13 @@ def test_training_batch_trains_on_the_written_advantages():
     assert batch.stage_means["reward/A/plan_mean"] == pytest.approx(0.0)
 
 
-SMALL = {
+SMALL = {  # over the suite's run (rubricem_core/testing/micro.yaml)
     "data.world.n_documents": 120,
     "data.world.n_queries": 10,
     "data.world.eval_fraction": 0.2,
     "teacher.trajectories_per_query": 2,
-    "policy.prompt_style": "compact",
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
     "sft.max_steps": 4,
-    "sft.warmup_steps": 1,
-    "rl.window": 1,
-    "rl.n_windows": 1,
-    "rl.queries_per_step": 2,
     "rl.recipe": "ss_grpo",
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
 }
 
 
@@ -124,8 +112,8 @@ def sft_run(tmp_path_factory, prefect_harness):
     from flows.sft import sft
 
     run_dir = tmp_path_factory.mktemp("rl") / "base"
-    collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
-    sft(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
+    collect_sft_data(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
+    sft(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
     return run_dir
 
 
@@ -166,7 +154,7 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     from rubricem_core.store import RunStore
 
     straight = _copy_run(sft_run, tmp_path / "straight")
-    result = rl(run_dir=straight, profile="tiny", overrides=SMALL)
+    result = rl(run_dir=straight, profile=MICRO_PROFILE, overrides=SMALL)
     assert result["steps"] == 2
     store = RunStore(straight)
     for table in ("rollouts", "judge_rubrics", "judge_scores", "stage_rewards", "metrics"):
@@ -232,9 +220,9 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl_policy, "ss_grpo_update", fail_step_1)
     with pytest.raises(RuntimeError, match="injected failure"):
-        rl(run_dir=resumed, profile="tiny", overrides=SMALL)
+        rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=SMALL)
     monkeypatch.setattr(rl_policy, "ss_grpo_update", real)
-    state = rl(run_dir=resumed, profile="tiny", overrides=SMALL, return_state=True)
+    state = rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=SMALL, return_state=True)
     # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,
     # runs again and is never reported Cached
     from prefect import get_client
@@ -331,10 +319,10 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
 
     monkeypatch.setattr(rl_steps, "judge_step", counting_judge_step)
     streamed = _copy_run(sft_run, tmp_path / "streamed")
-    rl(run_dir=streamed, profile="tiny", overrides=SMALL)
+    rl(run_dir=streamed, profile=MICRO_PROFILE, overrides=SMALL)
     assert batch_calls == []  # every step judged while its rollouts sampled
     batch = _copy_run(sft_run, tmp_path / "batch")
-    rl(run_dir=batch, profile="tiny", overrides={**SMALL, "judge.stream": False})
+    rl(run_dir=batch, profile=MICRO_PROFILE, overrides={**SMALL, "judge.stream": False})
     assert batch_calls == [0, 1]
     reference = _judge_view(batch)
     _assert_same_judging(_judge_view(streamed), reference)
@@ -350,10 +338,10 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
 
     monkeypatch.setattr(LLMJudge, "ascore", all_failed)
     with pytest.raises(JudgeStepError, match="2 of 4 judgments failed|4 of 4 judgments failed"):
-        rl(run_dir=failing, profile="tiny", overrides=SMALL)
+        rl(run_dir=failing, profile=MICRO_PROFILE, overrides=SMALL)
     assert all(r["judge_failed"] for r in RunStore(failing).read_rows("rollouts", {"step": 0}))
     monkeypatch.setattr(LLMJudge, "ascore", real_ascore)
-    rl(run_dir=failing, profile="tiny", overrides=SMALL)  # same process, a new session rebuilt from the tables
+    rl(run_dir=failing, profile=MICRO_PROFILE, overrides=SMALL)  # same process, a new session rebuilt from the tables
     assert batch_calls == [0]  # step 0 re-judged from the tables, step 1 streamed
     _assert_same_judging(_judge_view(failing), reference)
 
@@ -376,7 +364,7 @@ def test_rl_flow_holds_nothing_per_step(sft_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl_flow, "Progress", CountingProgress)
     run_dir = _copy_run(sft_run, tmp_path / "four_steps")
-    result = rl_flow.rl(run_dir=run_dir, profile="tiny", overrides={**SMALL, "rl.n_windows": 2})
+    result = rl_flow.rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides={**SMALL, "rl.n_windows": 2})
     assert result["steps"] == 4 and len(sizes) == 4
     assert sizes[-1] == sizes[0], sizes
     logged = json.loads(

@@ -14,6 +14,7 @@ import yaml
 
 from rubricem_core.config import RunConfig
 from rubricem_core.rl.curriculum import reflect_before_next_rollouts, sampling_step, windowed_schedule
+from rubricem_core.testing import MICRO_PROFILE
 
 
 def test_sampling_step_lags_one_update_with_async():
@@ -51,22 +52,7 @@ def test_async_settings_that_cannot_work_are_refused_by_name(changes, message):
         RunConfig.model_validate(changes)
 
 
-SMALL = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 10,
-    "data.world.eval_fraction": 0.2,
-    "teacher.trajectories_per_query": 1,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
-    "sft.max_steps": 4,
-    "sft.warmup_steps": 1,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
-}
+SMALL = {"data.world.n_queries": 10, "data.world.eval_fraction": 0.2, "sft.max_steps": 4}  # over MICRO_PROFILE
 # two new-query steps and their replays, the reflection loop on (tiny: recipe full), every checkpoint kept
 ASYNC = {
     "rl.window": 2,
@@ -93,8 +79,8 @@ def trained(tmp_path_factory, prefect_harness) -> Path:
     from flows.sft import sft
 
     run_dir = tmp_path_factory.mktemp("rl_async") / "base"
-    collect_sft_data(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
-    sft(run_dir=str(run_dir), profile="tiny", overrides=SMALL)
+    collect_sft_data(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
+    sft(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
     return run_dir
 
 
@@ -146,8 +132,8 @@ def test_async_rl_samples_one_update_behind_and_both_schedules_agree(trained, tm
     overlapped, sequential = tmp_path / "overlapped", tmp_path / "sequential"
     shutil.copytree(trained, overlapped)
     shutil.copytree(trained, sequential)
-    rl(run_dir=str(overlapped), profile="tiny", overrides={**SMALL, **ASYNC})
-    rl(run_dir=str(sequential), profile="tiny", overrides={**SMALL, **ASYNC, "reflection.schedule": "sync"})
+    rl(run_dir=str(overlapped), profile=MICRO_PROFILE, overrides={**SMALL, **ASYNC})
+    rl(run_dir=str(sequential), profile=MICRO_PROFILE, overrides={**SMALL, **ASYNC, "reflection.schedule": "sync"})
 
     for table in TABLES:
         assert _rows(overlapped, table) == _rows(sequential, table), table

@@ -27,6 +27,7 @@ from rubricem_core.rl import session as rl_session
 from rubricem_core.rl.learner import update_settings
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.trajectory import TokenTrajectory
 from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
 from tests.two_node_ray import run_flow_driver, two_node_cluster
@@ -164,11 +165,13 @@ def test_rl_flow_on_two_zero3_ranks(sft_run, tmp_path, closed_sessions):
     two = str(tmp_path / "two")
     shutil.copytree(sft_run, one)
     shutil.copytree(sft_run, two)
-    rl(run_dir=one, profile="tiny", overrides=zero3)
+    rl(run_dir=one, profile=MICRO_PROFILE, overrides=zero3)
     # no checkpoint of step 0 (rl.checkpoint_every=2): step 1's engine gets the ranks' weights by the
     # gloo transfer from rank 0 (the only road left: a missing checkpoint would raise)
     result = rl(
-        run_dir=two, profile="tiny", overrides={**zero3, "distributed.nproc_per_node": 2, "rl.checkpoint_every": 2}
+        run_dir=two,
+        profile=MICRO_PROFILE,
+        overrides={**zero3, "distributed.nproc_per_node": 2, "rl.checkpoint_every": 2},
     )
     assert result["steps"] == 2
     assert closed_sessions  # the ranks ended with the flow run
@@ -191,7 +194,7 @@ def one_process_flow(sft_run, tmp_path_factory) -> str:
 
     run_dir = str(tmp_path_factory.mktemp("rl-one") / "run")
     shutil.copytree(sft_run, run_dir)
-    rl(run_dir=run_dir, profile="tiny", overrides=FLOW)
+    rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides=FLOW)
     return run_dir
 
 
@@ -241,7 +244,7 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
 
     def run() -> None:
         try:
-            rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+            rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides=overrides)
         except BaseException as exc:  # noqa: BLE001  (what the flow raised, checked below)
             failed.update(exc=exc, at=time.monotonic())
 
@@ -271,10 +274,10 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
     monkeypatch.setenv("RUBRICEM_FAULT_POINT", "checkpoint.weights_written:1")
     monkeypatch.delenv("RUBRICEM_FAULT_ACTION")
     with pytest.raises(RankFailure, match=r"trainer rank \d of 2 .*(died|raised)"):
-        rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+        rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides=overrides)
     assert rl_progress.completed_step(RunStore(run_dir)) == 0 and closed_sessions
     monkeypatch.delenv("RUBRICEM_FAULT_POINT")
-    rl(run_dir=run_dir, profile="tiny", overrides=overrides)
+    rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides=overrides)
     assert rl_progress.completed_step(RunStore(run_dir)) == 1
     assert RunStore(run_dir).partitions("stage_rewards", "step") == [0, 1]
     _same_tables(run_dir, one_process_flow)
@@ -302,8 +305,8 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
 
     root = tmp_path_factory.mktemp("rl-server")
     sft_dir = str(root / "sft")
-    collect_sft_data(run_dir=sft_dir, profile="tiny", overrides=SERVER_FLOW)
-    sft(run_dir=sft_dir, profile="tiny", overrides=SERVER_FLOW)
+    collect_sft_data(run_dir=sft_dir, profile=MICRO_PROFILE, overrides=SERVER_FLOW)
+    sft(run_dir=sft_dir, profile=MICRO_PROFILE, overrides=SERVER_FLOW)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU build
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     rollouts = {}
@@ -322,7 +325,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
         shutil.copytree(sft_dir, run_dir)
         rl(
             run_dir=run_dir,
-            profile="tiny",
+            profile=MICRO_PROFILE,
             overrides={
                 **SERVER_FLOW,
                 "rl.backend": "deepspeed",
@@ -375,7 +378,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
         "eval.max_queries": 2,
     }
     run_dir = str(root / "gloo-2-replicas")
-    out = evaluate(run_dir=run_dir, profile="tiny", overrides=fleet, benchmarks=["synthetic"])
+    out = evaluate(run_dir=run_dir, profile=MICRO_PROFILE, overrides=fleet, benchmarks=["synthetic"])
     ckpt = Path(out["checkpoint"])
     served = [
         (ckpt.parent / f".{ckpt.name}.vllm-eval{suffix}.log").read_text().count('"POST /v1/completions HTTP/1.1" 200')
@@ -400,8 +403,8 @@ def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
     lora = {**SERVER_FLOW, "policy.lora.rank": 8, "policy.lora.alpha": 16, "sft.lr": 3e-3, "rl.lr": 1e-4}
     root = tmp_path_factory.mktemp("rl-lora-server")
     sft_dir = str(root / "sft")
-    collect_sft_data(run_dir=sft_dir, profile="tiny", overrides=lora)
-    sft(run_dir=sft_dir, profile="tiny", overrides=lora)
+    collect_sft_data(run_dir=sft_dir, profile=MICRO_PROFILE, overrides=lora)
+    sft(run_dir=sft_dir, profile=MICRO_PROFILE, overrides=lora)
     assert (Path(sft_dir) / "checkpoints" / "sft" / "final" / "adapter_model.safetensors").is_file()
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
@@ -410,7 +413,7 @@ def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
         shutil.copytree(sft_dir, run_dir)
         rl(
             run_dir=run_dir,
-            profile="tiny",
+            profile=MICRO_PROFILE,
             overrides={
                 **lora,
                 "distributed.nproc_per_node": ranks,
@@ -447,13 +450,13 @@ def test_async_rl_flow_pushes_each_lagged_step_from_two_ranks_into_a_vllm_server
 
     root = tmp_path_factory.mktemp("rl-async-server")
     run_dir = str(root / "run")
-    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
-    sft(run_dir=run_dir, profile="tiny", overrides=SERVER_FLOW)
+    collect_sft_data(run_dir=run_dir, profile=MICRO_PROFILE, overrides=SERVER_FLOW)
+    sft(run_dir=run_dir, profile=MICRO_PROFILE, overrides=SERVER_FLOW)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     rl(
         run_dir=run_dir,
-        profile="tiny",
+        profile=MICRO_PROFILE,
         overrides={
             **SERVER_FLOW,
             "rl.n_windows": 2,  # 4 steps: steps 2 and 3 sample weights pushed while the next update runs
@@ -505,7 +508,7 @@ def test_rl_flow_on_two_ray_nodes(one_process_flow, sft_run, two_nodes, tmp_path
     run_dir = str(tmp_path / "run")
     shutil.copytree(sft_run, run_dir)
     _, out = run_flow_driver(
-        "flows.rl:rl", two_nodes, run_dir=run_dir, profile="tiny", overrides={**FLOW, "distributed.nnodes": 2}
+        "flows.rl:rl", two_nodes, run_dir=run_dir, profile=MICRO_PROFILE, overrides={**FLOW, "distributed.nnodes": 2}
     )
     assert re.search(r"2 rl ranks on 2 node\(s\) \['127\.0\.0\.2', '127\.0\.0\.3'\]", out), out[-4000:]
     assert "joining the Ray cluster at 127.0.0.2:" in out

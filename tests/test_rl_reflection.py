@@ -19,6 +19,7 @@ from rubricem_core.reflection.format import parse_reflection, validate_reflectio
 from rubricem_core.reflection.meta import candidate_advantages, pick_source_rollouts
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.testing.forced_reflections import forcing_engine
 from tests.test_rl import SMALL, sft_run  # noqa: F401  (module fixture)
 
@@ -85,7 +86,7 @@ def _run(sft_run, dst, state, **extra):
 
     run_dir = _copy(sft_run, dst)
     state["questions"].update({q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")})
-    rl(run_dir=run_dir, profile="tiny", overrides={**REFLECT, **extra})
+    rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides={**REFLECT, **extra})
     return run_dir
 
 
@@ -174,12 +175,12 @@ def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced
 
     monkeypatch.setattr(LocalPolicy, "save", fail_in_step_2)
     with pytest.raises(RuntimeError, match="injected failure"):
-        rl(run_dir=resumed, profile="tiny", overrides=REFLECT)
+        rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=REFLECT)
     monkeypatch.setattr(LocalPolicy, "save", real)
     store = RunStore(resumed)
     assert completed_step(RunStore(resumed)) == 1
     shutil.rmtree(store.table_dir("reflections") / "step=0001")
-    rl(run_dir=resumed, profile="tiny", overrides=REFLECT)
+    rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=REFLECT)
 
     for step in (2, 3):
         a, b = _weights(straight, step), _weights(resumed, step)

@@ -138,13 +138,7 @@ def load_config(
 ) -> RunConfig:
     """Load a profile and apply overrides (a dict of dotted keys, or ``key=value`` strings)."""
     path = profile_path(profile)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot parse profile {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"profile {path} must be a mapping at the top level")
-    raw.setdefault("profile", path.stem)
+    raw = read_profile(path)
     if isinstance(overrides, list):
         overrides = dict(parse_override(item) for item in overrides)
     origin = str(path)
@@ -155,6 +149,40 @@ def load_config(
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, origin)) from None
+
+
+def read_profile(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A profile file as a nested dict, with ``base:`` resolved: the named profile (a name in data/profiles,
+    or a YAML path relative to this file's folder) read first, and this file's keys merged over it section
+    by section (a list or value replaces the base's). ``profile`` is this file's name unless it sets one."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse profile {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profile {path} must be a mapping at the top level")
+    base = raw.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(f"profile {path}: base must name a profile or a YAML file, got {base!r}")
+        as_file = Path(base).suffix in (".yaml", ".yml") or "/" in base
+        base_path = profile_path(path.parent / base if as_file and not Path(base).is_absolute() else base)
+        if base_path.resolve() in (*_seen, path.resolve()):
+            chain = " → ".join(str(p) for p in (*_seen, path.resolve(), base_path.resolve()))
+            raise ConfigError(f"profile {path}: its bases form a cycle ({chain})")
+        inherited = read_profile(base_path, (*_seen, path.resolve()))
+        inherited.pop("profile", None)
+        raw = _merged(inherited, raw)
+    raw.setdefault("profile", path.stem)
+    return raw
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both_sections = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both_sections else value
+    return out
 
 
 def config_to_yaml(cfg: RunConfig) -> str:
