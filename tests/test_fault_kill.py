@@ -72,7 +72,7 @@ def kill_at(
     log_path = run_dir.parent / f"{run_dir.name}-{command}-{tag}{point.replace(':', '_')}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*CLI, command, "--run-dir", str(run_dir), *SETS, *extra],
+            [*CLI, command, "--run-dir", str(run_dir), "--profile", MICRO_PROFILE, *SETS, *extra],
             cwd=REPO,
             env=env,
             stdout=log,

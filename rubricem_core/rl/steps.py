@@ -36,7 +36,8 @@ from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts,
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
 from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_step
 from rubricem_core.rl.learner import step_updates, update_inputs
-from rubricem_core.rl.progress import checkpoint_due, step_checkpoint
+from rubricem_core.rl.policy import reflection_on
+from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
 from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
@@ -341,8 +342,10 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     store = session.store
     (update,) = [u for u in step_updates(cfg, plan.step) if u.kind == "task"]
     batch, settings = update_inputs(store, cfg, update)
-    if cfg.rl.async_steps:
-        # the next step's rollouts sample with the weights before this update: the engine takes them now
+    engine_samples_beside = plan.step < last_step(cfg) or (reflection_on(cfg) and plan.phase == "new")
+    if cfg.rl.async_steps and engine_samples_beside:
+        # the next step's rollouts (and this step's reflections) sample with the weights before this
+        # update: the engine takes them now
         ensure_engine_weights(session, plan.step - 1, cfg)
     t0 = time.perf_counter()
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
