@@ -478,20 +478,18 @@ def test_async_rl_flow_pushes_each_lagged_step_from_two_ranks_into_a_vllm_server
     assert log.count('"POST /update_weights HTTP/1.1" 200') == 2  # the weights after steps 0 and 1
     ckpts = Path(run_dir) / "checkpoints" / "rl"
     temperature = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())["rollout"]["temperature"]
-    for step, lagged, trainer in ((2, "step-000000", "step-000001"), (3, "step-000001", "step-000002")):
-        rows = RunStore(run_dir).read_rows("rollouts", {"step": step})
-        gaps = {}
-        for name in (lagged, trainer):
-            model, _ = load_policy(str(ckpts / name))
-            worst = 0.0
-            for row in rows:
-                ids = torch.tensor([row["token_ids"]])
-                with torch.no_grad():
-                    ours = token_logprobs(model.eval(), ids, torch.ones_like(ids), temperature=temperature)[0]
-                known = [(t, lp) for t, lp in enumerate(row["logprobs"]) if lp is not None]
-                worst = max([worst, *(abs(float(ours[t]) - lp) for t, lp in known)])
-            gaps[name] = worst
-        assert gaps[lagged] < 1e-3 < gaps[trainer], (step, gaps)
+    # the server's logprobs are the lagged checkpoint's (that they are not the trainer's newer weights when
+    # an update moved them is tests/test_rl_async.py's, on a run with signal in every step)
+    for step, lagged in ((2, "step-000000"), (3, "step-000001")):
+        model, _ = load_policy(str(ckpts / lagged))
+        worst = 0.0
+        for row in RunStore(run_dir).read_rows("rollouts", {"step": step}):
+            ids = torch.tensor([row["token_ids"]])
+            with torch.no_grad():
+                ours = token_logprobs(model.eval(), ids, torch.ones_like(ids), temperature=temperature)[0]
+            known = [(t, lp) for t, lp in enumerate(row["logprobs"]) if lp is not None]
+            worst = max([worst, *(abs(float(ours[t]) - lp) for t, lp in known)])
+        assert worst < 1e-3, (step, lagged, worst)
 
 
 @pytest.fixture(scope="module")
