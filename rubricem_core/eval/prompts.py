@@ -37,6 +37,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
@@ -52,6 +54,20 @@ TASK_LINE = "TASK: grade this response"
 CRITERION_KIND = "rubric_criterion"  # HealthBench per_criterion: one criterion, met or not
 RACE_KIND = "dimension_race"  # DeepResearchBench race: target and reference report on the same criteria
 
+
+PROMPT_DIR = Path(__file__).with_name("grader_prompts")
+
+
+@lru_cache(maxsize=None)
+def grader_prompt(name: str) -> str:
+    """The grader prompt ``grader_prompts/<name>.txt``: the prose lives in files beside the code that fills
+    them, so a protocol's wording is read and diffed as text."""
+    path = PROMPT_DIR / f"{name}.txt"
+    if not path.is_file():
+        raise EvalError(f"grader prompt file missing: {path}")
+    return path.read_text(encoding="utf-8").rstrip("\n")
+
+
 SCALES: dict[str, list[int]] = {
     "rubric_points": [0, 1],
     "rubric_coverage": [1, 2, 3, 4, 5],
@@ -59,50 +75,9 @@ SCALES: dict[str, list[int]] = {
     "rubric_properties": [0, 1, 2],
 }
 
-_SCALE_TEXT = {
-    "rubric_points": "For each criterion answer 1 if the response meets it and 0 if it does not. Some criteria "
-    "describe mistakes (negative points): answer 1 when the response makes that mistake.",
-    "dimension_criteria": "Score each criterion from 0 (not addressed at all) to 10 (fully and excellently "
-    "addressed), judging the response as a research report.",
-    "rubric_properties": "Score each property 2 if the response fully has it, 1 if partly, 0 if not. A property "
-    "with polarity negative describes a fault: score how fully the fault is present.",
-    "rubric_coverage": "Each item is a question about the response. Rate to what extent the response addresses it: "
-    "1 Not at all (totally uninferable), 2 Barely (unmentioned but inferable), 3 Moderately (mentioned but misses "
-    "important details), 4 Mostly (mentioned but misses some details), 5 Completely (mentioned with sufficient "
-    "details).",
-}
 # Rubric items per grader call (None: all of an answer's items in one call). ResearchQA's own grader rates
 # its items in batches of 8 (compute_coverage.py --batch_size default).
 ITEMS_PER_CALL: dict[str, int] = {"rubric_coverage": 8}
-
-ITEMS_SYSTEM = """You grade the final response of a research assistant against a benchmark's rubric. {scale}
-Judge only from the response text; do not reward length for its own sake. For every item write a short justification that quotes or points at the response, then the score. Grade every item exactly once, using its id.
-
-Reply with one JSON object and nothing else, following this JSON schema:
-{schema}"""
-
-SHORT_FORM_SYSTEM = """You grade whether a research assistant's response answers a short factual question correctly, given the gold answer (and its accepted aliases).
-- correct: the response's answer matches the gold answer in meaning (aliases, formatting and extra detail are fine) and does not also assert a contradicting answer.
-- incorrect: the response gives an answer that contradicts the gold answer or is a different entity/value.
-- not_attempted: the response does not commit to an answer (empty, refuses, or only says it could not find it).
-
-Reply with one JSON object and nothing else, following this JSON schema:
-{schema}"""
-
-
-CRITERION_SYSTEM = """You grade whether the last response of a conversation meets ONE rubric criterion of a benchmark.
-- criteria_met is true only if the response meets every part of the criterion; but when the criterion gives examples ("such as", "for example", "including"), the response need not cover all of them.
-- A criterion with negative points describes something undesirable: criteria_met is true when the response does that undesirable thing (so a good response gets false for it).
-Judge only from the response text. First write a short explanation that quotes or points at the response, then the verdict.
-
-Reply with one JSON object and nothing else, following this JSON schema:
-{schema}"""
-
-RACE_SYSTEM = """You compare two research reports written for the same research task, criterion by criterion.
-Score each article on every criterion from 0 (not addressed at all) to 10 (fully and excellently addressed), judging it as a research report against that criterion; read both before scoring so the two scores are on the same scale. Do not reward length for its own sake. For every criterion write a short justification comparing the two articles, then both scores. Grade every criterion exactly once, using its id.
-
-Reply with one JSON object and nothing else, following this JSON schema:
-{schema}"""
 
 
 def _section(name: str, body: str) -> str:
@@ -192,7 +167,9 @@ def items_schema(family: str, ids: Sequence[str]) -> dict[str, Any]:
 def items_messages(
     benchmark: str, family: str, query: Query, response: str, items: Sequence[GradeItem]
 ) -> list[dict[str, str]]:
-    system = ITEMS_SYSTEM.format(scale=_SCALE_TEXT[family], schema=json.dumps(items_schema(family, ["<item id>"])))
+    system = grader_prompt("items").format(
+        scale=grader_prompt(f"scale_{family}"), schema=json.dumps(items_schema(family, ["<item id>"]))
+    )
     parts = [
         f"{TASK_LINE} against every rubric item ({family}).",
         _section("BENCHMARK", benchmark),
@@ -274,7 +251,7 @@ def criterion_schema() -> dict[str, Any]:
 def criterion_messages(benchmark: str, query: Query, response: str, item: GradeItem) -> list[dict[str, str]]:
     """The prompt of one criterion (HealthBench ``per_criterion``): the conversation, the criterion with its
     points, the response; the reply says met or not met."""
-    system = CRITERION_SYSTEM.format(schema=json.dumps(criterion_schema()))
+    system = grader_prompt("criterion").format(schema=json.dumps(criterion_schema()))
     parts = [
         f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
         _section("BENCHMARK", benchmark),
@@ -319,7 +296,7 @@ def race_messages(
     """The RACE prompt: criteria, then the target (ARTICLE 1) and the reference (ARTICLE 2). As in the
     benchmark's own prompt the articles are labelled by position only, so the judge cannot favour or
     disfavour "the reference" as such."""
-    system = RACE_SYSTEM.format(schema=json.dumps(race_schema(["<item id>"])))
+    system = grader_prompt("race").format(schema=json.dumps(race_schema(["<item id>"])))
     parts = [
         f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
         _section("BENCHMARK", benchmark),
@@ -417,7 +394,7 @@ def short_form_schema() -> dict[str, Any]:
 
 
 def short_form_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
-    system = SHORT_FORM_SYSTEM.format(schema=json.dumps(short_form_schema()))
+    system = grader_prompt("short_form").format(schema=json.dumps(short_form_schema()))
     parts = [
         f"{TASK_LINE}: is the short answer correct? (short_form)",
         _section("BENCHMARK", benchmark),
@@ -437,15 +414,6 @@ def parse_short_form(text: str | None) -> tuple[str, str]:
 # ---- DeepSearchQA: gold answer parts and excessive answers ---------------------------------------
 
 ANSWER_SET_KIND = "answer_set"
-
-ANSWER_SET_SYSTEM = """You judge whether a research assistant's response to a question arrives at the correct answer.
-The prompt type says how: for a 'Single Answer' prompt, check that the response gives the answer (exact wording is not needed); for a 'Set Answer' prompt, the correct answer lists several items: check each item of that list separately (order does not matter unless the question says so), and only then look for answers in the response that are not in the list.
-- correctness_details: one entry per part of the correct answer (one for a Single Answer; one per listed item for a Set Answer), with found true when the response contains that part.
-- excessive_answers: every answer the response gives that is not part of the correct answer (an empty list when there is none).
-First write a short explanation that points at the response and the correct answer.
-
-Reply with one JSON object and nothing else, following this JSON schema:
-{schema}"""
 
 
 def answer_set_schema() -> dict[str, Any]:
@@ -474,7 +442,7 @@ def answer_type(query: Query) -> str:
 
 
 def answer_set_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
-    system = ANSWER_SET_SYSTEM.format(schema=json.dumps(answer_set_schema()))
+    system = grader_prompt("answer_set").format(schema=json.dumps(answer_set_schema()))
     parts = [
         f"{TASK_LINE}: does it contain every part of the correct answer? ({ANSWER_SET_KIND})",
         _section("BENCHMARK", benchmark),
