@@ -73,6 +73,7 @@ def _tool(spec: dict[str, Any]) -> str:
 
 def describe_run(cfg: RunConfig) -> str:
     """The lines `rubricem run --dry-run` prints."""
+    from rubricem_core.eval.short_form import PROTOCOLS as SHORT_FORM_PROTOCOLS
     from rubricem_core.eval.types import family_of
 
     lines = [f"profile {cfg.profile}: what a run would call (--dry-run: nothing is called or written)"]
@@ -101,6 +102,8 @@ def describe_run(cfg: RunConfig) -> str:
         family = family_of(benchmark)
         choice = e.protocol_for(benchmark)
         how = PROTOCOL_CHOICES.get(benchmark, {}).get(choice or "", "")
+        if benchmark in SHORT_FORM_PROTOCOLS:
+            how = SHORT_FORM_PROTOCOLS[benchmark][2]
         grader = "" if benchmark == "synthetic" else f"; grader {_endpoint(e.grader_for(benchmark))}"
         path = e.paths.get(benchmark)
         where = "" if benchmark == "synthetic" else f"; file {path}" if path else "; file NOT SET (eval.paths)"

@@ -202,6 +202,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         overall = out["correct_rate"]
         out["accuracy_given_attempted"] = given
         out["f_score"] = 2 * given * overall / (given + overall) if given + overall > 0 else 0.0
+    em = [d["answer_em"] for d in details if isinstance(d.get("answer_em"), (int, float))]
+    if em:  # 2WikiMultihopQA's own answer metrics, on the judge's extracted answer (eval/short_form.py)
+        out["answer_em_mean"] = float(np.mean(em))
+        out["answer_f1_mean"] = float(np.mean([d["answer_f1"] for d in details if "answer_em" in d]))
     raw = [d["raw"] for d in details if isinstance(d.get("raw"), (int, float)) and "achieved_points" in d]
     if raw:  # HealthBench as simple-evals reports it: the mean of unclipped example scores, then clipped
         out["score_mean_clipped_mean"] = min(1.0, max(0.0, float(np.mean(raw))))

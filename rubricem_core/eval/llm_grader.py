@@ -36,13 +36,11 @@ from rubricem_core.eval.prompts import (
     parse_criterion,
     parse_items,
     parse_race,
-    parse_short_form,
     race_messages,
     race_schema,
     reference_article,
-    short_form_messages,
-    short_form_schema,
 )
+from rubricem_core.eval.short_form import protocol_of, short_form_messages, short_form_parser, short_form_schema
 from rubricem_core.eval.types import PER_CRITERION_BENCHMARKS, EvalError, GradeResult, family_of
 from rubricem_core.judge.types import SCORE, JudgeUsage
 from rubricem_core.llm.structured import StructuredCall, StructuredClient, StructuredOptions
@@ -137,8 +135,8 @@ class BenchmarkGrader:
                         custom_id,
                         short_form_messages(benchmark, query, response),
                         "short_form_grade",
-                        short_form_schema(),
-                        parse_short_form,
+                        short_form_schema(protocol_of(benchmark)[0]),
+                        short_form_parser(benchmark, query),
                     )
                 )
             elif race:
@@ -184,12 +182,9 @@ class BenchmarkGrader:
                 score, extra = aggregate_answer_set(parts, excessive)
                 out.append(GradeResult(score, {"grader": self.model, "explanation": why, **extra}))
             elif items is None:
-                grade, why = call.value
-                out.append(
-                    GradeResult(
-                        1.0 if grade == "correct" else 0.0, {"grade": grade, "justification": why, "grader": self.model}
-                    )
-                )
+                graded = call.value
+                details = {"grade": graded.grade, "justification": graded.justification, "grader": self.model}
+                out.append(GradeResult(1.0 if graded.grade == "correct" else 0.0, {**details, **graded.details}))
             else:
                 out.append(self._race_result(items, call.value))
         return out

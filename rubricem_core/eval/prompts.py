@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
+from rubricem_core.eval.types import EvalError
 from rubricem_core.judge.prompts import escape_section_markers
 from rubricem_core.llm.replies import ReplyError, checked_reply, one_entry_per_id
 from rubricem_core.readers import DRB_REFERENCE_KEY
@@ -58,7 +58,7 @@ RACE_KIND = "dimension_race"  # DeepResearchBench race: target and reference rep
 PROMPT_DIR = Path(__file__).with_name("grader_prompts")
 
 
-@lru_cache(maxsize=None)
+@cache
 def grader_prompt(name: str) -> str:
     """The grader prompt ``grader_prompts/<name>.txt``: the prose lives in files beside the code that fills
     them, so a protocol's wording is read and diffed as text."""
@@ -80,7 +80,7 @@ SCALES: dict[str, list[int]] = {
 ITEMS_PER_CALL: dict[str, int] = {"rubric_coverage": 8}
 
 
-def _section(name: str, body: str) -> str:
+def section(name: str, body: str) -> str:
     return f"<<<{name}>>>\n{body.strip() or '(empty)'}"
 
 
@@ -172,11 +172,11 @@ def items_messages(
     )
     parts = [
         f"{TASK_LINE} against every rubric item ({family}).",
-        _section("BENCHMARK", benchmark),
-        _section("QUESTION", escape_section_markers(conversation_text(query))),
-        _section("RUBRIC ITEMS", "\n".join(item.line(family) for item in items)),
-        _section("RESPONSE", escape_section_markers(response)),
-        _section("END", f"Grade all {len(items)} items."),
+        section("BENCHMARK", benchmark),
+        section("QUESTION", escape_section_markers(conversation_text(query))),
+        section("RUBRIC ITEMS", "\n".join(item.line(family) for item in items)),
+        section("RESPONSE", escape_section_markers(response)),
+        section("END", f"Grade all {len(items)} items."),
     ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
@@ -254,11 +254,11 @@ def criterion_messages(benchmark: str, query: Query, response: str, item: GradeI
     system = grader_prompt("criterion").format(schema=json.dumps(criterion_schema()))
     parts = [
         f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
-        _section("BENCHMARK", benchmark),
-        _section("QUESTION", escape_section_markers(conversation_text(query))),
-        _section("RUBRIC ITEM", item.line("rubric_points")),
-        _section("RESPONSE", escape_section_markers(response)),
-        _section("END", "Is the criterion met by the response?"),
+        section("BENCHMARK", benchmark),
+        section("QUESTION", escape_section_markers(conversation_text(query))),
+        section("RUBRIC ITEM", item.line("rubric_points")),
+        section("RESPONSE", escape_section_markers(response)),
+        section("END", "Is the criterion met by the response?"),
     ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
@@ -299,12 +299,12 @@ def race_messages(
     system = grader_prompt("race").format(schema=json.dumps(race_schema(["<item id>"])))
     parts = [
         f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
-        _section("BENCHMARK", benchmark),
-        _section("QUESTION", escape_section_markers(conversation_text(query))),
-        _section("RUBRIC ITEMS", "\n".join(race_line(item) for item in items)),
-        _section("ARTICLE 1", escape_section_markers(response)),
-        _section("ARTICLE 2", escape_section_markers(reference)),
-        _section("END", f"Score both articles on all {len(items)} criteria."),
+        section("BENCHMARK", benchmark),
+        section("QUESTION", escape_section_markers(conversation_text(query))),
+        section("RUBRIC ITEMS", "\n".join(race_line(item) for item in items)),
+        section("ARTICLE 1", escape_section_markers(response)),
+        section("ARTICLE 2", escape_section_markers(reference)),
+        section("END", f"Score both articles on all {len(items)} criteria."),
     ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
@@ -381,36 +381,6 @@ def gold_answers(query: Query) -> list[str]:
     return out
 
 
-def short_form_schema() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "justification": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-            "grade": {"enum": list(SHORT_FORM_GRADES)},
-        },
-        "required": ["justification", "grade"],
-        "additionalProperties": False,
-    }
-
-
-def short_form_messages(benchmark: str, query: Query, response: str) -> list[dict[str, str]]:
-    system = grader_prompt("short_form").format(schema=json.dumps(short_form_schema()))
-    parts = [
-        f"{TASK_LINE}: is the short answer correct? (short_form)",
-        _section("BENCHMARK", benchmark),
-        _section("QUESTION", escape_section_markers(conversation_text(query))),
-        _section("GOLD ANSWERS", escape_section_markers(json.dumps(gold_answers(query), ensure_ascii=False))),
-        _section("RESPONSE", escape_section_markers(response)),
-        _section("END", "Grade the response: correct, incorrect or not_attempted."),
-    ]
-    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
-
-
-def parse_short_form(text: str | None) -> tuple[str, str]:
-    data = checked_reply(text, short_form_schema())
-    return data["grade"], data["justification"].strip() or "-"
-
-
 # ---- DeepSearchQA: gold answer parts and excessive answers ---------------------------------------
 
 ANSWER_SET_KIND = "answer_set"
@@ -445,12 +415,12 @@ def answer_set_messages(benchmark: str, query: Query, response: str) -> list[dic
     system = grader_prompt("answer_set").format(schema=json.dumps(answer_set_schema()))
     parts = [
         f"{TASK_LINE}: does it contain every part of the correct answer? ({ANSWER_SET_KIND})",
-        _section("BENCHMARK", benchmark),
-        _section("QUESTION", escape_section_markers(conversation_text(query))),
-        _section("PROMPT TYPE", answer_type(query)),
-        _section("CORRECT ANSWER", escape_section_markers(gold_answers(query)[0])),
-        _section("RESPONSE", escape_section_markers(response)),
-        _section("END", "List the correct answer's parts found or not, and the excessive answers."),
+        section("BENCHMARK", benchmark),
+        section("QUESTION", escape_section_markers(conversation_text(query))),
+        section("PROMPT TYPE", answer_type(query)),
+        section("CORRECT ANSWER", escape_section_markers(gold_answers(query)[0])),
+        section("RESPONSE", escape_section_markers(response)),
+        section("END", "List the correct answer's parts found or not, and the excessive answers."),
     ]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 

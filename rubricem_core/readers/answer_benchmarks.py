@@ -109,7 +109,16 @@ def read_2wiki(path: str | os.PathLike[str], split: str = "eval") -> list[Query]
 # Format of callanwu/WebWalkerQA (HF dataset card, as copied in Alibaba-NLP/WebWalker): records of
 # {Question, Answer, Root_Url, Info: {Hop|type, Domain, Language|lang, Difficulty_Level, Source_Website,
 # Golden_Path}}; the HF parquet release spells the keys in lower case (question, answer, root_url, info).
-# Both spellings are read. No id field: queries are numbered by position.
+# Both spellings are read. No id field: queries are numbered by position. WebWalker's agent is asked the
+# question with the website to start from ("query: … official website: …"), so the policy's question names
+# the root URL; the grader reads the bare question (metadata ``BARE_QUESTION_KEY``), as its evaluator does.
+
+BARE_QUESTION_KEY = "bare_question"
+
+
+def webwalker_question(question: str, root_url: str | None) -> str:
+    """The question as the policy gets it: with the benchmark's website when the record has one."""
+    return f"{question}\nOfficial website: {root_url}" if root_url else question
 
 
 def read_webwalkerqa(path: str | os.PathLike[str], split: str = "eval") -> list[Query]:
@@ -126,9 +135,10 @@ def read_webwalkerqa(path: str | os.PathLike[str], split: str = "eval") -> list[
         info = data.get("info")
         if info is not None and not isinstance(info, dict):
             raise record.error("info", f"expected an object, got {type(info).__name__}")
-        metadata: dict[str, Any] = {"answer_aliases": [answer]}
-        if isinstance(data.get("root_url"), str):
-            metadata["root_url"] = data["root_url"]
+        metadata: dict[str, Any] = {"answer_aliases": [answer], BARE_QUESTION_KEY: question}
+        root_url = data.get("root_url") if isinstance(data.get("root_url"), str) and data["root_url"].strip() else None
+        if root_url:
+            metadata["root_url"] = root_url
         for key, value in (info or {}).items():
             if isinstance(value, (str, int, float, list)):
                 metadata[f"info_{str(key).lower()}"] = value
@@ -138,7 +148,7 @@ def read_webwalkerqa(path: str | os.PathLike[str], split: str = "eval") -> list[
             source="webwalkerqa",
             split=split,
             kind="short_form",
-            question=question,
+            question=webwalker_question(question, root_url),
             rubrics=[_final_rubric(answer, [answer])],
             reference_answer=answer,
             metadata=metadata,

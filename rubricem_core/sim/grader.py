@@ -4,9 +4,10 @@ Registered as the litellm provider ``rubricem-grader`` so the offline profile tr
 of a real grader (prompts, response_format, run_concurrent, validation, repair). Like a real grader
 it reads only the prompt.
 
-- short form: the response is correct when a gold answer (or alias) appears in it after SQuAD-style
-  normalization (lower case, no punctuation or articles) as a whole-word sequence; an empty
-  response is not_attempted; anything else is incorrect.
+- short form (each benchmark's protocol, ``eval/short_form.py``): the response is correct when a gold
+  answer (or alias) appears in it after SQuAD-style normalization (lower case, no punctuation or
+  articles) as a whole-word sequence; an empty response is not_attempted; anything else is incorrect.
+  The 2Wiki judge's extracted answer is that gold answer, else the response's last sentence.
 - rubric items: an item with a machine-checkable ``check`` is scored by the built-in judge's
   criterion; otherwise by the share of the criterion's content words found in the response
   (``sim.judge.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
@@ -28,6 +29,7 @@ import string
 from typing import Any
 
 from rubricem_core.eval.prompts import ANSWER_SET_KIND, CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
+from rubricem_core.eval.short_form import COT_QA_KIND, EQUIVALENCE_KIND, SIMPLE_EVALS_KIND
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
 from rubricem_core.sim.judge import Context, score_rubric
 from rubricem_core.sim.provider import message_text, register_completion_provider
@@ -37,7 +39,8 @@ PROVIDER = "rubricem-grader"
 MODEL = f"{PROVIDER}/builtin"
 
 _FAMILY = re.compile(
-    rf"\((rubric_points|dimension_criteria|rubric_properties|rubric_coverage|short_form|{ANSWER_SET_KIND}|"
+    rf"\((rubric_points|dimension_criteria|rubric_properties|rubric_coverage|{COT_QA_KIND}|{EQUIVALENCE_KIND}|"
+    rf"{SIMPLE_EVALS_KIND}|{ANSWER_SET_KIND}|"
     rf"{CRITERION_KIND}|{RACE_KIND})\)"
 )
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -68,6 +71,12 @@ def short_form_grade(response: str, golds: list[str]) -> tuple[str, str]:
         if contains_answer(response, gold):
             return "correct", f"The response states the gold answer {gold!r}."
     return "incorrect", f"The response does not state any of {golds[:3]!r}."
+
+
+def _last_sentence(response: str) -> str:
+    """The response's concluding sentence (where a final answer stands when no gold answer is found)."""
+    parts = [p.strip() for p in re.split(r"(?<=[.!?])\s+|\n+", response) if p.strip()]
+    return parts[-1] if parts else response.strip()
 
 
 def _to_scale(family: str, score: int) -> int:
@@ -111,9 +120,18 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
     family = match.group(1)
     sections = {name: unescape_section_markers(body) for name, body in split_sections(user)}
     response = sections.get("RESPONSE", "")
-    if family == "short_form":
-        grade, why = short_form_grade(response, json.loads(sections.get("GOLD ANSWERS", "[]")))
+    if family == SIMPLE_EVALS_KIND:
+        grade, why = short_form_grade(response, json.loads(sections.get("GOLD TARGET", "[]")))
         return json.dumps({"justification": why, "grade": grade})
+    if family == EQUIVALENCE_KIND:
+        golds = sections.get("CORRECT ANSWER", "").split(" / ")
+        grade, why = short_form_grade(response, golds)
+        found = next((g for g in golds if contains_answer(response, g)), None)
+        extracted = None if grade == "not_attempted" else (found or _last_sentence(response))
+        return json.dumps({"extracted_final_answer": extracted, "reasoning": why, "correct": "yes" if found else "no"})
+    if family == COT_QA_KIND:
+        grade, why = short_form_grade(sections.get("STUDENT ANSWER", ""), sections.get("CONTEXT", "").split(" / "))
+        return json.dumps({"explanation": why, "grade": "CORRECT" if grade == "correct" else "INCORRECT"})
     if family == ANSWER_SET_KIND:
         return json.dumps(
             answer_set_reply(response, sections.get("CORRECT ANSWER", ""), sections.get("PROMPT TYPE", "").strip())
