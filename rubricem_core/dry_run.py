@@ -29,6 +29,12 @@ PROTOCOL_CHOICES: dict[str, dict[str, str]] = {
         "race": "RACE: the report and the reference report scored on the same criteria, T / (T + R)",
         "absolute": "each criterion scored 0-10 on its own, no reference report",
     },
+    "researchrubrics": {
+        "binary": "one verdict call per rubric (Satisfied 1 / Not Satisfied 0), long reports read in chunks; "
+        "score = Σ w·s / Σ positive w",
+        "ternary": "one verdict call per rubric (Satisfied 1 / Partially 0.5 / Not Satisfied 0), long reports "
+        "read in chunks; score = Σ w·s / Σ positive w",
+    },
 }
 TOOL_KINDS: dict[str, str] = {
     "local_search": "BM25 (+ dense) search over the run's corpus table",

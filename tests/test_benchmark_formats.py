@@ -194,11 +194,21 @@ def test_researchqa_rates_eight_items_per_call_and_one_failed_batch_fails_the_an
 
 
 def criterion_grader(met: set[str]) -> Any:
-    """ResearchRubrics criteria: satisfied when a keyword of ``met`` occurs in the criterion."""
+    """ResearchRubrics criteria: Satisfied when a keyword of ``met`` occurs in the criterion's title."""
 
     def reply(body: dict[str, Any]) -> str:
-        item = json.loads(_user(body).split("<<<RUBRIC ITEM>>>\n", 1)[1].split("\n", 1)[0])
-        return json.dumps({"explanation": "x", "criteria_met": any(k in item["criterion"] for k in met)})
+        title = _user(body).split("<<<CRITERION>>>\nTitle: ", 1)[1].split("\n", 1)[0]
+        verdict, score = ("Satisfied", 1.0) if any(k in title for k in met) else ("Not Satisfied", 0.0)
+        return json.dumps(
+            {
+                "verdict": verdict,
+                "score": score,
+                "confidence": 0.9,
+                "reasoning": "x",
+                "evidence_quotes": [],
+                "missing_elements": [],
+            }
+        )
 
     return reply
 
@@ -217,9 +227,9 @@ def test_researchrubrics_is_one_call_per_criterion_with_its_compliance_score(met
     with FakeOpenAIServer(criterion_grader(met), api_key=API_KEY) as server:
         [result] = BenchmarkGrader(_settings(server)).grade("researchrubrics", [(query, "a report")])
         assert len(server.chat_calls) == 4  # whatever eval.healthbench_grading says
-        assert all('"axis"' in _user(b) for b in server.chat_calls)
+        assert all("\nCategory: " in _user(b) and "\nWeight: " in _user(b) for b in server.chat_calls)
     assert result.score == pytest.approx(score) and result.details["raw"] == pytest.approx(raw)
-    assert result.details["grading"] == "per_criterion"
+    assert result.details["grading"] == "per_criterion/binary"
 
 
 # ---- the built-in offline grader (the offline profiles' grader) -------------------------------------

@@ -138,7 +138,11 @@ def test_the_sample_is_part_of_the_eval_settings():
     from rubricem_core.eval.run import settings_digest
 
     first = load_config("tiny")
-    assert grading_settings(first, "simpleqa", []) == {}  # legacy settings: existing digests stay
+    assert grading_settings(first, "scholarqa_cs", []) == {}  # legacy settings: existing digests stay
+    # a protocol that changed (issue #46: each short-answer benchmark by its own grader) re-grades old parts
+    assert grading_settings(first, "simpleqa", []) == {"protocol": "short_form"}
+    assert grading_settings(first, "2wiki", []) == {"protocol": "short_form_equivalence"}
+    assert grading_settings(first, "researchrubrics", []) == {"grading": "verdict/binary"}
     rand = load_config("tiny", {"eval.sample": "random"})
     other = load_config("tiny", {"eval.sample": "random", "eval.sample_seed": 5})
     assert sample_seed(rand) == rand.seed and sample_seed(other) == 5
@@ -162,7 +166,12 @@ HEALTH = query(
 
 
 def _criterion_id(body: dict[str, Any]) -> str:
-    return re.search(r'"id": "(i\d+)"', _user(body).split("<<<RUBRIC ITEM>>>", 1)[1]).group(1)
+    """The item's id from the prompt's rubric item, shown as simple-evals does: ``[points] criterion``."""
+    line = _user(body).split("<<<RUBRIC ITEM>>>\n", 1)[1].split("\n", 1)[0]
+    points, text = re.match(r"^\[(-?[\d.]+)\] (.*)$", line).groups()
+    index = [r["description"] for r in HEALTH.rubrics].index(text)
+    assert float(points) == HEALTH.rubrics[index]["check"]["points"]
+    return f"i{index + 1}"
 
 
 def met_first_and_third(body: dict[str, Any]) -> str:
@@ -178,6 +187,12 @@ def test_one_call_per_criterion_and_the_score_worked_by_hand():
         assert len(server.chat_calls) == 2 * 3  # answers × criteria
         assert sorted(_criterion_id(b) for b in server.chat_calls) == ["i1", "i1", "i2", "i2", "i3", "i3"]
         assert all(b["response_format"]["json_schema"]["name"] == "criterion_grade" for b in server.chat_calls)
+        # simple-evals' layout: the conversation ends with the graded response as the assistant's turn
+        conversations = [_user(b).split("<<<CONVERSATION>>>\n", 1)[1].split("\n\n<<<", 1)[0] for b in server.chat_calls]
+        assert {c for c in conversations} == {
+            "user: Question h1?\n\nassistant: answer one",
+            "user: Question h1?\n\nassistant: answer two",
+        }
     # points 5, 3, -2; met: the first and the third → (5 - 2) / (5 + 3)
     assert first.score == pytest.approx((5 - 2) / 8) and second.score == pytest.approx(3 / 8)
     assert [i["score"] for i in first.details["items"]] == [1, 0, 1]

@@ -25,9 +25,14 @@ EVAL_BENCHMARKS: tuple[str, ...] = (
 EVAL_PROTOCOLS: dict[str, tuple[str, ...]] = {
     "healthbench": ("per_criterion", "joint"),
     "deep_research_bench": ("absolute", "race"),
+    "researchrubrics": ("binary", "ternary"),
 }
 # ... and the eval setting (also the GraderOptions field) that holds each one's protocol
-EVAL_PROTOCOL_SETTINGS: dict[str, str] = {"healthbench": "healthbench_grading", "deep_research_bench": "drb_grading"}
+EVAL_PROTOCOL_SETTINGS: dict[str, str] = {
+    "healthbench": "healthbench_grading",
+    "deep_research_bench": "drb_grading",
+    "researchrubrics": "researchrubrics_grading",
+}
 EVAL_EXTRA_PATHS: tuple[str, ...] = ("deep_research_bench_reference",)  # eval.paths keys besides benchmarks
 
 
@@ -49,8 +54,9 @@ class BenchmarkGraderConfig(EvalGraderConfig):
 
     protocol: str | None = Field(
         default=None,
-        description="Grading protocol: healthbench per_criterion|joint, deep_research_bench absolute|race (None: "
-        "eval.healthbench_grading / eval.drb_grading). The other benchmarks have one protocol each (leave None).",
+        description="Grading protocol: healthbench per_criterion|joint, deep_research_bench absolute|race, "
+        "researchrubrics binary|ternary (None: eval.healthbench_grading / eval.drb_grading / "
+        "eval.researchrubrics_grading). The other benchmarks have one protocol each (leave None).",
     )
 
 
@@ -91,6 +97,12 @@ class EvalConfig(_Strict):
         "RACE: the report and the query's reference report scored on the same criteria, score T / (T + R) of the "
         "dimension-weighted totals; needs paths.deep_research_bench_reference, queries without a reference are "
         "recorded ungraded as no_reference). graders.deep_research_bench.protocol overrides it.",
+    )
+    researchrubrics_grading: Literal["binary", "ternary"] = Field(
+        default="binary",
+        description="ResearchRubrics, graded as its release (one verdict call per rubric; reports longer than the "
+        "grader's context read in chunks): binary (Satisfied 1 / Not Satisfied 0, the current release) or ternary "
+        "(Partially Satisfied 0.5 too, the paper-era pipeline). graders.researchrubrics.protocol overrides it.",
     )
     samples_per_query: int = Field(default=1, ge=1, description="Trajectories sampled per query (scores are averaged).")
     temperature: float = Field(default=0.7, ge=0, description="Sampling temperature of the policy (0 = greedy).")

@@ -29,6 +29,7 @@ from rubricem_core.eval.run import (
     run_eval,
     settings_digest,
 )
+from rubricem_core.eval.short_form import PROTOCOLS as SHORT_FORM_PROTOCOLS
 from rubricem_core.eval.types import EvalError, family_of
 from rubricem_core.layout import holds_policy
 from rubricem_core.reflection.bank import ENTRIES_FILE, ReflectionBank, bank_dir, saved_bank_info
@@ -154,6 +155,10 @@ def grading_settings(cfg: RunConfig, benchmark: str, queries: Sequence[Query]) -
         out["sample"] = {"mode": cfg.eval.sample, "seed": sample_seed(cfg)}
     if benchmark == "healthbench" and cfg.eval.protocol_for(benchmark) != "joint":
         out["grading"] = cfg.eval.protocol_for(benchmark)
+    if benchmark == "researchrubrics":
+        out["grading"] = f"verdict/{cfg.eval.protocol_for(benchmark)}"  # the release's verdict calls
+    if benchmark in SHORT_FORM_PROTOCOLS:
+        out["protocol"] = SHORT_FORM_PROTOCOLS[benchmark][0]  # each benchmark's own short-answer grader
     if race_grading(cfg, benchmark):
         out["grading"] = "race"  # the references themselves too: a new reference file re-grades
         out["references"] = settings_digest({q.query_id: reference_article(q) for q in queries})

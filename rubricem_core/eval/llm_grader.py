@@ -19,6 +19,19 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from rubricem_core.eval.criteria import (
+    RESEARCHRUBRICS_GRADING,
+    chunk_messages,
+    chunk_schema,
+    criterion_messages,
+    criterion_schema,
+    parse_chunk,
+    parse_criterion,
+    split_report,
+    verdict_messages,
+    verdict_parser,
+    verdict_schema,
+)
 from rubricem_core.eval.prompts import (
     ITEMS_PER_CALL,
     GradeItem,
@@ -27,13 +40,10 @@ from rubricem_core.eval.prompts import (
     aggregate_race,
     answer_set_messages,
     answer_set_schema,
-    criterion_messages,
-    criterion_schema,
     grade_items,
     items_messages,
     items_schema,
     parse_answer_set,
-    parse_criterion,
     parse_items,
     parse_race,
     race_messages,
@@ -79,8 +89,36 @@ class GraderOptions(StructuredOptions):
         },
     )
 
+    researchrubrics_grading: str = field(
+        default="binary",
+        metadata={
+            "help": "ResearchRubrics: binary (Satisfied 1 / Not Satisfied 0, the current release) or ternary "
+            "(Partially Satisfied 0.5 too, the paper-era pipeline)."
+        },
+    )
+    researchrubrics_max_report_chars: int = field(
+        default=600_000,
+        metadata={
+            "help": "ResearchRubrics: a report longer than this is read in chunks (the release: ~150k tokens of "
+            "a 200k context, at 4 characters a token)."
+        },
+    )
+    researchrubrics_chunk_chars: int = field(
+        default=400_000,
+        metadata={"help": "ResearchRubrics: the most characters a chunk holds (the release: 100k tokens)."},
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.researchrubrics_grading not in RESEARCHRUBRICS_GRADING:
+            raise EvalError(
+                f"researchrubrics_grading must be one of {RESEARCHRUBRICS_GRADING}, got {self.researchrubrics_grading!r}"
+            )
+        if not 0 < self.researchrubrics_chunk_chars <= self.researchrubrics_max_report_chars:
+            raise EvalError(
+                "researchrubrics_chunk_chars must be positive and at most researchrubrics_max_report_chars, got "
+                f"{self.researchrubrics_chunk_chars} and {self.researchrubrics_max_report_chars}"
+            )
         if self.healthbench_grading not in HEALTHBENCH_GRADING:
             raise EvalError(
                 f"healthbench_grading must be one of {HEALTHBENCH_GRADING}, got {self.healthbench_grading!r}"
@@ -271,40 +309,91 @@ class BenchmarkGrader:
         return GradeResult(score, details)
 
     def _grade_per_criterion(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
-        """HealthBench as its official grader (and ResearchRubrics as its own): one met / not-met call per
-        criterion, then Σ points of met criteria / Σ positive points, clipped to [0, 1]. Any failed criterion
-        call fails the answer's grade."""
+        """One call per criterion, then Σ points · score / Σ positive points, clipped to [0, 1]: HealthBench as
+        simple-evals (met or not), ResearchRubrics as its release (a verdict; long reports through their chunks'
+        evidence). Any failed criterion call (or chunk call) fails the answer's grade."""
         family = family_of(benchmark)
         items_of = [grade_items(query, family) for query, _ in pairs]
-        calls: list[list[StructuredCall]] = []
+        rubrics = benchmark in PER_CRITERION_BENCHMARKS
+        grading = self.options.researchrubrics_grading
+        evidence = self._chunk_evidence(pairs, items_of) if rubrics else {}
+        calls: list[list[Any]] = []
         for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
-            calls.append(
-                [
-                    self.client.call(
-                        f"grade:{index}:{query.query_id}:{item.item_id}",
-                        criterion_messages(benchmark, query, response, item),
-                        "criterion_grade",
-                        criterion_schema(),
-                        parse_criterion,
+            group: list[Any] = []
+            for item in items:
+                custom_id = f"grade:{index}:{query.query_id}:{item.item_id}"
+                found = evidence.get((index, item.item_id))
+                if not rubrics:
+                    messages = criterion_messages(benchmark, query, response, item)
+                    group.append(
+                        self.client.call(custom_id, messages, "criterion_grade", criterion_schema(), parse_criterion)
                     )
-                    for item in items
+                elif isinstance(found, _ChunksFailed):
+                    group.append(found)
+                else:
+                    messages = verdict_messages(item, grading, document=None if found else response, evidence=found)
+                    group.append(
+                        self.client.call(
+                            custom_id, messages, "criterion_verdict", verdict_schema(grading), verdict_parser(grading)
+                        )
+                    )
+            calls.append(group)
+        self._ask([call for group in calls for call in group if isinstance(call, StructuredCall)])
+        results = []
+        for (query, response), items, group in zip(pairs, items_of, calls):
+            result = self._criterion_result(benchmark, query, items, group)
+            if rubrics:
+                result.details["grading"] = f"per_criterion/{grading}"
+                if len(response) > self.options.researchrubrics_max_report_chars:
+                    result.details["chunks"] = len(split_report(response, self.options.researchrubrics_chunk_chars))
+            results.append(result)
+        return results
+
+    def _chunk_evidence(
+        self, pairs: Sequence[tuple[Query, str]], items_of: Sequence[Sequence[GradeItem]]
+    ) -> dict[tuple[int, str], Any]:
+        """ResearchRubrics' long reports: every chunk read for every criterion's evidence. {(pair, item id):
+        the evidence of all chunks in order, or _ChunksFailed}; short reports are not in it."""
+        limit, size = self.options.researchrubrics_max_report_chars, self.options.researchrubrics_chunk_chars
+        pending: dict[tuple[int, str], list[StructuredCall]] = {}
+        for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
+            if len(response) <= limit:
+                continue
+            chunks = split_report(response, size)
+            for item in items:
+                pending[(index, item.item_id)] = [
+                    self.client.call(
+                        f"grade:{index}:{query.query_id}:{item.item_id}:chunk{n}",
+                        chunk_messages(item, chunk, n + 1, len(chunks)),
+                        "chunk_evidence",
+                        chunk_schema(),
+                        parse_chunk,
+                    )
+                    for n, chunk in enumerate(chunks)
                 ]
-            )
-        self._ask([call for group in calls for call in group])
-        return [
-            self._criterion_result(benchmark, query, items, group)
-            for (query, _), items, group in zip(pairs, items_of, calls)
-        ]
+        self._ask([call for group in pending.values() for call in group])
+        out: dict[tuple[int, str], Any] = {}
+        for key, group in pending.items():
+            errors = [c.error for c in group if c.error is not None]
+            if errors:
+                out[key] = _ChunksFailed(f"{len(errors)} of {len(group)} chunk calls failed: {errors[0]}")
+            else:
+                out[key] = [passage for c in group for passage in c.value]
+        return out
 
     def _criterion_result(
-        self, benchmark: str, query: Query, items: Sequence[GradeItem], calls: Sequence[StructuredCall]
+        self, benchmark: str, query: Query, items: Sequence[GradeItem], calls: Sequence[Any]
     ) -> GradeResult:
         graded = [
             {
                 "id": i.item_id,
                 "criterion": i.criterion[:300],
                 "points": i.data["points"],
-                **({"score": int(c.value[0]), "justification": c.value[1]} if c.error is None else {"error": c.error}),
+                **(
+                    {"score": c.value.score, "justification": c.value.justification, **c.value.details}
+                    if c.error is None
+                    else {"error": c.error}
+                ),
             }
             for i, c in zip(items, calls)
         ]
@@ -320,3 +409,11 @@ class BenchmarkGrader:
             return GradeResult(None, details, failed=True, error=error)
         score, extra = aggregate_items("rubric_points", items, {c["id"]: c["score"] for c in graded})
         return GradeResult(score, {**details, **extra})
+
+
+@dataclass
+class _ChunksFailed:
+    """A criterion whose chunk calls failed: its grade fails without a verdict call."""
+
+    error: str
+    value: Any = None

@@ -50,8 +50,7 @@ from rubricem_core.schemas import Query
 JUSTIFICATION_MAX_CHARS = 2000
 TASK_LINE = "TASK: grade this response"
 
-# Task-line markers of the two extra prompt kinds (the built-in grader dispatches on them).
-CRITERION_KIND = "rubric_criterion"  # HealthBench per_criterion: one criterion, met or not
+# Task-line marker of the RACE prompt (the built-in grader dispatches on it).
 RACE_KIND = "dimension_race"  # DeepResearchBench race: target and reference report on the same criteria
 
 
@@ -195,11 +194,11 @@ def parse_items(text: str | None, family: str, ids: Sequence[str]) -> dict[str, 
     return out
 
 
-def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, int]) -> tuple[float, dict[str, Any]]:
+def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, float]) -> tuple[float, dict[str, Any]]:
     """The family's score in [0, 1] and its intermediate numbers."""
     if family == "rubric_points":
         positive = sum(i.data["points"] for i in items if i.data["points"] > 0)
-        achieved = sum(i.data["points"] for i in items if scores[i.item_id] == 1)
+        achieved = sum(i.data["points"] * scores[i.item_id] for i in items)  # 0/1, or ½ when partly met
         if positive <= 0:
             raise EvalError("HealthBench-style grading needs at least one criterion with positive points")
         raw = achieved / positive
@@ -231,42 +230,6 @@ def aggregate_items(family: str, items: Sequence[GradeItem], scores: dict[str, i
             raise EvalError("property grading needs a positive total weight")
         return numerator / denominator, {}
     raise EvalError(f"family {family!r} does not grade rubric items")
-
-
-# ---- HealthBench: one call per criterion ---------------------------------------------------------
-
-
-def criterion_schema() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "explanation": {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS},
-            "criteria_met": {"type": "boolean"},
-        },
-        "required": ["explanation", "criteria_met"],
-        "additionalProperties": False,
-    }
-
-
-def criterion_messages(benchmark: str, query: Query, response: str, item: GradeItem) -> list[dict[str, str]]:
-    """The prompt of one criterion (HealthBench ``per_criterion``): the conversation, the criterion with its
-    points, the response; the reply says met or not met."""
-    system = grader_prompt("criterion").format(schema=json.dumps(criterion_schema()))
-    parts = [
-        f"{TASK_LINE} against one rubric criterion ({CRITERION_KIND}).",
-        section("BENCHMARK", benchmark),
-        section("QUESTION", escape_section_markers(conversation_text(query))),
-        section("RUBRIC ITEM", item.line("rubric_points")),
-        section("RESPONSE", escape_section_markers(response)),
-        section("END", "Is the criterion met by the response?"),
-    ]
-    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
-
-
-def parse_criterion(text: str | None) -> tuple[bool, str]:
-    """(criteria_met, explanation), or ReplyError."""
-    data = checked_reply(text, criterion_schema())
-    return bool(data["criteria_met"]), data["explanation"].strip() or "-"
 
 
 # ---- DeepResearchBench: RACE (target vs reference) ----------------------------------------------

@@ -13,6 +13,8 @@ it reads only the prompt.
   (``sim.judge.score_rubric``'s lexical fallback), 0/1/2 mapped onto the family's scale.
 - one criterion (HealthBench per_criterion): the same item score, met when it is 2 (as in the joint
   prompt, so both modes give the same numbers).
+- ResearchRubrics' verdict: Satisfied when the item score is 2, Partially Satisfied (ternary) when 1; a
+  chunk's evidence: its sentences naming a content word of the criterion.
 - RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
 - coverage (ResearchQA): the item score 0/1/2 → 1/3/5 (Not at all / Moderately / Completely).
 - answer set (DeepSearchQA): the correct answer split into parts (a Set Answer at commas, semicolons,
@@ -28,7 +30,8 @@ import re
 import string
 from typing import Any
 
-from rubricem_core.eval.prompts import ANSWER_SET_KIND, CRITERION_KIND, RACE_KIND, SCALES, TASK_LINE
+from rubricem_core.eval.criteria import CHUNK_KIND, CRITERION_KIND, VERDICT_KIND
+from rubricem_core.eval.prompts import ANSWER_SET_KIND, RACE_KIND, SCALES, TASK_LINE
 from rubricem_core.eval.short_form import COT_QA_KIND, EQUIVALENCE_KIND, SIMPLE_EVALS_KIND
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
 from rubricem_core.sim.judge import Context, score_rubric
@@ -41,7 +44,7 @@ MODEL = f"{PROVIDER}/builtin"
 _FAMILY = re.compile(
     rf"\((rubric_points|dimension_criteria|rubric_properties|rubric_coverage|{COT_QA_KIND}|{EQUIVALENCE_KIND}|"
     rf"{SIMPLE_EVALS_KIND}|{ANSWER_SET_KIND}|"
-    rf"{CRITERION_KIND}|{RACE_KIND})\)"
+    rf"{CRITERION_KIND}|{VERDICT_KIND}|{CHUNK_KIND}|{RACE_KIND})\)"
 )
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
@@ -75,7 +78,7 @@ def short_form_grade(response: str, golds: list[str]) -> tuple[str, str]:
 
 def _last_sentence(response: str) -> str:
     """The response's concluding sentence (where a final answer stands when no gold answer is found)."""
-    parts = [p.strip() for p in re.split(r"(?<=[.!?])\s+|\n+", response) if p.strip()]
+    parts = _sentences(response)
     return parts[-1] if parts else response.strip()
 
 
@@ -136,9 +139,13 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
         return json.dumps(
             answer_set_reply(response, sections.get("CORRECT ANSWER", ""), sections.get("PROMPT TYPE", "").strip())
         )
-    if family == CRITERION_KIND:
-        [score] = _item_scores(sections, [json.loads(sections.get("RUBRIC ITEM", "{}"))], response)
+    if family == CRITERION_KIND:  # HealthBench: "[points] criterion" against the conversation's last turn
+        criterion = re.sub(r"^\[[^\]]*\]\s*", "", sections.get("RUBRIC ITEM", "").strip())
+        last_turn = sections.get("CONVERSATION", "").rsplit("\n\nassistant: ", 1)[-1]
+        [score] = _item_scores(sections, [{"criterion": criterion}], last_turn)
         return json.dumps({"explanation": score[1], "criteria_met": _to_scale("rubric_points", score[0]) == 1})
+    if family in (VERDICT_KIND, CHUNK_KIND):
+        return _rubric_verdict(family, sections, "Partially Satisfied" in message_text(messages[0].get("content")))
     items = [json.loads(line) for line in sections.get("RUBRIC ITEMS", "").splitlines() if line.strip()]
     if family == RACE_KIND:
         target = _item_scores(sections, items, sections.get("ARTICLE 1", ""))
@@ -166,6 +173,33 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
             ]
         }
     )
+
+
+def _rubric_verdict(kind: str, sections: dict[str, str], ternary: bool) -> str:
+    """ResearchRubrics: a criterion's verdict on the document (or on its chunks' evidence), or one chunk's
+    evidence: the sentences that name a content word of the criterion."""
+    title = sections.get("CRITERION", "").split("\n", 1)[0].removeprefix("Title: ")
+    if kind == CHUNK_KIND:
+        text = sections.get("CHUNK TEXT", "")
+        [(score, why)] = _item_scores(sections, [{"criterion": title}], text)
+        words = {w for w in normalize_answer(title) if len(w) > 4}
+        evidence = [s for s in _sentences(text) if words & set(normalize_answer(s))][:5]
+        reply = {"relevant_evidence": evidence, "satisfaction": score == 2, "confidence_for_chunk": 0.5, "notes": why}
+        return json.dumps(reply)
+    if "CHUNK EVIDENCE" in sections:
+        text = " ".join(json.loads(sections["CHUNK EVIDENCE"] or "[]"))
+    else:
+        text = sections.get("DOCUMENT", "")
+    [(score, why)] = _item_scores(sections, [{"criterion": title}], text)
+    verdict, value = ("Satisfied", 1.0) if score == 2 else ("Not Satisfied", 0.0)
+    if ternary and score == 1:
+        verdict, value = "Partially Satisfied", 0.5
+    reply = {"verdict": verdict, "score": value, "confidence": 0.5, "reasoning": why}
+    return json.dumps({**reply, "evidence_quotes": [], "missing_elements": []})
+
+
+def _sentences(text: str) -> list[str]:
+    return [p.strip() for p in re.split(r"(?<=[.!?])\s+|\n+", text) if p.strip()]
 
 
 def _item_scores(sections: dict[str, str], items: list[dict[str, Any]], response: str) -> list[tuple[int, str]]:
