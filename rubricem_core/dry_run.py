@@ -26,7 +26,8 @@ PROTOCOL_CHOICES: dict[str, dict[str, str]] = {
         "joint": "one grader call for all of an answer's criteria",
     },
     "deep_research_bench": {
-        "race": "RACE: the report and the reference report scored on the same criteria, T / (T + R)",
+        "race": "RACE: the report, cleaned of its citations first, and the reference report scored on the same "
+        "criteria, prompts in the task's language (zh/en); T / (T + R)",
         "absolute": "each criterion scored 0-10 on its own, no reference report",
     },
     "researchrubrics": {

@@ -285,6 +285,10 @@ RACE_REPLY = {"i1": (8, 4), "i2": (4, 6), "i3": (5, 5)}
 
 
 def race_grader(body: dict[str, Any]) -> str:
+    """RACE_REPLY for the RACE prompt; the cleaning call before it gets the article without its markers."""
+    if "(article_clean)" in _user(body).split("\n", 1)[0]:
+        article = _user(body).split("<<<ARTICLE>>>\n", 1)[1].split("\n\n<<<", 1)[0]
+        return json.dumps({"article": re.sub(r"\s*\[\d+\]", "", article)})
     assert "(dimension_race)" in _user(body).split("\n", 1)[0]
     return json.dumps(
         {
@@ -323,8 +327,11 @@ def test_race_prompt_shows_the_criteria_and_both_reports():
 def test_race_through_a_grader_endpoint():
     with FakeOpenAIServer(race_grader, api_key=API_KEY) as server:
         grader = BenchmarkGrader(settings(server), GraderOptions(drb_grading="race"))
-        [result] = grader.grade("deep_research_bench", [(DRB_Q, "My target report")])
-        assert len(server.chat_calls) == 1 and "The reference report." in _user(server.chat_calls[0])
+        [result] = grader.grade("deep_research_bench", [(DRB_Q, "My target report [1].")])
+        clean, race = server.chat_calls  # DeepResearchBench's cleaner first, then RACE on its output
+        assert "(article_clean)" in _user(clean) and "The reference report." in _user(race)
+        assert "<<<ARTICLE 1>>>\nMy target report.\n" in _user(race)
+    assert result.details["article_chars"] == {"submitted": 21, "cleaned": 17}
     assert result.score == pytest.approx(5.56 / 10.48)
     assert result.details["grading"] == "race"
     assert [(i["score"], i["reference_score"]) for i in result.details["items"]] == list(RACE_REPLY.values())

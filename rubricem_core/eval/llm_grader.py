@@ -32,6 +32,7 @@ from rubricem_core.eval.criteria import (
     verdict_parser,
     verdict_schema,
 )
+from rubricem_core.eval.drb import clean_messages, clean_parser, clean_schema, split_for_cleaning, task_language
 from rubricem_core.eval.prompts import (
     ITEMS_PER_CALL,
     GradeItem,
@@ -89,6 +90,13 @@ class GraderOptions(StructuredOptions):
         },
     )
 
+    drb_clean_max_chars: int = field(
+        default=200_000,
+        metadata={
+            "help": "DeepResearchBench race: an article longer than this is cleaned in pieces cut at sentence ends "
+            "(the release halves an article its cleaner's context refuses)."
+        },
+    )
     researchrubrics_grading: str = field(
         default="binary",
         metadata={
@@ -162,6 +170,7 @@ class BenchmarkGrader:
         if self.per_criterion(benchmark):
             return self._grade_per_criterion(benchmark, pairs)
         race = self.needs_reference(benchmark)
+        cleaned = self._cleaned_articles(pairs) if race else {}
         pending: list[Any] = []
         items_of: list[Any] = []
         for index, (query, response) in enumerate(pairs):
@@ -177,11 +186,15 @@ class BenchmarkGrader:
                         short_form_parser(benchmark, query),
                     )
                 )
+            elif race and isinstance(cleaned[index], _Failed):
+                items_of.append(grade_items(query, family))
+                pending.append(cleaned[index])
             elif race:
                 items = grade_items(query, family)
                 ids = [i.item_id for i in items]
                 items_of.append(items)
-                messages = race_messages(benchmark, query, response, self._reference(benchmark, query), items)
+                reference = self._reference(benchmark, query)
+                messages = race_messages(benchmark, query, cleaned[index], reference, items, task_language(query))
                 pending.append(
                     self.client.call(
                         custom_id,
@@ -206,9 +219,11 @@ class BenchmarkGrader:
                 items = grade_items(query, family)
                 items_of.append(items)
                 pending.append(self._item_calls(custom_id, benchmark, family, query, response, items))
-        self._ask([c for call in pending for c in (call if isinstance(call, list) else [call])])
+        self._ask(
+            [c for call in pending for c in (call if isinstance(call, list) else [call]) if not isinstance(c, _Failed)]
+        )
         out = []
-        for (query, _), call, items in zip(pairs, pending, items_of):
+        for index, ((query, response), call, items) in enumerate(zip(pairs, pending, items_of)):
             if isinstance(call, list):
                 out.append(self._items_result(benchmark, family, query, items, call))
             elif call.error is not None:
@@ -224,7 +239,35 @@ class BenchmarkGrader:
                 details = {"grade": graded.grade, "justification": graded.justification, "grader": self.model}
                 out.append(GradeResult(1.0 if graded.grade == "correct" else 0.0, {**details, **graded.details}))
             else:
-                out.append(self._race_result(items, call.value))
+                result = self._race_result(items, call.value)
+                result.details["article_chars"] = {"submitted": len(response), "cleaned": len(cleaned[index])}
+                out.append(result)
+        return out
+
+    def _cleaned_articles(self, pairs: Sequence[tuple[Query, str]]) -> dict[int, Any]:
+        """DeepResearchBench before RACE: every target article cleaned of its citations by the grader model,
+        in its task's language (long ones in pieces). {pair index: the cleaned article, or _Failed}."""
+        pieces: dict[int, list[StructuredCall]] = {}
+        for index, (query, response) in enumerate(pairs):
+            parts = split_for_cleaning(response, self.options.drb_clean_max_chars)
+            pieces[index] = [
+                self.client.call(
+                    f"clean:{index}:{query.query_id}" + (f":{n}" if len(parts) > 1 else ""),
+                    clean_messages(part, task_language(query)),
+                    "cleaned_article",
+                    clean_schema(),
+                    clean_parser(part),
+                )
+                for n, part in enumerate(parts)
+            ]
+        self._ask([call for group in pieces.values() for call in group])
+        out: dict[int, Any] = {}
+        for index, group in pieces.items():
+            errors = [c.error for c in group if c.error is not None]
+            if errors:
+                out[index] = _Failed(f"cleaning the article failed ({len(errors)} of {len(group)} calls): {errors[0]}")
+            else:
+                out[index] = "\n".join(c.value for c in group)
         return out
 
     def _item_calls(
@@ -328,7 +371,7 @@ class BenchmarkGrader:
                     group.append(
                         self.client.call(custom_id, messages, "criterion_grade", criterion_schema(), parse_criterion)
                     )
-                elif isinstance(found, _ChunksFailed):
+                elif isinstance(found, _Failed):
                     group.append(found)
                 else:
                     messages = verdict_messages(item, grading, document=None if found else response, evidence=found)
@@ -353,7 +396,7 @@ class BenchmarkGrader:
         self, pairs: Sequence[tuple[Query, str]], items_of: Sequence[Sequence[GradeItem]]
     ) -> dict[tuple[int, str], Any]:
         """ResearchRubrics' long reports: every chunk read for every criterion's evidence. {(pair, item id):
-        the evidence of all chunks in order, or _ChunksFailed}; short reports are not in it."""
+        the evidence of all chunks in order, or _Failed}; short reports are not in it."""
         limit, size = self.options.researchrubrics_max_report_chars, self.options.researchrubrics_chunk_chars
         pending: dict[tuple[int, str], list[StructuredCall]] = {}
         for index, ((query, response), items) in enumerate(zip(pairs, items_of)):
@@ -376,7 +419,7 @@ class BenchmarkGrader:
         for key, group in pending.items():
             errors = [c.error for c in group if c.error is not None]
             if errors:
-                out[key] = _ChunksFailed(f"{len(errors)} of {len(group)} chunk calls failed: {errors[0]}")
+                out[key] = _Failed(f"{len(errors)} of {len(group)} chunk calls failed: {errors[0]}")
             else:
                 out[key] = [passage for c in group for passage in c.value]
         return out
@@ -412,8 +455,9 @@ class BenchmarkGrader:
 
 
 @dataclass
-class _ChunksFailed:
-    """A criterion whose chunk calls failed: its grade fails without a verdict call."""
+class _Failed:
+    """Work whose earlier calls failed (a report's cleaning, a criterion's chunks): its grade fails without
+    the grading call."""
 
     error: str
     value: Any = None

@@ -254,12 +254,12 @@ def race_schema(ids: Sequence[str]) -> dict[str, Any]:
 
 
 def race_messages(
-    benchmark: str, query: Query, response: str, reference: str, items: Sequence[GradeItem]
+    benchmark: str, query: Query, response: str, reference: str, items: Sequence[GradeItem], language: str = "en"
 ) -> list[dict[str, str]]:
-    """The RACE prompt: criteria, then the target (ARTICLE 1) and the reference (ARTICLE 2). As in the
-    benchmark's own prompt the articles are labelled by position only, so the judge cannot favour or
-    disfavour "the reference" as such."""
-    system = grader_prompt("race").format(schema=json.dumps(race_schema(["<item id>"])))
+    """The RACE prompt in the task's ``language`` (en or zh, as the benchmark's own prompts): criteria, then
+    the target (ARTICLE 1) and the reference (ARTICLE 2). As in the benchmark's own prompt the articles are
+    labelled by position only, so the judge cannot favour or disfavour "the reference" as such."""
+    system = grader_prompt(f"race_{language}").format(schema=json.dumps(race_schema(["<item id>"])))
     parts = [
         f"{TASK_LINE} and a reference report on every criterion ({RACE_KIND}).",
         section("BENCHMARK", benchmark),

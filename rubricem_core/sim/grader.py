@@ -15,7 +15,8 @@ it reads only the prompt.
   prompt, so both modes give the same numbers).
 - ResearchRubrics' verdict: Satisfied when the item score is 2, Partially Satisfied (ternary) when 1; a
   chunk's evidence: its sentences naming a content word of the criterion.
-- RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each.
+- RACE (DeepResearchBench race): both articles scored as above, 0/1/2 → 0/5/10 each; the cleaning
+  before it removes bracketed citation markers, URLs and a trailing references section.
 - coverage (ResearchQA): the item score 0/1/2 → 1/3/5 (Not at all / Moderately / Completely).
 - answer set (DeepSearchQA): the correct answer split into parts (a Set Answer at commas, semicolons,
   line breaks and "and"; a Single Answer is one part), each found when it occurs in the response as
@@ -31,6 +32,7 @@ import string
 from typing import Any
 
 from rubricem_core.eval.criteria import CHUNK_KIND, CRITERION_KIND, VERDICT_KIND
+from rubricem_core.eval.drb import CLEAN_KIND
 from rubricem_core.eval.prompts import ANSWER_SET_KIND, RACE_KIND, SCALES, TASK_LINE
 from rubricem_core.eval.short_form import COT_QA_KIND, EQUIVALENCE_KIND, SIMPLE_EVALS_KIND
 from rubricem_core.judge.prompts import split_sections, unescape_section_markers
@@ -44,7 +46,7 @@ MODEL = f"{PROVIDER}/builtin"
 _FAMILY = re.compile(
     rf"\((rubric_points|dimension_criteria|rubric_properties|rubric_coverage|{COT_QA_KIND}|{EQUIVALENCE_KIND}|"
     rf"{SIMPLE_EVALS_KIND}|{ANSWER_SET_KIND}|"
-    rf"{CRITERION_KIND}|{VERDICT_KIND}|{CHUNK_KIND}|{RACE_KIND})\)"
+    rf"{CRITERION_KIND}|{VERDICT_KIND}|{CHUNK_KIND}|{CLEAN_KIND}|{RACE_KIND})\)"
 )
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
@@ -144,6 +146,8 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
         last_turn = sections.get("CONVERSATION", "").rsplit("\n\nassistant: ", 1)[-1]
         [score] = _item_scores(sections, [{"criterion": criterion}], last_turn)
         return json.dumps({"explanation": score[1], "criteria_met": _to_scale("rubric_points", score[0]) == 1})
+    if family == CLEAN_KIND:
+        return json.dumps({"article": clean_citations(sections.get("ARTICLE", ""))})
     if family in (VERDICT_KIND, CHUNK_KIND):
         return _rubric_verdict(family, sections, "Partially Satisfied" in message_text(messages[0].get("content")))
     items = [json.loads(line) for line in sections.get("RUBRIC ITEMS", "").splitlines() if line.strip()]
@@ -173,6 +177,18 @@ def respond(messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
             ]
         }
     )
+
+
+_CITATION = re.compile(r"\s?\[(?:[^\]\n]{0,40}\d[^\]\n]{0,40})\]|\s?\(?https?://[^\s)]+\)?")
+_REFERENCES = re.compile(
+    r"\n\s*(?:#+\s*)?(?:references|bibliography|sources|参考文献|参考资料)\s*:?\s*\n.*\Z", re.I | re.S
+)
+
+
+def clean_citations(article: str) -> str:
+    """DeepResearchBench's cleaning, by rule: bracketed markers holding a digit ([1], [D3], [2-4]), URLs and
+    a trailing references section removed; the rest kept."""
+    return _CITATION.sub("", _REFERENCES.sub("", article)).strip()
 
 
 def _rubric_verdict(kind: str, sections: dict[str, str], ternary: bool) -> str:
