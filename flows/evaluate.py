@@ -24,7 +24,7 @@ from flows.common import (
 )
 from rubricem_core.config import RunConfig, flatten
 from rubricem_core.eval.benchmark import default_checkpoint
-from rubricem_core.eval.checkpoints import checkpoint_tag, checkpoint_updates
+from rubricem_core.eval.checkpoints import api_policy_spec, checkpoint_tag, checkpoint_updates
 from rubricem_core.eval.run import EVAL_RETRIEVAL_MODES
 from rubricem_core.eval.types import EvalError
 from rubricem_core.registry import model_name, tag_scores
@@ -74,7 +74,9 @@ def evaluate(
         profile: profile name under data/profiles or a YAML path; None: the run directory's own config.yaml
             (the tiny profile for a new run directory).
         overrides: dotted-key overrides, e.g. {"eval.max_queries": 4}.
-        checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy).
+        checkpoint: a policy directory (default: the newest RL checkpoint, else the SFT policy), or a model behind
+            an API as the policy: api:<model> (prompted with the scaffold) or api-plain:<model> (without it),
+            reached through eval.api_policy.
         benchmarks: names to run (default: eval.benchmarks): synthetic, healthbench, deep_research_bench,
             scholarqa_cs, simpleqa, 2wiki, researchqa, researchrubrics, webwalkerqa, deepsearchqa.
         retrieval: test-time reflection guidance none | cross | within | sequential (default: eval.retrieval);
@@ -91,7 +93,19 @@ def evaluate(
     mode = retrieval or cfg.eval.retrieval
     if mode not in EVAL_RETRIEVAL_MODES:
         raise EvalError(f"retrieval must be one of {EVAL_RETRIEVAL_MODES}, got {mode!r}")
-    path = str(Path(checkpoint) if checkpoint else default_checkpoint(RunStore(run_dir)))
+    api = api_policy_spec(checkpoint) if checkpoint else None
+    if api is not None:  # a model behind an API as the policy: nothing on disk to find
+        if mode == "sequential":
+            raise EvalError(
+                f"retrieval sequential needs a policy checkpoint (its reflection between trials); {checkpoint!r} "
+                "is a model behind an API: use none, cross or within"
+            )
+        check_endpoint_keys(cfg.eval.api_policy.model_copy(update={"model": api.model}))
+    path = (
+        checkpoint
+        if api is not None
+        else str(Path(checkpoint) if checkpoint else default_checkpoint(RunStore(run_dir)))
+    )
     tag = checkpoint_tag(run_dir, path)
     tracker = Tracker.from_config(run_dir, cfg.tracking)
     params = flatten({"eval": cfg.eval.model_dump(mode="json", exclude={"retrieval", "benchmarks"})})

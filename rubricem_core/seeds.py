@@ -100,6 +100,14 @@ EVAL_REFLECTION = SeedStream(
     100_019,
     why="the unforced reflections of an eval part's trajectories (part: the eval part's name)",
 )
+EVAL_API_TRAJECTORY = SeedStream(
+    "eval_api_trajectory",
+    1_000_003,
+    weights=(101, 1),
+    modulus=2**31 - 1,
+    why="one seed per (request index, sample) of a model behind an API evaluated as the policy; below 2**31 - 1 "
+    "for providers' 32-bit request seeds",
+)
 
 STREAMS: dict[str, SeedStream] = {
     s.name: s
@@ -116,5 +124,6 @@ STREAMS: dict[str, SeedStream] = {
         REFLECTION_SAMPLING,
         EVAL_SAMPLING,
         EVAL_REFLECTION,
+        EVAL_API_TRAJECTORY,
     )
 }

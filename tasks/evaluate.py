@@ -14,6 +14,7 @@ from prefect import get_run_logger
 from prefect.states import State
 
 from rubricem_core.config import EVAL_PROTOCOL_SETTINGS, RunConfig
+from rubricem_core.eval.api_policy import api_engine
 from rubricem_core.eval.benchmark import (
     REFLECTIONS_TABLE,
     RESULTS_TABLE,
@@ -24,6 +25,7 @@ from rubricem_core.eval.benchmark import (
     reflection_validity_rows,
     sample_seed,
 )
+from rubricem_core.eval.checkpoints import api_policy_spec
 from rubricem_core.llm.endpoints import endpoint_for
 from rubricem_core.rollout.factory import checkpoint_engine
 from rubricem_core.store import RunStore, atomic_write_text
@@ -38,12 +40,17 @@ _ENGINE_LOCK = threading.Lock()
 
 
 def _engine(checkpoint: str, cfg: RunConfig) -> tuple[Any, Any]:
-    """(engine, tokenizer) for a checkpoint, loaded once per process (benchmarks share it)."""
-    key = (str(Path(checkpoint).resolve()), cfg.rollout.engine)
+    """(engine, tokenizer) for a checkpoint, loaded once per process (benchmarks share it); a model behind
+    an API (``api:<model>``) has no tokenizer."""
+    api = api_policy_spec(checkpoint)
+    key = (str(checkpoint) if api else str(Path(checkpoint).resolve()), cfg.rollout.engine)
     with _ENGINE_LOCK:
         if key not in _ENGINES:
             _close_engines()  # one policy in memory at a time
-            _ENGINES[key] = checkpoint_engine(cfg, checkpoint)
+            if api is not None:
+                _ENGINES[key] = api_engine(cfg, api, resolve_api_key(cfg.eval.api_policy))
+            else:
+                _ENGINES[key] = checkpoint_engine(cfg, checkpoint)
         return _ENGINES[key]
 
 
@@ -122,8 +129,8 @@ def _reflection_validity(
 ) -> dict[str, float]:
     """The checkpoint's valid-reflection rate (eval.reflection_validity) → an `eval_reflections` part
     (same name as its `eval_results` part), sampled once."""
-    if not cfg.eval.reflection_validity:
-        return {}
+    if not cfg.eval.reflection_validity or api_policy_spec(checkpoint) is not None:
+        return {}  # a model behind an API is not the meta-policy: its reflections are not asked for
     if not store.has(REFLECTIONS_TABLE, {}, done.part.name):
         engine, env = (lambda: _engine(checkpoint, cfg)), (lambda: search_env(run_dir, cfg))
         rows = reflection_validity_rows(cfg, done.part, done.rows, engine, env)

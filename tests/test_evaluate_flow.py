@@ -286,3 +286,46 @@ def test_queries_without_rubrics_are_recorded_and_the_rest_graded(run_dir, tmp_p
     )
     with pytest.raises(EvalError, match="'scholarqa_cs': none of its 3 queries can be graded"):
         evaluate(run_dir=run_dir, profile="tiny", overrides=overrides, benchmarks=["scholarqa_cs"])
+
+
+def test_an_api_model_is_evaluated_with_and_without_the_scaffold_from_the_cli(run_dir, capsys):
+    """Fig. 6c as a command: the built-in teacher (offline) as the model behind an API, prompted with the
+    scaffold (api:) and without it (api-plain:), graded as any checkpoint; the two parts side by side by SQL."""
+    from flows.cli import main
+
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in {**SMALL, **UNTRACKED, "eval.max_queries": 3}.items()]
+    for spec in ("api:rubricem-teacher/scripted", "api-plain:rubricem-teacher/scripted"):
+        assert main(["evaluate", "--run-dir", run_dir, *sets, "--checkpoint", spec, "--benchmark", "synthetic"]) == 0
+    table = json.loads(
+        run_sql(
+            run_dir,
+            "SELECT checkpoint, count(*) AS n, avg(score) AS score, avg(valid_scaffold::INT) AS valid, "
+            "avg(n_tool_calls) AS calls FROM eval_results WHERE checkpoint LIKE 'api%' GROUP BY ALL ORDER BY checkpoint",
+            fmt="json",
+        )
+    )
+    print(
+        "\n".join(
+            f"{r['checkpoint']}: score {r['score']:.3f}, valid {r['valid']:.2f}, calls {r['calls']:.2f}" for r in table
+        )
+    )
+    by_tag = {r["checkpoint"]: r for r in table}
+    plain, scaffold = by_tag["api-plain-rubricem-teacher_scripted"], by_tag["api-rubricem-teacher_scripted"]
+    assert plain["n"] == scaffold["n"] == 3 and plain["calls"] >= 1 and scaffold["calls"] >= 1
+    assert (scaffold["valid"], plain["valid"]) == (1.0, 0.0) and scaffold["score"] > 0 and plain["score"] > 0
+    assert main(["evaluate", "--run-dir", run_dir, *sets, "--checkpoint", "api:", "--benchmark", "synthetic"]) != 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--run-dir",
+                run_dir,
+                *sets,
+                "--checkpoint",
+                "api:rubricem-teacher/scripted",
+                "--retrieval",
+                "sequential",
+            ]
+        )
+        != 0
+    )

@@ -60,6 +60,22 @@ class BenchmarkGraderConfig(EvalGraderConfig):
     )
 
 
+class APIPolicyConfig(EndpointConfig):
+    """How to reach a model behind an API evaluated as the policy (`--checkpoint api:<model>`)."""
+
+    model: str = Field(
+        default="",
+        description="Unused: the checkpoint argument names the model (api:<model> with the scaffold's prompt, "
+        "api-plain:<model> without it); the other fields say how to reach it.",
+    )
+    max_tokens: int = Field(
+        default=2048, ge=64, le=65_536, description="Completion tokens per turn (between tool calls)."
+    )
+    max_rounds: int = Field(
+        default=12, ge=1, le=200, description="Turns per trajectory at most (each ends at a tool call or the answer)."
+    )
+
+
 class EvalConfig(_Strict):
     benchmarks: list[str] = Field(
         default_factory=lambda: ["synthetic"],
@@ -125,6 +141,12 @@ class EvalConfig(_Strict):
         default=None,
         description="Override of the bank's query embedder (see tools.embedder), e.g. the local path of the model "
         "it was built with; None: the embedder recorded with the saved bank. One of another dimension is refused.",
+    )
+    api_policy: APIPolicyConfig = Field(
+        default_factory=APIPolicyConfig,
+        description="The endpoint of a model behind an API evaluated as the policy (rubricem evaluate --checkpoint "
+        "api:<model> or api-plain:<model>; the built-in teacher, rubricem-teacher/scripted, offline). Its key "
+        "variable, base URL, concurrency, turn length and rounds.",
     )
     grader: EvalGraderConfig = Field(
         default_factory=EvalGraderConfig,

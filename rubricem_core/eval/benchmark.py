@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core.config import RunConfig
-from rubricem_core.eval.checkpoints import checkpoint_tag
+from rubricem_core.eval.api_policy import api_engine_settings
+from rubricem_core.eval.checkpoints import api_policy_spec, checkpoint_tag
 from rubricem_core.eval.grading import summarize, ungraded_code, ungraded_reason
 from rubricem_core.eval.prompts import reference_article
 from rubricem_core.eval.queries import load_benchmark_queries, select_queries
@@ -183,6 +184,7 @@ def plan_part(store: RunStore, cfg: RunConfig, checkpoint: str, benchmark: str, 
     """The part's queries, sampling options and settings digest."""
     run_dir = store.run_dir
     tag = checkpoint_tag(run_dir, checkpoint)
+    api = api_policy_spec(checkpoint)
     queries = eval_queries(store, cfg, benchmark)
     options = EvalOptions(
         samples_per_query=cfg.eval.samples_per_query,
@@ -203,7 +205,7 @@ def plan_part(store: RunStore, cfg: RunConfig, checkpoint: str, benchmark: str, 
             include={"model", "temperature", "max_tokens", "structured_output"}
         ),
         "bank": bank_settings(run_dir, cfg, retrieval),
-        "engine": cfg.rollout.engine,
+        "engine": cfg.rollout.engine if api is None else api_engine_settings(cfg, api),
         **grading_settings(cfg, benchmark, queries),
     }
     # A query that gains rubrics (or loses them) is evaluated again, not read back as ungraded. Only

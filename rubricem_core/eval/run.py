@@ -143,6 +143,11 @@ def _sampling(options: EvalOptions) -> SamplingParams:
     )
 
 
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The chat's prompt ids; none for a policy without a tokenizer (an API model reads ``messages``)."""
+    return [] if tokenizer is None else encode_prompt(tokenizer, messages)
+
+
 def _eval_sample(query_id: str, index: int, traj: Any, guidance: str | None) -> EvalSample:
     text = "".join(s.text for s in traj.segments if s.kind != "prompt")
     return EvalSample(
@@ -152,7 +157,7 @@ def _eval_sample(query_id: str, index: int, traj: Any, guidance: str | None) -> 
         extract_answer(text) or "",
         traj.n_tool_calls,
         traj.finish_reason,
-        traj.n_policy_tokens,
+        traj.meta.get("completion_tokens", traj.n_policy_tokens),  # an API model reports its usage
         guidance,
     )
 
@@ -174,7 +179,8 @@ def sample_queries(
         requests.append(
             RolloutRequest(
                 request_id=query.query_id,
-                prompt_ids=encode_prompt(tokenizer, messages),
+                prompt_ids=_prompt_ids(tokenizer, messages),
+                messages=messages,
                 n=options.samples_per_query,
                 sampling=sampling,
                 max_tool_calls=options.max_tool_calls,
@@ -210,7 +216,8 @@ def sample_guided(
                     request_id=f"{query.query_id}#{tag}-{index}",
                     n=1,
                     sampling=sampling,
-                    prompt_ids=encode_prompt(tokenizer, messages),
+                    prompt_ids=_prompt_ids(tokenizer, messages),
+                    messages=messages,
                     max_tool_calls=options.max_tool_calls,
                 )
             )

@@ -83,6 +83,8 @@ class RolloutRequest:
     scaffold: bool = True
     # called with every TextPiece of the request's rows as it is known (a live view); not for training
     on_text: Callable[[TextPiece], None] | None = field(default=None, repr=False, compare=False)
+    # the chat ``prompt_ids`` encode: what an engine without a tokenizer (a model behind an API) sends
+    messages: list[dict[str, str]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

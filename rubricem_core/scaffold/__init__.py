@@ -53,7 +53,13 @@ from rubricem_core.scaffold.extract import (
     state_verdict,
 )
 from rubricem_core.scaffold.markup import format_tool_output, neutralize_tags, strip_tags
-from rubricem_core.scaffold.prompt import EXAMPLE_TRACE, system_prompt
+from rubricem_core.scaffold.prompt import (
+    EXAMPLE_TRACE,
+    PLAIN_PROMPT_OPENING,
+    plain_system_prompt,
+    prompt_guidance,
+    system_prompt,
+)
 from rubricem_core.scaffold.records import (
     DEFAULT_TOOLS,
     Citation,
@@ -82,6 +88,9 @@ from rubricem_core.scaffold.tags import (
 from rubricem_core.scaffold.validator import validate
 
 __all__ = [
+    "PLAIN_PROMPT_OPENING",
+    "plain_system_prompt",
+    "prompt_guidance",
     "ALLOWED_CHILDREN",
     "CITATION_NOT_RETRIEVED",
     "DEFAULT_TOOLS",

@@ -100,3 +100,38 @@ def system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str | None 
     if guidance is not None and guidance.strip():
         parts += ["", _GUIDANCE_BEGIN, guidance.strip(), _GUIDANCE_END]
     return "\n".join(parts)
+
+
+PLAIN_PROMPT_OPENING = "You are a research assistant with tools."
+
+
+def plain_system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str | None = None) -> str:
+    """The prompt without the scaffold (the paper's Fig. 6c "without scaffold"): the same tools, tool-call
+    syntax, evidence ids and final <answer>, but no plan, state evaluations or review to write."""
+    tool_specs = list(DEFAULT_TOOLS if tools is None else tools)
+    if not tool_specs:
+        raise ScaffoldError("plain_system_prompt needs at least one tool")
+    tool_lines = "\n".join(
+        f'- {spec.name}: {spec.description.strip()} Call it as <call_tool name="{spec.name}">argument</call_tool>'
+        for spec in tool_specs
+    )
+    parts = [
+        f"{PLAIN_PROMPT_OPENING} Answer the user's question from evidence you retrieve.",
+        "Make one tool call at a time; your turn stops right after </call_tool> and the environment replies with "
+        '<tool_output>...</tool_output> holding <snippet id="D12">text</snippet> results. Never write '
+        "<tool_output> yourself.",
+        "Available tools:",
+        tool_lines,
+        "When you know enough, write your final answer once as <answer>...</answer>, wrapping each claim a snippet "
+        'supports as <cite id="D12">claim</cite> (ids from the tool outputs only), and stop.',
+    ]
+    if guidance is not None and guidance.strip():
+        parts += ["", _GUIDANCE_BEGIN, guidance.strip(), _GUIDANCE_END]
+    return "\n".join(parts)
+
+
+def prompt_guidance(system: str) -> str | None:
+    """The guidance block a system prompt carries (retrieved reflections), or None."""
+    if _GUIDANCE_BEGIN not in system:
+        return None
+    return system.split(_GUIDANCE_BEGIN, 1)[1].split(_GUIDANCE_END, 1)[0].strip() or None

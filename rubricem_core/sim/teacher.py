@@ -20,7 +20,7 @@ from typing import Any
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.reflection.format import REFLECTION_SYSTEM, Reflection
-from rubricem_core.scaffold import extract_tool_calls
+from rubricem_core.scaffold import PLAIN_PROMPT_OPENING, extract_tool_calls
 from rubricem_core.seeds import TEACHER_TURN, derive_seed
 from rubricem_core.sim.facts import read_facts
 from rubricem_core.sim.provider import message_text, register_completion_provider
@@ -169,12 +169,14 @@ class ScriptedTeacher:
 
     # ---- reading the chat ----------------------------------------------------------------------
     def respond(self, messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
-        if (
-            messages
-            and messages[0].get("role") == "system"
-            and message_text(messages[0]["content"]) == REFLECTION_SYSTEM
-        ):
+        system = message_text(messages[0]["content"]) if messages and messages[0].get("role") == "system" else ""
+        if system == REFLECTION_SYSTEM:
             return write_reflection(message_text(messages[-1]["content"]))
+        turn = self._research_turn(messages, params)
+        # prompted without the scaffold (an API model evaluated plainly): the same research, no stage text
+        return without_stage_text(turn) if system.startswith(PLAIN_PROMPT_OPENING) else turn
+
+    def _research_turn(self, messages: list[dict[str, Any]], params: dict[str, Any]) -> str:
         turns = [m for m in messages if m.get("role") != "system"]
         question = message_text(turns[0]["content"]) if turns else ""
         assistant = [message_text(m["content"]) for m in turns if m["role"] == "assistant"]
@@ -443,6 +445,14 @@ class ScriptedTeacher:
             "<state_evaluation>The documents read cover the question as far as the corpus allows. Verdict: ready"
             "</state_evaluation>\n" + review + f"<answer>{answer}</answer>"
         )
+
+
+_STAGE_TEXT = re.compile(r"<(structured_plan|state_evaluation|review)>.*?</\1>\s*", re.S)
+
+
+def without_stage_text(turn: str) -> str:
+    """A scaffold turn without its plan, state evaluations and review: tool calls and the answer remain."""
+    return _STAGE_TEXT.sub("", turn).lstrip()
 
 
 # ---- reflections (the meta-policy's task) -------------------------------------------------------
