@@ -22,7 +22,7 @@ from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.rollout.types import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED, RolloutError, RolloutRequest
-from rubricem_core.scaffold import plain_system_prompt, prompt_guidance
+from rubricem_core.scaffold import ToolCall, plain_system_prompt, prompt_guidance
 from rubricem_core.seeds import EVAL_API_TRAJECTORY, derive_seed
 from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests
 from rubricem_core.tools.base import ToolEnv
@@ -89,7 +89,7 @@ class APIPolicyEngine:
                 apply_result(
                     state,
                     results[chat.custom_id],
-                    lambda call, env=env: env.execute(call).text,
+                    _runner(env),
                     round_index,
                     self.max_rounds,
                     request.max_tool_calls,
@@ -106,6 +106,11 @@ class APIPolicyEngine:
 
     def update_weights(self, state_dict: Any) -> None:
         raise RolloutError("a model behind an API has no weights to update: it is evaluated, never trained")
+
+
+def _runner(env: ToolEnv) -> Callable[[ToolCall], str]:
+    """The trajectory's own tool environment (its own call budget) as the loop's tool runner."""
+    return lambda call: env.execute(call).text
 
 
 def _trajectory(state: TrajectoryState, request: RolloutRequest) -> TokenTrajectory:
