@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from rubricem_core.config import RunConfig
 from rubricem_core.encoding import encode_prompt
-from rubricem_core.environment import local_tool_env, prompt_messages
+from rubricem_core.environment import local_tool_env, prompt_messages, trace_format
 from rubricem_core.eval.benchmark import default_checkpoint, load_bank
 from rubricem_core.eval.run import guidance_for
 from rubricem_core.layout import holds_policy
@@ -144,7 +144,11 @@ def ask(
         ],
         answer=extract_answer(text) or "",
         finish_reason=traj.finish_reason,
-        valid_scaffold=not (violations := validate(text, tuple(env.tools), cfg.tools.max_tool_calls)),
+        valid_scaffold=not (
+            violations := validate(
+                text, tuple(env.tools), cfg.tools.max_tool_calls, trace_format(cfg.policy.prompt_style)
+            )
+        ),
         violations=[v.message for v in violations],
         policy_tokens=traj.n_policy_tokens,
         seconds=seconds,

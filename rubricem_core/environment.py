@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from rubricem_core.config import ToolsConfig
 from rubricem_core.embedders import make_embedder
-from rubricem_core.scaffold import system_prompt
+from rubricem_core.scaffold import plain_system_prompt, system_prompt
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 
@@ -46,7 +46,8 @@ COMPACT_PROMPT = (
 
 def policy_system_prompt(style: str = "full", guidance: str | None = None) -> str:
     """``full``: the scaffold's complete instructions; ``compact``: one paragraph, for tiny models
-    that learn the format from SFT data and gain nothing from 1k tokens of masked instructions."""
+    that learn the format from SFT data and gain nothing from 1k tokens of masked instructions; ``react``:
+    no scaffold (the paper's Fig. 6 ReAct comparison), the tools and a cited final answer only."""
     if style == "full":
         return system_prompt(guidance=guidance)
     if style == "compact":
@@ -58,7 +59,15 @@ def policy_system_prompt(style: str = "full", guidance: str | None = None) -> st
                 + "\n=== END GUIDANCE ==="
             )
         return COMPACT_PROMPT
-    raise ValueError(f"unknown prompt style {style!r}; expected 'full' or 'compact'")
+    if style == "react":
+        return plain_system_prompt(guidance=guidance)
+    raise ValueError(f"unknown prompt style {style!r}; expected 'full', 'compact' or 'react'")
+
+
+def trace_format(style: str) -> str:
+    """The format a prompt style asks for: ``react`` (unstructured: tool calls, then a cited answer) or the
+    four-stage ``scaffold`` (``full`` and ``compact``)."""
+    return "react" if style == "react" else "scaffold"
 
 
 def prompt_messages(query: dict[str, Any], guidance: str | None = None, style: str = "full") -> list[dict[str, str]]:

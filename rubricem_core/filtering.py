@@ -82,6 +82,7 @@ def filter_trace(
     require_grounding: bool = True,
     allowed_violations: list[str] | tuple[str, ...] = (),
     max_tool_calls: int | None = None,
+    trace_format: str = "scaffold",
 ) -> FilterDecision:
     reasons: list[str] = []
     details: list[str] = []
@@ -90,7 +91,7 @@ def filter_trace(
     elif finish_reason != "answered":
         reasons.append(NOT_FINISHED)
         details.append(f"finish_reason={finish_reason}")
-    for v in validate(text, max_tool_calls=max_tool_calls):
+    for v in validate(text, max_tool_calls=max_tool_calls, trace_format=trace_format):
         if v.code not in allowed_violations and v.code not in reasons:
             reasons.append(v.code)
             details.append(f"{v.code}: {v.message}")

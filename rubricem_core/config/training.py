@@ -40,10 +40,12 @@ class PolicyConfig(_Strict):
         "else any Hugging Face causal LM directory (or hub name where a hub is reachable).",
     )
     dtype: Literal["float32", "bfloat16", "auto"] = Field(default="float32", description="Weights dtype.")
-    prompt_style: Literal["full", "compact"] = Field(
+    prompt_style: Literal["full", "compact", "react"] = Field(
         default="full",
-        description="System prompt of teacher traces, SFT and rollouts: the full scaffold instructions, or a "
-        "one-paragraph version for tiny models that learn the format from data.",
+        description="System prompt of teacher traces, SFT and rollouts: the full scaffold instructions, a "
+        "one-paragraph version for tiny models that learn the format from data, or react: no scaffold (tool calls "
+        "with free text between them, then one cited <answer>; the paper's Fig. 6 comparison, validated as that "
+        "format; pair it with rl.recipe baseline, answer-only RL).",
     )
     max_seq_len: int = Field(default=4096, ge=128, description="Longest trajectory (tokens) used in training.")
     vocab_size: int = Field(default=4096, ge=512, description="tiny: BPE vocabulary size.")

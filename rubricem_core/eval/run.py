@@ -27,7 +27,7 @@ from typing import Any
 
 from rubricem_core import schemas
 from rubricem_core.encoding import encode_prompt
-from rubricem_core.environment import prompt_messages
+from rubricem_core.environment import prompt_messages, trace_format
 from rubricem_core.eval.grading import (
     UNGRADED_REASONS,
     grade_samples,
@@ -297,7 +297,11 @@ def trial_rows(
     """Grade the samples of the gradable queries → rows in query order, ungraded queries included."""
     gradable = [q for q, r in zip(queries, reason_of) if r is None]
     grades = grade_samples(benchmark, gradable, samples, grader, options.max_tool_calls)
-    valid = [[not validate(s.text, max_tool_calls=options.max_tool_calls) for s in group] for group in samples]
+    form = trace_format(options.prompt_style)
+    valid = [
+        [not validate(s.text, max_tool_calls=options.max_tool_calls, trace_format=form) for s in group]
+        for group in samples
+    ]
     graded = iter(zip(samples, grades, valid))
     rows = []
     for query, reason in zip(queries, reason_of):

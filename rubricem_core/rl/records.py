@@ -12,11 +12,18 @@ from rubricem_core.trajectory import TokenTrajectory
 
 
 def rollout_row(
-    plan: StepPlan, query_id: str, rollout_id: str, traj: TokenTrajectory, max_tool_calls: int, guidance: str | None
+    plan: StepPlan,
+    query_id: str,
+    rollout_id: str,
+    traj: TokenTrajectory,
+    max_tool_calls: int,
+    guidance: str | None,
+    trace_format: str = "scaffold",
 ) -> dict[str, Any]:
-    """The `rollouts` row of one trajectory (judge_failed False until the judge says otherwise)."""
+    """The `rollouts` row of one trajectory (judge_failed False until the judge says otherwise);
+    ``valid_scaffold``: valid in the run's trace format."""
     text = rollout_text(traj)
-    violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls)})
+    violations = sorted({v.code for v in validate(text, max_tool_calls=max_tool_calls, trace_format=trace_format)})
     return {
         "step": plan.step,
         "query_id": query_id,

@@ -23,7 +23,7 @@ import torch
 
 from rubricem_core.config import RunConfig
 from rubricem_core.encoding import encode_prompt
-from rubricem_core.environment import prompt_messages
+from rubricem_core.environment import prompt_messages, trace_format
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.llm_judge import GroupJudgment, LLMJudge, judge_step
@@ -131,7 +131,11 @@ def sample_step(
     rows = []
     for qid, text, group in zip(plan.query_ids, guidance, groups):
         for i, traj in enumerate(group):
-            rows.append(rollout_row(plan, qid, rollout_id(plan, qid, i), traj, cfg.tools.max_tool_calls, text))
+            row = rollout_row(
+                *(plan, qid, rollout_id(plan, qid, i), traj, cfg.tools.max_tool_calls, text),
+                trace_format=trace_format(cfg.policy.prompt_style),
+            )
+            rows.append(row)
     generated = sum(r["n_policy_tokens"] for r in rows)
     metrics["rollout/seconds"] = seconds
     metrics["rollout/tokens_per_s"] = generated / max(seconds, 1e-9)

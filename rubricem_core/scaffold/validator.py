@@ -36,14 +36,29 @@ def _review_gaps(tree: _Tree, review: _Element) -> list[str]:
     return [name for name, present in needed.items() if not present]
 
 
+TRACE_FORMATS: tuple[str, ...] = ("scaffold", "react")
+
+
 def validate(
     text: str,
     tool_names: Sequence[str] = ("search", "browse"),
     max_tool_calls: int | None = None,
+    trace_format: str = "scaffold",
 ) -> list[Violation]:
-    """Every way ``text`` breaks the scaffold, in a stable order; ``[]`` for a valid trace."""
+    """Every way ``text`` breaks its format, in a stable order; ``[]`` for a valid trace. ``scaffold``: the four
+    tagged stages; ``react``: the unstructured format (free text between well-formed tool calls, then one
+    cited <answer>; the paper's Fig. 6 ReAct comparison)."""
+    if trace_format not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {trace_format!r}; expected one of {TRACE_FORMATS}")
     tree = _build_tree(text)
     violations: list[Violation] = list(tree.problems)
+    if trace_format == "react":
+        return (
+            violations
+            + _check_react(tree)
+            + _check_tool_calls(tree, tuple(tool_names), max_tool_calls)
+            + (_check_contents(tree))
+        )
     violations += [
         Violation(codes.TEXT_OUTSIDE_TAGS, f"text outside scaffold elements: {token.text.strip()[:40]!r}", token.start)
         for token in tree.outside_text
@@ -52,6 +67,21 @@ def validate(
     violations += _check_tool_calls(tree, tuple(tool_names), max_tool_calls)
     violations += _check_contents(tree)
     return violations
+
+
+def _check_react(tree: _Tree) -> list[Violation]:
+    """An unstructured trace: at least one tool call, then exactly one answer, and nothing called after it."""
+    out: list[Violation] = []
+    if not any(e.name == "call_tool" for e in tree.elements):
+        out.append(Violation(codes.MISSING_RESEARCH, "no <call_tool>: nothing was researched", None))
+    answers = [e for e in tree.top if e.name == "answer"]
+    if not answers:
+        out.append(Violation(codes.MISSING_ANSWER, "no <answer>", None))
+    for extra in answers[1:]:
+        out.append(Violation(codes.REPEATED_STAGE, "a second <answer>", extra.start))
+    if answers and any(e.name == "call_tool" and e.start > answers[0].start for e in tree.top):
+        out.append(Violation(codes.STAGE_ORDER, "a tool call after the <answer>", answers[0].start))
+    return out
 
 
 def _check_stages(tree: _Tree) -> list[Violation]:

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from rubricem_core.config import RunConfig
-from rubricem_core.environment import policy_system_prompt
+from rubricem_core.environment import policy_system_prompt, trace_format
 from rubricem_core.filtering import filter_trace
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, RetryStats
 from rubricem_core.progress import Progress
@@ -322,6 +322,7 @@ def filter_states(states: Sequence[TrajectoryState], cfg: RunConfig) -> Filtered
             require_grounding=cfg.filter.require_grounding,
             allowed_violations=cfg.filter.allowed_violations,
             max_tool_calls=cfg.tools.max_tool_calls,
+            trace_format=trace_format(cfg.policy.prompt_style),
         )
         rows.append(
             dict(
