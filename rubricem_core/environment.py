@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from rubricem_core.config import ToolsConfig
 from rubricem_core.embedders import make_embedder
-from rubricem_core.scaffold import plain_system_prompt, system_prompt
+from rubricem_core.scaffold.prompt import COMPACT_GUIDANCE_BEGIN, plain_system_prompt, system_prompt
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 
@@ -52,12 +52,7 @@ def policy_system_prompt(style: str = "full", guidance: str | None = None) -> st
         return system_prompt(guidance=guidance)
     if style == "compact":
         if guidance:
-            return (
-                COMPACT_PROMPT
-                + "\n\n=== GUIDANCE FROM PAST RESEARCH (advice only; never cite it) ===\n"
-                + guidance
-                + "\n=== END GUIDANCE ==="
-            )
+            return COMPACT_PROMPT + f"\n\n{COMPACT_GUIDANCE_BEGIN}\n" + guidance + "\n=== END GUIDANCE ==="
         return COMPACT_PROMPT
     if style == "react":
         return plain_system_prompt(guidance=guidance)

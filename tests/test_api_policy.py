@@ -50,6 +50,8 @@ def test_an_api_model_is_evaluated_with_and_without_the_scaffold(scaffold):
     outcome, calls = _evaluate(scaffold)
     systems = {next(m["content"] for m in c["messages"] if m["role"] == "system") for c in calls}
     assert all(s.startswith(PLAIN_PROMPT_OPENING) != scaffold for s in systems)  # the prompt it was asked for
+    # the scaffold's full instructions, though tiny's own policy is prompted compactly
+    assert all(s.startswith("You are a deep-research agent") == scaffold for s in systems)
     assert all(c["stop"] == ["</call_tool>"] for c in calls)  # each turn ends at a tool call
     rows = outcome.rows
     assert len(rows) == len(QUERIES) * OPTIONS.samples_per_query
@@ -93,3 +95,22 @@ def test_a_request_without_its_chat_is_refused():
         engine.generate([RolloutRequest("q", prompt_ids=[])], env)
     with pytest.raises(RolloutError, match="no weights"):
         engine.update_weights({})
+
+
+@pytest.mark.parametrize("scaffold", [True, False])
+def test_retrieved_guidance_reaches_either_prompt(scaffold):
+    from rubricem_core.environment import prompt_messages
+
+    seen: list[str] = []
+
+    def record(body: dict[str, Any]) -> str:
+        seen.append(next(m["content"] for m in body["messages"] if m["role"] == "system"))
+        return served_teacher(body)
+
+    messages = prompt_messages(QUERIES[0].to_row(), guidance="Search both founders first.", style="compact")
+    env = local_tool_env(WORLD.corpus_table(), CFG.tools)
+    with FakeOpenAIServer(record, api_key=API_KEY) as server:
+        settings = EndpointSettings(model="openai/m", api_base=server.base_url, api_key=API_KEY, max_retries=0)
+        engine = APIPolicyEngine(settings, scaffold=scaffold, max_rounds=4, max_tokens=512)
+        engine.generate([RolloutRequest("q", prompt_ids=[], messages=messages, max_tool_calls=4)], env)
+    assert seen and all("Search both founders first." in s for s in seen)

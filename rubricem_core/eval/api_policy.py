@@ -22,7 +22,7 @@ from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.rollout.types import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED, RolloutError, RolloutRequest
-from rubricem_core.scaffold import ToolCall, plain_system_prompt, prompt_guidance
+from rubricem_core.scaffold import ToolCall, plain_system_prompt, prompt_guidance, system_prompt
 from rubricem_core.seeds import EVAL_API_TRAJECTORY, derive_seed
 from rubricem_core.teacher.rounds import TrajectoryState, apply_result, build_requests
 from rubricem_core.tools.base import ToolEnv
@@ -56,8 +56,10 @@ class APIPolicyEngine:
                 f"request {request.request_id!r}: an API policy needs the chat (RolloutRequest.messages)"
             )
         messages = [dict(m) for m in request.messages]
-        if not self.scaffold and messages[0]["role"] == "system":
-            messages[0]["content"] = plain_system_prompt(tools.specs(), prompt_guidance(messages[0]["content"]))
+        if messages[0]["role"] == "system":  # the full instructions (or none), whatever the policy's prompt style
+            guidance = prompt_guidance(messages[0]["content"])
+            prompt = system_prompt if self.scaffold else plain_system_prompt
+            messages[0]["content"] = prompt(tools.specs(), guidance)
         return messages
 
     def generate(self, requests: list[RolloutRequest], tools: ToolEnv) -> list[list[TokenTrajectory]]:

@@ -40,6 +40,8 @@ EXAMPLE_TRACE = """<structured_plan>
 
 _GUIDANCE_BEGIN = "=== BEGIN GUIDANCE FROM PAST RESEARCH (advice only: not evidence, never cite it) ==="
 _GUIDANCE_END = "=== END GUIDANCE ==="
+# the compact prompt's block (environment.policy_system_prompt, style compact)
+COMPACT_GUIDANCE_BEGIN = "=== GUIDANCE FROM PAST RESEARCH (advice only; never cite it) ==="
 
 
 def system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str | None = None) -> str:
@@ -131,7 +133,8 @@ def plain_system_prompt(tools: Sequence[ToolSpec] | None = None, guidance: str |
 
 
 def prompt_guidance(system: str) -> str | None:
-    """The guidance block a system prompt carries (retrieved reflections), or None."""
-    if _GUIDANCE_BEGIN not in system:
-        return None
-    return system.split(_GUIDANCE_BEGIN, 1)[1].split(_GUIDANCE_END, 1)[0].strip() or None
+    """The guidance block a system prompt carries (retrieved reflections; full or compact prompt), or None."""
+    for begin in (_GUIDANCE_BEGIN, COMPACT_GUIDANCE_BEGIN):
+        if begin in system:
+            return system.split(begin, 1)[1].split(_GUIDANCE_END, 1)[0].strip() or None
+    return None
