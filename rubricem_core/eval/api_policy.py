@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from rubricem_core.config import RunConfig
 from rubricem_core.eval.checkpoints import APIPolicySpec
 from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.endpoints import builtin_provider, endpoint_for
@@ -130,7 +131,7 @@ def _trajectory(state: TrajectoryState, request: RolloutRequest) -> TokenTraject
     return traj
 
 
-def api_engine(cfg: Any, spec: APIPolicySpec, api_key: str | None = None) -> tuple[APIPolicyEngine, None]:
+def api_engine(cfg: RunConfig, spec: APIPolicySpec, api_key: str | None = None) -> tuple[APIPolicyEngine, None]:
     """(engine, no tokenizer) for ``spec`` reached through ``cfg.eval.api_policy``; the built-in teacher
     (``rubricem-teacher/...``, offline) is configured from the run's teacher section, as in collection."""
     section = cfg.eval.api_policy
@@ -146,7 +147,7 @@ def api_engine(cfg: Any, spec: APIPolicySpec, api_key: str | None = None) -> tup
     return engine, None
 
 
-def api_engine_settings(cfg: Any, spec: APIPolicySpec) -> dict[str, Any]:
+def api_engine_settings(cfg: RunConfig, spec: APIPolicySpec) -> dict[str, Any]:
     """What an eval part's settings digest records of an API policy (a change evaluates it again)."""
     reach = cfg.eval.api_policy.model_dump(mode="json", include={"api_base", "max_tokens", "max_rounds"})
     return {"api": spec.model, "scaffold": spec.scaffold, **reach}

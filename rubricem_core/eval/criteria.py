@@ -22,8 +22,10 @@ from typing import Any
 from rubricem_core.eval.prompts import (
     JUSTIFICATION_MAX_CHARS,
     TASK_LINE,
+    TEXT_FIELD,
     GradeItem,
     grader_prompt,
+    object_schema,
     section,
 )
 from rubricem_core.eval.types import EvalError
@@ -53,14 +55,6 @@ class CriterionGrade:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def _text(max_length: int = JUSTIFICATION_MAX_CHARS) -> dict[str, Any]:
-    return {"type": "string", "minLength": 1, "maxLength": max_length}
-
-
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
-
 # ---- HealthBench: simple-evals' grader -------------------------------------------------------------
 
 
@@ -80,7 +74,7 @@ def rubric_item_line(item: GradeItem) -> str:
 
 
 def criterion_schema() -> dict[str, Any]:
-    return _object({"explanation": _text(), "criteria_met": {"type": "boolean"}})
+    return object_schema({"explanation": TEXT_FIELD, "criteria_met": {"type": "boolean"}})
 
 
 def criterion_messages(benchmark: str, query: Query, response: str, item: GradeItem) -> list[dict[str, str]]:
@@ -113,12 +107,12 @@ def _check_grading(grading: str) -> dict[str, float]:
 def verdict_schema(grading: str) -> dict[str, Any]:
     scores = _check_grading(grading)
     texts = {"type": "array", "items": {"type": "string", "maxLength": JUSTIFICATION_MAX_CHARS}}
-    return _object(
+    return object_schema(
         {
             "verdict": {"enum": list(scores)},
             "score": {"type": "number", "enum": sorted(set(scores.values()))},
             "confidence": {"type": "number", "minimum": 0, "maximum": 1},
-            "reasoning": _text(),
+            "reasoning": TEXT_FIELD,
             "evidence_quotes": texts,
             "missing_elements": texts,
         }
@@ -143,7 +137,7 @@ def verdict_messages(
     system = grader_prompt("criterion_researchrubrics").format(
         scale=grader_prompt(f"scale_researchrubrics_{grading}"), schema=json.dumps(verdict_schema(grading))
     )
-    if evidence is None:
+    if evidence is None:  # a report read whole; a chunked one is judged from its chunks' evidence only
         shown = section("DOCUMENT", escape_section_markers(document or ""))
         end = "Give the verdict of this criterion on the document."
     else:
@@ -174,7 +168,7 @@ def verdict_parser(grading: str) -> Callable[[str | None], CriterionGrade]:
 
 
 def chunk_schema() -> dict[str, Any]:
-    return _object(
+    return object_schema(
         {
             "relevant_evidence": {"type": "array", "items": {"type": "string", "maxLength": JUSTIFICATION_MAX_CHARS}},
             "satisfaction": {"type": "boolean"},

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rubricem_core.eval.prompts import TASK_LINE, grader_prompt, section
+from rubricem_core.eval.prompts import TASK_LINE, grader_prompt, object_schema, section
 from rubricem_core.eval.types import EvalError
 from rubricem_core.judge.prompts import escape_section_markers
 from rubricem_core.llm.replies import ReplyError, checked_reply
@@ -36,12 +36,7 @@ def task_language(query: Query) -> str:
 
 
 def clean_schema() -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"article": {"type": "string", "minLength": 1}},
-        "required": ["article"],
-        "additionalProperties": False,
-    }
+    return object_schema({"article": {"type": "string", "minLength": 1}})
 
 
 def clean_messages(article: str, language: str) -> list[dict[str, str]]:

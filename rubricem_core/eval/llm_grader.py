@@ -260,14 +260,11 @@ class BenchmarkGrader:
                 )
                 for n, part in enumerate(parts)
             ]
-        self._ask([call for group in pieces.values() for call in group])
         out: dict[int, Any] = {}
-        for index, group in pieces.items():
-            errors = [c.error for c in group if c.error is not None]
-            if errors:
-                out[index] = _Failed(f"cleaning the article failed ({len(errors)} of {len(group)} calls): {errors[0]}")
-            else:
-                out[index] = "\n".join(c.value for c in group)
+        for index, done in self._ask_groups(pieces, "cleaning").items():
+            out[index] = (
+                _Failed(f"cleaning the article failed: {done.error}") if isinstance(done, _Failed) else "\n".join(done)
+            )
         return out
 
     def _item_calls(
@@ -374,7 +371,7 @@ class BenchmarkGrader:
                 elif isinstance(found, _Failed):
                     group.append(found)
                 else:
-                    messages = verdict_messages(item, grading, document=None if found else response, evidence=found)
+                    messages = verdict_messages(item, grading, document=response, evidence=found)
                     group.append(
                         self.client.call(
                             custom_id, messages, "criterion_verdict", verdict_schema(grading), verdict_parser(grading)
@@ -414,14 +411,21 @@ class BenchmarkGrader:
                     )
                     for n, chunk in enumerate(chunks)
                 ]
-        self._ask([call for group in pending.values() for call in group])
-        out: dict[tuple[int, str], Any] = {}
-        for key, group in pending.items():
+        return {
+            key: done if isinstance(done, _Failed) else [passage for found in done for passage in found]
+            for key, done in self._ask_groups(pending, "chunk").items()
+        }
+
+    def _ask_groups(self, groups: dict[Any, list[StructuredCall]], what: str) -> dict[Any, Any]:
+        """Ask every group's calls at once; {key: its calls' values in order, or _Failed when any failed}."""
+        self._ask([call for group in groups.values() for call in group])
+        out: dict[Any, Any] = {}
+        for key, group in groups.items():
             errors = [c.error for c in group if c.error is not None]
             if errors:
-                out[key] = _Failed(f"{len(errors)} of {len(group)} chunk calls failed: {errors[0]}")
+                out[key] = _Failed(f"{len(errors)} of {len(group)} {what} calls failed: {errors[0]}")
             else:
-                out[key] = [passage for c in group for passage in c.value]
+                out[key] = [c.value for c in group]
         return out
 
     def _criterion_result(

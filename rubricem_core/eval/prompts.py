@@ -48,6 +48,14 @@ from rubricem_core.readers import DRB_REFERENCE_KEY
 from rubricem_core.schemas import Query
 
 JUSTIFICATION_MAX_CHARS = 2000
+TEXT_FIELD: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS}
+
+
+def object_schema(properties: dict[str, Any]) -> dict[str, Any]:
+    """A reply object with exactly ``properties``, every one required (the graders' JSON replies)."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
 TASK_LINE = "TASK: grade this response"
 
 # Task-line marker of the RACE prompt (the built-in grader dispatches on it).

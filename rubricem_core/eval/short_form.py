@@ -28,9 +28,11 @@ from typing import Any
 from rubricem_core.eval.prompts import (
     JUSTIFICATION_MAX_CHARS,
     TASK_LINE,
+    TEXT_FIELD,
     conversation_text,
     gold_answers,
     grader_prompt,
+    object_schema,
     section,
 )
 from rubricem_core.eval.types import SHORT_FORM_GRADES, EvalError
@@ -89,27 +91,21 @@ def grader_question(query: Query) -> str:
 
 # ---- schemas -------------------------------------------------------------------------------------
 
-_TEXT = {"type": "string", "minLength": 1, "maxLength": JUSTIFICATION_MAX_CHARS}
-
-
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
 
 def short_form_schema(kind: str) -> dict[str, Any]:
     """The reply schema of a protocol (by its task-line kind)."""
     if kind == SIMPLE_EVALS_KIND:
-        return _object({"justification": _TEXT, "grade": {"enum": list(SHORT_FORM_GRADES)}})
+        return object_schema({"justification": TEXT_FIELD, "grade": {"enum": list(SHORT_FORM_GRADES)}})
     if kind == EQUIVALENCE_KIND:
-        return _object(
+        return object_schema(
             {
                 "extracted_final_answer": {"type": ["string", "null"], "maxLength": JUSTIFICATION_MAX_CHARS},
-                "reasoning": _TEXT,
+                "reasoning": TEXT_FIELD,
                 "correct": {"enum": ["yes", "no"]},
             }
         )
     if kind == COT_QA_KIND:
-        return _object({"explanation": _TEXT, "grade": {"enum": ["CORRECT", "INCORRECT"]}})
+        return object_schema({"explanation": TEXT_FIELD, "grade": {"enum": ["CORRECT", "INCORRECT"]}})
     raise EvalError(f"unknown short-answer protocol {kind!r}")
 
 
