@@ -75,7 +75,9 @@ def test_a_429_delays_its_own_retry_and_no_other_call() -> None:
     served_meanwhile = [e for e in events[1:] if e.status == 200 and e.ended < refused.retry_at]
     assert len(retried) == 1 and len(served_meanwhile) == 5  # the five others did not wait for the hint
     # which request arrived first is the thread pool's choice, not always r0: find it by its messages
-    (refused_index,) = [i for i, r in enumerate(requests) if messages_digest({"messages": r.messages}) == refused.digest]
+    (refused_index,) = [
+        i for i, r in enumerate(requests) if messages_digest({"messages": r.messages}) == refused.digest
+    ]
     assert retried[0].digest == refused.digest
     waits = [r.wait_s for r in results]
     assert waits.pop(refused_index) >= 0.9 and sum(waits) == 0
