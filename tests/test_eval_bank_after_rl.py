@@ -13,15 +13,9 @@ import pytest
 from rubricem_core.reflection.bank import bank_dir, saved_bank_info
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
-from tests import test_rl as rl_tests
-from tests import test_rl_reflection as reflection_tests
-from tests.test_rl_reflection import _run
+from tests.rl_runs import forced_reflections, rl_with_reflections, sft_run  # noqa: F401  (module fixtures)
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
-
-# the module fixtures of the RL tests (assigned, not imported by name, so pyflakes sees them used)
-sft_run = rl_tests.sft_run
-forced_reflections = reflection_tests.forced_reflections
 
 # one new-query step and its replay
 RL = {"rl.window": 1, "reflection.embedder": "hashing:64", "reflection.within_source": "window"}
@@ -30,7 +24,7 @@ RL = {"rl.window": 1, "reflection.embedder": "hashing:64", "reflection.within_so
 def test_evaluate_cross_after_rl_uses_the_bank_rl_saved(sft_run, tmp_path, forced_reflections):
     from flows.evaluate import evaluate
 
-    run_dir = _run(sft_run, tmp_path / "rl", forced_reflections, **RL)
+    run_dir = rl_with_reflections(sft_run, tmp_path / "rl", forced_reflections, **RL)
     assert saved_bank_info(bank_dir(run_dir)).embedder == "hashing:64"
     store = RunStore(run_dir)
     banked = {r["query_id"] for r in store.read_rows("bank")}

@@ -23,7 +23,7 @@ from rubricem_core.rollout import RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.rollout.vllm_fleet import start_fleet
 from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 from rubricem_core.tools import LocalSearchTool, ToolEnv
-from tests.test_rollout_vllm import _assert_same, _flat, _prompt, model_dir, tok, world  # noqa: F401  (its module fixtures: the same tiny policy)
+from tests.rollout_fixtures import assert_same_trajectory, flat_groups, model_dir, prompt_ids, tok, world  # noqa: F401  (module fixtures)
 
 pytest.importorskip("ray")
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -68,7 +68,7 @@ def env(world):
 def requests(tok, world) -> list[RolloutRequest]:
     params = SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1)
     return [
-        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+        RolloutRequest(f"q{i}", prompt_ids(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
         for i in range(3)
     ]
 
@@ -86,7 +86,7 @@ def local_rows(model_dir, tok, env, requests, tmp_path_factory):
     fleet = start_fleet(model_dir, 2, log_path=tmp_path_factory.mktemp("local") / "server.log", **SERVER)
     try:
         engine = _engine(fleet, tok)
-        rows = _flat(engine.generate(requests, env))
+        rows = flat_groups(engine.generate(requests, env))
         assert all(n > 0 for n in fleet.calls)
     finally:
         fleet.close()
@@ -111,10 +111,10 @@ def ray_fleet(model_dir, local_rows, tmp_path_factory):
 def test_two_ray_placed_replicas_sample_what_two_local_replicas_sample(ray_fleet, tok, env, requests, local_rows):
     import ray
 
-    rows = _flat(_engine(ray_fleet, tok).generate(requests, env))
+    rows = flat_groups(_engine(ray_fleet, tok).generate(requests, env))
     assert len(rows) == len(local_rows) == 12
     for a, b in zip(rows, local_rows):
-        _assert_same(a, b)
+        assert_same_trajectory(a, b)
     assert sum(t.n_tool_calls for t in rows) > 0
     assert all(n > 0 for n in ray_fleet.calls)  # both replicas served calls
     me = ray.get_runtime_context().get_node_id()
@@ -163,10 +163,10 @@ def test_a_replica_whose_actor_is_killed_mid_batch_is_lost_and_its_calls_resent(
         return sample
 
     victim.sample_one = answer_then_kill
-    rows = _flat(engine.generate(requests, env))
+    rows = flat_groups(engine.generate(requests, env))
     assert killed.is_set()
     for a, b in zip(rows, local_rows):
-        _assert_same(a, b)
+        assert_same_trajectory(a, b)
     assert ray_fleet.live == [0] and engine.stats["replicas_live"] == 1 and engine.stats["resent_calls"] >= 1
     why = ray_fleet.lost[1]
     assert (

@@ -12,11 +12,11 @@ import pytest
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
-from tests.test_rl import SMALL, sft_run  # noqa: F401,F811  (module fixture)
+from tests.rl_runs import RL_RUN, sft_run  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
-UNFORCED = {**SMALL, "rl.recipe": "full", "reflection.n_candidates": 2, "reflection.max_new_tokens": 64}
+UNFORCED = {**RL_RUN, "rl.recipe": "full", "reflection.n_candidates": 2, "reflection.max_new_tokens": 64}
 
 
 def _rl(sft_run, dst, **extra) -> str:

@@ -16,6 +16,7 @@ from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.trajectory import TokenTrajectory
+from tests.rl_runs import RL_RUN, copy_run, sft_run  # noqa: F401  (module fixture)
 
 
 def test_windowed_schedule_replays_each_window():
@@ -96,34 +97,6 @@ def test_training_batch_trains_on_the_written_advantages():
     assert batch.stage_means["reward/A/plan_mean"] == pytest.approx(0.0)
 
 
-SMALL = {  # over the suite's run (rubricem_core/testing/micro.yaml)
-    "data.world.n_documents": 120,
-    "data.world.n_queries": 10,
-    "data.world.eval_fraction": 0.2,
-    "teacher.trajectories_per_query": 2,
-    "sft.max_steps": 4,
-    "rl.recipe": "ss_grpo",
-}
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, prefect_harness):
-    from flows.collect_sft_data import collect_sft_data
-    from flows.sft import sft
-
-    run_dir = tmp_path_factory.mktemp("rl") / "base"
-    collect_sft_data(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
-    sft(run_dir=str(run_dir), profile=MICRO_PROFILE, overrides=SMALL)
-    return run_dir
-
-
-def _copy_run(src, dst):
-    import shutil
-
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
 def _check_prefect_view(run_dir: str) -> None:
     """The UI's view of an RL flow run: a Markdown artifact with a row per step, readable run names."""
     from prefect import get_client
@@ -153,8 +126,8 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     from rubricem_core.rl.progress import completed_step
     from rubricem_core.store import RunStore
 
-    straight = _copy_run(sft_run, tmp_path / "straight")
-    result = rl(run_dir=straight, profile=MICRO_PROFILE, overrides=SMALL)
+    straight = copy_run(sft_run, tmp_path / "straight")
+    result = rl(run_dir=straight, profile=MICRO_PROFILE, overrides=RL_RUN)
     assert result["steps"] == 2
     store = RunStore(straight)
     for table in ("rollouts", "judge_rubrics", "judge_scores", "stage_rewards", "metrics"):
@@ -208,7 +181,7 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     _check_prefect_view(straight)
 
     # a run that fails in step 1's update resumes to the same weights
-    resumed = _copy_run(sft_run, tmp_path / "resumed")
+    resumed = copy_run(sft_run, tmp_path / "resumed")
     import rubricem_core.rl.policy as rl_policy
 
     real = rl_policy.ss_grpo_update
@@ -220,9 +193,9 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl_policy, "ss_grpo_update", fail_step_1)
     with pytest.raises(RuntimeError, match="injected failure"):
-        rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=SMALL)
+        rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=RL_RUN)
     monkeypatch.setattr(rl_policy, "ss_grpo_update", real)
-    state = rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=SMALL, return_state=True)
+    state = rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=RL_RUN, return_state=True)
     # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,
     # runs again and is never reported Cached
     from prefect import get_client
@@ -318,18 +291,18 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
         return real_judge_step(*args, **kwargs)
 
     monkeypatch.setattr(rl_steps, "judge_step", counting_judge_step)
-    streamed = _copy_run(sft_run, tmp_path / "streamed")
-    rl(run_dir=streamed, profile=MICRO_PROFILE, overrides=SMALL)
+    streamed = copy_run(sft_run, tmp_path / "streamed")
+    rl(run_dir=streamed, profile=MICRO_PROFILE, overrides=RL_RUN)
     assert batch_calls == []  # every step judged while its rollouts sampled
-    batch = _copy_run(sft_run, tmp_path / "batch")
-    rl(run_dir=batch, profile=MICRO_PROFILE, overrides={**SMALL, "judge.stream": False})
+    batch = copy_run(sft_run, tmp_path / "batch")
+    rl(run_dir=batch, profile=MICRO_PROFILE, overrides={**RL_RUN, "judge.stream": False})
     assert batch_calls == [0, 1]
     reference = _judge_view(batch)
     _assert_same_judging(_judge_view(streamed), reference)
 
     # step 0's streamed judgments all fail: the judge task raises, having changed the session's buffers
     batch_calls.clear()
-    failing = _copy_run(sft_run, tmp_path / "failing")
+    failing = copy_run(sft_run, tmp_path / "failing")
     real_ascore = LLMJudge.ascore
 
     async def all_failed(self, inputs, **kwargs):
@@ -338,10 +311,10 @@ def test_streamed_judge_writes_the_batch_judges_tables(sft_run, tmp_path, monkey
 
     monkeypatch.setattr(LLMJudge, "ascore", all_failed)
     with pytest.raises(JudgeStepError, match="2 of 4 judgments failed|4 of 4 judgments failed"):
-        rl(run_dir=failing, profile=MICRO_PROFILE, overrides=SMALL)
+        rl(run_dir=failing, profile=MICRO_PROFILE, overrides=RL_RUN)
     assert all(r["judge_failed"] for r in RunStore(failing).read_rows("rollouts", {"step": 0}))
     monkeypatch.setattr(LLMJudge, "ascore", real_ascore)
-    rl(run_dir=failing, profile=MICRO_PROFILE, overrides=SMALL)  # same process, a new session rebuilt from the tables
+    rl(run_dir=failing, profile=MICRO_PROFILE, overrides=RL_RUN)  # same process, a new session rebuilt from the tables
     assert batch_calls == [0]  # step 0 re-judged from the tables, step 1 streamed
     _assert_same_judging(_judge_view(failing), reference)
 
@@ -363,8 +336,8 @@ def test_rl_flow_holds_nothing_per_step(sft_run, tmp_path, monkeypatch):
             return super().update(*args, **kwargs)
 
     monkeypatch.setattr(rl_flow, "Progress", CountingProgress)
-    run_dir = _copy_run(sft_run, tmp_path / "four_steps")
-    result = rl_flow.rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides={**SMALL, "rl.n_windows": 2})
+    run_dir = copy_run(sft_run, tmp_path / "four_steps")
+    result = rl_flow.rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides={**RL_RUN, "rl.n_windows": 2})
     assert result["steps"] == 4 and len(sizes) == 4
     assert sizes[-1] == sizes[0], sizes
     logged = json.loads(

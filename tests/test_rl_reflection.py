@@ -20,18 +20,7 @@ from rubricem_core.reflection.meta import candidate_advantages, pick_source_roll
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
-from rubricem_core.testing.forced_reflections import forcing_engine
-from tests.test_rl import SMALL, sft_run  # noqa: F401  (module fixture)
-
-REFLECT = {
-    **SMALL,
-    "rl.recipe": "full",
-    "rl.window": 2,
-    "reflection.n_candidates": 3,
-    "reflection.max_new_tokens": 400,
-    "reflection.max_trajectory_chars": 1500,
-    "reflection.warm_bank": False,  # an empty bank at step 0 (the warm start: tests/test_reflection_warm.py)
-}
+from tests.rl_runs import REFLECT, copy_run, forced_reflections, rl_with_reflections, sft_run  # noqa: F401  (module fixtures)
 
 
 def test_pick_source_rollouts_is_uniform_and_skips_failed_judgments():
@@ -57,37 +46,8 @@ def test_candidate_advantages_match_hand_numbers(scores, expected):
 
 
 @pytest.fixture(scope="module")
-def forced_reflections():
-    """Even candidates of every reflection request spell a valid reflection for their question."""
-    import rubricem_core.rollout.factory as engine_factory
-
-    state: dict = {"questions": {}}
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(
-        engine_factory, "HFRolloutEngine", forcing_engine(engine_factory.HFRolloutEngine, state["questions"])
-    )
-    yield state
-    monkeypatch.undo()
-
-
-@pytest.fixture(scope="module")
 def deferred_run(sft_run, tmp_path_factory, forced_reflections):
-    return _run(sft_run, tmp_path_factory.mktemp("reflect") / "deferred", forced_reflections)
-
-
-def _copy(src, dst) -> str:
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
-def _run(sft_run, dst, state, **extra):
-    from flows.rl import rl
-    from rubricem_core.store import RunStore
-
-    run_dir = _copy(sft_run, dst)
-    state["questions"].update({q["query_id"]: q["question"] for q in RunStore(run_dir).read_rows("queries")})
-    rl(run_dir=run_dir, profile=MICRO_PROFILE, overrides={**REFLECT, **extra})
-    return run_dir
+    return rl_with_reflections(sft_run, tmp_path_factory.mktemp("reflect") / "deferred", forced_reflections)
 
 
 def _weights(run_dir: str, step: int) -> dict[str, torch.Tensor]:
@@ -140,7 +100,7 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
     )
 
     # the sync schedule does the same work in the same order of weight changes: same numbers
-    sync = _run(sft_run, tmp_path / "sync", forced_reflections, **{"reflection.schedule": "sync"})
+    sync = rl_with_reflections(sft_run, tmp_path / "sync", forced_reflections, **{"reflection.schedule": "sync"})
     for step in (2, 3):
         a, b = _weights(deferred, step), _weights(sync, step)
         for k in a:
@@ -163,7 +123,7 @@ def test_reflection_loop_resumes_exactly(deferred_run, sft_run, tmp_path, forced
     # and re-applies the reflection update from step 1's checkpoint
     from flows.rl import rl
 
-    resumed = _copy(sft_run, tmp_path / "resumed")
+    resumed = copy_run(sft_run, tmp_path / "resumed")
     from rubricem_core.rl.policy import LocalPolicy
 
     real = LocalPolicy.save

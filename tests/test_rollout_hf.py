@@ -32,6 +32,7 @@ from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, Tool, ToolEnv, ToolResult, ToolSpec
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from tests.rollout_fixtures import prompt_ids
 
 PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
 FINISH = (
@@ -76,11 +77,6 @@ def model(tok):
 def env(world):
     table = world.corpus_table()
     return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=4)
-
-
-def _prompt(tok, text: str) -> list[int]:
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tok.encode(rendered, add_special_tokens=False)
 
 
 class Script:
@@ -218,9 +214,9 @@ def test_sampling_logprobs_match_cache_free_recompute(tok, env, world, attn, chu
         model, tok, forced_policy=script, max_chunk_tokens=chunk, compact_min_slots=compact_min, max_batch_rows=max_rows
     )
     requests = [
-        RolloutRequest("a", _prompt(tok, world.queries[0].question), n=2, sampling=_sampling(max_new_tokens=260)),
-        RolloutRequest("b", _prompt(tok, world.queries[1].question * 3), n=2, sampling=_sampling()),
-        RolloutRequest("c", _prompt(tok, "hi"), n=2, sampling=_sampling(max_new_tokens=60)),
+        RolloutRequest("a", prompt_ids(tok, world.queries[0].question), n=2, sampling=_sampling(max_new_tokens=260)),
+        RolloutRequest("b", prompt_ids(tok, world.queries[1].question * 3), n=2, sampling=_sampling()),
+        RolloutRequest("c", prompt_ids(tok, "hi"), n=2, sampling=_sampling(max_new_tokens=60)),
     ]
     out = engine.generate(requests, env)
     trajs = [t for group in out for t in group]
@@ -242,7 +238,7 @@ def test_sampling_logprobs_match_cache_free_recompute(tok, env, world, attn, chu
 
 
 def test_greedy_and_top_k_one_record_the_argmax(model, tok, env):
-    prompt = _prompt(tok, "greedy")
+    prompt = prompt_ids(tok, "greedy")
     engine = HFRolloutEngine(model, tok)
     greedy_params = _sampling(temperature=0.0, max_new_tokens=25)
     greedy = engine.generate([RolloutRequest("g", prompt, sampling=greedy_params)], env)[0][0]
@@ -291,7 +287,7 @@ def test_forced_tool_round_trip_gives_a_valid_answered_trace(model, tok, env, wo
     turn1 = FINISH.format(id=doc_id)
     script = Script(tok, {"r": [turn0, turn1]})
     engine = HFRolloutEngine(model, tok, forced_policy=script)
-    request = RolloutRequest("r", _prompt(tok, "When did it open?"), sampling=_sampling(max_new_tokens=400))
+    request = RolloutRequest("r", prompt_ids(tok, "When did it open?"), sampling=_sampling(max_new_tokens=400))
     traj = engine.generate([request], env)[0][0]
     assert traj.finish_reason == ANSWERED
     assert traj.n_tool_calls == 1
@@ -357,7 +353,9 @@ def test_tool_failures_become_error_outputs_and_the_row_continues(model, tok, to
     env = ToolEnv({"search": tool}, max_calls=3)
     script = Script(tok, {"r": [call, FINISH.format(id="D1")]})
     engine = HFRolloutEngine(model, tok, tool_names=None, forced_policy=script, tool_timeout_s=0.3)
-    traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling(max_new_tokens=300))], env)[0][0]
+    traj = engine.generate([RolloutRequest("r", prompt_ids(tok, "q"), sampling=_sampling(max_new_tokens=300))], env)[0][
+        0
+    ]
     if isinstance(tool, _Hanging):
         tool.release.set()
     outputs = _tool_texts(traj)
@@ -376,9 +374,9 @@ def test_an_exception_out_of_the_environment_is_logged_and_named_in_the_row(mode
     script = Script(tok, {"r": ['<call_tool name="search">q</call_tool>', FINISH.format(id="D1")]})
     engine = HFRolloutEngine(model, tok, tool_names=None, forced_policy=script, tool_timeout_s=5)
     with caplog.at_level("WARNING", logger="rubricem_core.rollout.rows"):
-        traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling(max_new_tokens=300))], env)[
-            0
-        ][0]
+        traj = engine.generate(
+            [RolloutRequest("r", prompt_ids(tok, "q"), sampling=_sampling(max_new_tokens=300))], env
+        )[0][0]
     [output] = _tool_texts(traj)
     assert "tool search raised KeyError: 'lost the budget'" in output and "NoneType" not in output
     assert any(r.exc_info and "raised" in r.getMessage() for r in caplog.records)
@@ -404,7 +402,7 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
         },
     )
     engine = HFRolloutEngine(model, tok, forced_policy=script)
-    prompt = _prompt(tok, "Varn bridge")
+    prompt = prompt_ids(tok, "Varn bridge")
     requests = [
         RolloutRequest("answer", prompt, sampling=_sampling(max_new_tokens=400)),
         RolloutRequest("open-tag", prompt, sampling=_sampling(max_new_tokens=30)),
@@ -454,7 +452,7 @@ def test_free_sampling_never_crashes_and_records_a_reason(model, tok, env):
     requests = [
         RolloutRequest(
             f"q{i}",
-            _prompt(tok, f"question {i}"),
+            prompt_ids(tok, f"question {i}"),
             n=4,
             sampling=_sampling(seed=i, max_new_tokens=30, max_total_tokens=300),
             max_tool_calls=2,
@@ -477,7 +475,9 @@ def test_same_seed_same_rollouts_other_seed_differs(model, tok, env):
     engine = HFRolloutEngine(model, tok)
 
     def run(seed: int) -> list[TokenTrajectory]:
-        reqs = [RolloutRequest("d", _prompt(tok, "determinism"), n=3, sampling=_sampling(seed=seed, max_new_tokens=30))]
+        reqs = [
+            RolloutRequest("d", prompt_ids(tok, "determinism"), n=3, sampling=_sampling(seed=seed, max_new_tokens=30))
+        ]
         return engine.generate(reqs, env)[0]
 
     first, again, other = run(11), run(11), run(12)
@@ -489,7 +489,7 @@ def test_same_seed_same_rollouts_other_seed_differs(model, tok, env):
 def test_update_weights_and_sync_from(tok, env):
     policy, other = _model(tok, seed=0), _model(tok, seed=1)
     engine = HFRolloutEngine(policy, tok)
-    reqs = [RolloutRequest("w", _prompt(tok, "weights"), n=2, sampling=_sampling(seed=5, max_new_tokens=30))]
+    reqs = [RolloutRequest("w", prompt_ids(tok, "weights"), n=2, sampling=_sampling(seed=5, max_new_tokens=30))]
     before = engine.generate(reqs, env)[0]
     engine.sync_from(policy)  # shared module: no-op
     assert [t.token_ids for t in engine.generate(reqs, env)[0]] == [t.token_ids for t in before]
@@ -515,7 +515,7 @@ def test_free_text_requests_end_at_their_stop_text_not_at_the_scaffold(model, to
     script = Script(tok, {"r": [body]})
     engine = HFRolloutEngine(model, tok, forced_policy=script)
     sampling = _sampling(max_new_tokens=200, stop_texts=("</reflection>",))
-    request = RolloutRequest("r", _prompt(tok, "Reflect."), sampling=sampling, max_tool_calls=0, scaffold=scaffold)
+    request = RolloutRequest("r", prompt_ids(tok, "Reflect."), sampling=sampling, max_tool_calls=0, scaffold=scaffold)
     traj = engine.generate([request], env)[0][0]
     text = _gen_text(tok, traj)
     assert traj.finish_reason == ANSWERED and traj.n_tool_calls == 0

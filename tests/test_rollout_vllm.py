@@ -22,11 +22,10 @@ import random
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from rubricem_core.rollout import (
     ANSWERED,
@@ -44,11 +43,11 @@ from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
 from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
-from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy, init_tiny_model
-from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.sim.tiny_policy import init_tiny_model
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.tools.base import Tool, ToolResult
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from tests.rollout_fixtures import assert_same_trajectory, flat_groups, model_dir, prompt_ids, tok, world  # noqa: F401  (module fixtures)
 
 # vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -85,24 +84,6 @@ def _vllm_before_numba(request, _one_thread):
 
 
 @pytest.fixture(scope="module")
-def world():
-    return generate_world(WorldConfig(seed=3, n_documents=60, n_queries=6))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, world) -> Path:
-    texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 4
-    # head_dim 64 (128 / 2 heads): a size every vLLM attention backend supports
-    spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
-    return build_tiny_policy(texts, tmp_path_factory.mktemp("policy") / "tiny", spec)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -111,11 +92,6 @@ def model(model_dir):
 def env(world):
     table = world.corpus_table()
     return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=4)
-
-
-def _prompt(tok, text: str) -> list[int]:
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-    return tok.encode(rendered, add_special_tokens=False)
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -217,17 +193,6 @@ def _check_views(tok, traj: TokenTrajectory) -> None:
     assert checked >= (len(traj.token_ids) - traj.prompt_len) // 2
 
 
-def _assert_same(a: TokenTrajectory, b: TokenTrajectory) -> None:
-    assert a.token_ids == b.token_ids
-    assert (a.loss_mask, a.stage_ids, a.prompt_len) == (b.loss_mask, b.stage_ids, b.prompt_len)
-    assert [(s.kind, s.stage, s.start, s.end, s.text) for s in a.segments] == [
-        (s.kind, s.stage, s.start, s.end, s.text) for s in b.segments
-    ]
-    assert (a.finish_reason, a.n_tool_calls, a.meta) == (b.finish_reason, b.n_tool_calls, b.meta)
-    for x, y in zip(a.logprobs, b.logprobs):
-        assert (math.isnan(x) and math.isnan(y)) or abs(x - y) < 1e-4, (x, y)
-
-
 # ---- the turn loop, against the transformers engine (no vLLM needed) ------------------------------
 
 
@@ -273,7 +238,7 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
         "output-too-big": [f'<call_tool name="search">{world.documents[0].title}</call_tool>'],
         "stray-close": ["plan </answer> more", FINISH.format(id="D2")],
     }
-    prompt = _prompt(tok, "Varn bridge")
+    prompt = prompt_ids(tok, "Varn bridge")
     requests = [
         RolloutRequest("answer", prompt, sampling=_sampling(max_new_tokens=400)),
         RolloutRequest("open-tag", prompt, sampling=_sampling(max_new_tokens=30)),
@@ -290,7 +255,7 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
     ours = {r.request_id: g[0] for r, g in zip(requests, engine.generate(requests, env))}
     reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)
     for request, group in zip(requests, reference):
-        _assert_same(ours[request.request_id], group[0])
+        assert_same_trajectory(ours[request.request_id], group[0])
     assert {rid: t.finish_reason for rid, t in ours.items()} == {
         "answer": ANSWERED,
         "open-tag": TRUNCATED,
@@ -325,7 +290,7 @@ def test_reflection_requests_stop_at_their_stop_text_like_the_hf_engine(model, t
     script = {"r": [body]}
     request = RolloutRequest(
         "r",
-        _prompt(tok, "Reflect."),
+        prompt_ids(tok, "Reflect."),
         max_tool_calls=0,
         scaffold=False,
         sampling=_sampling(max_new_tokens=120, stop_texts=("</reflection>",)),
@@ -333,7 +298,7 @@ def test_reflection_requests_stop_at_their_stop_text_like_the_hf_engine(model, t
     sampler = HFSampler(model, tok, script)
     ours = VLLMRolloutEngine(None, tok, sampler=sampler).generate([request], env)[0][0]
     reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate([request], env)[0][0]
-    _assert_same(ours, reference)
+    assert_same_trajectory(ours, reference)
     assert sampler.calls[0].stop == ("</reflection>",) and ours.finish_reason == ANSWERED
     assert "</reflection>" in _decode(tok, ours.token_ids[ours.prompt_len :]) and "trailing" not in _decode(
         tok, ours.token_ids[ours.prompt_len :]
@@ -347,7 +312,7 @@ def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world)
     requests = [
         RolloutRequest(
             f"q{i}",
-            _prompt(tok, f"question {i} " * (i + 1)),
+            prompt_ids(tok, f"question {i} " * (i + 1)),
             n=1,
             sampling=_sampling(max_new_tokens=40, max_total_tokens=900),
             max_tool_calls=2,
@@ -358,7 +323,7 @@ def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world)
     ours = [g[0] for g in engine.generate(requests, env)]
     reference = [g[0] for g in HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)]
     for a, b in zip(ours, reference):
-        _assert_same(a, b)
+        assert_same_trajectory(a, b)
         _check_views(tok, a)
         assert a.n_tool_calls >= 1 and len(a) > a.segments[2].end  # greedy tokens after the tool output
 
@@ -381,7 +346,9 @@ def test_calls_continue_from_the_same_ids(model, tok, env):
         return samples
 
     engine = VLLMRolloutEngine(None, tok, sampler=with_trailing)
-    request = RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling(max_new_tokens=200, seed=3), max_tool_calls=3)
+    request = RolloutRequest(
+        "r", prompt_ids(tok, "q"), sampling=_sampling(max_new_tokens=200, seed=3), max_tool_calls=3
+    )
     traj = engine.generate([request], env)[0][0]
     calls = sampler.calls
     assert traj.finish_reason == ANSWERED and traj.n_tool_calls == 2
@@ -414,15 +381,15 @@ def test_sampler_misbehaviour_ends_the_row(tok, env, reply, reason, detail):
     engine = VLLMRolloutEngine(
         None, tok, sampler=lambda calls: [TurnSample(list(reply), [-1.0] * len(reply)) for _ in calls]
     )
-    traj = engine.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling())], env)[0][0]
+    traj = engine.generate([RolloutRequest("r", prompt_ids(tok, "q"), sampling=_sampling())], env)[0][0]
     assert traj.finish_reason == reason and detail in traj.meta["finish_detail"]
     bad = VLLMRolloutEngine(None, tok, sampler=lambda calls: [])
     with pytest.raises(RuntimeError, match="0 samples for 1 calls"):
-        bad.generate([RolloutRequest("r", _prompt(tok, "q"), sampling=_sampling())], env)
+        bad.generate([RolloutRequest("r", prompt_ids(tok, "q"), sampling=_sampling())], env)
 
 
 def test_model_length_limit_truncates(model, tok, env):
-    prompt = _prompt(tok, "limits")
+    prompt = prompt_ids(tok, "limits")
     engine = VLLMRolloutEngine(
         None, tok, sampler=HFSampler(model, tok, {"r": ["<answer>" + "word " * 80]}), max_model_len=len(prompt) + 12
     )
@@ -484,7 +451,7 @@ def _reference_logprobs(model, traj: TokenTrajectory, params: SamplingParams) ->
 )
 def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, model, tok, env, world, params):
     requests = [
-        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+        RolloutRequest(f"q{i}", prompt_ids(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
         for i in range(3)
     ]
     trajs = [t for g in vllm_engine.generate(requests, env) for t in g]
@@ -509,7 +476,7 @@ def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, mod
 
 
 def test_vllm_limits_and_bad_prompts(vllm_engine, tok, env):
-    prompt = _prompt(tok, "limits")
+    prompt = prompt_ids(tok, "limits")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=7, max_total_tokens=500, seed=4)
     requests = [
         RolloutRequest("turn", prompt, n=3, sampling=sampling),
@@ -535,7 +502,7 @@ def test_vllm_limits_and_bad_prompts(vllm_engine, tok, env):
 def test_vllm_same_seed_same_rollouts_other_seed_differs(vllm_engine, tok, env):
     def run(seed: int) -> list[TokenTrajectory]:
         params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=400, seed=seed)
-        return vllm_engine.generate([RolloutRequest("d", _prompt(tok, "determinism"), n=3, sampling=params)], env)[0]
+        return vllm_engine.generate([RolloutRequest("d", prompt_ids(tok, "determinism"), n=3, sampling=params)], env)[0]
 
     first, again, other = run(11), run(11), run(12)
     assert [t.token_ids for t in first] == [t.token_ids for t in again]
@@ -550,7 +517,7 @@ def test_vllm_same_seed_same_rollouts_other_seed_differs(vllm_engine, tok, env):
 def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engine, model, model_dir, tok, env, world):
     # A prompt of several KV blocks, so later calls are served from the prefix cache.
     block = vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size
-    prompt = (_prompt(tok, " ".join(d.text for d in world.documents[:20])) * 4)[: 3 * block + 5]
+    prompt = (prompt_ids(tok, " ".join(d.text for d in world.documents[:20])) * 4)[: 3 * block + 5]
     params = SamplingParams(temperature=1.0, max_new_tokens=25, max_total_tokens=900, seed=5)
     requests = [RolloutRequest("w", prompt, n=2, sampling=params)]
 
@@ -604,7 +571,7 @@ def _server_sampling_check(engine, tok, env, world):
     difference between its sampling logprobs and a transformers recompute with the reference's weights."""
     params = SamplingParams(temperature=1.0, max_new_tokens=30, max_total_tokens=700, seed=4)
     requests = [
-        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=2, sampling=params, max_tool_calls=2)
+        RolloutRequest(f"q{i}", prompt_ids(tok, world.queries[i].question), n=2, sampling=params, max_tool_calls=2)
         for i in range(2)
     ]
 
@@ -788,13 +755,9 @@ def _fleet_requests(tok, world) -> list[RolloutRequest]:
     # tool calls by chance
     params = SamplingParams(temperature=1.0, max_new_tokens=40, max_total_tokens=500, seed=1)
     return [
-        RolloutRequest(f"q{i}", _prompt(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
+        RolloutRequest(f"q{i}", prompt_ids(tok, world.queries[i].question), n=4, sampling=params, max_tool_calls=2)
         for i in range(3)
     ]
-
-
-def _flat(groups: list[list[TokenTrajectory]]) -> list[TokenTrajectory]:
-    return [t for g in groups for t in g]
 
 
 @pytest.mark.slow
@@ -820,18 +783,18 @@ def test_vllm_fleet_async_rows_and_two_replicas_equal_lockstep_on_one_and_a_push
     lockstep = engine(one[0], "lockstep").generate(requests, sleepy)
     lockstep_s = time.perf_counter() - started
     started = time.perf_counter()
-    for a, b in zip(_flat(engine(one[0], "async").generate(requests, sleepy)), _flat(rows)):
-        _assert_same(a, b)
+    for a, b in zip(flat_groups(engine(one[0], "async").generate(requests, sleepy)), flat_groups(rows)):
+        assert_same_trajectory(a, b)
     async_s = time.perf_counter() - started
-    trajs = _flat(lockstep)
+    trajs = flat_groups(lockstep)
     assert sum(t.n_tool_calls for t in trajs) > 0  # random weights call tools by chance: the sleeps matter
     assert max(_logprob_errors(trajs, model, params)) < 1e-4
-    for a, b in zip(_flat(rows), trajs):
-        _assert_same(a, b)
+    for a, b in zip(flat_groups(rows), trajs):
+        assert_same_trajectory(a, b)
     both = engine(fleet, "async")
     served = list(fleet.calls)
-    for a, b in zip(_flat(both.generate(requests, sleepy)), trajs):
-        _assert_same(a, b)
+    for a, b in zip(flat_groups(both.generate(requests, sleepy)), trajs):
+        assert_same_trajectory(a, b)
     assert all(now > before for now, before in zip(fleet.calls, served))  # both replicas sampled
     tools = sum(t.n_tool_calls for t in trajs)
     print(f"\nfleet: warm, one replica, {tools} tool calls: lockstep {lockstep_s:.1f}s, async {async_s:.1f}s")
@@ -870,8 +833,8 @@ def test_vllm_fleet_replica_killed_mid_batch_has_its_rows_resent(fleet, model, t
     killer.start()
     out = engine.generate(requests, env)
     killer.join(5)
-    for a, b in zip(_flat(out), _flat(reference)):
-        _assert_same(a, b)
+    for a, b in zip(flat_groups(out), flat_groups(reference)):
+        assert_same_trajectory(a, b)
     assert victim.proc.poll() is not None and fleet.live == [0] and engine.stats["replicas_live"] == 1
     assert "exited with code -9" in fleet.lost[1]
     print(f"\nkilled replica 1: {engine.stats['resent_calls']} calls re-sent to replica 0")
