@@ -67,20 +67,29 @@ GRADERS = ("independent", "builtin")  # answer match (eval/answer_match.py), the
 def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
     """One row per finished RL step of a recipe's run: training reward per stage, valid scaffolds,
     reflection validity, bank size, tokens and seconds, from the step's tables and saved task metrics."""
+    from rubricem_core.eval.answer_match import match_query
     from rubricem_core.rl.progress import completed_step
+    from rubricem_core.scaffold.extract import extract_answer
+    from rubricem_core.schemas import Query
     from rubricem_core.store import RunStore
     from tasks.rl import step_metrics
 
     store = RunStore(run_dir)
+    queries = {row["query_id"]: Query.from_row(row) for row in store.read_rows("queries")}
     rows = []
     for step in range(min(upto, completed_step(store) + 1)):
         m = step_metrics(store, step)
         rollouts = store.read_rows("rollouts", {"step": step})
+        # the training rollouts' answers on the held-out grader's terms (answer match), and how many were
+        # sampled with retrieved guidance in their prompt: what the update trained on, not what evaluation sees
+        matched = [match_query(queries[r["query_id"]], extract_answer(r["text"]) or "")["score"] for r in rollouts]
         rows.append(
             {
                 "step": step,
                 "phase": rollouts[0]["phase"] if rollouts else "",
                 **{f"R_{s}": m.get(f"reward/R/{s}_mean", math.nan) for s in STAGE_NAMES},
+                "train_answer_match": sum(matched) / len(matched) if matched else math.nan,
+                "guided": sum(bool(r["guidance"]) for r in rollouts) / max(1, len(rollouts)),
                 "valid_scaffold": sum(r["valid_scaffold"] for r in rollouts) / max(1, len(rollouts)),
                 "reflection_valid": m.get("reflection/valid_fraction", math.nan),
                 "bank_size": m.get("bank/size", math.nan),
@@ -373,12 +382,14 @@ def report(
         spent = f", {wall[recipe] / 60:.1f} min in all (evaluations included)" if wall else ""
         print(f"\n== {recipe}: {len(steps)} steps{spent}")
         print(
-            "step phase   R_plan R_res  R_rev  R_ans  valid  refl_valid bank  kl      tokens gen   roll_s judge_s upd_s"
+            "step phase   R_plan R_res  R_rev  R_ans  match guided valid  refl_valid bank  kl      tokens gen   "
+            "roll_s judge_s upd_s"
         )
         for row in steps:
             print(
                 f"{row['step']:>4} {row['phase']:<7} "
                 + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
+                + f" {_fmt(row['train_answer_match']):>5} {row['guided']:>6.2f}"
                 + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
                 f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['tokens']:>6} "
                 f"{row['tokens_generated']:>5} {_fmt(row['rollout_s'], '.0f'):>6} "
@@ -390,6 +401,7 @@ def report(
                 f"mean step {sum(parts.values()):.0f} s: rollouts {parts['rollout_s']:.0f} s + judge after "
                 f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
             )
+            print("training rollouts' answer match: " + training_match_line(steps))
         print("eval  answer-match  vs SFT ± se      built-in  vs SFT ± se      answered valid finals refl_valid")
         for step, ev in [(0, sft)] + [(p["step"], p) for p in points[recipe]]:
             ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
@@ -418,6 +430,20 @@ def report(
     last = points[recipes[-1]][-1]["graded"]["independent"] if points[recipes[-1]] else {"gain": math.nan}
     met = None if math.isnan(last["gain"]) else bool(last["gain"] > 0 and last["gain"] > 2 * last["se"])
     print(figure_line(f"{recipes[-1]}_minus_sft", last["gain"], "score", goal, met))
+
+
+def training_match_line(steps: list[dict[str, Any]]) -> str:
+    """The training rollouts' answer match by phase (replay steps see their queries a second time) and by
+    whether retrieval put guidance in the prompt, averaged over steps."""
+
+    def mean_of(rows: list[dict[str, Any]]) -> str:
+        values = [r["train_answer_match"] for r in rows if not math.isnan(r["train_answer_match"])]
+        return f"{sum(values) / len(values):.3f} ({len(values)} steps)" if values else "n/a"
+
+    parts = [f"{phase} {mean_of([r for r in steps if r['phase'] == phase])}" for phase in ("new", "repeat")]
+    guided = [r for r in steps if r["guided"] > 0.5]
+    parts.append(f"guided steps {mean_of(guided)}, unguided {mean_of([r for r in steps if r['guided'] <= 0.5])}")
+    return "; ".join(parts)
 
 
 def power(per_query: dict[str, float], gain: float = 0.1) -> dict[str, float]:
