@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results.jsonl"
 PAGE = REPO_ROOT / "docs" / "benchmarks.md"
+# how a docs page cites a figure: `name` in [benchmarks](benchmarks.md), across a line break too
+CITATION = re.compile(r"`([A-Za-z0-9_.\-/]+)`\s+in\s+\[benchmarks\]\(benchmarks\.md\)")
+# a script's figure name as written in its figure_line call or figure line; {…} parts (a recipe) match any word
+PRINTED = re.compile(r'figure_line\(\s*f?"([^"]+)"|figure: ([A-Za-z0-9_.\-/{}]+)=')
 
 
 def machine() -> str:
@@ -113,7 +118,35 @@ def _value(row: dict[str, Any]) -> str:
     return f"{text} {row['unit']}".strip() if row.get("unit") else text
 
 
-def render_page(rows: list[dict[str, Any]]) -> str:
+def cited_figures(docs_dir: Path = PAGE.parent) -> dict[str, list[str]]:
+    """Every figure a docs page cites, with the pages that cite it."""
+    cited: dict[str, list[str]] = {}
+    for page in sorted(docs_dir.rglob("*.md")):
+        for name in CITATION.findall(page.read_text(encoding="utf-8")):
+            pages = cited.setdefault(name, [])
+            if page.name not in pages:
+                pages.append(page.name)
+    return cited
+
+
+def printing_script(name: str, bench_dir: Path = BENCH_DIR) -> str | None:
+    """The bench script that prints figure ``name`` (None: no script does)."""
+    for script in sorted(bench_dir.glob("*.py")):
+        for called, literal in PRINTED.findall(script.read_text(encoding="utf-8")):
+            written = called or literal
+            if not re.sub(r"\{[^}]*\}", "", written):
+                continue  # a name that is all placeholder (run_all's own formatter)
+            pattern = "".join(
+                "[A-Za-z0-9_]+" if part.startswith("{") else re.escape(part)
+                for part in re.split(r"(\{[^}]*\})", written)
+                if part
+            )
+            if re.fullmatch(pattern, name):
+                return script.stem
+    return None
+
+
+def render_page(rows: list[dict[str, Any]], cited: dict[str, list[str]] | None = None) -> str:
     met = {True: "yes", False: "**no**", None: "n/a"}
     lines = [
         "# Benchmarks",
@@ -137,6 +170,21 @@ def render_page(rows: list[dict[str, Any]]) -> str:
             f"`{row['script']}` | {size} | {row.get('seconds', '')} | {row['date']} | `{row['commit']}` | "
             f"{row['machine']} | {row.get('note') or ''} |"
         )
+    unmeasured = {name: pages for name, pages in (cited or {}).items() if name not in {r["name"] for r in rows}}
+    if unmeasured:
+        lines += [
+            "",
+            "## Cited in the docs, not in the results file yet",
+            "",
+            "These figures were measured before the results file began, and their old numbers were taken out of",
+            "the pages that cite them; `.venv/bin/python bench/run_all.py --only <script>` measures one.",
+            "",
+            "| figure | script | cited in |",
+            "|---|---|---|",
+        ]
+        for name, pages in sorted(unmeasured.items()):
+            script = printing_script(name)
+            lines.append(f"| `{name}` | {f'`{script}`' if script else '?'} | {', '.join(pages)} |")
     return "\n".join([*lines, ""])
 
 
@@ -144,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is not current")
     args = parser.parse_args(argv)
-    page = render_page(read_results())
+    page = render_page(read_results(), cited_figures())
     if args.check:
         current = PAGE.read_text(encoding="utf-8") if PAGE.is_file() else ""
         if current != page:

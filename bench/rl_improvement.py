@@ -167,7 +167,7 @@ def main() -> None:
     last = recipes[-1]
     gain, se = gains.get(last, (math.nan, math.nan))
     met = None if math.isnan(gain) else bool(gain > 0 and not math.isnan(se) and gain > 2 * se)
-    print(figure_line(f"{last}_minus_sft", gain, "score", "> 0 by more than 2 standard errors", met))
+    print(figure_line(f"rl_improvement.{last}_minus_sft", gain, "score", "> 0 by more than 2 standard errors", met))
 
 
 if __name__ == "__main__":

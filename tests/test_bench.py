@@ -398,3 +398,23 @@ def test_the_committed_benchmarks_page_is_current():
     from bench.results import main
 
     assert main(["--check"]) == 0, "run: python -m bench.results"
+
+
+def test_every_figure_the_docs_cite_is_printed_by_a_bench_script_and_unmeasured_ones_are_listed(tmp_path):
+    from bench.results import cited_figures, printing_script, read_results, render_page
+
+    cited = cited_figures()
+    assert "judge_tail_ratio" in cited and "soak_cpu_time_ratio" in cited
+    unknown = {name: pages for name, pages in cited.items() if printing_script(name) is None}
+    assert not unknown, f"docs cite figures no bench script prints: {unknown}"
+    assert printing_script("ss_grpo_minus_sft") == "learning_curve"  # a name with a recipe in it
+    assert printing_script("rl_improvement.full_minus_sft") == "rl_improvement"
+
+    (tmp_path / "a.md").write_text(
+        "It is `judge_tail_ratio` in\n[benchmarks](benchmarks.md), and `x_y` in [benchmarks](benchmarks.md)."
+    )
+    here = cited_figures(tmp_path)
+    assert here == {"judge_tail_ratio": ["a.md"], "x_y": ["a.md"]}
+    page = render_page([r for r in read_results() if r["name"] == "judge_tail_ratio"], here)
+    listed = page.split("## Cited in the docs, not in the results file yet")[1]
+    assert "| `x_y` | ? | a.md |" in listed and "judge_tail_ratio" not in listed
