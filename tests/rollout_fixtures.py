@@ -5,15 +5,25 @@ and the field-by-field comparison of two trajectories that the engine-equivalenc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
+from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import EXAMPLE_TRACE
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 from rubricem_core.sim.world import World, WorldConfig, generate_world
 from rubricem_core.trajectory import TokenTrajectory
+
+# forced policy texts: a plan up to its first tool call, and the stages after the research
+PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
+FINISH = (
+    "<state_evaluation>Evidence found. Verdict: ready</state_evaluation>\n<review>\n<rubric_review>Year -> {id}."
+    "</rubric_review>\n<writing_plan><thesis>It opened.</thesis><outline>1. Opening.</outline></writing_plan>\n"
+    '</review>\n<answer>The answer is <cite id="{id}">as the snippet says</cite>.</answer>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +64,20 @@ def assert_same_trajectory(a: TokenTrajectory, b: TokenTrajectory) -> None:
 
 def flat_groups(groups: list[list[TokenTrajectory]]) -> list[TokenTrajectory]:
     return [t for g in groups for t in g]
+
+
+def finish_reason_requests(prompt: list[int], sampling: Callable[..., SamplingParams]) -> list[RolloutRequest]:
+    """One request per way a trajectory ends that both engines must end alike (their forced scripts are the
+    tests' own): an answer, a tag left open, EOS early or inside the answer, a prompt over the context,
+    an empty prompt, the tool budget, the context filled mid-turn, a tool output too big to fit."""
+    return [
+        RolloutRequest("answer", prompt, sampling=sampling(max_new_tokens=400)),
+        RolloutRequest("open-tag", prompt, sampling=sampling(max_new_tokens=30)),
+        RolloutRequest("eos-early", prompt, sampling=sampling(max_new_tokens=400)),
+        RolloutRequest("too-long", prompt * 40, sampling=sampling(max_total_tokens=len(prompt) * 40)),
+        RolloutRequest("empty", [], sampling=sampling()),
+        RolloutRequest("eos-in-answer", prompt, sampling=sampling()),
+        RolloutRequest("budget", prompt, sampling=sampling(), max_tool_calls=1),
+        RolloutRequest("context", prompt, sampling=sampling(max_new_tokens=400, max_total_tokens=len(prompt) + 150)),
+        RolloutRequest("output-too-big", prompt, sampling=sampling(max_total_tokens=len(prompt) + 40)),
+    ]

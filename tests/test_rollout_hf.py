@@ -27,20 +27,12 @@ from rubricem_core.rollout import (
     SamplingParams,
 )
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
-from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
+from rubricem_core.scaffold import STAGE_IDS, ToolCall, parse_segments, validate
 from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, Tool, ToolEnv, ToolResult, ToolSpec
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
-from tests.rollout_fixtures import prompt_ids
-
-PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
-FINISH = (
-    "<state_evaluation>Evidence found. Verdict: ready</state_evaluation>\n<review>\n<rubric_review>Year -> {id}."
-    "</rubric_review>\n<writing_plan><thesis>It opened.</thesis><outline>1. Opening.</outline></writing_plan>\n"
-    '</review>\n<answer>The answer is <cite id="{id}">as the snippet says</cite>.</answer>'
-)
-
+from tests.rollout_fixtures import FINISH, PLAN, finish_reason_requests, prompt_ids
 
 # ---- fixtures -------------------------------------------------------------------------------------
 
@@ -403,17 +395,7 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
     )
     engine = HFRolloutEngine(model, tok, forced_policy=script)
     prompt = prompt_ids(tok, "Varn bridge")
-    requests = [
-        RolloutRequest("answer", prompt, sampling=_sampling(max_new_tokens=400)),
-        RolloutRequest("open-tag", prompt, sampling=_sampling(max_new_tokens=30)),
-        RolloutRequest("eos-early", prompt, sampling=_sampling(max_new_tokens=400)),
-        RolloutRequest("too-long", prompt * 40, sampling=_sampling(max_total_tokens=len(prompt) * 40)),
-        RolloutRequest("empty", [], sampling=_sampling()),
-        RolloutRequest("eos-in-answer", prompt, sampling=_sampling()),
-        RolloutRequest("budget", prompt, sampling=_sampling(), max_tool_calls=1),
-        RolloutRequest("context", prompt, sampling=_sampling(max_new_tokens=400, max_total_tokens=len(prompt) + 150)),
-        RolloutRequest("output-too-big", prompt, sampling=_sampling(max_total_tokens=len(prompt) + 40)),
-    ]
+    requests = finish_reason_requests(prompt, _sampling)
     out = {r.request_id: g[0] for r, g in zip(requests, engine.generate(requests, env))}
     reasons = {rid: t.finish_reason for rid, t in out.items()}
     assert reasons == {

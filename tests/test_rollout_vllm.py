@@ -42,24 +42,28 @@ from rubricem_core.rollout import (
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
-from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, ToolCall, parse_segments, validate
+from rubricem_core.scaffold import STAGE_IDS, ToolCall, parse_segments, validate
 from rubricem_core.sim.tiny_policy import init_tiny_model
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
 from rubricem_core.tools.base import Tool, ToolResult
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
-from tests.rollout_fixtures import assert_same_trajectory, flat_groups, model_dir, prompt_ids, tok, world  # noqa: F401  (module fixtures)
+from tests.rollout_fixtures import (  # noqa: F401  (module fixtures)
+    FINISH,
+    PLAN,
+    assert_same_trajectory,
+    finish_reason_requests,
+    flat_groups,
+    model_dir,
+    prompt_ids,
+    tok,
+    world,
+)
 
 # vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-PLAN = EXAMPLE_TRACE[: EXAMPLE_TRACE.index("<call_tool")]
-FINISH = (
-    "<state_evaluation>Evidence found. Verdict: ready</state_evaluation>\n<review>\n<rubric_review>Year -> {id}."
-    "</rubric_review>\n<writing_plan><thesis>It opened.</thesis><outline>1. Opening.</outline></writing_plan>\n"
-    '</review>\n<answer>The answer is <cite id="{id}">as the snippet says</cite>.</answer>'
-)
 CALL = '<call_tool name="search">Varn bridge</call_tool>'
 
 
@@ -240,15 +244,7 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
     }
     prompt = prompt_ids(tok, "Varn bridge")
     requests = [
-        RolloutRequest("answer", prompt, sampling=_sampling(max_new_tokens=400)),
-        RolloutRequest("open-tag", prompt, sampling=_sampling(max_new_tokens=30)),
-        RolloutRequest("eos-early", prompt, sampling=_sampling(max_new_tokens=400)),
-        RolloutRequest("too-long", prompt * 40, sampling=_sampling(max_total_tokens=len(prompt) * 40)),
-        RolloutRequest("empty", [], sampling=_sampling()),
-        RolloutRequest("eos-in-answer", prompt, sampling=_sampling()),
-        RolloutRequest("budget", prompt, sampling=_sampling(), max_tool_calls=1),
-        RolloutRequest("context", prompt, sampling=_sampling(max_new_tokens=400, max_total_tokens=len(prompt) + 150)),
-        RolloutRequest("output-too-big", prompt, sampling=_sampling(max_total_tokens=len(prompt) + 40)),
+        *finish_reason_requests(prompt, _sampling),
         RolloutRequest("stray-close", prompt, sampling=_sampling(max_new_tokens=300)),
     ]
     engine = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
