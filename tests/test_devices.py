@@ -148,21 +148,9 @@ def test_evaluation_engine_sits_on_the_auto_device(tmp_path):
     pytest.importorskip("prefect")
     from rubricem_core.config import load_config
     from tasks.evaluate import _engine, drop_engines
-    from tests.untrained_run import write_untrained_run
+    from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
-    cfg = load_config(
-        "tiny",
-        {
-            "data.world.n_documents": 60,
-            "data.world.n_queries": 8,
-            "policy.vocab_size": 600,
-            "policy.hidden_size": 32,
-            "policy.n_layers": 1,
-            "policy.n_heads": 2,
-            "policy.n_kv_heads": 1,
-            "policy.intermediate_size": 64,
-        },
-    )
+    cfg = load_config("tiny", UNTRAINED_TINY)
     write_untrained_run(cfg, tmp_path / "run")
     try:
         engine, _ = _engine(str(tmp_path / "run" / "checkpoints" / "sft" / "final"), cfg)

@@ -29,23 +29,15 @@ from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
 from rubricem_core.trajectory import TokenTrajectory
-from test_rl import SMALL, sft_run  # noqa: F401  (sft_run: the collected and SFT-trained tiny run)
+from tests.rl_runs import RL_RUN, sft_run  # noqa: F401  (module fixture: the collected and SFT-trained micro run)
 from tests.two_node_ray import run_flow_driver, two_node_cluster
-from tests.untrained_run import write_untrained_run
+from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
 TINY = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 8,
-    "policy.vocab_size": 600,
-    "policy.hidden_size": 32,
-    "policy.n_layers": 1,
-    "policy.n_heads": 2,
-    "policy.n_kv_heads": 1,
-    "policy.intermediate_size": 64,
+    **UNTRAINED_TINY,
     "rl.recipe": "ss_grpo",
-    "tracking.enabled": False,
     "rl.lr": 1e-2,
     "rl.max_tokens_per_batch": 256,
     "rollout.max_total_tokens": 256,  # the config refuses a budget below the longest rollout; these tests sample none
@@ -147,7 +139,7 @@ def test_engine_samples_with_the_trainers_gathered_weights_after_an_update(untra
 
 
 # ---- the rl flow on 2 ranks ----------------------------------------------------------------------
-FLOW = SMALL  # the rl flow test's tiny run: ss_grpo, 2 steps of 2 queries x 2 rollouts
+FLOW = RL_RUN  # the rl flow test's tiny run: ss_grpo, 2 steps of 2 queries x 2 rollouts
 
 
 def _gaps(run_dir: str) -> dict[int, float]:

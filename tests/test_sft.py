@@ -11,38 +11,14 @@ from rubricem_core.config import load_config
 from rubricem_core.sft import SFTDataError, atomic_doc_id_terms, encode_sft_rows, prepare_policy, run_sft
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
-
-SMALL = {
-    "data.world.n_documents": 120,
-    "data.world.n_queries": 10,
-    "data.world.eval_fraction": 0.2,
-    "teacher.trajectories_per_query": 2,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
-    "sft.max_steps": 8,
-    "sft.warmup_steps": 2,
-    "sft.checkpoint_every": 3,
-    "sft.log_every": 2,
-    "sft.max_tokens_per_batch": 8192,
-}
-
-
-@pytest.fixture(scope="module")
-def collected_run(tmp_path_factory, prefect_harness):
-    from flows.collect_sft_data import collect_sft_data
-
-    run_dir = str(tmp_path_factory.mktemp("sft") / "run")
-    collect_sft_data(run_dir=run_dir, profile="tiny", overrides=SMALL)
-    return run_dir
+from tests.sft_runs import SFT_RUN, collected_run  # noqa: F401  (module fixture)
 
 
 @pytest.mark.slow
 def test_sft_flow_trains_and_logs(collected_run):
     from flows.sft import sft
 
-    result = sft(run_dir=collected_run, profile="tiny", overrides=SMALL)
+    result = sft(run_dir=collected_run, profile="tiny", overrides=SFT_RUN)
     assert result["steps"] == 8 and result["trajectories"] > 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,7 +35,7 @@ def test_sft_flow_trains_and_logs(collected_run):
     assert len(losses) >= 3
     assert losses[-1]["value"] < losses[0]["value"], "loss must fall during SFT"
     # a second call finds the final checkpoint and does not train again
-    assert sft(run_dir=collected_run, profile="tiny", overrides=SMALL)["cached"] is True
+    assert sft(run_dir=collected_run, profile="tiny", overrides=SFT_RUN)["cached"] is True
 
 
 @pytest.mark.slow
@@ -71,7 +47,7 @@ def test_sft_mixes_reflection_examples_with_their_own_loss(collected_run):
     from rubricem_core.sft import encode_reflection_rows, sft_inputs
     from rubricem_core.trajectory import NO_STAGE, REFLECTION_STAGE
 
-    sft(run_dir=collected_run, profile="tiny", overrides=SMALL)  # trains once per module (cached after)
+    sft(run_dir=collected_run, profile="tiny", overrides=SFT_RUN)  # trains once per module (cached after)
     rows, reflections = sft_inputs(collected_run)
     assert reflections and all(r["valid"] for r in reflections)
     from transformers import AutoTokenizer
@@ -114,7 +90,7 @@ def test_reflection_mix_sizes_and_covers(n_research, n_reflections, ratio, expec
 
 @pytest.mark.slow
 def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
-    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 6, "sft.checkpoint_every": 3, "sft.relabel_doc_ids": True})
+    cfg = load_config("tiny", {**SFT_RUN, "sft.max_steps": 6, "sft.checkpoint_every": 3, "sft.relabel_doc_ids": True})
     rows = RunStore(collected_run).read_rows("sft_trajectories")
     corpus = RunStore(collected_run).read_table("corpus")
     doc_ids = corpus["doc_id"].to_pylist()
@@ -139,7 +115,7 @@ def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
 
 @pytest.mark.slow
 def test_packed_sft_pads_less_and_resumes_exactly(collected_run, tmp_path):
-    cfg = load_config("tiny", {**SMALL, "sft.max_steps": 4})
+    cfg = load_config("tiny", {**SFT_RUN, "sft.max_steps": 4})
     rows = RunStore(collected_run).read_rows("sft_trajectories")
     corpus = RunStore(collected_run).read_table("corpus")
     base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
@@ -164,7 +140,7 @@ def final_weights(root):
 
 @pytest.mark.slow
 def test_no_accepted_rows_is_a_clear_error(collected_run, tmp_path):
-    cfg = load_config("tiny", SMALL)
+    cfg = load_config("tiny", SFT_RUN)
     corpus = RunStore(collected_run).read_table("corpus")
     base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist()[:50], seed=0)
     from transformers import AutoTokenizer

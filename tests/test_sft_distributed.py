@@ -15,14 +15,14 @@ from safetensors.torch import load_file
 from rubricem_core.config import load_config
 from rubricem_core.sft import run_sft, sft_inputs
 from rubricem_core.sql import run_sql
-from test_sft import SMALL, collected_run  # noqa: F401  (the module's collected run fixture)
+from tests.sft_runs import SFT_RUN, collected_run  # noqa: F401  (module fixture)
 from tests.two_node_ray import run_flow_driver, two_node_cluster
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
 # Two micro-batches per step, so each of the 2 ranks trains on one.
 DIST = {
-    **SMALL,
+    **SFT_RUN,
     "sft.max_steps": 4,
     "sft.checkpoint_every": 2,
     "sft.log_every": 1,
