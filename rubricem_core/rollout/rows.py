@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import random
 import threading
 import time
@@ -362,12 +363,14 @@ class RowState:
 def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
     """Run the calls rows closed in one step in parallel daemon threads, each bounded by ``timeout_s``.
 
-    A hung tool's thread is abandoned (Python cannot kill it) and its row gets a timeout error as
-    its tool output; every row then gets its output appended, in order.
+    A tool that has not finished by the deadline gets a timeout error as its output, judged by when it
+    finished (a result that came late is not kept because this thread joined it late); a hung tool's
+    thread is abandoned (Python cannot kill it). Every row then gets its output appended, in order.
     """
     if not rows:
         return
     results: list[Any] = [None] * len(rows)
+    finished_at = [math.inf] * len(rows)
     threads: list[threading.Thread | None] = []
     for i, row in enumerate(rows):
         call = row.take_tool_call()
@@ -378,6 +381,7 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
 
         def work(i: int = i, env: ToolEnv = row.env, call: ToolCall = call) -> None:
             results[i] = execute_call(env, call)
+            finished_at[i] = time.monotonic()
 
         thread = threading.Thread(target=work, name=f"rollout-tool-{i}", daemon=True)
         thread.start()
@@ -386,7 +390,7 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
     for i, (row, worker) in enumerate(zip(rows, threads)):
         if worker is not None:
             worker.join(max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
+            if finished_at[i] > deadline:  # still running, or finished after the deadline
                 results[i] = error_result(f"tool timed out after {timeout_s:g} s")
         row.add_tool_result(results[i])
 

@@ -310,8 +310,10 @@ class VLLMRolloutEngine:
     def _run_async(self, batch: RowBatch) -> None:
         """Every row its own continuation: call → replay → tool → call, each step started the moment the
         previous one returns. Rows are only touched by this thread; calls and tools post what they
-        return to ``events``. A tool call still running ``tool_timeout_s`` after it started is
-        abandoned (as in run_tool_calls) and its row gets the timeout error as its output."""
+        return to ``events``. A tool call that has not finished ``tool_timeout_s`` after it started is
+        abandoned (as in run_tool_calls) and its row gets the timeout error as its output: judged by when
+        the call finished, not by when this thread got to its result, so a busy loop neither keeps a late
+        result nor times out one that was in time."""
         rows = batch.rows
         events: queue.Queue[tuple[str, int, int, Any]] = queue.Queue()
         pool = None
@@ -324,6 +326,7 @@ class VLLMRolloutEngine:
 
         futures: dict[int, Future[TurnSample]] = {}
         tools: dict[int, tuple[float, int]] = {}  # row → (deadline, ticket) of its running tool call
+        finished_at: dict[int, float] = {}  # ticket → when its tool call returned (written by its thread)
         waiting: deque[int] = deque()  # rows whose tool call waits for a free slot
         tickets = itertools.count()
 
@@ -355,7 +358,9 @@ class VLLMRolloutEngine:
             tools[i] = (time.monotonic() + self.tool_timeout_s, ticket)
 
             def work(env: ToolEnv = row.env) -> None:
-                events.put(("tool", i, ticket, execute_call(env, call)))  # logs and names what a tool raised
+                result = execute_call(env, call)  # logs and names what a tool raised
+                finished_at[ticket] = time.monotonic()
+                events.put(("tool", i, ticket, result))
 
             threading.Thread(target=work, name=f"rollout-tool-{i}", daemon=True).start()
 
@@ -365,25 +370,35 @@ class VLLMRolloutEngine:
                 start_tool(waiting.popleft())
             next_call(i)
 
+        def timed_out() -> Any:
+            return error_result(f"tool timed out after {self.tool_timeout_s:g} s")
+
+        def expire_tools() -> None:
+            """Time out the tool calls past their deadline that have not returned (one that returned has its
+            result on ``events``, judged there by when it returned); an abandoned thread's late result is
+            ignored (ticket)."""
+            now = time.monotonic()
+            for i in [i for i, (deadline, t) in tools.items() if deadline <= now and t not in finished_at]:
+                del tools[i]
+                tool_done(i, timed_out())
+
         try:
             for i in range(len(rows)):
                 next_call(i)
             while any(not row.finished for row in rows):
+                expire_tools()
                 timeout = min((d for d, _ in tools.values()), default=None)
                 try:
                     kind, i, ticket, payload = events.get(
                         timeout=None if timeout is None else max(0.0, timeout - time.monotonic())
                     )
                 except queue.Empty:
-                    now = time.monotonic()
-                    for i in [i for i, (deadline, _) in tools.items() if deadline <= now]:
-                        del tools[i]  # its thread is abandoned; a late result is ignored (ticket)
-                        tool_done(i, error_result(f"tool timed out after {self.tool_timeout_s:g} s"))
                     continue
                 if kind == "tool":
-                    if tools.get(i, (0.0, -1))[1] == ticket:
+                    deadline, running = tools.get(i, (0.0, -1))
+                    if running == ticket:
                         del tools[i]
-                        tool_done(i, payload)
+                        tool_done(i, payload if finished_at[ticket] <= deadline else timed_out())
                     continue
                 del futures[i]
                 sample = payload.result()  # a failed call fails generate, as in lockstep
