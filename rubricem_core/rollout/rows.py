@@ -391,8 +391,13 @@ def run_tool_calls(rows: Sequence[RowState], timeout_s: float) -> None:
         if worker is not None:
             worker.join(max(0.0, deadline - time.monotonic()))
             if finished_at[i] > deadline:  # still running, or finished after the deadline
-                results[i] = error_result(f"tool timed out after {timeout_s:g} s")
+                results[i] = tool_timeout_result(timeout_s)
         row.add_tool_result(results[i])
+
+
+def tool_timeout_result(timeout_s: float) -> ToolResult:
+    """A row's tool output when its call had not finished ``timeout_s`` after it started (both schedules)."""
+    return error_result(f"tool timed out after {timeout_s:g} s")
 
 
 def execute_call(env: ToolEnv, call: ToolCall) -> ToolResult:

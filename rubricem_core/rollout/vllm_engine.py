@@ -91,10 +91,10 @@ from typing import Any
 import torch
 
 from rubricem_core.rollout.batch import GroupHook, RowBatch, allowed_tools, default_stop_ids
-from rubricem_core.rollout.rows import RowState, execute_call, run_tool_calls
+from rubricem_core.rollout.rows import RowState, execute_call, run_tool_calls, tool_timeout_result
 from rubricem_core.rollout.types import ERROR, TRUNCATED, RolloutError, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STOP_STRINGS
-from rubricem_core.tools.base import ToolEnv, error_result
+from rubricem_core.tools.base import ToolEnv
 from rubricem_core.trajectory import TokenTrajectory
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -370,9 +370,6 @@ class VLLMRolloutEngine:
                 start_tool(waiting.popleft())
             next_call(i)
 
-        def timed_out() -> Any:
-            return error_result(f"tool timed out after {self.tool_timeout_s:g} s")
-
         def expire_tools() -> None:
             """Time out the tool calls past their deadline that have not returned (one that returned has its
             result on ``events``, judged there by when it returned); an abandoned thread's late result is
@@ -380,7 +377,7 @@ class VLLMRolloutEngine:
             now = time.monotonic()
             for i in [i for i, (deadline, t) in tools.items() if deadline <= now and t not in finished_at]:
                 del tools[i]
-                tool_done(i, timed_out())
+                tool_done(i, tool_timeout_result(self.tool_timeout_s))
 
         try:
             for i in range(len(rows)):
@@ -398,7 +395,9 @@ class VLLMRolloutEngine:
                     deadline, running = tools.get(i, (0.0, -1))
                     if running == ticket:
                         del tools[i]
-                        tool_done(i, payload if finished_at[ticket] <= deadline else timed_out())
+                        tool_done(
+                            i, payload if finished_at[ticket] <= deadline else tool_timeout_result(self.tool_timeout_s)
+                        )
                     continue
                 del futures[i]
                 sample = payload.result()  # a failed call fails generate, as in lockstep
