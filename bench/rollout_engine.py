@@ -28,7 +28,7 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()  # before litellm is imported (the teacher module imports it)
 
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from rubricem_core.encoding import encode_prompt  # noqa: E402
 from rubricem_core.policy.tokenizer import train_bpe_tokenizer  # noqa: E402
@@ -37,6 +37,7 @@ from rubricem_core.rollout.baseline import NaiveRolloutBaseline  # noqa: E402
 from rubricem_core.scaffold import EXAMPLE_TRACE, TOOL_CALL_CLOSE, system_prompt  # noqa: E402
 from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
+from rubricem_core.testing.tiny_models import tiny_config  # noqa: E402
 from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv  # noqa: E402
 
 ANSWER_CLOSE = "</answer>"
@@ -87,18 +88,9 @@ def main() -> None:
     texts = [d.text for d in world.documents] + [q.question for q in world.queries] + [EXAMPLE_TRACE] * 8
     tok = train_bpe_tokenizer(texts, vocab_size=2048)
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
+    extra = dict(tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = tiny_config(
+        len(tok), args.hidden, args.layers, intermediate_size=3 * args.hidden, max_position_embeddings=8192, **extra
     )
     model = Qwen3ForCausalLM(config).eval()
     table = world.corpus_table()

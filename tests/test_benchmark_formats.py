@@ -20,6 +20,7 @@ from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.readers import QueryFileError, detect_format, read_queries
 from rubricem_core.sim.grader import register_builtin_grader
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.llm_endpoints import API_KEY, make_settings
 
 DATA = Path(__file__).parent / "data" / "benchmarks"
 FILES = {
@@ -28,7 +29,6 @@ FILES = {
     "webwalkerqa": DATA / "webwalkerqa.json",
     "deepsearchqa": DATA / "deepsearchqa.csv",
 }
-API_KEY = "sk-test-benchmarks"
 
 
 # ---- readers ------------------------------------------------------------------------------------
@@ -142,14 +142,7 @@ def _user(body: dict[str, Any]) -> str:
 
 
 def _settings(server: FakeOpenAIServer) -> EndpointSettings:
-    return EndpointSettings(
-        model="openai/grader-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=0,
-        max_concurrency=4,
-    )
+    return make_settings(server, model="openai/grader-model", max_retries=0)
 
 
 def coverage_grader(ratings: dict[str, int]) -> Any:

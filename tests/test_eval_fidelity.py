@@ -26,8 +26,8 @@ from rubricem_core.schemas import Query
 from rubricem_core.sim.grader import register_builtin_grader
 from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.conftest import shared_file
+from tests.llm_endpoints import API_KEY, make_settings
 
-API_KEY = "sk-test-fidelity"
 DRB_DIR = "deep_research_bench"
 DRB_QUERIES = f"{DRB_DIR}/prompt_data_query.jsonl"
 DRB_REFERENCES = f"{DRB_DIR}/test_data_cleaned_data_claude-3-7-sonnet-latest.jsonl"
@@ -58,16 +58,7 @@ def rubric(description: str, weight: float, polarity: str = "positive", **check:
 
 
 def settings(server: FakeOpenAIServer) -> EndpointSettings:
-    return EndpointSettings(
-        model="openai/grader-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=0,
-        backoff_base_s=0.01,
-        backoff_max_s=0.02,
-        max_concurrency=4,
-    )
+    return make_settings(server, model="openai/grader-model", max_retries=0)
 
 
 def _user(body: dict[str, Any]) -> str:

@@ -25,10 +25,8 @@ from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sim.world_grader import grade_synthetic
 from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.conftest import shared_file
+from tests.llm_endpoints import API_KEY, make_settings
 from tests.teacher_traces import answer_rewards, write_traces
-
-API_KEY = "sk-test-grader"
-
 
 # ---- the synthetic-world grader ------------------------------------------------------------------
 
@@ -221,20 +219,7 @@ def good_grader(body: dict[str, Any]) -> str:
 
 
 def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/grader-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=2,
-        backoff_base_s=0.01,
-        backoff_max_s=0.02,
-        max_concurrency=4,
-        input_cost_per_token=1e-6,
-        output_cost_per_token=2e-6,
-    )
-    values.update(overrides)
-    return EndpointSettings(**values)
+    return make_settings(server, **{"model": "openai/grader-model", "max_retries": 2, **overrides})
 
 
 SHORT = make_query(

@@ -12,6 +12,7 @@ from rubricem_core.llm.batch import BatchClient, BatchError, BatchTimeoutError
 from rubricem_core.llm.cost import call_cost
 from rubricem_core.llm.types import ChatRequest, EndpointSettings
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.llm_endpoints import make_settings as endpoint_settings
 
 API_KEY = "sk-batch-test-key"
 
@@ -21,23 +22,11 @@ def answer(body: dict[str, Any]) -> str:
 
 
 def make_settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/fake-model",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=2,
-        backoff_base_s=0.01,
-        backoff_max_s=0.05,
-        batch_poll_interval_s=0.01,
-        batch_poll_max_interval_s=0.03,
-        batch_timeout_s=10.0,
-        max_batch_resubmits=2,
-        input_cost_per_token=1e-6,
-        output_cost_per_token=4e-6,
+    batch = dict(
+        batch_poll_interval_s=0.01, batch_poll_max_interval_s=0.03, batch_timeout_s=10.0, max_batch_resubmits=2
     )
-    values.update(overrides)
-    return EndpointSettings(**values)
+    values = {"api_key": API_KEY, "max_retries": 2, "output_cost_per_token": 4e-6, **batch, **overrides}
+    return endpoint_settings(server, **values)
 
 
 def make_requests(ids: list[str], **fields: Any) -> list[ChatRequest]:

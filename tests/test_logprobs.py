@@ -6,12 +6,13 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 import rubricem_core.logprobs as lp_mod
 from rubricem_core.batching import collate
 from rubricem_core.logprobs import masked_mean, sft_loss, token_logprobs
 from rubricem_core.scaffold import STAGE_IDS
+from rubricem_core.testing.tiny_models import tiny_config
 from rubricem_core.trajectory import TokenTrajectory
 
 VOCAB = 320
@@ -20,16 +21,7 @@ VOCAB = 320
 @pytest.fixture(scope="module")
 def model() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
+    config = tiny_config(VOCAB, hidden=32)
     config._attn_implementation = "eager"
     return Qwen3ForCausalLM(config).eval()
 

@@ -23,8 +23,8 @@ from rubricem_core.reflection.judge import (
 )
 from rubricem_core.sim.reflection_judge import MODEL, builtin_score, register_builtin_reflection_judge
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.llm_endpoints import API_KEY, make_settings
 
-API_KEY = "sk-reflect-test-0123456789"
 QUERY = JudgeQuery("q1", "Which was founded earlier, Voralis Labs or Keto Works?")
 TRAJECTORY = (
     "<structured_plan><deep_analysis>Two founding years.</deep_analysis><rubric><knowledge_checklist>- years"
@@ -128,20 +128,7 @@ def good_reply(body: dict[str, Any]) -> str:
 
 
 def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
-    values: dict[str, Any] = dict(
-        model="openai/reflection-judge",
-        api_base=server.base_url,
-        api_key=API_KEY,
-        timeout_s=5.0,
-        max_retries=2,
-        backoff_base_s=0.01,
-        backoff_max_s=0.02,
-        max_concurrency=4,
-        input_cost_per_token=1e-6,
-        output_cost_per_token=2e-6,
-    )
-    values.update(overrides)
-    return EndpointSettings(**values)
+    return make_settings(server, **{"model": "openai/reflection-judge", "max_retries": 2, **overrides})
 
 
 # ---- one call per trajectory, privileged inputs, invalid candidates ---------------------------------------

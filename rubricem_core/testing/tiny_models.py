@@ -19,24 +19,29 @@ VOCAB = 512
 PAD = 0
 
 
+def tiny_config(
+    vocab_size: int, hidden: int = 64, layers: int = 2, arch: str = "qwen3", **extra
+) -> Qwen3Config | LlamaConfig:
+    """The tiny test models' shape: 4 attention heads over 2 KV heads, an MLP twice ``hidden`` wide,
+    128 positions; ``extra`` sets or overrides any other config field."""
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=128,
+    )
+    return (LlamaConfig if arch == "llama" else Qwen3Config)(**{**fields, **extra})
+
+
 def tiny_model(seed: int = 0, tie: bool = False, arch: str = "qwen3") -> Qwen3ForCausalLM | LlamaForCausalLM:
     """A random 2-layer Qwen3 (or, ``arch="llama"``, the SmolLM2 family's Llama) of the same sizes."""
     torch.manual_seed(seed)
-    shape = {"config": Qwen3Config, "model": Qwen3ForCausalLM}
-    if arch == "llama":
-        shape = {"config": LlamaConfig, "model": LlamaForCausalLM}
-    config = shape["config"](
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-    )
-    return shape["model"](config)
+    model = LlamaForCausalLM if arch == "llama" else Qwen3ForCausalLM
+    return model(tiny_config(VOCAB, arch=arch, tie_word_embeddings=tie))
 
 
 def world_tokenizer(world, vocab_size: int = 600):
@@ -48,19 +53,8 @@ def world_tokenizer(world, vocab_size: int = 600):
 def tool_policy(tok, seed: int = 0, attn: str = "sdpa", max_positions: int = 4096) -> Qwen3ForCausalLM:
     """A tiny random Qwen3 (eval mode) sized to ``tok``, for rollout-engine tests with real tools."""
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    extra = dict(tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    config = tiny_config(len(tok), max_position_embeddings=max_positions, **extra)
     config._attn_implementation = attn
     return Qwen3ForCausalLM(config).eval()
 
