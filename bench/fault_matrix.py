@@ -36,31 +36,17 @@ sys.path.insert(0, str(REPO))
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+from rubricem_core.testing import MICRO_PROFILE  # noqa: E402
 
 apply_offline_defaults()
 
+# The suite's micro profile, with SFT long enough for a checkpoint to resume from
 SMALL = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 8,
-    "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
     "sft.max_steps": 4,
-    "sft.warmup_steps": 1,
     "sft.checkpoint_every": 2,
-    "rl.window": 1,
-    "rl.n_windows": 1,
-    "rl.queries_per_step": 2,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
     "reflection.schedule": "sync",  # a fixed order of write boundaries (deferred gives the same numbers)
 }
-SETS = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+SETS = ["--profile", MICRO_PROFILE, *(a for k, v in SMALL.items() for a in ("--set", f"{k}={v}"))]
 CLI = [sys.executable, "-m", "flows.cli"]
 # Write boundaries of the two steps, in the order a sync-schedule run reaches them (tests/test_fault_kill.py).
 BOUNDARIES = [
@@ -301,7 +287,7 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
     problems = []
     concurrent.litellm.acompletion = endpoint_down
     try:
-        rl(run_dir=str(run), profile="tiny", overrides=SMALL)
+        rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)
         problems.append("the step with every judgment failed did not fail")
     except Exception as exc:  # noqa: BLE001 — the failure is what is measured
         if "judgments failed" not in str(exc):
@@ -310,7 +296,7 @@ def scenario_outage(trained: Path, ref: Path, work: Path) -> list[tuple[str, boo
         concurrent.litellm.acompletion = real
     if RunLayout(run).rl_checkpoints_dir.exists():
         problems.append("a checkpoint was written for the failed step")
-    rl(run_dir=str(run), profile="tiny", overrides=SMALL)  # a new flow run: a new session
+    rl(run_dir=str(run), profile=MICRO_PROFILE, overrides=SMALL)  # a new flow run: a new session
     problems += differences(run, ref)
     return [("judge endpoint down for a step, then back", not problems, "; ".join(problems))]
 
@@ -331,11 +317,11 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()
         ref = work / "reference"
-        collect_sft_data(run_dir=str(ref), profile="tiny", overrides=SMALL)
-        sft(run_dir=str(ref), profile="tiny", overrides=SMALL)
+        collect_sft_data(run_dir=str(ref), profile=MICRO_PROFILE, overrides=SMALL)
+        sft(run_dir=str(ref), profile=MICRO_PROFILE, overrides=SMALL)
         trained = work / "trained"
         shutil.copytree(ref, trained)
-        rl(run_dir=str(ref), profile="tiny", overrides=SMALL)
+        rl(run_dir=str(ref), profile=MICRO_PROFILE, overrides=SMALL)
         print(f"uninterrupted reference run: {time.perf_counter() - t0:.0f} s")
         results = scenario_kills(trained, ref, work, env, args.quick)
         results += scenario_between_checkpoints(trained, ref, work, env)

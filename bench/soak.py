@@ -51,30 +51,17 @@ sys.path.insert(0, str(REPO))
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+from rubricem_core.testing import MICRO_PROFILE  # noqa: E402
 
 apply_offline_defaults()
 
 import psutil  # noqa: E402
 
-# The tiny profile at shortened shapes: a 2-layer policy, 2 queries × 2 rollouts a step, short turns.
+# The suite's micro profile (a 2-layer policy, 2 queries × 2 rollouts a step, short turns) with more queries
 SHAPES: dict[str, Any] = {
-    "data.world.n_documents": 60,
     "data.world.n_queries": 16,
-    "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
     "sft.max_steps": 4,
-    "sft.warmup_steps": 1,
     "sft.checkpoint_every": 2,
-    "rl.window": 1,  # new-query step, its replay, new-query step, ...: the bank grows every other step
-    "rl.queries_per_step": 2,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
     "reflection.n_candidates": 2,
     "reflection.max_new_tokens": 48,
 }
@@ -388,7 +375,7 @@ def main() -> int:
         parser.error("--steps must be even and >= 8")
     run = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="soak-")) / "run"
     shapes = {**SHAPES, "rl.n_windows": args.steps // 2}
-    sets = [a for k, v in shapes.items() for a in ("--set", f"{k}={v}")]
+    sets = ["--profile", MICRO_PROFILE, *(a for k, v in shapes.items() for a in ("--set", f"{k}={v}"))]
     sets += [a for s in args.overrides for a in ("--set", s)]
     run.mkdir(parents=True, exist_ok=True)
     log = run.parent / f"{run.name}-soak.log"

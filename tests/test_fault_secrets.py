@@ -28,30 +28,11 @@ import pytest
 from rubricem_core.sim.judge import respond as builtin_judge_reply
 from rubricem_core.sim.teacher import ScriptedTeacher, TeacherRates
 from rubricem_core.store import RunStore
+from rubricem_core.testing import MICRO_PROFILE
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
 REPO = Path(__file__).resolve().parents[1]
-
-SMALL = {
-    "data.world.n_documents": 60,
-    "data.world.n_queries": 8,
-    "data.world.eval_fraction": 0.25,
-    "teacher.trajectories_per_query": 1,
-    "policy.vocab_size": 1024,
-    "policy.hidden_size": 64,
-    "policy.n_layers": 2,
-    "policy.intermediate_size": 128,
-    "sft.max_steps": 2,
-    "sft.warmup_steps": 1,
-    "rl.window": 1,
-    "rl.n_windows": 1,
-    "rl.queries_per_step": 2,
-    "rollout.group_size": 2,
-    "rollout.max_new_tokens": 48,
-    "rollout.max_total_tokens": 1200,
-    "tools.max_tool_calls": 2,
-}
 
 
 def _prefect_db_files() -> list[Path]:
@@ -104,7 +85,6 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
     ):
         credentialed = jserver.base_url.replace("http://", f"http://rubricem:{password}@")
         overrides = {
-            **SMALL,
             "teacher.model": "openai/frontier-teacher",
             "teacher.mode": "batch",
             "teacher.api_base": tserver.base_url,
@@ -129,7 +109,7 @@ def test_no_key_in_tables_mlflow_logs_or_prefect(tmp_path, prefect_harness):
         }
         env.pop("RUBRICEM_FAULT_POINT", None)
         run = tmp_path / "run"
-        proc = _rubricem(["run", "--run-dir", str(run), *_sets(overrides)], env)
+        proc = _rubricem(["run", "--profile", MICRO_PROFILE, "--run-dir", str(run), *_sets(overrides)], env)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
         # the keys were really used (each server rejects calls without its key) ...

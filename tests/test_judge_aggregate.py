@@ -11,6 +11,7 @@ import pytest
 from rubricem_core.judge.aggregate import stage_reward_rows, stage_scores, stage_scores_loop
 from rubricem_core.judge.types import JudgeError, Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.scaffold import STAGES
+from rubricem_core.schemas import JUDGE_SCORES_SCHEMA
 
 IMPLEMENTATIONS = [stage_scores, stage_scores_loop]
 
@@ -155,17 +156,7 @@ def test_judgment_rows_follow_the_judge_scores_contract():
     judgment = hand_judgments()[0]
     rows = judgment.rows(step=2, query_id="q1")
     assert len(rows) == len(RUBRICS)
-    assert set(rows[0]) == {
-        "step",
-        "query_id",
-        "rollout_id",
-        "rubric_id",
-        "stage",
-        "polarity",
-        "weight",
-        "score",
-        "justification",
-    }
+    assert set(rows[0]) == set(JUDGE_SCORES_SCHEMA.names)
     assert [r["score"] for r in rows] == SCORES["a"]
     assert TrajectoryJudgment("c", failed=True).rows(2, "q1") == []
 

@@ -9,21 +9,8 @@ import pytest
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.prompts import GeneratedRubric
 from rubricem_core.judge.types import JudgeError, Rubric, RubricScore, TrajectoryJudgment, make_rubric_id
+from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA
 from rubricem_core.sim.world import WorldConfig, generate_world
-
-JUDGE_RUBRICS_COLUMNS = {
-    "step",
-    "query_id",
-    "rubric_id",
-    "stage",
-    "polarity",
-    "origin",
-    "title",
-    "description",
-    "weight",
-    "status",
-    "created_step",
-}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +161,7 @@ def test_rows_record_every_change(query_row):
     buffer.add([gen("research", "Varies"), gen("research", "Constant")], step=1)
     buffer.after_scoring(judgments_for(buffer, {"Varies": [0, 2], "Constant": [1, 1]}), step=1)
     rows1 = buffer.rows(1)
-    assert all(JUDGE_RUBRICS_COLUMNS <= set(row) for row in rows1)
+    assert all(set(JUDGE_RUBRICS_SCHEMA.names) <= set(row) for row in rows1)
     by_title = {row["title"]: row for row in rows1}
     assert by_title["Constant"]["status"] == "pruned" and by_title["Constant"]["pruned_step"] == 1
     assert by_title["Varies"]["status"] == "active" and by_title["Varies"]["created_step"] == 1

@@ -12,6 +12,7 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.rl.update import group_advantages, per_token_advantages
 from rubricem_core.scaffold import STAGES
+from rubricem_core.schemas import ROLLOUTS_SCHEMA
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
@@ -133,21 +134,7 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     for table in ("rollouts", "judge_rubrics", "judge_scores", "stage_rewards", "metrics"):
         assert store.partitions(table, "step") == [0, 1] or table == "metrics", table
     cols = set(store.read_table("rollouts").column_names)
-    assert {
-        "step",
-        "query_id",
-        "rollout_id",
-        "phase",
-        "retrieval",
-        "token_ids",
-        "loss_mask",
-        "stage_ids",
-        "logprobs",
-        "n_tool_calls",
-        "finish_reason",
-        "valid_scaffold",
-        "judge_failed",
-    } <= cols
+    assert set(ROLLOUTS_SCHEMA.names) <= cols
     rows = store.read_rows("rollouts")
     for r in rows:
         assert len(r["token_ids"]) == len(r["loss_mask"]) == len(r["stage_ids"]) == len(r["logprobs"])
