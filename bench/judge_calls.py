@@ -27,13 +27,13 @@ from rubricem_core.config import TeacherConfig  # noqa: E402
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
 from rubricem_core.judge.llm_judge import LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
-from rubricem_core.llm.concurrent import run_concurrent  # noqa: E402
 from rubricem_core.llm.types import EndpointSettings  # noqa: E402
 from rubricem_core.scaffold import STAGES  # noqa: E402
 from rubricem_core.sim.judge import register_builtin_judge  # noqa: E402
 from rubricem_core.sim.teacher import register_builtin_teacher  # noqa: E402
 from rubricem_core.sim.world import WorldConfig, generate_world  # noqa: E402
-from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states  # noqa: E402
+from rubricem_core.teacher.collection import run_rounds_in_memory  # noqa: E402
+from rubricem_core.teacher.rounds import initial_states  # noqa: E402
 from rubricem_core.tools.base import ToolEnv  # noqa: E402
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool  # noqa: E402
 
@@ -47,22 +47,7 @@ def write_rollouts(queries: list[dict], tools: dict, n: int, seed: int) -> dict[
     register_builtin_teacher(cfg, max_tool_calls=MAX_TOOL_CALLS)
     settings = EndpointSettings(model=TEACHER, max_concurrency=8, max_retries=0, timeout_s=60)
     states = initial_states(queries, trajectories_per_query=n, seed=seed)
-    env = ToolEnv(tools, max_calls=10**6)
-    for r in range(MAX_ROUNDS):
-        requests = build_requests(states, r, TEACHER, 2048, 0.7)
-        if not requests:
-            break
-        results = {x.custom_id: x for x in run_concurrent(requests, settings)}
-        by_id = {s.trajectory_id: s for s in states}
-        for request in requests:
-            apply_result(
-                by_id[request.metadata["trajectory_id"]],
-                results[request.custom_id],
-                lambda call: env.execute(call).text,
-                r,
-                MAX_ROUNDS,
-                MAX_TOOL_CALLS,
-            )
+    run_rounds_in_memory(states, settings, ToolEnv(tools, max_calls=10**6), MAX_ROUNDS, MAX_TOOL_CALLS)
     out: dict[str, list[JudgeRollout]] = {}
     for s in states:
         out.setdefault(s.query_id, []).append(JudgeRollout(s.trajectory_id, s.text))

@@ -11,10 +11,10 @@ from rubricem_core.config import TeacherConfig
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.judge.llm_judge import ScoringInput
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
-from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.sim.teacher import register_builtin_teacher
-from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
+from rubricem_core.teacher.collection import run_rounds_in_memory
+from rubricem_core.teacher.rounds import initial_states
 from rubricem_core.tools.base import ToolEnv
 
 TEACHER = "rubricem-teacher/scripted"
@@ -29,22 +29,7 @@ def write_traces(queries, tools, max_tool_calls=10, **rates) -> dict[str, str]:
     register_builtin_teacher(cfg, max_tool_calls=max_tool_calls)
     settings = EndpointSettings(model=TEACHER, max_concurrency=4, max_retries=0, timeout_s=30)
     states = initial_states(queries, trajectories_per_query=1, seed=0)
-    env = ToolEnv(tools, max_calls=10**6)
-    for r in range(12):
-        requests = build_requests(states, r, TEACHER, 2048, 0.7)
-        if not requests:
-            break
-        results = {x.custom_id: x for x in run_concurrent(requests, settings)}
-        by_id = {s.trajectory_id: s for s in states}
-        for request in requests:
-            apply_result(
-                by_id[request.metadata["trajectory_id"]],
-                results[request.custom_id],
-                lambda call: env.execute(call).text,
-                r,
-                12,
-                max_tool_calls,
-            )
+    run_rounds_in_memory(states, settings, ToolEnv(tools, max_calls=10**6), 12, max_tool_calls)
     return {s.query_id: s.text for s in states}
 
 

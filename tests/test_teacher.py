@@ -9,12 +9,12 @@ import pytest
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.filtering import filter_trace
-from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.scaffold import validate
 from rubricem_core.sim.teacher import register_builtin_teacher, understand_question
 from rubricem_core.sim.world import WorldConfig, generate_world
-from rubricem_core.teacher.rounds import apply_result, build_requests, initial_states
+from rubricem_core.teacher.collection import run_rounds_in_memory
+from rubricem_core.teacher.rounds import initial_states
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 
@@ -40,22 +40,7 @@ def collect(world, tools, max_rounds=12, max_tool_calls=10, **rates):
     settings = EndpointSettings(model=MODEL, max_concurrency=4, max_retries=0, timeout_s=30)
     queries = [q for q in world.queries_table().to_pylist()]
     states = initial_states(queries, trajectories_per_query=1, seed=0)
-    env = ToolEnv(tools, max_calls=10**6)
-    for r in range(max_rounds):
-        reqs = build_requests(states, r, MODEL, 2048, 0.7)
-        if not reqs:
-            break
-        results = {x.custom_id: x for x in run_concurrent(reqs, settings)}
-        by_traj = {s.trajectory_id: s for s in states}
-        for req in reqs:
-            apply_result(
-                by_traj[req.metadata["trajectory_id"]],
-                results[req.custom_id],
-                lambda c: env.execute(c).text,
-                r,
-                max_rounds,
-                max_tool_calls,
-            )
+    run_rounds_in_memory(states, settings, ToolEnv(tools, max_calls=10**6), max_rounds, max_tool_calls)
     return queries, states
 
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 from rubricem_core.config import RunConfig
 from rubricem_core.environment import policy_system_prompt, trace_format
 from rubricem_core.filtering import filter_trace
+from rubricem_core.llm.concurrent import run_concurrent
 from rubricem_core.llm.types import ChatRequest, ChatResult, EndpointSettings, RetryStats
 from rubricem_core.progress import Progress
 from rubricem_core.splits import sft_queries
@@ -230,6 +231,23 @@ def apply_answers(
             max_rounds,
             max_tool_calls,
         )
+
+
+def run_rounds_in_memory(
+    states: Sequence[TrajectoryState],
+    settings: EndpointSettings,
+    env: ToolEnv,
+    max_rounds: int,
+    max_tool_calls: int,
+) -> None:
+    """Every round of ``states`` with concurrent chat calls to ``settings``' endpoint, nothing written:
+    the loop of teacher_round without its tables (tests and benches that only need the traces)."""
+    for r in range(max_rounds):
+        requests = build_requests(list(states), r, settings.model, 2048, 0.7)
+        if not requests:
+            break
+        results = {x.custom_id: x for x in run_concurrent(requests, settings)}
+        apply_answers(requests, results, {s.trajectory_id: s for s in states}, env, r, max_rounds, max_tool_calls)
 
 
 def round_rows(
