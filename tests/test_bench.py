@@ -418,3 +418,15 @@ def test_every_figure_the_docs_cite_is_printed_by_a_bench_script_and_unmeasured_
     page = render_page([r for r in read_results() if r["name"] == "judge_tail_ratio"], here)
     listed = page.split("## Cited in the docs, not in the results file yet")[1]
     assert "| `x_y` | ? | a.md |" in listed and "judge_tail_ratio" not in listed
+
+
+def test_pooled_gain_averages_each_query_over_seeds_before_the_standard_error():
+    from bench.pooled_gain import pooled_gain
+
+    seed_a = ({"a": 1.0, "b": 0.5, "c": 1.0}, {"a": 0.0, "b": 0.5, "c": 1.0})  # gains 1, 0, 0
+    seed_b = ({"a": 0.5, "b": 1.0, "c": 0.5, "d": 1.0}, {"a": 0.5, "b": 0.5, "c": 0.5})  # 0, .5, 0; d ungraded
+    gain, se, n = pooled_gain([seed_a, seed_b])
+    # per query 0.5, 0.25, 0: mean 0.25, sample variance (0.0625 + 0 + 0.0625) / 2, over 3 queries
+    assert n == 3 and gain == pytest.approx(0.25) and se == pytest.approx(math.sqrt(0.0625 / 3))
+    one_gain, one_se, _ = pooled_gain([seed_a])
+    assert one_gain == pytest.approx(1 / 3) and one_se == pytest.approx(math.sqrt((4 / 9 + 1 / 9 + 1 / 9) / 2 / 3))
