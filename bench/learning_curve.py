@@ -35,11 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.common import add_set_argument, has_sft_checkpoint, parse_overrides  # noqa: E402
 from bench.rl_improvement import breakdown, copy_inputs, paired_gain  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
@@ -270,7 +268,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: 4 steps, evaluations every 2")
     parser.add_argument("--png", default=None, help="also copy the plot here (e.g. docs/learning_curve.png)")
     parser.add_argument("--json", default=None, help="also copy the JSON here (e.g. docs/learning_curve.json)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
+    add_set_argument(parser)
     parser.add_argument(
         "--report",
         action="store_true",
@@ -286,9 +284,7 @@ def main() -> int:
     if args.quick:
         args.steps, args.eval_every = 4, 2
         overrides.update({"rl.window": 1, "rollout.max_new_tokens": 256, "eval.max_queries": 6})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = yaml.safe_load(value)
+    overrides.update(parse_overrides(args.overrides))
     if args.report:
         return report_only(args, recipes, overrides)
     if args.profile and not RunLayout(src).has_sft_policy():

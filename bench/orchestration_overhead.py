@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from prefect import flow  # noqa: E402
 from prefect.logging import disable_run_logger  # noqa: E402
 
+from bench.common import add_set_argument, add_threads_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from flows.rl import rl_step  # noqa: E402
 from rubricem_core.config import RunConfig, load_config, parse_override  # noqa: E402
@@ -141,20 +142,8 @@ def main() -> None:
         default=None,
         help="repeats on fresh copies; the order alternates (default 2, 1 with --quick)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override on top of the run's config.yaml (repeatable)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
-    )
+    add_set_argument(parser, "config override on top of the run's config.yaml (repeatable)")
+    add_threads_argument(parser)
     parser.add_argument("--keep", action="store_true", help="keep the temporary run copies")
     parser.add_argument(
         "--quick", action="store_true", help="2 steps of 2 queries x 2 samples, 128 tokens per turn, 1 repeat"

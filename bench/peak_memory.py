@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil  # noqa: E402
 
+from bench.common import add_set_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -73,14 +74,7 @@ def rubricem_command() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="tiny")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="passed to `rubricem run --set` (repeatable)",
-    )
+    add_set_argument(parser, "passed to `rubricem run --set` (repeatable)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between RSS samples")
     parser.add_argument("--run-dir", default=None, help="default: a temp dir, deleted afterwards")
     parser.add_argument("--keep", action="store_true", help="keep the run directory")

@@ -23,11 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.common import add_set_argument, has_sft_checkpoint, parse_overrides  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
@@ -107,7 +105,7 @@ def main() -> None:
         default=None,
         help="keep the RL runs here (default: a temporary directory); a rerun resumes after the last finished step",
     )
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
+    add_set_argument(parser)
     args = parser.parse_args()
     src = Path(args.run_dir)
     if not has_sft_checkpoint(src, "figure: full_minus_sft=nan score  goal: > 0  met: n/a"):
@@ -115,9 +113,7 @@ def main() -> None:
     overrides = {"tracking.enabled": False}
     if args.quick:
         overrides.update({"rl.window": 1, "rl.n_windows": 1, "eval.max_queries": 4, "rollout.max_new_tokens": 256})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key] = yaml.safe_load(value)
+    overrides.update(parse_overrides(args.overrides))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
 
     from flows.ablation import ablation

@@ -48,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import add_set_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
@@ -359,14 +360,7 @@ def main() -> int:
     parser.add_argument(
         "--run-dir", default=None, help="run directory (default: a new temp dir); an existing one is resumed"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override on top of the soak's shapes (repeatable)",
-    )
+    add_set_argument(parser, "config override on top of the soak's shapes (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep a temp run directory (its path is printed)")
     args = parser.parse_args()
     if args.quick:

@@ -32,6 +32,7 @@ apply_offline_defaults()
 
 import torch  # noqa: E402
 
+from bench.common import add_threads_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.config import load_config  # noqa: E402
 from rubricem_core.encoding import encode_prompt  # noqa: E402
@@ -142,12 +143,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=None, help="samples per query (default: the run's)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: the run's)")
     parser.add_argument("--train-steps", type=int, default=4, help="SFT optimizer steps to time")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
-    )
+    add_threads_argument(parser)
     parser.add_argument("--quick", action="store_true", help="2 queries x 2 samples, 128 tokens per turn, 2 steps")
     args = parser.parse_args()
     if args.quick:
