@@ -8,7 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -55,16 +60,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def popen_until_released(
+    args: list[str], released: threading.Event, death_signal: int, **popen_kwargs: Any
+) -> subprocess.Popen:
+    """``subprocess.Popen(args, ...)`` whose child gets ``death_signal`` when this process dies
+    (die_with_parent), forked from a thread that lives until ``released`` is set: the kernel signals
+    the child when the *thread* that forked it ends, so a pool thread finishing its task must not be it."""
+    started: Future[subprocess.Popen] = Future()
+
+    def keep() -> None:
+        try:
+            started.set_result(subprocess.Popen(args, preexec_fn=die_with_parent(death_signal), **popen_kwargs))
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        released.wait()
+
+    threading.Thread(target=keep, name=f"keeps-{Path(args[0]).name}", daemon=True).start()
+    return started.result()
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM a child started with ``start_new_session=True`` and everything it started, SIGKILL what
-    is left after ``grace_s`` (idempotent)."""
-    if proc.poll() is not None:
-        return
+    is left after ``grace_s`` (idempotent). Also when the child itself has already exited: what it
+    started lives on in its process group (vLLM's EngineCore behind a killed `vllm serve`)."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # nobody left in the group
+            proc.poll()
+            return
+        except PermissionError:  # the group id was taken by another user's process: ours are gone
+            return
+        while time.monotonic() < deadline and _group_alive(proc):
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5.0
+    proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the leader, or it stays in the group as a zombie
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -33,10 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import signal
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +55,6 @@ class ReplicaHost:
         os.environ.update(env)
         self.replica = replica
         self.process: ServerProcess | None = None
-        self._release = threading.Event()
 
     def start(
         self,
@@ -77,30 +73,8 @@ class ReplicaHost:
         ip = node_address(node_id)
         host = "127.0.0.1" if node_id == driver_node_id else ip
         gpus = [str(g) for g in ray.get_gpu_ids()]  # what Ray set this actor's CUDA_VISIBLE_DEVICES to
-        started: Future[ServerProcess] = Future()
-
-        def keep() -> None:
-            # The server gets SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG is per thread):
-            # this thread lives until stop(), or dies with the actor's process.
-            try:
-                started.set_result(
-                    ServerProcess(
-                        model_dir,
-                        api_key=api_key,
-                        host=host,
-                        devices=gpus or None,
-                        parent_death_signal=signal.SIGKILL,
-                        **server_kwargs,
-                    )
-                )
-            except BaseException as exc:
-                started.set_exception(exc)
-                return
-            self._release.wait()
-
-        threading.Thread(target=keep, name=f"vllm-replica-{self.replica}", daemon=True).start()
-        try:
-            self.process = started.result()
+        try:  # the server gets SIGTERM if this actor's process is killed outright (ServerProcess)
+            self.process = ServerProcess(model_dir, api_key=api_key, host=host, devices=gpus or None, **server_kwargs)
             self.process.wait_ready(startup_timeout_s, api_key)
         except BaseException as exc:
             self.stop()
@@ -127,7 +101,6 @@ class ReplicaHost:
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
-        self._release.set()
 
 
 class RayReplica(ServerClient):

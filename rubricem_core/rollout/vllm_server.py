@@ -37,11 +37,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ from typing import Any
 import httpx
 
 from rubricem_core.distributed.guard import SECRET_ENV, vllm_api_key
-from rubricem_core.processes import free_port, stop_process_group
+from rubricem_core.processes import free_port, popen_until_released, stop_process_group
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample
 
@@ -132,18 +133,6 @@ def server_command(
     return cmd + list(extra_args)
 
 
-def _die_with_parent(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``sig`` when the thread that started it ends (Linux
-    PR_SET_PDEATHSIG), so a server never outlives a Ray actor that is killed outright."""
-
-    def preexec() -> None:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG
-
-    return preexec
-
-
 class ServerProcess:
     """One `vllm serve` process: its command and environment, its output (the log file and a tail, read by
     one thread) and its exit. It listens on ``host`` (loopback unless a replica must be reached from another
@@ -166,7 +155,6 @@ class ServerProcess:
         log_path: str | Path | None = None,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
-        parent_death_signal: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
@@ -191,15 +179,18 @@ class ServerProcess:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         self.log_path = Path(log_path) if log_path is not None else None
         self._tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.proc = subprocess.Popen(
+        self._released = threading.Event()
+        # SIGTERM when this process dies, even by SIGKILL: `vllm serve` then shuts its engine processes down
+        self.proc = popen_until_released(
             cmd,
+            self._released,
+            signal.SIGTERM,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
             env=full_env,
             start_new_session=True,
-            preexec_fn=_die_with_parent(parent_death_signal) if parent_death_signal is not None else None,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -263,6 +254,7 @@ class ServerProcess:
     def stop(self) -> None:
         """Stop the server and its process group (idempotent)."""
         stop_process_group(self.proc)
+        self._released.set()
 
 
 # what a dead server's output says killed it, most specific first: (pattern, what to tell the operator)
