@@ -253,6 +253,21 @@ def _final_rubric(answer: str, aliases: list[str]) -> dict[str, Any]:
     }
 
 
+def _benchmark_rubric(
+    title: str, description: str, signed_weight: float, benchmark: str, **check: Any
+) -> dict[str, Any]:
+    """An answer-stage rubric from a benchmark's criterion: weight |signed_weight|; a negative one makes
+    it a negative rubric (a pitfall whose presence costs)."""
+    return {
+        "title": title,
+        "description": description,
+        "weight": abs(signed_weight),
+        "polarity": "negative" if signed_weight < 0 else "positive",
+        "stage": "answer",
+        "check": {"type": "benchmark", "benchmark": benchmark, **check},
+    }
+
+
 def _check_split(split: str) -> str:
     if split not in QUERY_SPLITS:
         raise ValueError(f"split must be one of {QUERY_SPLITS}, got {split!r}")
@@ -279,6 +294,10 @@ class _Collector:
         except QueryValidationError as exc:
             raise QueryFileError(self.path, where, str(exc)) from exc
         self.seen[query_id] = where
+
+    def add_long_form(self, where: str, source: str, ident: str, split: str, **fields: Any) -> None:
+        """A benchmark's long-form query, id ``{source}-{ident}``."""
+        self.add(where, query_id=f"{source}-{ident}", source=source, split=split, kind="long_form", **fields)
 
     def result(self) -> list[Query]:
         if not self.queries:

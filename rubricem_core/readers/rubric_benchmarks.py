@@ -11,6 +11,7 @@ from typing import Any
 
 from rubricem_core.readers.records import (
     QueryFileError,
+    _benchmark_rubric,
     _check_split,
     _Collector,
     _first_record_keys,
@@ -51,27 +52,20 @@ def read_healthbench(path: str | os.PathLike[str], split: str = "eval") -> list[
                 raise record.error(f"{field}.points", "missing")
             points = _number(record, f"{field}.points", item["points"])
             tags = item.get("tags") or []
+            criterion = item["criterion"]
             rubrics.append(
-                {
-                    "title": _short_title(item["criterion"]),
-                    "description": item["criterion"],
-                    "weight": abs(points),
-                    "polarity": "negative" if points < 0 else "positive",
-                    "stage": "answer",
-                    "check": {"type": "benchmark", "benchmark": "healthbench", "points": points, "tags": tags},
-                }
+                _benchmark_rubric(_short_title(criterion), criterion, points, "healthbench", points=points, tags=tags)
             )
         ideal = data.get("ideal_completions_data")
         reference = ideal.get("ideal_completion") if isinstance(ideal, dict) else None
         metadata = {"example_tags": data.get("example_tags") or [], "n_turns": len(messages)}
         if isinstance(ideal, dict) and ideal.get("ideal_completions_group"):
             metadata["ideal_completions_group"] = ideal["ideal_completions_group"]
-        out.add(
+        out.add_long_form(
             where,
-            query_id=f"healthbench-{record.ident('prompt_id')}",
-            source="healthbench",
-            split=split,
-            kind="long_form",
+            "healthbench",
+            record.ident("prompt_id"),
+            split,
             question=_last_user_turn(record, "prompt", messages),
             messages=messages,
             rubrics=rubrics,
@@ -106,20 +100,10 @@ def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list
                 raise record.error(f"{field}.criterion", "missing or not a string")
             weight = _number(record, f"{field}.weight", item.get("weight"))
             name = item.get("name") if isinstance(item.get("name"), str) else f"item_{i}"
+            title = f"{name}: {_short_title(item['criterion'], 60)}"
+            evidence = item.get("evidence") or []
             rubrics.append(
-                {
-                    "title": f"{name}: {_short_title(item['criterion'], 60)}",
-                    "description": item["criterion"],
-                    "weight": abs(weight),
-                    "polarity": "negative" if weight < 0 else "positive",
-                    "stage": "answer",
-                    "check": {
-                        "type": "benchmark",
-                        "benchmark": "scholarqa_cs",
-                        "name": name,
-                        "evidence": item.get("evidence") or [],
-                    },
-                }
+                _benchmark_rubric(title, item["criterion"], weight, "scholarqa_cs", name=name, evidence=evidence)
             )
         scalar_config = {k: v for k, v in config.items() if isinstance(v, (int, float, str)) and k != "question"}
         metadata = {
@@ -127,12 +111,11 @@ def read_scholarqa_cs(path: str | os.PathLike[str], split: str = "eval") -> list
             "metric_config": scalar_config,
             "annotator": data.get("annotator"),
         }
-        out.add(
+        out.add_long_form(
             where,
-            query_id=f"scholarqa_cs-{record.ident('case_id')}",
-            source="scholarqa_cs",
-            split=split,
-            kind="long_form",
+            "scholarqa_cs",
+            record.ident("case_id"),
+            split,
             question=question,
             rubrics=rubrics,
             metadata=metadata,
@@ -211,12 +194,11 @@ def read_deep_research_bench(
         if criteria_file is not None and query_id not in rubrics_by_id:
             raise QueryFileError(criteria_file, None, f"no criteria for query id {query_id!r} of {path} ({where})")
         metadata = {"topic": data.get("topic"), "language": data.get("language")}
-        out.add(
+        out.add_long_form(
             where,
-            query_id=f"deep_research_bench-{query_id}",
-            source="deep_research_bench",
-            split=split,
-            kind="long_form",
+            "deep_research_bench",
+            query_id,
+            split,
             question=question,
             rubrics=rubrics_by_id.get(query_id, []),
             metadata=metadata,
@@ -302,23 +284,13 @@ def read_researchqa(path: str | os.PathLike[str], split: str = "eval") -> list[Q
             kind = item.get("type")
             if kind is not None and not isinstance(kind, str):
                 raise record.error(f"{field}.type", f"expected a string, got {kind!r:.60}")
-            rubrics.append(
-                {
-                    "title": _short_title(text),
-                    "description": text,
-                    "weight": 1.0,
-                    "polarity": "positive",
-                    "stage": "answer",
-                    "check": {"type": "benchmark", "benchmark": "researchqa", "rubric_type": kind},
-                }
-            )
+            rubrics.append(_benchmark_rubric(_short_title(text), text, 1.0, "researchqa", rubric_type=kind))
         metadata = {k: data.get(k) for k in ("general_domain", "subdomain", "field", "date") if data.get(k) is not None}
-        out.add(
+        out.add_long_form(
             where,
-            query_id=f"researchqa-{record.ident('id')}",
-            source="researchqa",
-            split=split,
-            kind="long_form",
+            "researchqa",
+            record.ident("id"),
+            split,
             question=question,
             rubrics=rubrics,
             metadata=metadata,
@@ -362,23 +334,15 @@ def read_researchrubrics(path: str | os.PathLike[str], split: str = "eval") -> l
             axis = item.get("axis")
             if axis is not None and not isinstance(axis, str):
                 raise record.error(f"{field}.axis", f"expected a string, got {axis!r:.60}")
-            rubrics.append(
-                {
-                    "title": _short_title(item["criterion"]),
-                    "description": item["criterion"],
-                    "weight": abs(weight),
-                    "polarity": "negative" if weight < 0 else "positive",
-                    "stage": "answer",
-                    "check": {"type": "benchmark", "benchmark": "researchrubrics", "points": weight, "axis": axis},
-                }
-            )
+            criterion = item["criterion"]
+            check = {"points": weight, "axis": axis}
+            rubrics.append(_benchmark_rubric(_short_title(criterion), criterion, weight, "researchrubrics", **check))
         labels = ("domain", "conceptual_breadth", "logical_nesting", "exploration")
-        out.add(
+        out.add_long_form(
             where,
-            query_id=f"researchrubrics-{record.ident('sample_id')}",
-            source="researchrubrics",
-            split=split,
-            kind="long_form",
+            "researchrubrics",
+            record.ident("sample_id"),
+            split,
             question=question,
             rubrics=rubrics,
             metadata={k: data[k] for k in labels if data.get(k) is not None},
