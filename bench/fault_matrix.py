@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+from rubricem_core.schemas import row_keys  # noqa: E402
 from rubricem_core.testing import MICRO_PROFILE  # noqa: E402
 
 apply_offline_defaults()
@@ -75,14 +76,7 @@ def fault_specs(chain: bool) -> list[str]:
     return [f"{p}:{BOUNDARIES[: i + 1].count(p)}" for i, p in enumerate(BOUNDARIES)]
 
 
-TABLES = {
-    "rollouts": ("step", "rollout_id"),
-    "judge_scores": ("step", "rollout_id", "rubric_id"),
-    "judge_rubrics": ("step", "query_id", "rubric_id"),
-    "stage_rewards": ("step", "rollout_id", "stage"),
-    "reflections": ("step", "source_rollout_id", "candidate"),
-    "bank": ("query_id", "step"),
-}
+TABLES = row_keys("rollouts", "judge_scores", "judge_rubrics", "stage_rewards", "reflections", "bank")
 VOLATILE_COLUMNS = {"latency_s", "submitted_at", "logged_at", "run_id"}
 VOLATILE_METRIC = ("seconds", "_per_s", "step_time_s", "padding_fraction")
 

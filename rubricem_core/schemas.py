@@ -328,6 +328,28 @@ ABLATION_SCHEMA = pa.schema(
     ]
 )
 
+# the columns that identify a row of a table: runs are compared row for row by them (resume ≡ uninterrupted)
+ROW_KEYS: dict[str, tuple[str, ...]] = {
+    "queries": ("query_id",),
+    "corpus": ("doc_id",),
+    "teacher_requests": ("request_id",),
+    "teacher_responses": ("request_id",),
+    "teacher_state": ("round", "trajectory_id"),
+    "sft_trajectories": ("trajectory_id",),
+    "rollouts": ("step", "rollout_id"),
+    "judge_rubrics": ("step", "query_id", "rubric_id"),
+    "judge_scores": ("step", "rollout_id", "rubric_id"),
+    "stage_rewards": ("step", "rollout_id", "stage"),
+    "reflections": ("step", "source_rollout_id", "candidate"),
+    "bank": ("query_id", "step"),
+}
+
+
+def row_keys(*tables: str) -> dict[str, tuple[str, ...]]:
+    """``ROW_KEYS`` of the named tables, in that order."""
+    return {t: ROW_KEYS[t] for t in tables}
+
+
 # table name → the schema it is written with; RunStore.write_table refuses a table that is not here
 TABLE_SCHEMAS: dict[str, pa.Schema] = {
     "queries": QUERIES_SCHEMA,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rubricem_core.schemas import row_keys
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
@@ -153,14 +154,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6, msg=f"{k} differs from the uninterrupted run")
 
 
-COLLECT_TABLES = {
-    "teacher_requests": ("request_id",),
-    "teacher_responses": ("request_id",),
-    "teacher_state": ("round", "trajectory_id"),
-    "sft_trajectories": ("trajectory_id",),
-    "queries": ("query_id",),
-    "corpus": ("doc_id",),
-}
+COLLECT_TABLES = row_keys(
+    "teacher_requests", "teacher_responses", "teacher_state", "sft_trajectories", "queries", "corpus"
+)
 
 
 def test_collection_killed_mid_write_and_after_a_round_resumes(reference, tmp_path):
@@ -216,14 +212,7 @@ def test_sft_killed_mid_checkpoint_resumes_to_the_same_weights(reference, tmp_pa
     assert AutoTokenizer.from_pretrained(str(ckpts / "final")).chat_template
 
 
-RL_TABLES = {
-    "rollouts": ("step", "rollout_id"),
-    "judge_scores": ("step", "rollout_id", "rubric_id"),
-    "judge_rubrics": ("step", "query_id", "rubric_id"),
-    "stage_rewards": ("step", "rollout_id", "stage"),
-    "reflections": ("step", "source_rollout_id", "candidate"),
-    "bank": ("query_id", "step"),
-}
+RL_TABLES = row_keys("rollouts", "judge_scores", "judge_rubrics", "stage_rewards", "reflections", "bank")
 
 # Every write boundary of the two RL steps (window 1: step 0 new queries with reflections, step 1 their
 # replay with the deferred reflection update), in the order a run reaches them under

@@ -12,7 +12,7 @@ from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import windowed_schedule
 from rubricem_core.rl.update import group_advantages, per_token_advantages
 from rubricem_core.scaffold import STAGES
-from rubricem_core.schemas import ROLLOUTS_SCHEMA
+from rubricem_core.schemas import ROLLOUTS_SCHEMA, row_keys
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
@@ -225,12 +225,7 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     assert [r["token_ids"] for r in ra] == [r["token_ids"] for r in rb]
 
 
-JUDGE_TABLES = {
-    "rollouts": ("step", "rollout_id"),
-    "judge_rubrics": ("step", "query_id", "rubric_id"),
-    "judge_scores": ("step", "rollout_id", "rubric_id"),
-    "stage_rewards": ("step", "rollout_id", "stage"),
-}
+JUDGE_TABLES = row_keys("rollouts", "judge_rubrics", "judge_scores", "stage_rewards")
 
 
 def _judge_view(run_dir: str) -> dict:

@@ -14,6 +14,7 @@ import yaml
 
 from rubricem_core.config import RunConfig
 from rubricem_core.rl.curriculum import reflect_before_next_rollouts, sampling_step, windowed_schedule
+from rubricem_core.schemas import row_keys
 from rubricem_core.testing import MICRO_PROFILE
 
 
@@ -63,13 +64,7 @@ ASYNC = {
     "rl.async_steps": 1,
     "rl.importance_correction": "tis",
 }
-TABLES = {
-    "rollouts": ("step", "rollout_id"),
-    "judge_scores": ("step", "rollout_id", "rubric_id"),
-    "stage_rewards": ("step", "rollout_id", "stage"),
-    "reflections": ("step", "source_rollout_id", "candidate"),
-    "bank": ("query_id", "step"),
-}
+TABLES = row_keys("rollouts", "judge_scores", "stage_rewards", "reflections", "bank")
 VOLATILE = {"latency_s", "submitted_at", "logged_at"}
 
 
