@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,21 @@ DIST = {
 }
 
 
+def assert_equals_one_rank(run_dir: Path, result: dict, one: Path) -> None:
+    """The run's final SFT weights and loss are one rank's on the same config, base policy and rows,
+    uninterrupted (trained into ``one``), and SFT moved the weights."""
+    cfg = load_config("tiny", DIST)
+    rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
+    ref = run_sft(run_dir / "policy" / "base", rows, one, cfg.policy, cfg.sft, seed=0, reflection_rows=reflections)
+    assert reflections and ref["reflection_examples"] > 0
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
+    a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
+    b = load_file(str(one / "final" / "model.safetensors"))
+    base = load_file(str(run_dir / "policy" / "base" / "model.safetensors"))
+    assert max(float((b[k] - base[k]).abs().max()) for k in b) > 1e-3  # SFT moved the weights
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
 def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, tmp_path, monkeypatch):
     from flows.sft import sft
 
@@ -49,19 +65,7 @@ def test_two_rank_sft_from_the_task_equals_one_rank_and_resumes(collected_run, t
     result = sft(run_dir=str(run_dir), profile="tiny", overrides=overrides)
     assert result["steps"] == 4 and not result["cached"]
 
-    # one rank, same config, same base policy, uninterrupted
-    cfg = load_config("tiny", DIST)
-    rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
-    ref = run_sft(
-        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
-    )
-    assert reflections and ref["reflection_examples"] > 0
-    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
-    a = load_file(str(ckpts / "final" / "model.safetensors"))
-    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
-    base = load_file(str(run_dir / "policy" / "base" / "model.safetensors"))
-    assert max(float((b[k] - base[k]).abs().max()) for k in b) > 1e-3  # SFT moved the weights
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert_equals_one_rank(run_dir, result, tmp_path / "one")
 
     # rank 0's metric lines reached the flow's MLflow run (and the metrics table)
     losses = json.loads(
@@ -137,13 +141,4 @@ def test_sft_on_two_ray_nodes(collected_run, two_nodes, tmp_path):
         overrides={**DIST, "sft.checkpoint_every": 10, "distributed.nnodes": 2},
     )
     assert re.search(r"2 sft ranks on 2 node\(s\) \['127\.0\.0\.2', '127\.0\.0\.3'\]", out), out[-4000:]
-    cfg = load_config("tiny", DIST)
-    rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
-    ref = run_sft(
-        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
-    )
-    assert reflections and ref["reflection_examples"] > 0
-    assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
-    a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
-    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert_equals_one_rank(run_dir, result, tmp_path / "one")
