@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rubricem_core import faults
-from rubricem_core.distributed.cluster import uses_gpus
+from rubricem_core.distributed.cluster import node_address, uses_gpus
 
 METRICS_PREFIX = "@@rubricem-metrics "
 TAIL_LINES = 120
@@ -86,7 +86,7 @@ class RankWorker:
 
         ctx = ray.get_runtime_context()
         return {
-            "ip": _node_address(ctx.get_node_id()),
+            "ip": node_address(ctx.get_node_id()),
             "node_id": ctx.get_node_id(),
             "pid": os.getpid(),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
@@ -386,16 +386,6 @@ class RankGroup:
             except Exception:
                 pass
             self._pg = None
-
-
-def _node_address(node_id: str) -> str:
-    """The address Ray knows a node by (127.0.0.1 on a local Ray), which its other nodes reach it at."""
-    import ray
-
-    for node in ray.nodes():
-        if node["NodeID"] == node_id:
-            return str(node["NodeManagerAddress"])
-    return ray.util.get_node_ip_address()
 
 
 def _local_ranks(node_ids: list[str]) -> list[int]:

@@ -126,3 +126,13 @@ def uses_gpus() -> bool:
     import ray
 
     return float(ray.cluster_resources().get("GPU", 0)) > 0
+
+
+def node_address(node_id: str) -> str:
+    """The address Ray knows a node by (127.0.0.1 on a local Ray), which its other nodes reach it at."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return str(node["NodeManagerAddress"])
+    return str(ray.util.get_node_ip_address())

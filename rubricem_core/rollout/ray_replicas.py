@@ -70,6 +70,8 @@ class ReplicaHost:
 
         ctx = ray.get_runtime_context()
         node_id = ctx.get_node_id()
+        from rubricem_core.distributed.cluster import node_address
+
         ip = node_address(node_id)
         host = "127.0.0.1" if node_id == driver_node_id else ip
         gpus = [str(g) for g in ray.get_gpu_ids()]  # what Ray set this actor's CUDA_VISIBLE_DEVICES to
@@ -168,16 +170,6 @@ class RayReplica(ServerClient):
             ray.kill(self.actor, no_restart=True)
         except Exception:
             pass
-
-
-def node_address(node_id: str) -> str:
-    """The address Ray knows a node by (127.0.0.1 on a local Ray), which its other nodes reach it at."""
-    import ray
-
-    for node in ray.nodes():
-        if node["NodeID"] == node_id:
-            return str(node["NodeManagerAddress"])
-    return str(ray.util.get_node_ip_address())
 
 
 def _first_line(exc: BaseException) -> str:
