@@ -362,7 +362,7 @@ def train_sft(
     try:
         policy = str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir
         result = group.run(
-            "rubricem_core.sft:sft_rank",
+            sft_rank,
             str(Path(run_dir).resolve()),
             cfg.model_dump(mode="json"),
             policy,

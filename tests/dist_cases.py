@@ -1,4 +1,4 @@
-"""Work that the 2-rank ≡ 1-rank tests run on every rank of a RankGroup (``group.run("dist_cases:<case>", arg)``).
+"""Work that the 2-rank ≡ 1-rank tests run on every rank of a RankGroup (``group.run(dist_cases.<case>, arg)``).
 
 Each case is a plain function of its arguments that returns what the test compares (weights, metrics,
 which micro-batches each rank trained on) from rank 0 (None from the others). The single-rank reference is

@@ -1,5 +1,5 @@
-"""Tiny plain-Python work for tests/test_actors.py: what each RankWorker builds (``rank_cases:Ranked``) or
-runs (``rank_cases:<function>``), so the RankGroup itself is what the tests exercise."""
+"""Tiny plain-Python work for tests/test_actors.py: what each RankWorker builds (``rank_cases.Ranked``) or
+runs (a function of this module), so the RankGroup itself is what the tests exercise."""
 
 from __future__ import annotations
 

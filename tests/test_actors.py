@@ -15,12 +15,13 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+import rank_cases
 from rubricem_core.distributed.actors import RankFailure, RankGroup
 
 
 def fresh(tmp_path: Path, kind: str, **kw) -> RankGroup:
     g = RankGroup(kind, 2, tmp_path / "ranks", timeout_s=120, **kw)
-    g.build("rank_cases:Ranked", kind)
+    g.build(rank_cases.Ranked, kind)
     return g
 
 
@@ -48,7 +49,7 @@ def group(ray_cluster, tmp_path_factory):
     """Two live ranks shared by the tests that leave them alive (closed after the class: the machine may
     have CPUs for one group only)."""
     g = RankGroup("unit", 2, tmp_path_factory.mktemp("ranks"), timeout_s=120)
-    g.build("rank_cases:Ranked", "built-once")
+    g.build(rank_cases.Ranked, "built-once")
     yield g
     g.close()
 
@@ -62,7 +63,7 @@ class TestLiveGroup:
         assert [g["pid"] for g in got] == [w["pid"] for w in group.where]  # one process per rank
         same = group.call("echo", 7)
         assert [(g["rank"], g["tag"], g["args"]) for g in same] == [(0, "built-once", (7,)), (1, "built-once", (7,))]
-        assert group.run("rank_cases:rank_and_world") == [(0, 2), (1, 2)]
+        assert group.run(rank_cases.rank_and_world) == [(0, 2), (1, 2)]
         with pytest.raises(ValueError, match="1 argument tuples for 2 ranks"):
             group.call_each("echo", [(1,)])
 
@@ -116,7 +117,7 @@ def test_a_stranger_on_the_rendezvous_cannot_join_a_new_group(ray_cluster, tmp_p
         with pytest.raises(
             RankFailure, match=r"rank 0 of 2 .* raised ForgedCommand: .*does not carry the group's HMAC"
         ):
-            g.run("rank_cases:new_group_sum", 1, 20.0)
+            g.run(rank_cases.new_group_sum, 1, 20.0)
         assert_gone(actors)
     finally:
         g.kill()

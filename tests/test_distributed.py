@@ -50,7 +50,7 @@ def two_ranks(tmp_path: Path, case: str, arg: dict) -> dict:
 
     group = RankGroup("dist", 2, tmp_path / "ranks", timeout_s=600)
     try:
-        return group.run(f"dist_cases:{case}", arg)[0]
+        return group.run(getattr(dist_cases, case), arg)[0]
     finally:
         group.close()
 

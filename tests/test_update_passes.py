@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import dist_cases
 from rubricem_core.batching import collate
 from rubricem_core.logprobs import token_logprobs
 from rubricem_core.rl.update import (
@@ -228,7 +229,7 @@ def two_rank_ppo(tmp_path, arg: dict) -> dict:
 
     group = RankGroup("ppo", 2, tmp_path / "ranks", timeout_s=600)
     try:
-        return group.run("dist_cases:ppo", arg)[0]
+        return group.run(dist_cases.ppo, arg)[0]
     finally:
         group.close()
 

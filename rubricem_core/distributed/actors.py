@@ -1,7 +1,7 @@
 """Trainer ranks as Ray actors in one placement group, driven by remote calls from the flow process.
 
     group = RankGroup("rl", world_size=2, log_dir=layout.rank_logs_dir, timeout_s=1800)
-    group.build("rubricem_core.rl.ray_policy:RLRank", base, cfg)     # every rank builds one
+    group.build(RLRank, base, cfg)                                    # every rank builds one
     metrics = group.call("update", ...)[0]                            # every rank, same arguments
     group.call_each("update", [args_of_rank_0, args_of_rank_1])       # each rank its own
     group.close()
@@ -21,7 +21,6 @@ whole group, and ``RankFailure`` names the rank, its node and pid and ends with 
 from __future__ import annotations
 
 import collections
-import importlib
 import json
 import logging
 import os
@@ -48,12 +47,6 @@ class RankFailure(RuntimeError):
 def emit_metrics(metrics: dict[str, float], step: int) -> None:
     """Print one metrics line for the driver (call it on rank 0 only)."""
     print(METRICS_PREFIX + json.dumps({"step": step, "metrics": metrics}), flush=True)
-
-
-def resolve(target: str) -> Any:
-    """``"package.module:attr"`` → the attribute."""
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 class RankWorker:
@@ -133,9 +126,9 @@ class RankWorker:
             timeout=timedelta(seconds=timeout_s),
         )
 
-    def build(self, target: str, *args: Any, **kwargs: Any) -> None:
-        """The object this rank serves calls on: ``target(*args, **kwargs)`` (``"module:Class"``)."""
-        self.obj = resolve(target)(*args, **kwargs)
+    def build(self, cls: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """The object this rank serves calls on: ``cls(*args, **kwargs)``."""
+        self.obj = cls(*args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -143,10 +136,10 @@ class RankWorker:
         finally:
             sys.stdout.flush()
 
-    def run(self, target: str, *args: Any, **kwargs: Any) -> Any:
-        """One function on this rank (``"module:function"``), e.g. a whole SFT run."""
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One function on this rank, e.g. a whole SFT run."""
         try:
-            return resolve(target)(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             sys.stdout.flush()
 
@@ -269,8 +262,10 @@ class RankGroup:
                 )
 
     # ---- calls -----------------------------------------------------------------------------------
-    def build(self, target: str, *args: Any, **kwargs: Any) -> None:
-        self._gather([a.build.remote(target, *args, **kwargs) for a in self.actors], "build")
+    def build(self, cls: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Every rank builds the object it serves calls on: ``cls(*args, **kwargs)`` (an importable class:
+        Ray sends it by its module and name)."""
+        self._gather([a.build.remote(cls, *args, **kwargs) for a in self.actors], "build")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method`` of every rank's object with the same arguments; the ranks' results in rank order."""
@@ -282,9 +277,9 @@ class RankGroup:
             raise ValueError(f"{len(args_per_rank)} argument tuples for {self.world_size} ranks")
         return self._gather([a.call.remote(method, *args) for a, args in zip(self.actors, args_per_rank)], method)
 
-    def run(self, target: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``target(*args, **kwargs)`` on every rank (a function: ``"module:function"``)."""
-        return self._gather([a.run.remote(target, *args, **kwargs) for a in self.actors], target)
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank (an importable function); the results in rank order."""
+        return self._gather([a.run.remote(fn, *args, **kwargs) for a in self.actors], fn.__qualname__)
 
     def drain(self) -> None:
         """Hand over what the ranks wrote since the last call."""

@@ -105,9 +105,7 @@ class RayPolicy:
             on_line=log.info,
         )
         try:
-            self.group.build(
-                "rubricem_core.rl.ray_policy:RLRank", str(Path(base).resolve()), cfg.model_dump(mode="json")
-            )
+            self.group.build(RLRank, str(Path(base).resolve()), cfg.model_dump(mode="json"))
         except BaseException:
             self.group.kill()
             raise
