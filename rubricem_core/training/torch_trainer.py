@@ -3,12 +3,14 @@
 One optimizer step per ``step()`` call, read top to bottom::
 
     for each of this rank's micro-batches:  loss = loss_fn(model, mb);  (loss * scale_i).backward()
-    all-reduce gradients (sum) across ranks;  clip;  optimizer.step();  scheduler.step();  zero_grad
+    clip;  optimizer.step();  scheduler.step();  zero_grad
 
 Data parallel: on Ray trainer ranks (WORLD_SIZE > 1) every rank holds the whole model and optimizer, is
-given the same global micro-batches and trains on its shard (rubricem_core.distributed.shard). The
-scales are shares of the global total, so the summed gradient, and hence every rank's update, equals
-one process training on all micro-batches.
+given the same global micro-batches and trains on its shard (rubricem_core.distributed.shard). The model
+runs under torch's DistributedDataParallel, which sums the gradients across ranks in buckets while the
+last micro-batch's backward still runs (the others accumulate locally, ``no_sync``). The scales are
+shares of the global total, so the summed gradient, and hence every rank's update, equals one process
+training on all micro-batches.
 
 Micro-batch weighting (the same in both backends): the update is the gradient of
 ``sum_i w_i * loss_i / sum_i w_i``. Without ``weights`` every micro-batch weighs 1, so the step is
@@ -218,10 +220,15 @@ class TorchTrainer:
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.model = model.to(self.device)
+        # what the loss runs: with several ranks DDP, which also starts every rank from rank 0's weights
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
         if self.world_size > 1:
-            # every rank starts from rank 0's weights, whatever each loaded
-            for tensor in self.model.state_dict().values():
-                dist.broadcast(tensor, src=0)
+            self.ddp = nn.parallel.DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,  # the weights move only by identical updates
+            )
+            self.ddp.register_comm_hook(None, _sum_gradients)
         self.model.train()
         self.autocast_dtype: torch.dtype | None = None
         if cfg.precision == "bf16":
@@ -257,13 +264,14 @@ class TorchTrainer:
         items, batches = local_micro_batches(
             micro_batches, weights, self.device, self.model, prepare, autocast=self._autocast
         )
-        for item, micro_batch in zip(items, batches):
-            with self._autocast():
-                loss, metrics = loss_fn(self.model, micro_batch)
-            (loss * item.scale).backward()
+        for i, (item, micro_batch) in enumerate(zip(items, batches)):
+            # DDP sums the ranks' gradients during the last backward; the ones before accumulate here
+            last = i == len(batches) - 1
+            with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
+                with self._autocast():
+                    loss, metrics = loss_fn(self.ddp or self.model, micro_batch)
+                (loss * item.scale).backward()
             acc.add(loss, metrics, item.scale, pad=item.pad)
-        if self.world_size > 1:
-            self._all_reduce_gradients()
         acc.all_reduce()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
@@ -281,20 +289,6 @@ class TorchTrainer:
         shard of ``micro_batches`` — the shard ``step`` gives it for the same list and weights. For
         what must see the weights of before several optimizer steps (PPO's old logprobs)."""
         local_micro_batches(micro_batches, weights, self.device, self.model, fn, autocast=self._autocast)
-
-    def _all_reduce_gradients(self) -> None:
-        # The scales are shares of the global step, so the sum over ranks is the full gradient.
-        # A parameter no micro-batch reached has no grad on this rank but may on another: use zeros.
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets(self.params, 2**25):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self, directory: str | Path, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path:
@@ -346,18 +340,10 @@ class TorchTrainer:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def _buckets(params: list[Tensor], max_elements: int) -> list[list[Tensor]]:
-    """Consecutive parameters grouped into all-reduce buckets of at most ``max_elements`` (one
-    parameter larger than that gets a bucket of its own)."""
-    out: list[list[Tensor]] = []
-    size = 0
-    for p in params:
-        if not out or size + p.numel() > max_elements:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.numel()
-    return out
+def _sum_gradients(state, bucket):  # noqa: ANN001, ANN202 (DDP rejects the string annotations of this module)
+    """DDP's communication hook (a dist.GradBucket → a future of its tensor): the sum over ranks (DDP's
+    own averages). The micro-batch scales are shares of the global step, so the sum is the full gradient."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 def _plain(x: Any) -> Any:
