@@ -75,7 +75,8 @@ class TrainerSettings(_Strict):
     run's own numbers (total steps, seed): each setting is declared once and copied by name."""
 
     backend: Literal["torch", "deepspeed"] = Field(
-        default="torch", description="Trainer backend: torch (one process, plain AdamW) or deepspeed (ZeRO, any ranks)."
+        default="torch",
+        description="Trainer backend: torch (plain AdamW; several ranks: DistributedDataParallel) or deepspeed (ZeRO, any ranks).",
     )
     zero_stage: int = Field(default=1, ge=0, le=3, description="DeepSpeed ZeRO stage 0-3 (deepspeed backend only).")
     precision: Literal["fp32", "bf16"] = Field(
