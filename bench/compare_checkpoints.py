@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_set_argument, parse_overrides  # noqa: E402
 from bench.pooled_gain import pooled_gain  # noqa: E402
 from bench.rl_improvement import breakdown, copy_inputs  # noqa: E402
+from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
@@ -86,6 +87,17 @@ def main() -> int:
             width = 11 if grader == "independent" else 9
             cells.append(f"{mean:>{width}.3f} {gain:>+8.3f} ± {se:.3f}")
         print(f"{r['name'][-60:]:<60} {r['n']:>4} " + " ".join(cells))
+    later, figure = results[1:], None
+    if later:  # the later checkpoints as seeds of one recipe: their mean's gain over the first
+        pairs = {g: [(r[key], first[key]) for r in later] for g, key in GRADERS.items()}
+        pooled = {g: pooled_gain(p) for g, p in pairs.items()}
+        print(
+            f"mean of the {len(later)} later checkpoint(s) − {first['name']}: "
+            + ", ".join(f"{g} {gain:+.3f} ± {se:.3f} ({gain / se:.1f} se)" for g, (gain, se, _) in pooled.items())
+        )
+        gain, se, _ = pooled["independent"]
+        goal = "> 0 by more than 2 standard errors"
+        figure = figure_line("checkpoint_gain.independent", round(gain, 5), "score", goal, bool(gain > 2 * se))
     payload = {
         "samples_per_query": args.samples,
         "checkpoints": [
@@ -96,6 +108,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=1))
     print(f"json: {work / 'comparison.json'}")
+    if figure is not None:
+        print(figure)
     return 0
 
 
