@@ -119,14 +119,39 @@ class _RespondingLLM(CustomLLM):
         )
         return model_response
 
+    # The full signature of litellm's CustomLLM (mypy checks the override), though litellm passes it all by name
     def completion(
-        self, model: str, messages: list, model_response: Any, optional_params: dict, **kwargs: Any
-    ) -> Any:  # litellm passes every argument by name
+        self,
+        model: str,
+        messages: list,
+        api_base: str,
+        custom_prompt_dict: dict,
+        model_response: Any,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         return self._fill(model, messages, optional_params, model_response)
 
     async def acompletion(
-        self, model: str, messages: list, model_response: Any, optional_params: dict, **kwargs: Any
-    ) -> Any:  # litellm passes every argument by name
+        self,
+        model: str,
+        messages: list,
+        api_base: str,
+        custom_prompt_dict: dict,
+        model_response: Any,
+        print_verbose: Callable,
+        encoding: Any,
+        api_key: Any,
+        logging_obj: Any,
+        optional_params: dict,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         # respond() is CPU-bound Python; a thread would not run it faster under the GIL.
         return self._fill(model, messages, optional_params, model_response)
 
