@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_set_argument, has_sft_checkpoint, parse_overrides  # noqa: E402
+from bench.pooled_gain import pooled_gain  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
@@ -85,14 +86,8 @@ def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
 
 def paired_gain(policy: dict[str, float], reference: dict[str, float]) -> tuple[float, float]:
     """Mean and standard error of the per-query score difference over the queries both were graded on."""
-    diffs = [policy[q] - reference[q] for q in policy if q in reference]
-    if not diffs:
-        return math.nan, math.nan
-    mean = sum(diffs) / len(diffs)
-    if len(diffs) < 2:
-        return mean, math.nan
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs))
+    gain, se, _ = pooled_gain([(policy, reference)])
+    return gain, se
 
 
 def main() -> None:
