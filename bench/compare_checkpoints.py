@@ -58,6 +58,35 @@ def evaluate_checkpoints(src: Path, work: Path, checkpoints: list[str], override
     return out
 
 
+def print_table(comparison: dict[str, Any]) -> None:
+    """Each checkpoint's mean on both graders (a comparison.json: ``payload``) and its gain over the first,
+    paired by query, ± se."""
+    first, *_ = checkpoints = comparison["checkpoints"]
+    print(f"\n{comparison['samples_per_query']} samples a query; gains over {first['name']} paired by query")
+    print(f"{'checkpoint':<60} {'queries':>7} {'independent':>11} {'gain ± se':>16} {'built-in':>9} {'gain ± se':>16}")
+    for c in checkpoints:
+        cells = []
+        for grader in GRADERS:
+            mean = sum(c[grader].values()) / max(1, len(c[grader]))
+            if c is first:
+                cells.append(f"{mean:>11.3f} {'':>16}" if grader == "independent" else f"{mean:>9.3f}")
+                continue
+            gain, se, _ = pooled_gain([(c[grader], first[grader])])
+            width = 11 if grader == "independent" else 9
+            cells.append(f"{mean:>{width}.3f} {gain:>+8.3f} ± {se:.3f}")
+        print(f"{c['name'][-60:]:<60} {len(c['independent']):>7} " + " ".join(cells))
+
+
+def payload(results: list[dict], samples: int) -> dict[str, Any]:
+    """The per-query scores of every checkpoint on both graders (comparison.json)."""
+    return {
+        "samples_per_query": samples,
+        "checkpoints": [
+            {"name": r["name"], "tag": r["tag"], **{g: r[key] for g, key in GRADERS.items()}} for r in results
+        ],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="+", help="sft (the run's SFT policy) or checkpoint directories")
@@ -72,22 +101,9 @@ def main() -> int:
         raise SystemExit(f"{src} has no SFT policy or config.yaml")
     overrides = {"tracking.enabled": False, "eval.samples_per_query": args.samples, **parse_overrides(args.overrides)}
     results = evaluate_checkpoints(src, work, args.checkpoints, overrides)
-
-    first = results[0]
-    print(f"\n{args.samples} samples a query; gains over {first['name']} paired by query")
-    print(f"{'checkpoint':<60} {'n':>4} {'independent':>11} {'gain ± se':>16} {'built-in':>9} {'gain ± se':>16}")
-    for r in results:
-        cells = []
-        for grader, key in GRADERS.items():
-            mean = sum(r[key].values()) / max(1, len(r[key]))
-            if r is first:
-                cells.append(f"{mean:>11.3f} {'':>16}" if grader == "independent" else f"{mean:>9.3f}")
-                continue
-            gain, se, _ = pooled_gain([(r[key], first[key])])
-            width = 11 if grader == "independent" else 9
-            cells.append(f"{mean:>{width}.3f} {gain:>+8.3f} ± {se:.3f}")
-        print(f"{r['name'][-60:]:<60} {r['n']:>4} " + " ".join(cells))
-    later, figure = results[1:], None
+    comparison = payload(results, args.samples)
+    print_table(comparison)
+    first, later, figure = results[0], results[1:], None
     if later:  # the later checkpoints as seeds of one recipe: their mean's gain over the first
         pairs = {g: [(r[key], first[key]) for r in later] for g, key in GRADERS.items()}
         pooled = {g: pooled_gain(p) for g, p in pairs.items()}
@@ -98,15 +114,10 @@ def main() -> int:
         gain, se, _ = pooled["independent"]
         goal = "> 0 by more than 2 standard errors"
         figure = figure_line("checkpoint_gain.independent", round(gain, 5), "score", goal, bool(gain > 2 * se))
-    payload = {
-        "samples_per_query": args.samples,
-        "checkpoints": [
-            {"name": r["name"], "tag": r["tag"], **{g: r[key] for g, key in GRADERS.items()}} for r in results
-        ],
-    }
-    (work / "comparison.json").write_text(json.dumps(payload, indent=1))
+    text = json.dumps(comparison, indent=1)
+    (work / "comparison.json").write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        Path(args.json).write_text(text)
     print(f"json: {work / 'comparison.json'}")
     if figure is not None:
         print(figure)

@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_set_argument, has_sft_checkpoint, parse_overrides  # noqa: E402
+from bench.compare_checkpoints import evaluate_checkpoints, payload, print_table  # noqa: E402
 from bench.rl_improvement import breakdown, copy_inputs, paired_gain  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
@@ -266,6 +267,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="RL steps per recipe")
     parser.add_argument("--eval-every", type=int, default=6, help="evaluate every N steps (a multiple of 2·window)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: 4 steps, evaluations every 2")
+    parser.add_argument(
+        "--final-samples",
+        type=int,
+        default=0,
+        help="then evaluate SFT and each recipe's last checkpoint again with N samples per query, in one "
+        "evaluation directory (<work-dir>/compare), paired by query: one sample a query is a noisy measure",
+    )
     parser.add_argument("--png", default=None, help="also copy the plot here (e.g. docs/learning_curve.png)")
     parser.add_argument("--json", default=None, help="also copy the JSON here (e.g. docs/learning_curve.json)")
     add_set_argument(parser)
@@ -308,7 +316,9 @@ def main() -> int:
         )
         per_window = 2 * cfg.rl.window
         ends = chunk_ends(args.steps, args.eval_every, per_window)
-        progress = Progress(len(recipes) * args.steps, 1 + len(recipes) * len(ends))
+        # a final evaluation with N samples a query costs about N one-sample evaluations
+        finals = (len(recipes) + 1) * args.final_samples
+        progress = Progress(len(recipes) * args.steps, 1 + len(recipes) * len(ends) + finals)
         t0 = time.perf_counter()
         sft = evaluation(run_dir, str(RunLayout(work).sft_final))
         progress.ran("evals", 1, time.perf_counter() - t0)
@@ -351,7 +361,19 @@ def main() -> int:
                 )
             done = end
 
-        report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides, wall)
+        final = None
+        if args.final_samples and all(points[r] and points[r][-1]["step"] == ends[-1] for r in recipes):
+            t0 = time.perf_counter()
+            checkpoints = {f"{r} step {ends[-1]}": step_checkpoint(RunStore(subs[r]), ends[-1] - 1) for r in recipes}
+            sampled = {**overrides, "eval.samples_per_query": args.final_samples}
+            results = evaluate_checkpoints(work, work / "compare", ["sft", *map(str, checkpoints.values())], sampled)
+            for result, name in zip(results[1:], checkpoints):
+                result["name"] = name
+            final = payload(results, args.final_samples)
+            (work / "compare" / "comparison.json").write_text(json.dumps(final, indent=1))
+            progress.ran("evals", finals, time.perf_counter() - t0)
+            print(progress.line(), flush=True)
+        report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides, wall, final)
     return 0
 
 
@@ -365,9 +387,11 @@ def report(
     args: argparse.Namespace,
     overrides: dict[str, Any],
     wall: dict[str, float] | None = None,
+    final: dict[str, Any] | None = None,
 ) -> None:
     """Print every recipe's step rows and evaluations, then write the PNG and the JSON (a partial curve too:
-    whatever steps and evaluations are done)."""
+    whatever steps and evaluations are done); with ``final`` (comparison.json of --final-samples) its table,
+    gains and figure line."""
     sft["graded"] = graded(sft, sft)
     summary: dict[str, Any] = {"steps": args.steps, "eval_every": args.eval_every, "overrides": overrides}
     summary["power"] = power(sft["per_query"]["independent"])
@@ -414,9 +438,13 @@ def report(
             diff, diff_se = paired_gain(at[b]["per_query"][grader], at[a]["per_query"][grader])
             summary[f"{b}_minus_{a}_{grader}"] = {"step": step, "gain": diff, "se": diff_se}
             print(f"{b} − {a} after {step} steps ({grader}): {diff:+.3f} ± {diff_se:.3f} (paired by query)")
+    if final is not None:
+        summary["final_comparison"] = final_gains(final)
     png = work / "learning_curve.png"
     plot_curves(points, sft, f"{title_name}: {', '.join(recipes)} from one SFT checkpoint", png)
     document = {**curve_json(sft, points, rows_of), "summary": summary}
+    if final is not None:
+        document["final_comparison"] = final
     (work / "learning_curve.json").write_text(json.dumps(document, indent=1, default=float))
     for wanted, made in ((args.png, png), (args.json, work / "learning_curve.json")):
         if wanted:
@@ -426,6 +454,33 @@ def report(
     last = points[recipes[-1]][-1]["graded"]["independent"] if points[recipes[-1]] else {"gain": math.nan}
     met = None if math.isnan(last["gain"]) else bool(last["gain"] > 0 and last["gain"] > 2 * last["se"])
     print(figure_line(f"{recipes[-1]}_minus_sft", last["gain"], "score", goal, met))
+    if final is not None:
+        ind = summary["final_comparison"]["vs_first"][final["checkpoints"][-1]["name"]]["independent"]
+        met = bool(ind["gain"] > 0 and ind["gain"] > 2 * ind["se"])
+        name = f"{recipes[-1]}_minus_sft.{final['samples_per_query']}_samples"
+        print(figure_line(name, ind["gain"], "score", goal, met))
+
+
+def final_gains(final: dict[str, Any]) -> dict[str, Any]:
+    """From a comparison.json: every later checkpoint's gain over the first (SFT) and the last one's over the
+    one before it (`full` − `ss_grpo`), on both graders, paired by query; printed as a table."""
+    cps = final["checkpoints"]
+    print_table(final)
+
+    def gains(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for grader in GRADERS:
+            gain, se = paired_gain(a[grader], b[grader])
+            out[grader] = {"gain": gain, "se": se}
+        return out
+
+    out: dict[str, Any] = {"samples_per_query": final["samples_per_query"]}
+    out["vs_first"] = {c["name"]: gains(c, cps[0]) for c in cps[1:]}
+    if len(cps) >= 3:
+        key = f"{cps[-1]['name']} − {cps[-2]['name']}"
+        out[key] = gains(cps[-1], cps[-2])
+        print(f"{key}: " + ", ".join(f"{g} {v['gain']:+.3f} ± {v['se']:.3f}" for g, v in out[key].items()))
+    return out
 
 
 def training_match_line(steps: list[dict[str, Any]]) -> str:
@@ -477,7 +532,9 @@ def report_only(args: argparse.Namespace, recipes: list[str], overrides: dict[st
                 break
             ev["graded"] = graded(ev, sft)
             points[recipe].append({"step": end, **ev})
-    report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides)
+    comparison = work / "compare" / "comparison.json"
+    final = json.loads(comparison.read_text()) if comparison.exists() else None
+    report(work, f"{cfg.profile} profile", recipes, subs, sft, points, args, overrides, final=final)
     return 0
 
 

@@ -100,3 +100,81 @@ def test_a_server_started_from_a_finished_thread_stops_when_its_parent_is_killed
     pid, alive = out.stdout.split()
     assert alive == "None", "the server outlived its parent's pool thread only until that thread ended"
     assert _wait_until(lambda: _group_members(int(pid)) == []), "the server outlived the process that started it"
+
+
+@pytest.fixture
+def leaky_server(tmp_path: Path) -> Path:
+    """A stand-in for vLLM's API server where it leaks: it starts an engine that ignores SIGTERM and dies on
+    SIGTERM itself without stopping it (``--exit N``: exits with N by itself once the engine runs)."""
+    (tmp_path / "leaky_server.py").write_text(
+        textwrap.dedent(
+            """\
+            import subprocess, sys, time
+            engine = subprocess.Popen(["bash", "-c", "trap '' TERM; exec sleep 300"])
+            print("ready", engine.pid, flush=True)
+            if sys.argv[1:2] == ["--exit"]:
+                sys.exit(int(sys.argv[2]))
+            time.sleep(300)
+            """
+        )
+    )
+    return tmp_path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc")
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_server_guard_stops_the_engine_when_the_starter_is_killed(leaky_server: Path, guarded: bool) -> None:
+    starter = textwrap.dedent(
+        f"""\
+        import os, signal, subprocess, sys, threading
+        from rubricem_core.processes import popen_until_released
+        from rubricem_core.rollout.server_guard import guarded_command
+
+        cmd = [sys.executable, "-m", "leaky_server"]
+        if {guarded!r}:
+            cmd = guarded_command(sys.executable, "leaky_server", [])
+        # stderr not ours: an orphaned engine holding the pipe would keep the test waiting on it
+        proc = popen_until_released(cmd, threading.Event(), signal.SIGTERM, stdout=subprocess.PIPE, text=True,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+        print(proc.pid, proc.stdout.readline().split()[1], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{leaky_server}{os.pathsep}{REPO}"}
+    out = subprocess.run([sys.executable, "-c", starter], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    group, engine = (int(x) for x in out.stdout.split())
+    try:
+        if guarded:
+            assert _wait_until(lambda: _group_members(group) == [], timeout_s=30), "the engine outlived the guard"
+        else:  # what the guard is for: the server died of its SIGTERM and left its engine running
+            assert _wait_until(lambda: _group_members(group) == [engine], timeout_s=30)
+            time.sleep(0.5)
+            assert _alive(engine)
+    finally:
+        for pid in _group_members(group):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_server_guard_exits_with_the_servers_code_and_takes_its_engine_along(leaky_server: Path) -> None:
+    from rubricem_core.rollout.server_guard import guarded_command
+
+    env = {**os.environ, "PYTHONPATH": str(leaky_server)}
+    cmd = guarded_command(sys.executable, "leaky_server", ["--exit", "3"])
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        engine = int(proc.stdout.readline().split()[1])
+        assert proc.wait(timeout=60) == 3
+        assert not _alive(engine) and _group_members(proc.pid) == []
+    finally:
+        stop_process_group(proc, grace_s=5)

@@ -39,7 +39,9 @@ def test_server_settings_reach_the_command(tmp_path, eager):
         fleet_engine(tmp_path / "model", None, cfg, tmp_path / "server.log", push=False)
     args = (tmp_path / "args").read_text().split()
     env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
-    assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    # under the guard that stops the server's engine with it (rollout/server_guard.py)
+    assert args[0] == "-c" and any("server_guard.py" in a for a in args[:4])
+    assert args[args.index("vllm.entrypoints.openai.api_server") + 1] == "--model"
     assert ("--enforce-eager" in args) is eager
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert args[args.index("--host") + 1] == "127.0.0.1"

@@ -51,6 +51,7 @@ import httpx
 
 from rubricem_core.distributed.guard import SECRET_ENV, vllm_api_key
 from rubricem_core.processes import free_port, popen_until_released, stop_process_group
+from rubricem_core.rollout.server_guard import guarded_command
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_engine import LOGPROBS_MODE, TurnCall, TurnSample
 
@@ -92,11 +93,9 @@ def server_command(
     sleep_mode: bool,
     extra_args: Sequence[str],
 ) -> list[str]:
-    """The `vllm serve` command line of one replica (no secret on it: ``ps`` shows it)."""
+    """The `vllm serve` command line of one replica (no secret on it: ``ps`` shows it), run under
+    server_guard, which takes the server's engine processes down with it however the server ends."""
     cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
         "--model",
         str(model_dir),
         "--served-model-name",
@@ -130,7 +129,7 @@ def server_command(
         cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
     if sleep_mode:  # CUDA only: vLLM refuses it on a CPU, where /sleep is accepted and does nothing
         cmd += ["--enable-sleep-mode"]
-    return cmd + list(extra_args)
+    return guarded_command(python, "vllm.entrypoints.openai.api_server", cmd + list(extra_args))
 
 
 class ServerProcess:

@@ -1,0 +1,114 @@
+"""Runs `python -m <module> <args>` as a child and takes its whole process group down with it.
+
+    python -c "import runpy; runpy.run_path('<this file>', run_name='__main__')" vllm.entrypoints.openai.api_server ...
+
+(``guarded_command`` builds that line: run_path, unlike ``python <this file>``, puts no directory of ours on
+sys.path, where rollout/types.py would shadow the standard library's ``types``.)
+
+vLLM's API server starts its EngineCore as a child process. When the server is SIGTERMed because the
+process that started it died (a Ray replica actor killed, a flow SIGKILLed: processes.die_with_parent),
+it can exit before its engine, and the engine lives on as an orphan holding its memory and cores. This
+guard is what the server's starter launches (as the leader of a new process group), and it outlives the
+server by design: when asked to stop (SIGTERM or SIGINT), when its own parent dies, or when the server
+exits by itself, it SIGTERMs the group, waits ``GRACE_S`` for the server, then SIGKILLs whatever of the
+group is left, and exits with the server's code (128 + signal when it was told to stop).
+
+It is run by path with the server's interpreter (which need not have rubricem_core installed), so it
+imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GRACE_S = 20.0  # the server's own shutdown (engine, workers) before the group is SIGKILLed
+POLL_S = 0.5
+
+
+def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
+    """The command line that runs ``python -m module args`` under this guard."""
+    code = f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+    return [python, "-c", code, module, *args]
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` other than this process (Linux /proc; empty elsewhere)."""
+    me, out = os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, so split after the last ')'
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            out.append(int(name))
+    return out
+
+
+def end_group(server: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """SIGTERM this process group, give ``server`` ``grace_s`` to exit, then SIGKILL every other member
+    that is left and wait for them to be gone."""
+    pgid = os.getpgid(0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is for the others
+    for pid in [server.pid, *group_members(pgid)]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    try:
+        server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 10.0
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.poll()  # reap the server, or it stays in the group as a zombie
+        time.sleep(0.05)
+    server.poll()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: server_guard.py MODULE [ARGS...]", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    stop = threading.Event()
+    told: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        told.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = subprocess.Popen([sys.executable, "-m", *argv])
+    while not stop.is_set() and server.poll() is None:
+        if os.getppid() != parent:  # our starter died without signalling us: nobody will stop the server
+            told.append(signal.SIGTERM)
+            break
+        stop.wait(POLL_S)
+    end_group(server)
+    if told:
+        return 128 + told[0]
+    return server.returncode if server.returncode >= 0 else 128 - server.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
