@@ -10,6 +10,7 @@ PROFILE ?= tiny
 VLLM_TESTS ?= 1
 
 LEARN_DIR ?= runs/learn
+LEARN_FINAL_SAMPLES ?= 0
 
 .PHONY: install run test test-fast lint docs clean-run learn
 
@@ -43,10 +44,13 @@ endif
 # Does it learn? The `learn` profile from scratch: teacher data, SFT of SmolLM2-135M, then 24 RL steps of
 # `ss_grpo` and of `full` with held-out evaluations on two graders (~2.5 h on 2 idle cores; docs/learning.md).
 # Resumable: rerun it after a kill. Ends with the table and the PNG's path (in $(LEARN_DIR)).
+# LEARN_FINAL_SAMPLES=4: then SFT and both final checkpoints again with 4 samples a query (~30 min more; a
+# finished curve reruns only that), the comparison that resolves a gain of ~0.04 (docs/learning.md).
 # MALLOC_ARENA_MAX=2: the flow's threads each grow a glibc arena; on 24 GB the curve has no memory to spare.
 learn: $(STAMP)
 	bash scripts/vllm_cpu_env.sh
-	MALLOC_ARENA_MAX=2 $(PY) bench/learning_curve.py --profile learn --work-dir $(LEARN_DIR) --steps 24 --eval-every 12
+	MALLOC_ARENA_MAX=2 $(PY) bench/learning_curve.py --profile learn --work-dir $(LEARN_DIR) --steps 24 --eval-every 12 \
+		--final-samples $(LEARN_FINAL_SAMPLES)
 
 # Everything but the `slow` tests (flows end to end, Prefect servers, torchrun ranks): the quick loop while editing
 test-fast: $(STAMP)

@@ -292,6 +292,30 @@ def test_learning_curve_json_holds_each_graders_per_query_scores_and_the_eta_cou
     assert "ETA 9 min" in progress.line()  # 4 steps × 100 s + 2 evaluations × 60 s = 520 s
 
 
+def test_the_final_comparison_pairs_each_checkpoint_with_sft_and_the_last_two_recipes(capsys):
+    from bench.learning_curve import final_gains
+
+    def scores(a, b, c):
+        return {"independent": {"q1": a, "q2": b, "q3": c}, "builtin": {"q1": a / 2, "q2": b / 2, "q3": c / 2}}
+
+    final = {
+        "samples_per_query": 4,
+        "checkpoints": [
+            {"name": "sft", **scores(0.5, 0.5, 0.0)},
+            {"name": "ss_grpo step 24", **scores(0.75, 0.5, 0.25)},
+            {"name": "full step 24", **scores(1.0, 0.75, 0.25)},
+        ],
+    }
+    gains = final_gains(final)
+    # worked by hand: differences (.25, 0, .25), (.5, .25, .25) and (.25, .25, 0); each sd √(1/48), se 1/12
+    assert gains["vs_first"]["ss_grpo step 24"]["independent"] == pytest.approx({"gain": 1 / 6, "se": 1 / 12})
+    assert gains["vs_first"]["full step 24"]["independent"] == pytest.approx({"gain": 1 / 3, "se": 1 / 12})
+    assert gains["vs_first"]["full step 24"]["builtin"] == pytest.approx({"gain": 1 / 6, "se": 1 / 24})
+    assert gains["full step 24 − ss_grpo step 24"]["independent"] == pytest.approx({"gain": 1 / 6, "se": 1 / 12})
+    table = capsys.readouterr().out
+    assert "4 samples a query" in table and "+0.333 ± 0.083" in table
+
+
 def test_learning_curve_chunks_end_on_windows():
     from bench.learning_curve import chunk_ends
 
