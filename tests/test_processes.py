@@ -178,3 +178,43 @@ def test_the_server_guard_exits_with_the_servers_code_and_takes_its_engine_along
         assert not _alive(engine) and _group_members(proc.pid) == []
     finally:
         stop_process_group(proc, grace_s=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc")
+def test_a_guard_killed_with_sigkill_leaves_its_server_a_sigterm(tmp_path: Path) -> None:
+    """Ray kills a killed actor's children with SIGKILL: the guard cannot clean up, but its server gets
+    SIGTERM, on which vLLM's server stops its engine (here: a server that stops its engine on SIGTERM)."""
+    from rubricem_core.rollout.server_guard import guarded_command
+
+    (tmp_path / "polite_server.py").write_text(
+        textwrap.dedent(
+            """\
+            import signal, subprocess, sys, time
+            engine = subprocess.Popen(["bash", "-c", "trap '' TERM; exec sleep 300"])
+            def stop(*_):
+                engine.kill()
+                engine.wait()
+                sys.exit(0)
+            signal.signal(signal.SIGTERM, stop)
+            print("ready", engine.pid, flush=True)
+            time.sleep(300)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen(
+        guarded_command(sys.executable, "polite_server", []),
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        engine = int(proc.stdout.readline().split()[1])
+        os.kill(proc.pid, signal.SIGKILL)  # the guard alone
+        proc.wait()
+        assert _wait_until(lambda: _group_members(proc.pid) == [], timeout_s=30), "the server outlived its guard"
+        assert not _alive(engine)
+    finally:
+        stop_process_group(proc, grace_s=5)

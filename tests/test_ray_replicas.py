@@ -124,6 +124,24 @@ def test_two_ray_placed_replicas_sample_what_two_local_replicas_sample(ray_fleet
     assert len({replica.info["pid"] for replica in ray_fleet.servers}) == 2
 
 
+def _group_gone(pgid: int, within_s: float) -> bool:
+    """Whether process group ``pgid`` (a server's guard leads one) has no live member within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        members = []
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else []
+            except OSError:
+                continue
+            if fields and int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(entry.name)
+        if not members:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _gone(pid: int, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -165,6 +183,10 @@ def test_a_replica_whose_actor_is_killed_mid_batch_is_lost_and_its_calls_resent(
     victim.sample_one = answer_then_kill
     rows = flat_groups(engine.generate(requests, env))
     assert killed.is_set()
+    # and its EngineCore with it: Ray SIGKILLs the actor's child (the server's guard), whose server gets
+    # SIGTERM (rollout/server_guard.py) and stops its engine once its requests in flight are answered;
+    # before the guard the engine lived on as an orphan
+    assert _group_gone(victim.info["server_pid"], 120)
     for a, b in zip(rows, local_rows):
         assert_same_trajectory(a, b)
     assert ray_fleet.live == [0] and engine.stats["replicas_live"] == 1 and engine.stats["resent_calls"] >= 1

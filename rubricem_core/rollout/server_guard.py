@@ -11,7 +11,9 @@ it can exit before its engine, and the engine lives on as an orphan holding its 
 guard is what the server's starter launches (as the leader of a new process group), and it outlives the
 server by design: when asked to stop (SIGTERM or SIGINT), when its own parent dies, or when the server
 exits by itself, it SIGTERMs the group, waits ``GRACE_S`` for the server, then SIGKILLs whatever of the
-group is left, and exits with the server's code (128 + signal when it was told to stop).
+group is left, and exits with the server's code (128 + signal when it was told to stop). When the guard
+itself is SIGKILLed (Ray kills a killed actor's children so), the server gets SIGTERM (PR_SET_PDEATHSIG)
+and stops its engine itself, as vLLM's server does on SIGTERM.
 
 It is run by path with the server's interpreter (which need not have rubricem_core installed), so it
 imports only the standard library.
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 GRACE_S = 20.0  # the server's own shutdown (engine, workers) before the group is SIGKILLed
@@ -39,7 +42,7 @@ def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
 
 def group_members(pgid: int) -> list[int]:
     """The pids of process group ``pgid`` other than this process (Linux /proc; empty elsewhere)."""
-    me, out = os.getpid(), []
+    me, out = os.getpid(), list[int]()
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -84,6 +87,18 @@ def end_group(server: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     server.poll()
 
 
+def term_when_parent_dies() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the server get SIGTERM when this guard dies, SIGKILLed too (Ray kills
+    a killed actor's child processes with SIGKILL, which is this guard; vLLM's server still stops its
+    engine on SIGTERM). prctl is resolved here, before the fork. None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: server_guard.py MODULE [ARGS...]", file=sys.stderr)
@@ -98,7 +113,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = subprocess.Popen([sys.executable, "-m", *argv])
+    server = subprocess.Popen([sys.executable, "-m", *argv], preexec_fn=term_when_parent_dies())
     while not stop.is_set() and server.poll() is None:
         if os.getppid() != parent:  # our starter died without signalling us: nobody will stop the server
             told.append(signal.SIGTERM)
