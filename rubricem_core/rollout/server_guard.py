@@ -5,15 +5,14 @@
 (``guarded_command`` builds that line: run_path, unlike ``python <this file>``, puts no directory of ours on
 sys.path, where rollout/types.py would shadow the standard library's ``types``.)
 
-vLLM's API server starts its EngineCore as a child process. When the server is SIGTERMed because the
-process that started it died (a Ray replica actor killed, a flow SIGKILLed: processes.die_with_parent),
-it can exit before its engine, and the engine lives on as an orphan holding its memory and cores. This
-guard is what the server's starter launches (as the leader of a new process group), and it outlives the
-server by design: when asked to stop (SIGTERM or SIGINT), when its own parent dies, or when the server
-exits by itself, it SIGTERMs the group, waits ``GRACE_S`` for the server, then SIGKILLs whatever of the
-group is left, and exits with the server's code (128 + signal when it was told to stop). When the guard
-itself is SIGKILLed (Ray kills a killed actor's children so), the server gets SIGTERM (PR_SET_PDEATHSIG)
-and stops its engine itself, as vLLM's server does on SIGTERM.
+vLLM's API server starts its EngineCore as a child process and stops it on SIGTERM; a server that is
+SIGKILLed outright cannot, and its engine lives on as an orphan holding its memory and cores. Ray kills a
+killed actor's child processes with SIGKILL, so a replica whose actor was killed leaked its engine so. This
+guard is what the server's starter launches (as the leader of a new process group) and what a SIGKILL of
+the starter's children hits: the server then gets SIGTERM (its PR_SET_PDEATHSIG) and stops its engine.
+When the guard is asked to stop (SIGTERM or SIGINT), when its own parent dies, or when the server exits by
+itself, it SIGTERMs the group, waits ``GRACE_S`` for the server, then SIGKILLs whatever of the group is
+left, and exits with the server's code (128 + signal when it was told to stop).
 
 It is run by path with the server's interpreter (which need not have rubricem_core installed), so it
 imports only the standard library.
@@ -101,7 +100,10 @@ def term_when_parent_dies() -> Callable[[], None] | None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: server_guard.py MODULE [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -c \"import runpy; runpy.run_path('server_guard.py', run_name='__main__')\" MODULE [ARGS...]",
+            file=sys.stderr,
+        )
         return 2
     parent = os.getppid()
     stop = threading.Event()
