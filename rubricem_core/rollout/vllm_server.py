@@ -179,7 +179,7 @@ class ServerProcess:
         self.log_path = Path(log_path) if log_path is not None else None
         self._tail: collections.deque[str] = collections.deque(maxlen=80)
         self._released = threading.Event()
-        # SIGTERM when this process dies, even by SIGKILL: `vllm serve` then shuts its engine processes down
+        # SIGTERM to the guard when this process dies, even by SIGKILL: it stops the server and its engine (server_guard)
         self.proc = popen_until_released(
             cmd,
             self._released,
