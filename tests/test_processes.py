@@ -14,21 +14,9 @@ from pathlib import Path
 import pytest
 
 from rubricem_core.processes import stop_process_group
+from rubricem_core.rollout.server_guard import group_members
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
-                members.append(int(entry.name))
-    return members
 
 
 def _wait_until(condition, timeout_s: float = 10.0) -> bool:
@@ -65,12 +53,12 @@ def fake_server(tmp_path: Path) -> Path:
 def test_a_group_whose_leader_was_killed_is_stopped_whole(fake_server: Path) -> None:
     proc = subprocess.Popen([str(fake_server)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    assert _wait_until(lambda: len(_group_members(proc.pid)) == 3)
+    assert _wait_until(lambda: len(group_members(proc.pid)) == 3)
     os.kill(proc.pid, signal.SIGKILL)  # the leader only: its workers live on, orphaned
     proc.wait()
-    assert len(_group_members(proc.pid)) == 2
+    assert len(group_members(proc.pid)) == 2
     stop_process_group(proc, grace_s=5)
-    assert _group_members(proc.pid) == []
+    assert group_members(proc.pid) == []
     stop_process_group(proc, grace_s=5)  # idempotent
 
 
@@ -99,7 +87,7 @@ def test_a_server_started_from_a_finished_thread_stops_when_its_parent_is_killed
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     pid, alive = out.stdout.split()
     assert alive == "None", "the server outlived its parent's pool thread only until that thread ended"
-    assert _wait_until(lambda: _group_members(int(pid)) == []), "the server outlived the process that started it"
+    assert _wait_until(lambda: group_members(int(pid)) == []), "the server outlived the process that started it"
 
 
 @pytest.fixture
@@ -154,13 +142,13 @@ def test_the_server_guard_stops_the_engine_when_the_starter_is_killed(leaky_serv
     group, engine = (int(x) for x in out.stdout.split())
     try:
         if guarded:
-            assert _wait_until(lambda: _group_members(group) == [], timeout_s=30), "the engine outlived the guard"
+            assert _wait_until(lambda: group_members(group) == [], timeout_s=30), "the engine outlived the guard"
         else:  # what the guard is for: the server died of its SIGTERM and left its engine running
-            assert _wait_until(lambda: _group_members(group) == [engine], timeout_s=30)
+            assert _wait_until(lambda: group_members(group) == [engine], timeout_s=30)
             time.sleep(0.5)
             assert _alive(engine)
     finally:
-        for pid in _group_members(group):
+        for pid in group_members(group):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -175,7 +163,7 @@ def test_the_server_guard_exits_with_the_servers_code_and_takes_its_engine_along
         assert proc.stdout is not None
         engine = int(proc.stdout.readline().split()[1])
         assert proc.wait(timeout=60) == 3
-        assert not _alive(engine) and _group_members(proc.pid) == []
+        assert not _alive(engine) and group_members(proc.pid) == []
     finally:
         stop_process_group(proc, grace_s=5)
 
@@ -214,7 +202,7 @@ def test_a_guard_killed_with_sigkill_leaves_its_server_a_sigterm(tmp_path: Path)
         engine = int(proc.stdout.readline().split()[1])
         os.kill(proc.pid, signal.SIGKILL)  # the guard alone
         proc.wait()
-        assert _wait_until(lambda: _group_members(proc.pid) == [], timeout_s=30), "the server outlived its guard"
+        assert _wait_until(lambda: group_members(proc.pid) == [], timeout_s=30), "the server outlived its guard"
         assert not _alive(engine)
     finally:
         stop_process_group(proc, grace_s=5)

@@ -20,6 +20,7 @@ import pytest
 
 from rubricem_core.config import DistributedConfig, RolloutConfig
 from rubricem_core.rollout import RolloutError, RolloutRequest, SamplingParams
+from rubricem_core.rollout.server_guard import group_members
 from rubricem_core.rollout.vllm_fleet import start_fleet
 from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 from rubricem_core.tools import LocalSearchTool, ToolEnv
@@ -127,19 +128,9 @@ def test_two_ray_placed_replicas_sample_what_two_local_replicas_sample(ray_fleet
 def _group_gone(pgid: int, within_s: float) -> bool:
     """Whether process group ``pgid`` (a server's guard leads one) has no live member within ``within_s``."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        members = []
-        for entry in Path("/proc").iterdir():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else []
-            except OSError:
-                continue
-            if fields and int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(entry.name)
-        if not members:
-            return True
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return False
+    return not group_members(pgid)
 
 
 def _gone(pid: int, within_s: float) -> bool:
