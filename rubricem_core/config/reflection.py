@@ -101,4 +101,12 @@ class ReflectionConfig(_Strict):
         "any other and the GRPO group uses that score (the paper, App. D: every candidate is scored, the bank "
         "takes the best valid one); zero — reward 0 without a judge call (cheaper; it teaches the format first).",
     )
+    train_format_tags: bool = Field(
+        default=False,
+        description="Whether the reflection update trains a valid candidate's format tags (<reflection>, "
+        "</reflection_rubrics>, ...). Off: every valid candidate writes the same tags, so they carry no "
+        "preference, and trained they were unlearnt — one update on the learn profile made the policy close "
+        "its rubrics with the stop string </reflection>, and no candidate was valid after it (docs/learning.md). "
+        "An invalid candidate's tags are trained either way: there they may be the mistake.",
+    )
     judge: ReflectionJudgeConfig = Field(default_factory=ReflectionJudgeConfig)

@@ -22,12 +22,23 @@ The accepted reflection is injected into later prompts through ``guidance_text``
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rubricem_core.scaffold import TAG_NAMES, CodeTable, neutralize_tags
 
 REFLECTION_STOP = "</reflection>"
+# The tags of the fixed format, in the order a valid reflection writes them.
+FORMAT_TAGS = (
+    "<reflection>",
+    "<reflection_rubrics>",
+    "</reflection_rubrics>",
+    "<takeaways>",
+    "</takeaways>",
+    REFLECTION_STOP,
+)
+_FORMAT_TAG = re.compile("|".join(re.escape(tag) for tag in sorted(FORMAT_TAGS, key=len, reverse=True)))
 DEFAULT_MAX_TRAJECTORY_CHARS = 24_000
 MAX_REFLECTION_CHARS = 3_000  # longer guidance crowds the prompt and is rarely read
 MAX_ITEMS = 8  # per list
@@ -401,3 +412,20 @@ def guidance_text(reflection: Reflection, source_question: str | None = None) ->
         lines.append("Lessons from the earlier attempt:")
         lines += [f"- {item}" for item in reflection.takeaways]
     return neutralize_tags("\n".join(lines))
+
+
+def format_tag_tokens(token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[bool]:
+    """For each of ``token_ids`` (what the policy wrote), whether it spells part of a format tag.
+
+    A token covers the characters it adds to the decoded prefix; decoding prefixes, not single
+    tokens, keeps multi-byte characters and merged spaces where the tokenizer puts them."""
+    ids = list(token_ids)
+    spans = [m.span() for m in _FORMAT_TAG.finditer(decode(ids))]
+    out: list[bool] = []
+    start = 0
+    for k in range(len(ids)):
+        end = len(decode(ids[: k + 1]))
+        lo, hi = min(start, end), max(start, end)
+        out.append(hi > lo and any(s < hi and lo < e for s, e in spans))
+        start = end
+    return out

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from rubricem_core.judge.types import Rubric, RubricScore, TrajectoryJudgment
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.format import (
     REFLECTION_STOP,
+    format_tag_tokens,
     guidance_text,
     parse_reflection,
     reflection_messages,
@@ -194,6 +195,20 @@ def candidate_advantages(scores: Sequence[float | None], eps: float = 1e-6) -> l
     without a score (judge failed) gets 0 and stays out of the statistics; all-equal scores give 0."""
     rewards = torch.tensor([[math.nan if s is None else float(s)] for s in scores], dtype=torch.float64)
     return [float(a) for a in stage_advantages(rewards, eps)[:, 0]]
+
+
+def trained_mask(traj: TokenTrajectory, decode: Callable[[list[int]], str]) -> list[int]:
+    """The tokens a valid candidate's reflection update trains: what the policy wrote, less the format's
+    tags. Every valid candidate writes the same tags, so they carry no preference between candidates;
+    trained, GRPO's push on a below-average candidate's tags can unlearn one the policy is unsure of
+    (on the learn profile one update made `</reflection_rubrics>` end at `</reflection` — the stop
+    string — and no candidate was valid after it; docs/learning.md)."""
+    written = [i for i, m in enumerate(traj.loss_mask) if m]
+    mask = list(traj.loss_mask)
+    for i, is_tag in zip(written, format_tag_tokens([traj.token_ids[i] for i in written], decode)):
+        if is_tag:
+            mask[i] = 0
+    return mask
 
 
 def reflection_token_advantages(loss_mask: Sequence[int], advantage: float) -> list[float]:

@@ -2,7 +2,9 @@
 config, its privileged inputs from the step's judge tables, and the `reflections` rows it makes.
 
     judge = reflection_judge(cfg, api_key)
-    judged = judge_candidates(judge, cfg, step, queries, sources, groups, stop_texts, rubric_rows, score_rows, seconds)
+    judged = judge_candidates(
+        judge, cfg, step, queries, sources, groups, stop_texts, rubric_rows, score_rows, seconds, tokenizer.decode
+    )
 
 rubricem_core.rl.steps samples the candidates with the RL session's engine and banks the accepted ones.
 """
@@ -10,7 +12,7 @@ rubricem_core.rl.steps samples the candidates with the RL session's engine and b
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ from rubricem_core.reflection.judge import (
     ReflectionJudgeOptions,
     reflection_rows,
 )
-from rubricem_core.reflection.meta import candidate_text, judge_view, reflection_metrics
+from rubricem_core.reflection.meta import candidate_text, judge_view, reflection_metrics, trained_mask
 from rubricem_core.schemas import nan_to_none
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -63,10 +65,12 @@ def judge_candidates(
     rubric_rows: list[dict[str, Any]],
     score_rows: list[dict[str, Any]],
     generate_seconds: float,
+    decode: Callable[[list[int]], str],
 ) -> JudgedCandidates:
     """Score each source rollout's candidates (``groups``, in ``sources`` order, sampled in
     ``generate_seconds``) with the privileged view (the rubrics it was scored on, its scores and
-    justifications, from the step's judge tables)."""
+    justifications, from the step's judge tables). ``decode`` (the policy tokenizer's) finds a valid
+    candidate's format tags, which its ``loss_mask`` leaves out unless ``reflection.train_format_tags``."""
     inputs: list[ReflectionJudgeInput] = []
     trajs: dict[tuple[str, int], TokenTrajectory] = {}
     for (qid, src), group in zip(sources.items(), groups):
@@ -94,9 +98,10 @@ def judge_candidates(
     rows = reflection_rows(step, scores, cfg.reflection.min_score)
     for row in rows:
         traj = trajs[(row["source_rollout_id"], row["candidate"])]
+        untrained_tags = row["valid"] and not cfg.reflection.train_format_tags
         row.update(
             token_ids=traj.token_ids,
-            loss_mask=traj.loss_mask,
+            loss_mask=trained_mask(traj, decode) if untrained_tags else traj.loss_mask,
             n_tokens=len(traj),
             logprobs=[nan_to_none(x) for x in traj.logprobs],
             finish_reason=traj.finish_reason,

@@ -424,6 +424,7 @@ def reflect_step(
         store.read_rows("judge_rubrics", {"step": plan.step}),
         store.read_rows("judge_scores", {"step": plan.step}),
         gen_seconds,
+        session.tokenizer.decode,
     )
     # An earlier attempt in this session banked other rows: the bank is rebuilt from the earlier steps
     if plan.step in session.bank_steps:
