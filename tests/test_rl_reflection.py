@@ -73,6 +73,9 @@ def test_reflection_loop_deferred_equals_sync(deferred_run, sft_run, tmp_path, f
         assert r["valid"] == (not validate_reflection(r["text"]))
         if r["candidate"] % 2 == 0:
             assert r["valid"] and r["score"] > 0, (r["codes"], r["score"], r["justification"], r["text"])
+        # the update trains what the policy wrote (sampled: a logprob), less a valid candidate's format tags
+        written = sum(lp is not None for lp in r["logprobs"])
+        assert (sum(r["loss_mask"]) < written) if r["valid"] else (sum(r["loss_mask"]) == written)
     assert sum(r["accepted"] for r in refl) == 4  # one per query (every group has a valid candidate)
     bank = store.read_rows("bank")
     assert {b["query_id"] for b in bank} == {r["query_id"] for r in refl}
