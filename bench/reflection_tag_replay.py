@@ -1,0 +1,141 @@
+"""Replays a `full` run's first updates from its SFT checkpoint and watches one reflection format tag.
+
+Session 25's `learn` run stopped writing valid reflections after its step-1 reflection update: the policy
+closed its rubric list with ``</reflection`` + ``>`` (the stop string) instead of ``</reflection_rubrics>``.
+This script applies the run's own updates (the tables it wrote, in the order ``rl.learner.step_updates``
+gives, through ``LocalPolicy.update``) to a fresh copy of its SFT policy and, after each, prints the
+log-probability of ``_`` after ``</reflection`` at the rubric-closing position of one candidate of every
+new-query step it replays or probes: near 0 the tag holds, far below it the list ends at the stop string.
+
+``--format-tags untrained`` gives a valid candidate's format tags no advantage, as the RL loop now stores
+them (``reflection.train_format_tags: false``); ``trained`` replays the stored masks of a run made before.
+The run is only read. About 1.5 minutes an update on 2 CPU cores (SmolLM2-135M, ~1.1k-token candidates).
+
+    .venv/bin/python bench/reflection_tag_replay.py --run-dir runs/learn/ablation/full --format-tags both
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+TAG_PREFIX = "</reflection"  # what `</reflection_rubrics>` and the stop string `</reflection>` share
+
+
+def probe_contexts(rows: list[dict[str, Any]], decode: Any, steps: list[int]) -> list[tuple[int, list[int]]]:
+    """(step, token ids up to the first ``</reflection`` the policy wrote) of candidate 0 of each source
+    rollout of ``steps``: the next token decides between the rubric list's end and the stop string."""
+    out = []
+    for row in sorted(rows, key=lambda r: (r["step"], r["source_rollout_id"])):
+        if row["step"] not in steps or row["candidate"] != 0:
+            continue
+        ids, start = row["token_ids"], row["loss_mask"].index(1)
+        for end in range(start + 1, len(ids) + 1):
+            if decode(ids[start:end]).endswith(TAG_PREFIX):
+                out.append((row["step"], ids[:end]))
+                break
+    return out
+
+
+def replay(run_dir: Path, checkpoint: Path, n_steps: int, probe_steps: list[int], untrained_tags: bool) -> list[dict]:
+    import torch
+
+    from rubricem_core.config import load_config
+    from rubricem_core.reflection.meta import trained_mask
+    from rubricem_core.rl.learner import step_updates, update_settings
+    from rubricem_core.rl.policy import LocalPolicy
+    from rubricem_core.rl.update import reflection_training_batch, training_batch
+    from rubricem_core.store import RunStore
+    from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+
+    cfg = load_config(run_dir / "config.yaml")
+    store = RunStore(run_dir)
+    policy = LocalPolicy(checkpoint, cfg)
+    decode = policy.tokenizer.decode
+    underscore = policy.tokenizer.convert_tokens_to_ids("_")
+    contexts = probe_contexts(store.read_rows("reflections"), decode, probe_steps)
+    if not contexts:
+        raise SystemExit(f"{run_dir}: no reflection candidate of steps {probe_steps} writes {TAG_PREFIX!r}")
+
+    def logp_underscore() -> list[float]:
+        model = policy.trainer.model
+        model.eval()
+        with torch.no_grad():
+            out = [
+                float(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)[underscore])
+                for _, ids in contexts
+            ]
+        model.train()
+        return out
+
+    def reflection_rows(step: int) -> list[dict[str, Any]]:
+        rows = store.read_rows("reflections", {"step": step})
+        if untrained_tags:
+            for row in rows:
+                if row["valid"]:
+                    n = len(row["token_ids"])
+                    traj = TokenTrajectory(row["token_ids"], row["loss_mask"], [NO_STAGE] * n, [0.0] * n)
+                    row["loss_mask"] = trained_mask(traj, decode)
+        return rows
+
+    results = [{"update": "SFT", "lr": None, "grad_norm": None, "logp": logp_underscore()}]
+    for step in range(n_steps):
+        for update in step_updates(cfg, step):
+            key = {"step": update.source_step}
+            if update.kind == "reflection":
+                batch = reflection_training_batch(reflection_rows(update.source_step))
+                settings = update_settings(cfg, cfg.reflection.temperature)
+            else:
+                batch = training_batch(store.read_rows("rollouts", key), store.read_rows("stage_rewards", key))
+                settings = update_settings(cfg, cfg.rollout.temperature)
+            metrics = policy.update(batch.trajectories, batch.token_advantages, settings)
+            label = f"{update.kind} update on step {update.source_step}'s " + (
+                "candidates" if update.kind == "reflection" else "rollouts"
+            )
+            results.append(
+                {"update": label, "lr": metrics["lr"], "grad_norm": metrics["grad_norm"], "logp": logp_underscore()}
+            )
+            print(_line(results[-1]), flush=True)
+    return results
+
+
+def _line(result: dict) -> str:
+    lr = "" if result["lr"] is None else f"{result['lr']:.1e}"
+    norm = "" if result["grad_norm"] is None else f"{result['grad_norm']:.2f}"
+    return f"| {result['update']} | {lr} | {norm} | " + ", ".join(f"{x:.2f}" for x in result["logp"]) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="a `full` run (ablation/full of make learn)")
+    parser.add_argument("--checkpoint", type=Path, help="the policy to start from (default: the run's SFT policy)")
+    parser.add_argument("--steps", type=int, default=3, help="replay the updates of steps 0..N-1")
+    parser.add_argument("--probe-steps", default="0,1,4", help="new-query steps whose candidates are probed")
+    parser.add_argument("--format-tags", choices=["trained", "untrained", "both"], default="both")
+    args = parser.parse_args()
+    checkpoint = args.checkpoint or args.run_dir / "checkpoints" / "sft" / "final"
+    probe_steps = [int(s) for s in args.probe_steps.split(",")]
+    modes = ["trained", "untrained"] if args.format_tags == "both" else [args.format_tags]
+    lowest = {}
+    for mode in modes:
+        print(f"\n== format tags {mode}: log p('_' | ...{TAG_PREFIX}) at steps {probe_steps}' candidates")
+        print("| after | lr | grad norm | log p |\n|---|---|---|---|")
+        results = replay(args.run_dir, checkpoint, args.steps, probe_steps, untrained_tags=mode == "untrained")
+        print(_line(results[0]))
+        lowest[mode] = min(min(r["logp"]) for r in results)
+    for mode, value in lowest.items():
+        print(f"lowest log p('_'), format tags {mode}: {value:.2f}")
+    mode, value = modes[-1], lowest[modes[-1]]
+    print(figure_line(f"lowest_logp_rubrics_tag.{mode}", round(value, 3), "nats", "> -1 (the tag holds)", value > -1))
+
+
+if __name__ == "__main__":
+    main()
