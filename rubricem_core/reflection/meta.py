@@ -201,8 +201,8 @@ def trained_mask(traj: TokenTrajectory, decode: Callable[[list[int]], str]) -> l
     """The tokens a valid candidate's reflection update trains: what the policy wrote, less the format's
     tags. Every valid candidate writes the same tags, so they carry no preference between candidates;
     trained, GRPO's push on a below-average candidate's tags can unlearn one the policy is unsure of
-    (on the learn profile one update made `</reflection_rubrics>` end at `</reflection` — the stop
-    string — and no candidate was valid after it; docs/learning.md)."""
+    (on the learn profile one update made the policy close its rubric list with `</reflection>`, the
+    stop string, and no candidate was valid after it; docs/learning.md)."""
     written = [i for i, m in enumerate(traj.loss_mask) if m]
     mask = list(traj.loss_mask)
     for i, is_tag in zip(written, format_tag_tokens([traj.token_ids[i] for i in written], decode)):
