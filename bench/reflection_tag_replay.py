@@ -87,6 +87,7 @@ def replay(run_dir: Path, checkpoint: Path, n_steps: int, probe_steps: list[int]
         return rows
 
     results = [{"update": "SFT", "lr": None, "grad_norm": None, "logp": logp_underscore()}]
+    print(_line(results[0]), flush=True)
     for step in range(n_steps):
         for update in step_updates(cfg, step):
             key = {"step": update.source_step}
@@ -126,10 +127,9 @@ def main() -> None:
     modes = ["trained", "untrained"] if args.format_tags == "both" else [args.format_tags]
     lowest = {}
     for mode in modes:
-        print(f"\n== format tags {mode}: log p('_' | ...{TAG_PREFIX}) at steps {probe_steps}' candidates")
+        print(f"\n== format tags {mode}: log p('_' | ...{TAG_PREFIX}) at the candidates of steps {probe_steps}")
         print("| after | lr | grad norm | log p |\n|---|---|---|---|")
         results = replay(args.run_dir, checkpoint, args.steps, probe_steps, untrained_tags=mode == "untrained")
-        print(_line(results[0]))
         lowest[mode] = min(min(r["logp"]) for r in results)
     for mode, value in lowest.items():
         print(f"lowest log p('_'), format tags {mode}: {value:.2f}")
