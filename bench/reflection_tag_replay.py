@@ -3,7 +3,7 @@
 Session 25's `learn` run stopped writing valid reflections after its step-1 reflection update: the policy
 closed its rubric list with ``</reflection`` + ``>`` (the stop string) instead of ``</reflection_rubrics>``.
 This script applies the run's own updates (the tables it wrote, in the order ``rl.learner.step_updates``
-gives, through ``LocalPolicy.update``) to a fresh copy of its SFT policy and, after each, prints the
+gives; bench/update_replay.py) to a fresh copy of its SFT policy and, after each, prints the
 log-probability of ``_`` after ``</reflection`` at the rubric-closing position of one candidate of every
 new-query step it replays or probes: near 0 the tag holds, far below it the list ends at the stop string.
 
@@ -46,65 +46,35 @@ def probe_contexts(rows: list[dict[str, Any]], decode: Any, steps: list[int]) ->
 
 
 def replay(run_dir: Path, checkpoint: Path, n_steps: int, probe_steps: list[int], untrained_tags: bool) -> list[dict]:
-    import torch
-
-    from rubricem_core.config import load_config
+    from bench.update_replay import UpdateReplay
     from rubricem_core.reflection.meta import trained_mask
-    from rubricem_core.rl.learner import step_updates, update_settings
-    from rubricem_core.rl.policy import LocalPolicy
-    from rubricem_core.rl.update import reflection_training_batch, training_batch
-    from rubricem_core.store import RunStore
     from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
-    cfg = load_config(run_dir / "config.yaml")
-    store = RunStore(run_dir)
-    policy = LocalPolicy(checkpoint, cfg)
-    decode = policy.tokenizer.decode
-    underscore = policy.tokenizer.convert_tokens_to_ids("_")
-    contexts = probe_contexts(store.read_rows("reflections"), decode, probe_steps)
+    replay = UpdateReplay(run_dir, checkpoint)
+    decode = replay.tokenizer.decode
+    underscore = replay.tokenizer.convert_tokens_to_ids("_")
+    contexts = [ids for _, ids in probe_contexts(replay.store.read_rows("reflections"), decode, probe_steps)]
     if not contexts:
         raise SystemExit(f"{run_dir}: no reflection candidate of steps {probe_steps} writes {TAG_PREFIX!r}")
 
     def logp_underscore() -> list[float]:
-        model = policy.trainer.model
-        model.eval()
-        with torch.no_grad():
-            out = [
-                float(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)[underscore])
-                for _, ids in contexts
-            ]
-        model.train()
-        return out
+        return [row[0] for row in replay.next_token_logp(contexts, [underscore])]
 
-    def reflection_rows(step: int) -> list[dict[str, Any]]:
-        rows = store.read_rows("reflections", {"step": step})
-        if untrained_tags:
-            for row in rows:
-                if row["valid"]:
-                    n = len(row["token_ids"])
-                    traj = TokenTrajectory(row["token_ids"], row["loss_mask"], [NO_STAGE] * n, [0.0] * n)
-                    row["loss_mask"] = trained_mask(traj, decode)
+    def untrained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in rows:
+            if row["valid"]:
+                n = len(row["token_ids"])
+                traj = TokenTrajectory(row["token_ids"], row["loss_mask"], [NO_STAGE] * n, [0.0] * n)
+                row["loss_mask"] = trained_mask(traj, decode)
         return rows
 
     results = [{"update": "SFT", "lr": None, "grad_norm": None, "logp": logp_underscore()}]
     print(_line(results[0]), flush=True)
-    for step in range(n_steps):
-        for update in step_updates(cfg, step):
-            key = {"step": update.source_step}
-            if update.kind == "reflection":
-                batch = reflection_training_batch(reflection_rows(update.source_step))
-                settings = update_settings(cfg, cfg.reflection.temperature)
-            else:
-                batch = training_batch(store.read_rows("rollouts", key), store.read_rows("stage_rewards", key))
-                settings = update_settings(cfg, cfg.rollout.temperature)
-            metrics = policy.update(batch.trajectories, batch.token_advantages, settings)
-            label = f"{update.kind} update on step {update.source_step}'s " + (
-                "candidates" if update.kind == "reflection" else "rollouts"
-            )
-            results.append(
-                {"update": label, "lr": metrics["lr"], "grad_norm": metrics["grad_norm"], "logp": logp_underscore()}
-            )
-            print(_line(results[-1]), flush=True)
+    for update in replay.updates(n_steps, reflection_rows=untrained if untrained_tags else None):
+        results.append(
+            {"update": update.label, "lr": update.lr, "grad_norm": update.grad_norm, "logp": logp_underscore()}
+        )
+        print(_line(results[-1]), flush=True)
     return results
 
 

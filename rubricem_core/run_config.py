@@ -31,10 +31,12 @@ from pydantic import ValidationError
 from rubricem_core.config import (
     ConfigError,
     RunConfig,
+    apply_overrides,
     config_to_yaml,
     flatten,
     format_validation_error,
     load_config,
+    parse_override,
 )
 from rubricem_core.layout import RunLayout
 from rubricem_core.redact import shown_value
@@ -146,6 +148,21 @@ def _fields(cfg: RunConfig) -> dict[str, Any]:
     return fields
 
 
+# Fields whose default changed how RL trains, with the value a run directory recorded before the field
+# existed had (record_config writes every field, so a recorded config without one is older than it): a
+# resumed old run keeps training as it began, and a profile's new default is refused there like any change.
+LEGACY_VALUES: dict[str, Any] = {
+    "reflection.train_format_tags": True,  # session 26: a valid reflection's format tags got no advantage
+    "rl.stage_boundary": "entering",  # session 27: a stage's first token takes the stage it leaves
+}
+
+
+def legacy_values(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The LEGACY_VALUES of the fields missing from a recorded config (a nested dict)."""
+    present = flatten(recorded)
+    return {k: v for k, v in LEGACY_VALUES.items() if k not in present}
+
+
 def config_changes(old: RunConfig, new: RunConfig) -> list[Change]:
     a, b = _fields(old), _fields(new)
     return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -157,7 +174,10 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
     if not path.exists():
         return None
     try:
-        return RunConfig.model_validate(yaml.safe_load(path.read_text()))
+        raw = yaml.safe_load(path.read_text())
+        if isinstance(raw, dict) and (legacy := legacy_values(raw)):
+            raw = apply_overrides(raw, legacy)
+        return RunConfig.model_validate(raw)
     except ValidationError as exc:  # pydantic's own text repeats every value; this one hides key-like ones
         raise ConfigError(f"{format_validation_error(exc, str(path))}\nmove it away to start over") from None
     except Exception as exc:  # YAML: the file cannot be trusted
@@ -171,7 +191,16 @@ def base_config(
     command needs no --profile and no repeated --set), or ``tiny`` for a new run directory."""
     if profile is None:
         recorded = RunLayout(run_dir).config_file
-        profile = str(recorded) if recorded.is_file() else "tiny"
+        if not recorded.is_file():
+            return load_config("tiny", overrides)
+        if isinstance(overrides, list):
+            overrides = dict(parse_override(item) for item in overrides)
+        try:
+            raw = yaml.safe_load(recorded.read_text())
+        except yaml.YAMLError:
+            raw = None  # load_config names the file and the parse error
+        legacy = legacy_values(raw) if isinstance(raw, dict) else {}
+        return load_config(str(recorded), {**legacy, **(overrides or {})})
     return load_config(profile, overrides)
 
 

@@ -50,5 +50,7 @@ def update_inputs(store: RunStore, cfg: RunConfig, update: StepUpdate) -> tuple[
     if update.kind == "reflection":
         batch = reflection_training_batch(store.read_rows("reflections", key))
         return batch, update_settings(cfg, cfg.reflection.temperature)
-    batch = training_batch(store.read_rows("rollouts", key), store.read_rows("stage_rewards", key))
+    batch = training_batch(
+        store.read_rows("rollouts", key), store.read_rows("stage_rewards", key), cfg.rl.stage_boundary
+    )
     return batch, update_settings(cfg, cfg.rollout.temperature)

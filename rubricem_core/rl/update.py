@@ -2,7 +2,7 @@
 
     ga = group_advantages(R, lam, failed)                  # per query: G = R Λᵀ, A = per-stage normalization
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
-    batch = training_batch(rollouts, rows)                 # judged trajectories, a[i, t] = A[i, stage(t)]
+    batch = training_batch(rollouts, rows, boundary)       # judged trajectories, a[i, t] = A[i, stage(t)]
     batch = reflection_training_batch(reflections)         # or: a step's reflection candidates (GRPO per group)
     metrics = ss_grpo_update(trainer, ref_model, batch.trajectories, batch.token_advantages, pad_id, config)
 
@@ -34,7 +34,7 @@ from rubricem_core.logprobs import batch_logprobs
 from rubricem_core.reflection.meta import candidate_advantages, reflection_token_advantages
 from rubricem_core.rl.records import rollout_trajectory
 from rubricem_core.scaffold import STAGES
-from rubricem_core.ssgrpo import policy_loss, stage_advantages, stage_returns, token_advantages
+from rubricem_core.ssgrpo import StageBoundary, policy_loss, stage_advantages, stage_returns, token_advantages
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
 
@@ -100,12 +100,15 @@ def reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], ga: GroupA
 
 
 # ---- A → token advantages -----------------------------------------------------------------------
-def per_token_advantages(traj: TokenTrajectory, A_row: Sequence[float]) -> list[float]:
-    """Stage advantage on every trained token; 0 on prompt, tool output and stage-less tokens."""
+def per_token_advantages(
+    traj: TokenTrajectory, A_row: Sequence[float], boundary: StageBoundary = "entering"
+) -> list[float]:
+    """Stage advantage on every trained token; 0 on prompt, tool output and stage-less tokens; a stage's
+    first token takes the stage it leaves with ``boundary`` leaving (`rl.stage_boundary`)."""
     A = torch.as_tensor(np.asarray(A_row, dtype=np.float64)).view(1, -1)
     stage_ids = torch.tensor([traj.stage_ids], dtype=torch.long)
     mask = torch.tensor([traj.loss_mask])
-    return token_advantages(A, stage_ids, mask)[0].tolist()
+    return token_advantages(A, stage_ids, mask, boundary)[0].tolist()
 
 
 @dataclass
@@ -118,9 +121,12 @@ class TrainingBatch:
     nonzero: int = 0  # trajectories whose advantage is not 0 (reflection_training_batch; the rest carry no signal)
 
 
-def training_batch(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> TrainingBatch:
+def training_batch(
+    rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]], boundary: StageBoundary = "entering"
+) -> TrainingBatch:
     """Every rollout whose judgment did not fail, in table order, with a[t] = A[stage(t)] from the
-    step's `stage_rewards`; failed judgments are left out of the update (never scored 0)."""
+    step's `stage_rewards` (``boundary``: per_token_advantages); failed judgments are left out of the
+    update (never scored 0)."""
     by_key = {(r["rollout_id"], r["stage"]): r for r in rewards}
     batch = TrainingBatch()
     stats: dict[str, list[float]] = {f"{m}/{s}": [] for m in ("R", "G", "A") for s in STAGES}
@@ -134,7 +140,7 @@ def training_batch(rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]]
                     stats[f"{name}/{s}"].append(float(reward[name]))
         traj = rollout_trajectory(row)
         batch.trajectories.append(traj)
-        batch.token_advantages.append(per_token_advantages(traj, [r["A"] for r in stage_rows]))
+        batch.token_advantages.append(per_token_advantages(traj, [r["A"] for r in stage_rows], boundary))
     batch.stage_means = {f"reward/{k}_mean": float(np.mean(v)) for k, v in stats.items() if v}
     return batch
 
