@@ -58,7 +58,7 @@ class UpdateReplay:
                     batch = reflection_training_batch(rows)
                     settings = update_settings(self.cfg, self.cfg.reflection.temperature)
                 else:
-                    batch, settings = update_inputs(self.store, self.cfg, update)
+                    batch, settings = update_inputs(self.store, self.cfg, update, self.tokenizer.decode)
                 metrics = self.policy.update(batch.trajectories, batch.token_advantages, settings)
                 what = "candidates" if update.kind == "reflection" else "rollouts"
                 yield ReplayedUpdate(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -191,35 +191,9 @@ def stage_advantages(G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return torch.where(valid & informative.view(1, -1), A, torch.zeros_like(A))
 
 
-StageBoundary = Literal["leaving", "entering"]
-
-
-def leaving_stage_ids(stage_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Stage ids with each stage's first trained token given to the trained stage before it.
-
-    That token is where the policy chooses to leave the earlier stage: after a search's state evaluation,
-    ``</state_evaluation>\n<`` then ``call`` searches again (research) while ``review`` opens the review.
-    Scored with the stage it opens, closing the research early is credited with how good the review was,
-    not with how good the research was (session 26's ``ss_grpo`` drifted to one search that way).
-    """
-    trained = (mask != 0) & (stage_ids >= 0)
-    T = stage_ids.shape[1]
-    positions = torch.arange(T, device=stage_ids.device).expand_as(stage_ids)
-    last = torch.where(trained, positions, torch.full_like(positions, -1)).cummax(dim=1).values
-    # the position of the last trained token strictly before t (-1: none)
-    before = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], dim=1)
-    previous = torch.where(before >= 0, stage_ids.gather(1, before.clamp(min=0)), torch.full_like(stage_ids, -1))
-    opens = trained & (previous >= 0) & (previous < stage_ids)
-    return torch.where(opens, previous, stage_ids)
-
-
-def token_advantages(
-    A: torch.Tensor, stage_ids: torch.Tensor, mask: torch.Tensor, boundary: StageBoundary = "entering"
-) -> torch.Tensor:
+def token_advantages(A: torch.Tensor, stage_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(n×T) per-token advantages: token t of rollout i gets A[i, stage_ids[i, t]]; 0 where the mask
-    is 0 (prompt, tool output, padding) or the stage id is −1 (``trajectory.NO_STAGE``). ``boundary``
-    leaving: a stage's first trained token takes the advantage of the stage it leaves
-    (``leaving_stage_ids``); entering: of the stage it opens."""
+    is 0 (prompt, tool output, padding) or the stage id is −1 (``trajectory.NO_STAGE``)."""
     A, stage_ids, mask = torch.as_tensor(A), torch.as_tensor(stage_ids), torch.as_tensor(mask)
     if A.dim() != 2:
         raise ValueError(f"A must be (n, K), got shape {tuple(A.shape)}")
@@ -235,10 +209,6 @@ def token_advantages(
         raise ValueError(
             f"stage_ids must lie in -1..{K - 1}; got values from {stage_ids.min().item()} to {stage_ids.max().item()}"
         )
-    if boundary == "leaving":
-        stage_ids = leaving_stage_ids(stage_ids.long(), mask)
-    elif boundary != "entering":
-        raise ValueError(f"boundary must be 'leaving' or 'entering', got {boundary!r}")
     keep = (mask != 0) & (stage_ids >= 0)
     picked = A.gather(1, stage_ids.clamp(min=0).long())
     return torch.where(keep, picked, torch.zeros_like(picked))

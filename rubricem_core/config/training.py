@@ -233,10 +233,10 @@ class RLConfig(TrainerSettings, PackingSettings):
     tis_cap: float = Field(default=2.0, gt=0, description="Cap of the truncated importance weights (tis).")
     stage_boundary: Literal["leaving", "entering"] = Field(
         default="leaving",
-        description="Which stage's advantage a stage's first generated token takes. That token is the choice to "
-        "leave the stage before it (after a search's state evaluation, `call` searches again, `review` closes the "
-        "research). leaving: the stage it leaves, so closing the research early is scored with the research; "
-        "entering: the stage it opens (a[t] = A[stage(t)] for every token, the runs before session 27).",
+        description="Which stage's advantage a stage's opening tag takes. The tag is the choice to leave the stage "
+        "before it (after a search's state evaluation, <call_tool searches again, <review> closes the research). "
+        "leaving: the stage it leaves, so closing the research early is scored with the research; entering: the "
+        "stage it opens (a[t] = A[stage(t)] for every token, as runs before session 27 trained).",
     )
     async_steps: Literal[0, 1] = Field(
         default=0,

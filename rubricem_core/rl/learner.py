@@ -1,7 +1,7 @@
 """A step's updates, in the one order every path applies them:
 
     for update in step_updates(cfg, step):                 # the deferred reflection update, then SS-GRPO
-        batch, settings = update_inputs(store, cfg, update)  # read from the tables that mark them done
+        batch, settings = update_inputs(store, cfg, update, tokenizer.decode)  # from the tables that mark them done
         metrics = policy.update(batch.trajectories, batch.token_advantages, settings)
 
 The live tasks apply one each (reflection-update, then ss-grpo-update: rl.steps) and a rebuilt session
@@ -11,6 +11,7 @@ RNG of a resumed run are the uninterrupted run's: same inputs, same calls, same 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,14 +44,16 @@ def update_settings(cfg: RunConfig, temperature: float) -> UpdateConfig:
     return UpdateConfig.from_rl(cfg.rl, temperature)
 
 
-def update_inputs(store: RunStore, cfg: RunConfig, update: StepUpdate) -> tuple[TrainingBatch, UpdateConfig]:
+def update_inputs(
+    store: RunStore, cfg: RunConfig, update: StepUpdate, decode: Callable[[list[int]], str]
+) -> tuple[TrainingBatch, UpdateConfig]:
     """The batch and settings of ``update``, from the tables its source step wrote (`reflections`; or
-    `rollouts` and `stage_rewards`)."""
+    `rollouts` and `stage_rewards`); ``decode`` (the policy tokenizer's) finds each stage's opening tag
+    under `rl.stage_boundary: leaving`."""
     key = {"step": update.source_step}
     if update.kind == "reflection":
         batch = reflection_training_batch(store.read_rows("reflections", key))
         return batch, update_settings(cfg, cfg.reflection.temperature)
-    batch = training_batch(
-        store.read_rows("rollouts", key), store.read_rows("stage_rewards", key), cfg.rl.stage_boundary
-    )
+    leaving = decode if cfg.rl.stage_boundary == "leaving" else None
+    batch = training_batch(store.read_rows("rollouts", key), store.read_rows("stage_rewards", key), leaving)
     return batch, update_settings(cfg, cfg.rollout.temperature)

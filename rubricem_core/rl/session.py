@@ -314,7 +314,7 @@ def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
         for update in step_updates(cfg, step):
             if update.kind == "reflection" and step in session.reflection_updates:
                 continue  # applied in this session before its step's task update failed
-            batch, settings = update_inputs(session.store, cfg, update)
+            batch, settings = update_inputs(session.store, cfg, update, session.tokenizer.decode)
             session.policy.update(batch.trajectories, batch.token_advantages, settings)
             if update.kind == "reflection":
                 session.reflection_updates.add(step)

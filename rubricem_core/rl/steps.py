@@ -345,7 +345,7 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     resumable checkpoint (with the rubric buffers) when rl.checkpoint_every says so and at the last step."""
     store = session.store
     (update,) = [u for u in step_updates(cfg, plan.step) if u.kind == "task"]
-    batch, settings = update_inputs(store, cfg, update)
+    batch, settings = update_inputs(store, cfg, update, session.tokenizer.decode)
     engine_samples_beside = plan.step < last_step(cfg) or (reflection_on(cfg) and plan.phase == "new")
     if cfg.rl.async_steps and engine_samples_beside:
         # the next step's rollouts (and this step's reflections) sample with the weights before this
@@ -492,7 +492,7 @@ def reflection_update_step(
     (update,) = [u for u in step_updates(cfg, at_step) if u.kind == "reflection"]
     if update.source_step != source_step:
         raise RuntimeError(f"step {at_step} trains the reflections of step {update.source_step}, not {source_step}")
-    batch, settings = update_inputs(session.store, cfg, update)
+    batch, settings = update_inputs(session.store, cfg, update, session.tokenizer.decode)
     t0 = time.perf_counter()
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
     with engine_asleep(session, cfg):

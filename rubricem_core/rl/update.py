@@ -2,7 +2,7 @@
 
     ga = group_advantages(R, lam, failed)                  # per query: G = R Λᵀ, A = per-stage normalization
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
-    batch = training_batch(rollouts, rows, boundary)       # judged trajectories, a[i, t] = A[i, stage(t)]
+    batch = training_batch(rollouts, rows, decode)         # judged trajectories, a[i, t] = A[i, stage(t)]
     batch = reflection_training_batch(reflections)         # or: a step's reflection candidates (GRPO per group)
     metrics = ss_grpo_update(trainer, ref_model, batch.trajectories, batch.token_advantages, pad_id, config)
 
@@ -20,7 +20,7 @@ update moved the weights, or by an engine whose numerics differ).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from rubricem_core.logprobs import batch_logprobs
 from rubricem_core.reflection.meta import candidate_advantages, reflection_token_advantages
 from rubricem_core.rl.records import rollout_trajectory
 from rubricem_core.scaffold import STAGES
-from rubricem_core.ssgrpo import StageBoundary, policy_loss, stage_advantages, stage_returns, token_advantages
+from rubricem_core.ssgrpo import policy_loss, stage_advantages, stage_returns, token_advantages
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
 
@@ -100,15 +100,54 @@ def reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], ga: GroupA
 
 
 # ---- A → token advantages -----------------------------------------------------------------------
+# a stage's opening tag is at most this many tokens (`<review>`: 3 in SmolLM2's BPE); past it, a tag that
+# never closes is not an opening tag
+OPENING_TAG_MAX_TOKENS = 8
+
+
+def leaving_stage_ids(traj: TokenTrajectory, decode: Callable[[list[int]], str]) -> list[int]:
+    """The trajectory's stage ids with each stage's opening tag given to the trained stage before it.
+
+    The opening tag is where the policy chooses to leave that earlier stage: after a search's state
+    evaluation, ``<call_tool`` searches again (research) while ``<review>`` closes the research. Scored
+    with the stage it opens, closing the research early was credited with how good the review was, not
+    with how good the research was (session 25's ``ss_grpo`` drifted to one search that way;
+    docs/learning.md). The tag runs from the stage's first trained token through the first token whose
+    text closes it (``>``); the trajectory's first stage has no stage before it and keeps its own.
+    """
+    ids, stages, mask = traj.token_ids, traj.stage_ids, traj.loss_mask
+    out = list(stages)
+    previous = None  # the stage of the last trained token
+    t = 0
+    while t < len(ids):
+        stage = stages[t]
+        if not mask[t] or stage < 0:
+            t += 1
+            continue
+        if previous is not None and previous < stage:
+            end = t
+            while end < len(ids) and end - t < OPENING_TAG_MAX_TOKENS and mask[end] and stages[end] == stage:
+                out[end] = previous
+                end += 1
+                if ">" in decode(ids[t:end]):
+                    break
+            t = end
+        else:
+            t += 1
+        previous = stage
+    return out
+
+
 def per_token_advantages(
-    traj: TokenTrajectory, A_row: Sequence[float], boundary: StageBoundary = "entering"
+    traj: TokenTrajectory, A_row: Sequence[float], decode: Callable[[list[int]], str] | None = None
 ) -> list[float]:
-    """Stage advantage on every trained token; 0 on prompt, tool output and stage-less tokens; a stage's
-    first token takes the stage it leaves with ``boundary`` leaving (`rl.stage_boundary`)."""
+    """Stage advantage on every trained token; 0 on prompt, tool output and stage-less tokens. With
+    ``decode`` (`rl.stage_boundary: leaving`), a stage's opening tag takes the stage it leaves
+    (``leaving_stage_ids``)."""
     A = torch.as_tensor(np.asarray(A_row, dtype=np.float64)).view(1, -1)
-    stage_ids = torch.tensor([traj.stage_ids], dtype=torch.long)
+    stage_ids = torch.tensor([traj.stage_ids if decode is None else leaving_stage_ids(traj, decode)], dtype=torch.long)
     mask = torch.tensor([traj.loss_mask])
-    return token_advantages(A, stage_ids, mask, boundary)[0].tolist()
+    return token_advantages(A, stage_ids, mask)[0].tolist()
 
 
 @dataclass
@@ -122,11 +161,13 @@ class TrainingBatch:
 
 
 def training_batch(
-    rollouts: list[dict[str, Any]], rewards: list[dict[str, Any]], boundary: StageBoundary = "entering"
+    rollouts: list[dict[str, Any]],
+    rewards: list[dict[str, Any]],
+    decode: Callable[[list[int]], str] | None = None,
 ) -> TrainingBatch:
     """Every rollout whose judgment did not fail, in table order, with a[t] = A[stage(t)] from the
-    step's `stage_rewards` (``boundary``: per_token_advantages); failed judgments are left out of the
-    update (never scored 0)."""
+    step's `stage_rewards` (with ``decode``, each stage's opening tag takes the stage it leaves:
+    per_token_advantages); failed judgments are left out of the update (never scored 0)."""
     by_key = {(r["rollout_id"], r["stage"]): r for r in rewards}
     batch = TrainingBatch()
     stats: dict[str, list[float]] = {f"{m}/{s}": [] for m in ("R", "G", "A") for s in STAGES}
@@ -140,7 +181,7 @@ def training_batch(
                     stats[f"{name}/{s}"].append(float(reward[name]))
         traj = rollout_trajectory(row)
         batch.trajectories.append(traj)
-        batch.token_advantages.append(per_token_advantages(traj, [r["A"] for r in stage_rows], boundary))
+        batch.token_advantages.append(per_token_advantages(traj, [r["A"] for r in stage_rows], decode))
     batch.stage_means = {f"reward/{k}_mean": float(np.mean(v)) for k, v in stats.items() if v}
     return batch
 
