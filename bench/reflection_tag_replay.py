@@ -16,7 +16,6 @@ The run is only read. About 1.5 minutes an update on 2 CPU cores (SmolLM2-135M, 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run_all import figure_line  # noqa: E402
+from bench.update_replay import UpdateReplay, replay_arguments  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -46,7 +46,6 @@ def probe_contexts(rows: list[dict[str, Any]], decode: Any, steps: list[int]) ->
 
 
 def replay(run_dir: Path, checkpoint: Path, n_steps: int, probe_steps: list[int], untrained_tags: bool) -> list[dict]:
-    from bench.update_replay import UpdateReplay
     from rubricem_core.reflection.meta import trained_mask
     from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
@@ -85,11 +84,14 @@ def _line(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", type=Path, required=True, help="a `full` run (ablation/full of make learn)")
-    parser.add_argument("--checkpoint", type=Path, help="the policy to start from (default: the run's SFT policy)")
-    parser.add_argument("--steps", type=int, default=3, help="replay the updates of steps 0..N-1")
-    parser.add_argument("--probe-steps", default="0,1,4", help="new-query steps whose candidates are probed")
+    # the run, default steps, probed steps
+    parser = replay_arguments(
+        __doc__.split("\n\n")[0],
+        "a `full` run (ablation/full of make learn)",
+        3,
+        "0,1,4",
+        "new-query steps whose candidates are probed",
+    )
     parser.add_argument("--format-tags", choices=["trained", "untrained", "both"], default="both")
     args = parser.parse_args()
     checkpoint = args.checkpoint or args.run_dir / "checkpoints" / "sft" / "final"

@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.run_all import figure_line  # noqa: E402
+from bench.update_replay import UpdateReplay, replay_arguments  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
@@ -53,11 +54,14 @@ def first_decision(token_ids: list[int], start: int, decode: Any) -> int | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", type=Path, required=True, help="an `ss_grpo` run (ablation/ss_grpo of make learn)")
-    parser.add_argument("--checkpoint", type=Path, help="the policy to start from (default: the run's SFT policy)")
-    parser.add_argument("--steps", type=int, default=12, help="replay the updates of steps 0..N-1")
-    parser.add_argument("--probe-steps", default="0,4,8", help="steps whose rollouts give the probed decisions")
+    # the run, default steps, probed steps
+    parser = replay_arguments(
+        __doc__.split("\n\n")[0],
+        "an `ss_grpo` run (ablation/ss_grpo of make learn)",
+        8,
+        "0,4,8",
+        "steps whose rollouts give the probed decisions",
+    )
     parser.add_argument(
         "--stage-boundary",
         choices=["entering", "leaving", "both"],
@@ -78,8 +82,6 @@ def main() -> None:
 
 def replay_one(args: argparse.Namespace, mode: str) -> tuple[float, float]:
     """The replay with ``rl.stage_boundary`` = ``mode``: (mean p(call) of the SFT policy, after the last update)."""
-    from bench.update_replay import UpdateReplay
-
     print(f"\n== rl.stage_boundary: {mode}")
     replay = UpdateReplay(args.run_dir, args.checkpoint, rl={"stage_boundary": mode})
     decode = replay.tokenizer.decode

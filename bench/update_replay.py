@@ -7,10 +7,24 @@ replay trains on what the run trained on. About 1–1.5 minutes an update on 2 C
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+def replay_arguments(
+    description: str, run: str, steps: int, probe_steps: str, probe_help: str
+) -> argparse.ArgumentParser:
+    """The options every replay script takes: the run, the starting policy, how many steps, which are probed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--run-dir", type=Path, required=True, help=run)
+    parser.add_argument("--checkpoint", type=Path, help="the policy to start from (default: the run's SFT policy)")
+    parser.add_argument("--steps", type=int, default=steps, help="replay the updates of steps 0..N-1")
+    parser.add_argument("--probe-steps", default=probe_steps, help=probe_help)
+    return parser
+
 
 RowsHook = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
