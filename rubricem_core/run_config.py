@@ -153,7 +153,7 @@ def _fields(cfg: RunConfig) -> dict[str, Any]:
 # resumed old run keeps training as it began, and a profile's new default is refused there like any change.
 LEGACY_VALUES: dict[str, Any] = {
     "reflection.train_format_tags": True,  # session 26: a valid reflection's format tags got no advantage
-    "rl.stage_boundary": "entering",  # session 27: a stage's first token takes the stage it leaves
+    "rl.stage_boundary": "entering",  # session 27: a stage's opening tag takes the stage it leaves
 }
 
 
