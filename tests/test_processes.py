@@ -31,7 +31,9 @@ def _wait_until(condition, timeout_s: float = 10.0) -> bool:
 @pytest.fixture
 def fake_server(tmp_path: Path) -> Path:
     """A stand-in for `vllm serve`: a leader with two workers in its group (like the API server with its
-    EngineCore), which on SIGTERM stops its workers and exits, as vLLM shuts its engine down."""
+    EngineCore), which on SIGTERM stops its workers and exits, as vLLM shuts its engine down. It signals its
+    whole group (`kill 0`): with `kill $(jobs -p)` the trap left both workers running in every pytest run on
+    this machine in session 27 (not pinned down; with a log line added to the trap it passed)."""
     script = tmp_path / "fake-serve"
     script.write_text(
         textwrap.dedent(
@@ -39,7 +41,7 @@ def fake_server(tmp_path: Path) -> Path:
             #!/bin/bash
             sleep 300 &
             sleep 300 &
-            trap 'trap - TERM; kill $(jobs -p); exit 0' TERM
+            trap 'trap - TERM; kill -TERM 0; exit 0' TERM
             echo ready
             wait
             """
