@@ -157,8 +157,11 @@ LEGACY_VALUES: dict[str, Any] = {
 }
 
 
-def legacy_values(recorded: dict[str, Any]) -> dict[str, Any]:
-    """The LEGACY_VALUES of the fields missing from a recorded config (a nested dict)."""
+def legacy_values(recorded: Any) -> dict[str, Any]:
+    """The LEGACY_VALUES of the fields missing from a recorded config (its parsed YAML; {} for anything
+    that is not a mapping, which validation then refuses)."""
+    if not isinstance(recorded, dict):
+        return {}
     present = flatten(recorded)
     return {k: v for k, v in LEGACY_VALUES.items() if k not in present}
 
@@ -175,7 +178,7 @@ def stored_config(run_dir: str | os.PathLike[str]) -> RunConfig | None:
         return None
     try:
         raw = yaml.safe_load(path.read_text())
-        if isinstance(raw, dict) and (legacy := legacy_values(raw)):
+        if legacy := legacy_values(raw):
             raw = apply_overrides(raw, legacy)
         return RunConfig.model_validate(raw)
     except ValidationError as exc:  # pydantic's own text repeats every value; this one hides key-like ones
@@ -199,8 +202,7 @@ def base_config(
             raw = yaml.safe_load(recorded.read_text())
         except yaml.YAMLError:
             raw = None  # load_config names the file and the parse error
-        legacy = legacy_values(raw) if isinstance(raw, dict) else {}
-        return load_config(str(recorded), {**legacy, **(overrides or {})})
+        return load_config(str(recorded), {**legacy_values(raw), **(overrides or {})})
     return load_config(profile, overrides)
 
 

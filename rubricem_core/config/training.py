@@ -236,7 +236,7 @@ class RLConfig(TrainerSettings, PackingSettings):
         description="Which stage's advantage a stage's opening tag takes. The tag is the choice to leave the stage "
         "before it (after a search's state evaluation, <call_tool searches again, <review> closes the research). "
         "leaving: the stage it leaves, so closing the research early is scored with the research; entering: the "
-        "stage it opens (a[t] = A[stage(t)] for every token, as runs before session 27 trained).",
+        "stage it opens (a[t] = A[stage(t)] for every token, the rule before this field existed).",
     )
     async_steps: Literal[0, 1] = Field(
         default=0,
