@@ -203,6 +203,137 @@ def trainer_config(sft: SFTConfig, total_steps: int, seed: int) -> TrainerConfig
     return TrainerConfig.from_settings(sft, total_steps=total_steps, seed=seed, warmup_steps=warmup)
 
 
+class SFTRun:
+    """One SFT run's state (model, encoded data, step schedule, trainer), advanced one optimizer step per
+    ``step()`` call. Built from the latest ``step-*`` checkpoint under ``checkpoint_root`` when there is one.
+    ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``.
+
+    On Ray trainer ranks every rank builds one and the driver calls ``step`` on all of them: the schedule is
+    a pure function of the seed, so all ranks hold the same global micro-batches and the trainer trains each
+    on its shard; saves are collective (rank 0 writes the HF weights). Each call returns the step's metrics,
+    so the driver logs rank 0's return value: no side channel."""
+
+    def __init__(
+        self,
+        policy_dir: Path,
+        rows: list[dict[str, Any]],
+        checkpoint_root: Path,
+        policy: PolicyConfig,
+        sft: SFTConfig,
+        seed: int,
+        doc_ids: Sequence[str] = (),
+        reflection_rows: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.checkpoint_root, self.sft, self.seed = Path(checkpoint_root), sft, seed
+        random.seed(seed)
+        # ZeRO-3 ranks load straight into their partitions; the step count (not known before the data is
+        # encoded) does not shape them
+        model, self.tokenizer = load_for_training(
+            policy_dir, policy.dtype, trainer_config(sft, 1, seed), lora=policy.lora
+        )
+        self.data = encode_sft_rows(self.tokenizer, rows, policy.max_seq_len)
+        self.n_research = len(self.data.trajectories)
+        self.n_reflections = add_reflections(
+            self.data, self.tokenizer, reflection_rows or [], sft.reflection_mix, seed, policy.max_seq_len
+        )
+        self.lengths = [len(t) for t in self.data.trajectories]
+        self.schedule = step_schedule(self.lengths, sft, seed)
+        self.trainer = make_trainer(model, trainer_config(sft, len(self.schedule), seed))
+        self.id_tokens = single_token_doc_ids(self.tokenizer, doc_ids) if sft.relabel_doc_ids else []
+        if sft.relabel_doc_ids:
+            log.info(
+                "relabelling %d single-token document ids (of %d) per trajectory and step",
+                len(self.id_tokens),
+                len(doc_ids),
+            )
+        resume = latest_checkpoint(self.checkpoint_root)
+        if resume is not None:
+            self.trainer.load(resume)
+            log.info("resumed SFT from %s at step %d", resume, self.trainer.global_step)
+        self.real = self.padded = 0
+        self.t0 = time.perf_counter()
+        self.last: dict[str, float] = {}
+
+    def position(self) -> tuple[int, int]:
+        """(steps done, steps in all)."""
+        return self.trainer.global_step, len(self.schedule)
+
+    def step(self) -> dict[str, float]:
+        """The next optimizer step (and its checkpoint when one is due); its metrics, ``sft/``-prefixed."""
+        step = self.trainer.global_step
+        micro_batches = [
+            collate_micro_batch(
+                [
+                    relabel_trajectory(self.data.trajectories[i], self.id_tokens, relabel_rng(self.seed, step, i))
+                    for i in idx
+                ],
+                self.tokenizer.pad_token_id,
+                self.sft.max_tokens_per_batch,
+                self.sft.packing,
+                self.sft.pack_length,
+            )
+            for idx in self.schedule[step]
+        ]
+        self.real += sum(b.n_real_tokens for b in micro_batches)
+        self.padded += sum(b.n_padded_tokens for b in micro_batches)
+        # weight micro-batches by their trained tokens: the step is a token-level mean
+        metrics = self.trainer.step(micro_batches, sft_loss, weights=[float(b.loss_mask.sum()) for b in micro_batches])
+        done = self.trainer.global_step
+        # n_padded_tokens is the padded batch size (rows × width), real tokens included
+        metrics["padding_fraction"] = (self.padded - self.real) / max(1, self.padded)
+        metrics["tokens_per_s"] = self.real / max(1e-9, time.perf_counter() - self.t0)
+        self.last = {f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if done % self.sft.checkpoint_every == 0 and done < len(self.schedule):
+            self.trainer.save(step_checkpoint_dir(self.checkpoint_root, done))
+        fault_point("sft.step_done")
+        return self.last
+
+    def finish(self) -> dict[str, Any]:
+        """The final checkpoint; the run's summary."""
+        final_dir = final_checkpoint_dir(self.checkpoint_root)
+        # the tokenizer goes inside the atomic save: a kill between two saves would leave a "final"
+        # checkpoint without it, which the sft task then treats as finished
+        self.trainer.save(final_dir, tokenizer=self.tokenizer)
+        return {
+            "steps": len(self.schedule),
+            "trajectories": self.n_research,
+            "reflection_examples": self.n_reflections,
+            "skipped_too_long": len(self.data.skipped_too_long),
+            "rejected_rows": self.data.n_rejected,
+            "train_tokens": sum(self.lengths),
+            "policy_tokens": sum(t.n_policy_tokens for t in self.data.trajectories),
+            "padding_fraction": (self.padded - self.real) / max(1, self.padded),
+            "final_loss": self.last.get("sft/loss", float("nan")),
+            "final_dir": str(final_dir),
+        }
+
+
+def drive_sft(
+    call: Callable[[str], Any],
+    log_every: int,
+    log_metrics: MetricsFn | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """The SFT loop, read top to bottom: ``call(name)`` runs ``SFTRun.<name>()`` where the run lives (this
+    process, or every Ray rank returning rank 0's value). ``stop_after`` ends early (tests of resume)."""
+    done, total = call("position")
+    progress = Progress("sft step", total, log.info, every_s=0.0, start_done=done)
+    while done < total:
+        metrics = call("step")
+        done += 1
+        if done % log_every == 0 or done == total:
+            progress.update(
+                done,
+                f"loss {metrics.get('sft/loss', float('nan')):.4f}, lr {metrics.get('sft/lr', float('nan')):.2e}, "
+                f"{metrics.get('sft/tokens_per_s', 0.0):.0f} tokens/s",
+            )
+            if log_metrics is not None:
+                log_metrics(metrics, done)
+        if stop_after is not None and done >= stop_after:
+            return {"stopped_at": done, "total_steps": total}
+    return call("finish")
+
+
 def run_sft(
     policy_dir: Path,
     rows: list[dict[str, Any]],
@@ -215,111 +346,28 @@ def run_sft(
     doc_ids: Sequence[str] = (),
     reflection_rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Train and write ``checkpoint_root/final`` (an HF model directory). Resumes from the latest
-    ``step-*`` checkpoint under ``checkpoint_root``. ``stop_after`` ends early (tests of resume).
-    ``doc_ids`` (the corpus's ids) are renamed per trajectory and step when ``sft.relabel_doc_ids``.
-
-    On Ray trainer ranks every rank runs this same function: the schedule is a pure function of the seed,
-    so all ranks hold the same global micro-batches and the trainer trains each on its shard; saves
-    are collective (rank 0 writes the HF weights). Give ``log_metrics`` on rank 0 only."""
-    final_dir = final_checkpoint_dir(checkpoint_root)
-    random.seed(seed)
-    # ZeRO-3 ranks load straight into their partitions; the step count (not known before the data is
-    # encoded) does not shape them
-    model, tokenizer = load_for_training(policy_dir, policy.dtype, trainer_config(sft, 1, seed), lora=policy.lora)
-    data = encode_sft_rows(tokenizer, rows, policy.max_seq_len)
-    n_research = len(data.trajectories)
-    n_reflections = add_reflections(
-        data, tokenizer, reflection_rows or [], sft.reflection_mix, seed, policy.max_seq_len
-    )
-    lengths = [len(t) for t in data.trajectories]
-    schedule = step_schedule(lengths, sft, seed)
-    trainer = make_trainer(model, trainer_config(sft, len(schedule), seed))
-    id_tokens = single_token_doc_ids(tokenizer, doc_ids) if sft.relabel_doc_ids else []
-    if sft.relabel_doc_ids:
-        log.info(
-            "relabelling %d single-token document ids (of %d) per trajectory and step", len(id_tokens), len(doc_ids)
-        )
-    resume = latest_checkpoint(checkpoint_root)
-    if resume is not None:
-        trainer.load(resume)
-        log.info("resumed SFT from %s at step %d", resume, trainer.global_step)
-
-    pad_id = tokenizer.pad_token_id
-    progress = Progress("sft step", len(schedule), log.info, every_s=0.0, start_done=trainer.global_step)
-    real = padded = 0
-    t0 = time.perf_counter()
-    metrics: dict[str, float] = {}
-    for step in range(trainer.global_step, len(schedule)):
-        micro_batches = [
-            collate_micro_batch(
-                [relabel_trajectory(data.trajectories[i], id_tokens, relabel_rng(seed, step, i)) for i in idx],
-                pad_id,
-                sft.max_tokens_per_batch,
-                sft.packing,
-                sft.pack_length,
-            )
-            for idx in schedule[step]
-        ]
-        real += sum(b.n_real_tokens for b in micro_batches)
-        padded += sum(b.n_padded_tokens for b in micro_batches)
-        # weight micro-batches by their trained tokens: the step is a token-level mean
-        metrics = trainer.step(micro_batches, sft_loss, weights=[float(b.loss_mask.sum()) for b in micro_batches])
-        done = trainer.global_step
-        # n_padded_tokens is the padded batch size (rows × width), real tokens included
-        metrics["padding_fraction"] = (padded - real) / max(1, padded)
-        metrics["tokens_per_s"] = real / max(1e-9, time.perf_counter() - t0)
-        if done % sft.log_every == 0 or done == len(schedule):
-            progress.update(
-                done,
-                f"loss {metrics.get('loss', float('nan')):.4f}, lr {metrics.get('lr', float('nan')):.2e}, "
-                f"{metrics['tokens_per_s']:.0f} tokens/s",
-            )
-            if log_metrics is not None:
-                log_metrics({f"sft/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, done)
-        if done % sft.checkpoint_every == 0 and done < len(schedule):
-            trainer.save(step_checkpoint_dir(checkpoint_root, done))
-        fault_point("sft.step_done")
-        if stop_after is not None and done >= stop_after:
-            return {"stopped_at": done, "total_steps": len(schedule)}
-    # the tokenizer goes inside the atomic save: a kill between two saves would leave a "final"
-    # checkpoint without it, which the sft task then treats as finished
-    trainer.save(final_dir, tokenizer=tokenizer)
-    return {
-        "steps": len(schedule),
-        "trajectories": n_research,
-        "reflection_examples": n_reflections,
-        "skipped_too_long": len(data.skipped_too_long),
-        "rejected_rows": data.n_rejected,
-        "train_tokens": sum(lengths),
-        "policy_tokens": sum(t.n_policy_tokens for t in data.trajectories),
-        "padding_fraction": (padded - real) / max(1, padded),
-        "final_loss": float(metrics.get("loss", float("nan"))),
-        "final_dir": str(final_dir),
-    }
+    """Train in this process and write ``checkpoint_root/final`` (an HF model directory), resuming from the
+    latest ``step-*`` checkpoint; the run's summary (``SFTRun.finish``)."""
+    run = SFTRun(policy_dir, rows, checkpoint_root, policy, sft, seed, doc_ids=doc_ids, reflection_rows=reflection_rows)
+    return drive_sft(lambda name: getattr(run, name)(), sft.log_every, log_metrics, stop_after)
 
 
-def sft_rank(run_dir: str, cfg: dict[str, Any], policy_dir: str, checkpoint_root: str) -> dict[str, Any] | None:
-    """One SFT rank's whole run (inside a Ray actor): every rank reads the run's SFT rows and trains on its
-    shard of each step; rank 0 reports metrics to the driver and returns the result."""
-    from rubricem_core.distributed.actors import emit_metrics
-    from rubricem_core.distributed.ranks import is_main
-
+def sft_rank(run_dir: str, cfg: dict[str, Any], policy_dir: str, checkpoint_root: str) -> SFTRun:
+    """One SFT rank's run (built inside a Ray actor): every rank reads the run's SFT rows and trains on its
+    shard of each step."""
     run = RunConfig.model_validate(cfg)
     rows, reflections = sft_inputs(run_dir)
     doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if run.sft.relabel_doc_ids else []
-    result = run_sft(
+    return SFTRun(
         Path(policy_dir),
         rows,
         Path(checkpoint_root),
         run.policy,
         run.sft,
         run.seed,
-        log_metrics=emit_metrics if is_main() else None,
         doc_ids=doc_ids,
         reflection_rows=reflections,
     )
-    return result if is_main() else None
 
 
 def train_sft(
@@ -331,7 +379,8 @@ def train_sft(
     on_line: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """SFT of the run: in this process (``distributed.world_size`` 1), else on that many Ray actor ranks
-    (their output lines to ``on_line``, rank 0's metrics to ``log_metrics``); the result of ``run_sft``."""
+    driven step by step from here (their output lines to ``on_line``; rank 0's returned metrics to
+    ``log_metrics``); the run's summary (``SFTRun.finish``)."""
     store = RunStore(run_dir)
     if cfg.distributed.world_size == 1:
         rows, reflections = sft_inputs(run_dir)
@@ -357,17 +406,17 @@ def train_sft(
         store.layout.rank_logs_dir,
         timeout_s=cfg.distributed.timeout_s,
         on_line=on_line,
-        on_metrics=log_metrics,
     )
     try:
         policy = str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir
-        result = group.run(
+        group.build(
             sft_rank,
             str(Path(run_dir).resolve()),
             cfg.model_dump(mode="json"),
             policy,
             str(Path(checkpoint_root).resolve()),
-        )[0]
+        )
+        # every rank takes part in each step (collectives, saves); rank 0's return value is the figure
+        return drive_sft(lambda name: group.call(name)[0], cfg.sft.log_every, log_metrics)
     finally:
         group.close()
-    return result

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from rubricem_core.distributed.actors import emit_metrics
 
 
 class Ranked:
@@ -42,19 +39,6 @@ class Ranked:
         if self.rank == failing:
             raise ValueError("rank one broke: bad shard 17")
         dist.barrier()
-
-    def report_metrics(self, flag: str, timeout_s: float) -> bool:
-        """Rank 0 emits a metrics line, then waits for the driver's ``on_metrics`` to create ``flag``: True
-        when it came while this call was still running."""
-        if self.rank != 0:
-            return True
-        emit_metrics({"loss": 1.5, "tokens": 42.0}, 3)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if Path(flag).exists():
-                return True
-            time.sleep(0.05)
-        return False
 
     def rendezvous(self) -> tuple[str, int]:
         """The address and port of the process group's rendezvous store (rank 0's)."""

@@ -1,6 +1,6 @@
 """RankGroup (rubricem_core/distributed/actors.py) on the session's local Ray, with tiny plain-Python rank
 objects (tests/rank_cases.py): calls and their arguments, a collective, failures (a rank SIGKILLed from
-outside, an exception), rank 0's metric lines, the rendezvous store's doors, placement that cannot be met."""
+outside, an exception), the rendezvous store's doors, placement that cannot be met."""
 
 from __future__ import annotations
 
@@ -71,25 +71,7 @@ class TestLiveGroup:
     def test_an_all_reduce_across_the_ranks(self, group, values, total):
         assert group.call_each("all_reduce", [(v,) for v in values]) == [total, total]
 
-    # ---- (d) metrics ---------------------------------------------------------------------------------
-    def test_rank_zeros_metric_lines_reach_on_metrics_while_the_call_runs(self, group, tmp_path):
-        flag = tmp_path / "seen"
-        seen: list = []
-        lines: list[str] = []
-
-        def on_metrics(metrics: dict, step: int) -> None:
-            seen.append((metrics, step))
-            flag.touch()  # the rank waits for this: it proves the line arrived before the call returned
-
-        group.on_metrics, group.on_line = on_metrics, lines.append
-        try:
-            assert group.call("report_metrics", str(flag), 60.0) == [True, True]
-        finally:
-            group.on_metrics, group.on_line = None, lambda line: None
-        assert seen == [({"loss": 1.5, "tokens": 42.0}, 3)]
-        assert not any("@@rubricem-metrics" in line for line in lines)  # parsed, not logged as text
-
-    # ---- (e) the rendezvous --------------------------------------------------------------------------
+    # ---- (d) the rendezvous --------------------------------------------------------------------------
     def test_the_rendezvous_store_and_gloo_listen_on_loopback_only(self, group):
         host, port = group.call("rendezvous")[0]
         assert host == "127.0.0.1"
@@ -177,7 +159,7 @@ def test_an_exception_in_one_rank_fails_the_call_with_its_traceback(ray_cluster,
     assert_gone(actors)
 
 
-# ---- (f) placement -------------------------------------------------------------------------------
+# ---- (e) placement -------------------------------------------------------------------------------
 def test_a_placement_the_cluster_cannot_meet_fails_naming_bundles_and_resources(ray_cluster, tmp_path):
     import ray
     from ray.util import placement_group_table

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from rubricem_core.config import load_config
-from rubricem_core.sft import SFTDataError, atomic_doc_id_terms, encode_sft_rows, prepare_policy, run_sft
+from rubricem_core.sft import (
+    SFTDataError,
+    atomic_doc_id_terms,
+    drive_sft,
+    encode_sft_rows,
+    prepare_policy,
+    run_sft,
+)
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from tests.sft_runs import SFT_RUN, collected_run  # noqa: F401  (module fixture)
@@ -86,6 +93,43 @@ def test_reflection_mix_sizes_and_covers(n_research, n_reflections, ratio, expec
     if expected >= n_reflections > 0:  # every example used before any repeats
         assert set(picks[:n_reflections]) == set(range(n_reflections))
     assert picks == reflection_mix(n_research, n_reflections, ratio, seed=3)  # a pure function of the seed
+
+
+class CountingRun:
+    """SFTRun's driving surface (position, step, finish) over a counter: what ``drive_sft`` asks of a run."""
+
+    def __init__(self, done: int, total: int) -> None:
+        self.done, self.total, self.finished = done, total, False
+
+    def position(self) -> tuple[int, int]:
+        return self.done, self.total
+
+    def step(self) -> dict[str, float]:
+        self.done += 1
+        return {"sft/loss": 1.0 / self.done}
+
+    def finish(self) -> dict:
+        self.finished = True
+        return {"steps": self.total}
+
+
+@pytest.mark.parametrize(
+    "done, log_every, stop_after, logged, result",
+    [
+        (0, 2, None, [2, 4, 5], {"steps": 5}),  # every log_every steps, and the last
+        (3, 2, None, [4, 5], {"steps": 5}),  # resumed at step 3
+        (0, 1, 2, [1, 2], {"stopped_at": 2, "total_steps": 5}),  # stopped early: no final checkpoint
+        (5, 1, None, [], {"steps": 5}),  # every step done: only the final save
+    ],
+)
+def test_drive_sft_logs_the_returned_metrics_of_each_step(done, log_every, stop_after, logged, result):
+    run = CountingRun(done, 5)
+    seen: list = []
+    out = drive_sft(lambda name: getattr(run, name)(), log_every, lambda m, step: seen.append((step, m)), stop_after)
+    assert out == result
+    assert [step for step, _ in seen] == logged
+    assert all(m == {"sft/loss": 1.0 / step} for step, m in seen)  # each step's own return value
+    assert run.finished == ("steps" in result)
 
 
 @pytest.mark.slow

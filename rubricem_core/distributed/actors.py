@@ -10,8 +10,8 @@ Each rank is a ``RankWorker`` actor holding one bundle of the group's placement 
 the cluster has GPUs, else a CPU), with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` (rank 0's
 node) and ``MASTER_PORT`` set before it starts torch.distributed (NCCL on GPUs, gloo on CPUs); DeepSpeed
 adopts that process group. A rank's stdout and stderr (C libraries included) go to its own file,
-``<log_dir>/<kind>-rank<k>.log``; the driver tails the files while it waits, hands their lines to
-``on_line`` and the ``emit_metrics`` lines of rank 0 to ``on_metrics``.
+``<log_dir>/<kind>-rank<k>.log``; the driver tails the files while it waits and hands their lines to
+``on_line``. Figures (losses, token counts) are calls' return values, never parsed from the output.
 
 A rank that dies (its process is killed, its node is lost) or raises fails the call at once: Ray reports
 a dead actor within milliseconds, the other ranks (who may be waiting in a collective) are killed with the
@@ -21,7 +21,6 @@ whole group, and ``RankFailure`` names the rank, its node and pid and ends with 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import secrets
@@ -34,7 +33,6 @@ from typing import Any
 from rubricem_core import faults
 from rubricem_core.distributed.cluster import node_address, uses_gpus
 
-METRICS_PREFIX = "@@rubricem-metrics "
 TAIL_LINES = 120
 POLL_S = 0.2
 log = logging.getLogger(__name__)
@@ -42,11 +40,6 @@ log = logging.getLogger(__name__)
 
 class RankFailure(RuntimeError):
     """A trainer rank died or raised; the message names it and holds the end of its output."""
-
-
-def emit_metrics(metrics: dict[str, float], step: int) -> None:
-    """Print one metrics line for the driver (call it on rank 0 only)."""
-    print(METRICS_PREFIX + json.dumps({"step": step, "metrics": metrics}), flush=True)
 
 
 class RankWorker:
@@ -137,7 +130,7 @@ class RankWorker:
             sys.stdout.flush()
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One function on this rank, e.g. a whole SFT run."""
+        """One function on this rank."""
         try:
             return fn(*args, **kwargs)
         finally:
@@ -189,14 +182,13 @@ class RankGroup:
         timeout_s: float = 1800.0,
         env: dict[str, str] | None = None,
         on_line: Callable[[str], None] = lambda line: None,
-        on_metrics: Callable[[dict[str, float], int], None] | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.kind, self.world_size, self.timeout_s = kind, world_size, timeout_s
-        self.on_line, self.on_metrics = on_line, on_metrics
+        self.on_line = on_line
         gpu = uses_gpus()
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
         self._bundle = bundle
@@ -285,11 +277,6 @@ class RankGroup:
         """Hand over what the ranks wrote since the last call."""
         for r, tail in enumerate(self._tails):
             for line in tail.read():
-                if line.startswith(METRICS_PREFIX):
-                    if r == 0 and self.on_metrics is not None:
-                        record = json.loads(line[len(METRICS_PREFIX) :])
-                        self.on_metrics(record["metrics"], int(record["step"]))
-                    continue
                 tail.tail.append(line)
                 self.on_line(line if line.startswith("[rank") else f"[rank {r}] {line}")
 
@@ -409,8 +396,8 @@ def _cause(exc: BaseException) -> str:
 
 
 def probe() -> dict[str, Any]:
-    """What a rank sees (``RankGroup.run("rubricem_core.distributed.actors:probe")``): its rank, device, the
-    CUDA devices Ray gave it, and an all-reduce over the group (the sum of the ranks + 1: world·(world+1)/2)."""
+    """What a rank sees (``RankGroup.run(probe)``): its rank, device, the CUDA devices Ray gave it, and an
+    all-reduce over the group (the sum of the ranks + 1: world·(world+1)/2)."""
     import torch
     import torch.distributed as dist
 
