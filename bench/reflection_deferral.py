@@ -1,17 +1,19 @@
 """Deferred vs synchronous reflection schedule: RL step time with a slow reflection judge.
 
 Runs the same RL steps (recipe `full`) twice from one SFT checkpoint: `reflection.schedule=deferred`
-(the reflection update of step N−1 overlaps step N's rollouts; reflection generation and judging
-overlap the task update) and `sync` (the same tasks one after another). The reflection judge is an
-OpenAI-compatible HTTP server on 127.0.0.1 that answers like the built-in reflection judge after
-`--latency` seconds per call, reached through litellm like a real provider.
+(the reflection update of step N−1 overlaps step N's rollouts; reflection generation overlaps the
+task judge, reflection judging the task update) and `sync` (the same tasks one after another). The
+reflection judge is an OpenAI-compatible HTTP server on 127.0.0.1 that answers like the built-in
+reflection judge after `--latency` seconds per call, reached through litellm like a real provider;
+with `--judge-latency` the task judge is one too (the built-in judge's answers after that many
+seconds per call), so the task judge's wait is real and reflection generation can fill it.
 
 The tiny SFT policy has never seen a reflection prompt and writes no valid reflection, and invalid
 candidates are scored without a judge call; so that the judge is really called, even-numbered
 candidates are forced (the engine's `forced_policy` hook) to a question-specific reflection. This
 measures the schedule, not reflection quality.
 
-    .venv/bin/python bench/reflection_deferral.py --run-dir runs/tiny [--latency 6] [--quick]
+    .venv/bin/python bench/reflection_deferral.py --run-dir runs/tiny [--latency 6] [--judge-latency 3] [--quick]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 from rubricem_core.layout import RunLayout  # noqa: E402
+from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
 from rubricem_core.sim.reflection_judge import respond as builtin_reflection_reply  # noqa: E402
 from rubricem_core.sql import run_sql  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
@@ -40,6 +43,7 @@ from rubricem_core.testing.forced_reflections import forcing_engine  # noqa: E40
 from rubricem_core.testing.openai_server import FakeOpenAIServer  # noqa: E402
 
 KEY_ENV = "RUBRICEM_BENCH_REFLECTION_JUDGE_KEY"
+JUDGE_KEY_ENV = "RUBRICEM_BENCH_JUDGE_KEY"
 
 
 def copy_base(src: Path, dst: Path) -> str:
@@ -64,6 +68,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="runs/tiny", help="a run with checkpoints/sft/final (not modified)")
     parser.add_argument("--latency", type=float, default=6.0, help="seconds per reflection-judge call")
+    parser.add_argument(
+        "--judge-latency",
+        type=float,
+        default=0.0,
+        help="seconds per task-judge call (an HTTP judge answering like the built-in one); 0: the built-in judge",
+    )
     parser.add_argument("--window", type=int, default=1, help="K: steps = 2K (K new-query steps, K replays)")
     parser.add_argument("--queries", type=int, default=4, help="queries per step")
     parser.add_argument("--candidates", type=int, default=4, help="reflection candidates per trajectory")
@@ -79,7 +89,7 @@ def main() -> None:
     src = Path(args.run_dir)
     if not has_sft_checkpoint(src, "figure: deferred_over_sync=nan x  goal: <= 0.75  met: n/a"):
         return
-    os.environ[KEY_ENV] = "bench-key"
+    os.environ[KEY_ENV] = os.environ[JUDGE_KEY_ENV] = "bench-key"
     overrides = {
         "rl.recipe": "full",
         "rl.window": args.window,
@@ -107,10 +117,22 @@ def main() -> None:
     steps = 2 * args.window
     with (
         FakeOpenAIServer(respond=lambda body: builtin_reflection_reply(body["messages"], body)) as server,
+        FakeOpenAIServer(respond=lambda body: builtin_judge_reply(body["messages"], body)) as judge_server,
         tempfile.TemporaryDirectory() as tmp,
     ):
         server.delay_s = args.latency
         overrides["reflection.judge.api_base"] = server.base_url
+        if args.judge_latency > 0:
+            judge_server.delay_s = args.judge_latency
+            overrides.update(
+                {
+                    "judge.model": "openai/judge",
+                    "judge.api_base": judge_server.base_url,
+                    "judge.api_key_env": JUDGE_KEY_ENV,
+                    "judge.input_cost_per_token": 0.0,
+                    "judge.output_cost_per_token": 0.0,
+                }
+            )
         for attempt, schedule in enumerate(("sync", "deferred") * args.repeats):
             run_dir = copy_base(src, Path(tmp) / f"{schedule}-{attempt}")
             t0 = time.perf_counter()
@@ -125,7 +147,7 @@ def main() -> None:
                 run_sql(
                     run_dir,
                     "SELECT step, name, round(value, 2) AS v FROM metrics WHERE name IN "
-                    "('rollout/seconds', 'rl/update_seconds', 'reflection/generate_seconds', "
+                    "('rollout/seconds', 'judge/wait_seconds', 'rl/update_seconds', 'reflection/generate_seconds', "
                     "'reflection/judge_seconds', 'reflection_update/seconds') ORDER BY ALL",
                     fmt="json",
                 )
@@ -136,7 +158,11 @@ def main() -> None:
             )
         calls = len(server.chat_calls)
     ratio = seconds["deferred"] / seconds["sync"]
-    print(f"reflection-judge calls: {calls} at {args.latency:.1f}s each; steps per schedule: {steps}")
+    print(
+        f"reflection-judge calls: {calls} at {args.latency:.1f}s each; task-judge calls: "
+        f"{len(judge_server.chat_calls) if args.judge_latency > 0 else 'built-in'} at {args.judge_latency:.1f}s each; "
+        f"steps per schedule: {steps}"
+    )
     print(f"figure: deferred_over_sync={ratio:.2f} x  goal: <= 0.75  met: {'yes' if ratio <= 0.75 else 'no'}")
 
 

@@ -7,8 +7,9 @@ step and task whose Parquet exists and whose update the progress file marks done
 updates after the newest checkpoint from their tables (docs/checkpointing.md).
 
 With the reflection meta-policy (recipes meta_policy, full) a step N also runs
-  reflection-update (on step N−1's candidates)  alongside  rollout      (submitted together), and
-  reflect (candidates, judge, bank; new-query steps) alongside  ss-grpo-update,
+  reflection-update (on step N−1's candidates)  alongside  rollout      (submitted together),
+  reflection-candidates (the policy's; new-query steps)  alongside  judge, and
+  reflect (reflection judge, bank)                    alongside  ss-grpo-update,
 so the Prefect timeline shows the overlap. `reflection.schedule: sync` runs the same tasks one after
 another in the same order of weight changes, so both schedules give the same numbers.
 
@@ -26,6 +27,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from flows.common import (
     RUN_HOOKS,
@@ -49,7 +51,7 @@ from rubricem_core.rl.session import SessionManager, open_session, recipe_settin
 from rubricem_core.splits import rl_queries
 from rubricem_core.store import RunStore
 from rubricem_core.tracking import Tracker
-from tasks.reflection import reflect_task, reflection_update_task
+from tasks.reflection import reflect_task, reflection_candidates_task, reflection_update_task
 from tasks.rl import judge_task, rollout_task, step_metrics, step_metrics_logged, update_task
 from tasks.secrets import check_endpoint_keys
 
@@ -84,9 +86,14 @@ def rl_step(
         _alongside(overlap, [*reflection_update, (update_task, session, plan)], _engine_work(session, plan, next_plan))
         return
     _alongside(overlap, [(rollout_task, session, plan)], reflection_update)
-    judge_task(session, plan)
-    reflect = [(reflect_task, session, plan)] if reflection_on(cfg) and plan.phase == "new" else []
-    _alongside(overlap, [(update_task, session, plan)], reflect)
+    if not (reflection_on(cfg) and plan.phase == "new"):
+        judge_task(session, plan)
+        update_task(session, plan)
+        return
+    # the policy writes the step's reflection candidates (from the rollouts alone) while the judge scores
+    # them; the reflection judge and the bank then run beside the update
+    (candidates,) = _alongside(overlap, [(judge_task, session, plan)], [(reflection_candidates_task, session, plan)])
+    _alongside(overlap, [(update_task, session, plan)], [(reflect_task, session, plan, quote(candidates))])
 
 
 def _engine_work(session: SessionManager, plan: StepPlan, next_plan: StepPlan | None) -> list[tuple]:
@@ -117,15 +124,15 @@ def _reflections_to_train(session: SessionManager, plan: StepPlan, previous: Ste
     return previous
 
 
-def _alongside(overlap: bool, main: list[tuple], side: list[tuple]) -> None:
+def _alongside(overlap: bool, main: list[tuple], side: list[tuple]) -> list[Any]:
     """Run the ``main`` tasks (each a task and its arguments) one after another, and the ``side`` tasks
     one after another beside them: submitted to run concurrently when ``overlap``
     (reflection.schedule: deferred), else after ``main`` — the same order of weight changes either
-    way, so both schedules give the same numbers."""
+    way, so both schedules give the same numbers. The ``side`` tasks' results, in order."""
     if not overlap:
-        for task, *args in [*main, *side]:
+        for task, *args in main:
             task(*args)
-        return
+        return [task(*args) for task, *args in side]
     futures: list[Any] = []
     for task, *args in side:  # each waits for the one before it
         futures.append(task.submit(*args, wait_for=futures[-1:]))
@@ -135,8 +142,7 @@ def _alongside(overlap: bool, main: list[tuple], side: list[tuple]) -> None:
     finally:
         for future in futures:
             future.wait()  # a failure of one must not leave the other still changing the weights
-    for future in futures:
-        future.result()
+    return [future.result() for future in futures]
 
 
 def _finish_done_step(session: SessionManager, plan: StepPlan, next_plan: StepPlan | None, child: Any) -> None:

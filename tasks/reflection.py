@@ -1,8 +1,10 @@
 """Prefect tasks of the reflection meta-policy (recipes meta_policy and full).
 
-`reflect` (step N, new-query phase): candidates from the policy → reflection judge → `reflections`
-partition step=N, best valid candidate per query into the bank (`bank` table + the FAISS bank saved at
-`bank_dir(run_dir)`, where evaluation reads it).
+`reflection-candidates` (step N, new-query phase): the policy writes reflection candidates on the step's
+rollouts (they need no judge score, so this runs while the task judge scores the step).
+`reflect` (step N): those candidates → reflection judge → `reflections` partition step=N, best valid
+candidate per query into the bank (`bank` table + the FAISS bank saved at `bank_dir(run_dir)`, where
+evaluation reads it).
 `reflection-update` (run in step N+1): one GRPO step on the reflection tokens of step N's candidates.
 The flow overlaps them with the task work (see flows/rl.py); both skip what their Parquet or the
 newest checkpoint already holds, so a retried run redoes only what is missing.
@@ -12,15 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
+from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.progress import completed_step
-from rubricem_core.rl.session import SessionManager
-from rubricem_core.rl.steps import reflect_step, reflection_update_step, reload_bank_step
+from rubricem_core.rl.session import RLSession, SessionManager
+from rubricem_core.rl.steps import (
+    ReflectionCandidates,
+    reflect_step,
+    reflection_update_step,
+    reload_bank_step,
+    write_candidates,
+)
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA
 from rubricem_core.store import RunStore, cached_task_metrics, save_task_metrics
 from tasks.inputs import search_env
@@ -32,21 +42,44 @@ def _key(step: int) -> dict[str, int]:
     return {"step": step}
 
 
+@task(name="reflection-candidates", task_run_name="reflection-candidates-step-{plan.step}", cache_policy=NO_CACHE)
+def reflection_candidates_task(session: SessionManager, plan: StepPlan) -> ReflectionCandidates | None:
+    """The policy's reflection candidates on a new-query step's rollouts (weights: those after step−1;
+    rubricem_core.rl.steps.write_candidates), handed to `reflect` as a value; None when the step's
+    `reflections` are written already (`reflect` reads them back)."""
+    store, cfg = session.store, session.cfg
+    if store.has("reflections", _key(plan.step)):
+        return None
+    # the live session, unless a resumed run lost the weights of step−1 (no checkpoint kept them):
+    # then one replayed to step−1 from the tables
+    candidates = _write_candidates(session.sampling(plan.step - 1), cfg, plan)
+    n = sum(len(g) for g in candidates.groups)
+    get_run_logger().info("step %d: %d reflection candidates written in %.1fs", plan.step, n, candidates.seconds)
+    return candidates
+
+
+def _write_candidates(rl_session: RLSession, cfg: RunConfig, plan: StepPlan) -> ReflectionCandidates:
+    queries = {q["query_id"]: q for q in rl_session.store.read_rows("queries")}
+    return write_candidates(rl_session, cfg, plan, queries, search_env(str(rl_session.store.run_dir), cfg))
+
+
 @parquet_task(name="reflect", task_run_name="reflect-step-{plan.step}")
-def reflect_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | State:
-    """Write, judge and bank the reflections of a new-query step (weights: those after step−1;
-    rubricem_core.rl.steps.reflect_step) → `reflections`, `bank` and the saved FAISS bank."""
+def reflect_task(
+    session: SessionManager, plan: StepPlan, candidates: ReflectionCandidates | None = None
+) -> dict[str, Any] | State:
+    """Judge and bank the reflections of a new-query step (rubricem_core.rl.steps.reflect_step) →
+    `reflections`, `bank` and the saved FAISS bank. ``candidates``: reflection-candidates' value; None
+    (a rerun, one-step async's engine work) writes them here first."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if store.has("reflections", _key(plan.step)):
         metrics = cached_task_metrics(store, "reflect", plan.step) | reload_bank_step(session.current(), plan.step)
         where = store.partition_path("reflections", _key(plan.step))
         return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
+    rl_session = session.sampling(plan.step - 1)  # as reflection-candidates' (the bank is the live one's)
+    if candidates is None:
+        candidates = _write_candidates(rl_session, cfg, plan)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
-    tools = search_env(str(store.run_dir), cfg)
-    # the live session, unless a resumed run lost the weights of step−1 (no checkpoint kept them):
-    # then one replayed to step−1 from the tables
-    rl_session = session.sampling(plan.step - 1)
-    reflected = reflect_step(rl_session, cfg, plan, queries, tools, resolve_api_key(cfg.reflection.judge))
+    reflected = reflect_step(rl_session, cfg, plan, queries, candidates, resolve_api_key(cfg.reflection.judge))
     # The bank first, then the metrics, then `reflections`, which marks the task done: a rerun after a
     # kill before it redoes the step's reflections and rebuilds the bank from the earlier partitions.
     if rl_session.bank is not None:

@@ -4,7 +4,8 @@ tasks (tasks/rl.py, tasks/reflection.py) read their inputs, call one of these, a
     sampled = sample_step(session, cfg, plan, queries, tools, judge_api_key, log_line)  # → `rollouts`
     judged = judge_rl_step(session, cfg, plan, queries, rollouts, api_key)                # → judge tables
     updated = update_step(session, cfg, plan, log_line)                                   # SS-GRPO (+ checkpoint)
-    reflected = reflect_step(session, cfg, plan, queries, tools, api_key)                 # → `reflections`, bank
+    candidates = write_candidates(session, cfg, plan, queries, tools)                     # while the judge runs
+    reflected = reflect_step(session, cfg, plan, queries, candidates, api_key)            # → `reflections`, bank
     refl = reflection_update_step(session, cfg, source_step, at_step, log_line)           # GRPO on reflections
 
 Each changes the session (weights, engine, rubric buffers, bank) in memory only; the tables it returns
@@ -395,35 +396,57 @@ class ReflectedStep:
         )
 
 
-def reflect_step(
+@dataclass
+class ReflectionCandidates:
+    """A new-query step's reflection candidates as the policy wrote them (weights after step−1), before
+    the reflection judge: the source rollout per query, the candidates of each, the seconds it took.
+    Written from the rollouts alone, so the engine writes them while the task judge scores the step."""
+
+    sources: dict[str, dict[str, Any]]
+    groups: list[list[TokenTrajectory]]
+    seconds: float
+
+
+def write_candidates(
     session: RLSession,
     cfg: RunConfig,
     plan: StepPlan,
     queries: dict[str, dict[str, Any]],
     tools: ToolEnv,
-    api_key: str | None,
-) -> ReflectedStep:
-    """Write, judge and bank the reflections of a new-query step with the weights after step−1: the
-    policy writes ``reflection.n_candidates`` per sampled rollout, the reflection judge scores them, the
-    best valid one per query enters the session's bank."""
-    store = session.store
+) -> ReflectionCandidates:
+    """``reflection.n_candidates`` reflections per sampled rollout of a new-query step, with the weights
+    after step−1."""
     sources = pick_source_rollouts(
-        store.read_rows("rollouts", {"step": plan.step}), plan.query_ids, cfg.seed, plan.step
+        session.store.read_rows("rollouts", {"step": plan.step}), plan.query_ids, cfg.seed, plan.step
     )
     t0 = time.perf_counter()
     groups = sample_candidates(session, cfg, plan.step, sources, queries, tools)
-    gen_seconds = time.perf_counter() - t0
+    return ReflectionCandidates(sources, groups, time.perf_counter() - t0)
+
+
+def reflect_step(
+    session: RLSession,
+    cfg: RunConfig,
+    plan: StepPlan,
+    queries: dict[str, dict[str, Any]],
+    candidates: ReflectionCandidates,
+    api_key: str | None,
+) -> ReflectedStep:
+    """Judge and bank a new-query step's reflection candidates: the reflection judge scores them (with
+    the step's task-judge tables as its privileged view), the best valid one per query enters the
+    session's bank."""
+    store = session.store
     judged = judge_candidates(
         reflection_judge(cfg, api_key),
         cfg,
         plan.step,
         queries,
-        sources,
-        groups,
+        candidates.sources,
+        candidates.groups,
         engine_stop_texts(session.engine, session.tokenizer),
         store.read_rows("judge_rubrics", {"step": plan.step}),
         store.read_rows("judge_scores", {"step": plan.step}),
-        gen_seconds,
+        candidates.seconds,
         session.tokenizer.decode,
     )
     # An earlier attempt in this session banked other rows: the bank is rebuilt from the earlier steps
