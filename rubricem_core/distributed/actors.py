@@ -32,6 +32,7 @@ from typing import Any
 
 from rubricem_core import faults
 from rubricem_core.distributed.cluster import node_address, uses_gpus
+from rubricem_core.distributed.placement import ActorPlacement, actor_bundle
 
 TAIL_LINES = 120
 POLL_S = 0.2
@@ -184,43 +185,33 @@ class RankGroup:
         on_line: Callable[[str], None] = lambda line: None,
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.kind, self.world_size, self.timeout_s = kind, world_size, timeout_s
         self.on_line = on_line
         gpu = uses_gpus()
-        bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
-        self._bundle = bundle
-        bundles = [dict(bundle) for _ in range(world_size)]
+        self._bundle = actor_bundle(1 if gpu else 0)
+        bundles = [dict(self._bundle) for _ in range(world_size)]
         # rank 0 on the driver's node: it writes beside the flow and pushes weights to the servers it started
         here = f"node:{ray.util.get_node_ip_address()}"
         if here in ray.cluster_resources():
             bundles[0][here] = 0.001
-        self._pg = placement_group(bundles, strategy="PACK", name=f"rubricem-{kind}")
+        self._placed: ActorPlacement | None = ActorPlacement(f"rubricem-{kind}", bundles)
         self.actors: list[Any] = []
         self.where: list[dict[str, Any]] = [{} for _ in range(world_size)]
         self.log_files = [Path(log_dir) / f"{kind}-rank{r}.log" for r in range(world_size)]
         self._tails = [_LogTail(p) for p in self.log_files]
         try:
-            self._wait_placed()
-            worker = ray.remote(RankWorker)
+            self._placed.wait(self.timeout_s, self._unplaced)
             rank_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
             # the driver's fault injection, never a stale one the raylet inherited when this Ray started
             rank_env.update({var: os.environ.get(var, "") for var in (faults.ENV_VAR, faults.ACTION_VAR)})
             rank_env.update(env or {})
-            for r in range(world_size):
-                self.actors.append(
-                    worker.options(
-                        num_cpus=1,
-                        num_gpus=1 if gpu else 0,
-                        max_concurrency=2,  # a call and `where`/`shutdown` may overlap
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self._pg, placement_group_bundle_index=r
-                        ),
-                        name=None,
-                    ).remote(r, world_size, str(self.log_files[r]), rank_env)
-                )
+            self.actors = self._placed.start(
+                RankWorker,
+                # max_concurrency 2: a call and `where`/`shutdown` may overlap
+                {"num_cpus": 1, "num_gpus": 1 if gpu else 0, "max_concurrency": 2},
+                [(r, world_size, str(self.log_files[r]), rank_env) for r in range(world_size)],
+            )
             self.where = self._gather([a.where.remote() for a in self.actors], "start")
             one_node = len({w["node_id"] for w in self.where}) == 1
             master = "127.0.0.1" if one_node else self.where[0]["ip"]
@@ -241,17 +232,13 @@ class RankGroup:
         nodes = sorted({w["ip"] for w in self.where})
         log.info("%d %s ranks on %d node(s) %s, logs in %s", world_size, kind, len(nodes), nodes, log_dir)
 
-    def _wait_placed(self) -> None:
+    def _unplaced(self) -> RankFailure:
         import ray
 
-        ready = self._pg.ready()
-        deadline = time.monotonic() + self.timeout_s
-        while not ray.wait([ready], timeout=1.0)[0]:
-            if time.monotonic() > deadline:
-                raise RankFailure(
-                    f"Ray could not place {self.world_size} {self.kind} ranks within {self.timeout_s:.0f}s "
-                    f"(each needs {self._bundle}, rank 0 on the driver's node); cluster has {ray.cluster_resources()}"
-                )
+        return RankFailure(
+            f"Ray could not place {self.world_size} {self.kind} ranks within {self.timeout_s:.0f}s "
+            f"(each needs {self._bundle}, rank 0 on the driver's node); cluster has {ray.cluster_resources()}"
+        )
 
     # ---- calls -----------------------------------------------------------------------------------
     def build(self, cls: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -353,21 +340,10 @@ class RankGroup:
 
     def kill(self) -> None:
         """Kill every rank and remove the placement group (idempotent)."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+        if self._placed is not None:
+            self._placed.kill()
+            self._placed = None
         self.actors = []
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:
-                pass
-            self._pg = None
 
 
 def _local_ranks(node_ids: list[str]) -> list[int]:

@@ -11,8 +11,8 @@ placement on a node with ``num_gpus = tensor_parallel_size`` (Ray sets its CUDA_
 on to the server), a lifetime tied to the run, and death detection. vLLM's engine inside the actor would
 tie this project's Python environment to vLLM's pinned torch.
 
-Placement: one placement group per fleet, a bundle per replica ({"GPU": TP, "CPU": 1} on a cluster with
-GPUs, else {"CPU": 1}), strategy PACK: replicas share as few nodes as they fit on, so a fleet that fits
+Placement: one placement group per fleet (``distributed.placement.ActorPlacement``, as the trainer ranks'),
+a bundle per replica ({"GPU": TP, "CPU": 1} on a cluster with GPUs, else {"CPU": 1}), strategy PACK: replicas share as few nodes as they fit on, so a fleet that fits
 beside the driver stays on loopback and a weight push crosses as few NICs as it can; PACK is soft, so a
 fleet larger than one node still spreads over several (SPREAD would scatter even a small fleet across
 nodes for no gain: a replica already is the unit of failure, and its TP group lives in one bundle, on one
@@ -44,7 +44,6 @@ from rubricem_core.rollout.vllm_fleet import VLLMFleet, replica_log
 from rubricem_core.rollout.vllm_server import ServerClient, ServerProcess
 
 log = logging.getLogger(__name__)
-PLACEMENT_STRATEGY = "PACK"
 TAIL_LINES = 80
 
 
@@ -195,34 +194,27 @@ def start_ray_fleet(
     connected Ray cluster (rubricem_core.distributed.cluster.connect first), started at once; a replica that
     cannot be placed or started stops the others and the error names its node and output tail."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rubricem_core.distributed.cluster import RAY_ENV, uses_gpus
     from rubricem_core.distributed.guard import vllm_api_key
+    from rubricem_core.distributed.placement import ActorPlacement, actor_bundle
 
     if not ray.is_initialized():
         raise RolloutError("rollout.placement: ray needs a connected Ray (distributed.cluster.connect)")
     api_key = api_key or vllm_api_key()
     gpu = uses_gpus()
-    bundle = {"GPU": float(tensor_parallel_size), "CPU": 1.0} if gpu else {"CPU": 1.0}
-    pg = placement_group([dict(bundle)] * replicas, strategy=PLACEMENT_STRATEGY, name="rubricem-rollout")
-    actors: list[Any] = []
+    bundle = actor_bundle(tensor_parallel_size if gpu else 0)
+    placed = ActorPlacement("rubricem-rollout", [bundle] * replicas)
 
-    def tear_down() -> None:
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass
+    def unplaced() -> RolloutError:
+        return RolloutError(
+            f"Ray could not place {replicas} vLLM replicas within {startup_timeout_s:.0f}s (each needs {bundle}; "
+            f"rollout.replicas × rollout.tensor_parallel_size GPUs beside the trainer's); the cluster has "
+            f"{ray.cluster_resources()}, free {ray.available_resources()}"
+        )
 
     try:
-        _wait_placed(pg, replicas, bundle, startup_timeout_s)
-        host = ray.remote(ReplicaHost)
+        placed.wait(startup_timeout_s, unplaced)
         actor_env = {**RAY_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         driver_node = ray.get_runtime_context().get_node_id()
         kwargs = {
@@ -231,17 +223,14 @@ def start_ray_fleet(
             "env": env,
             **server_kwargs,
         }
+        actors = placed.start(
+            ReplicaHost,
+            # max_concurrency 4: tail/exit_code/stop answer while start waits for the server
+            {"num_cpus": 1, "num_gpus": tensor_parallel_size if gpu else 0, "max_concurrency": 4},
+            [(r, actor_env) for r in range(replicas)],
+        )
         refs = []
-        for r in range(replicas):
-            actor: Any = host.options(
-                num_cpus=1,
-                num_gpus=tensor_parallel_size if gpu else 0,
-                max_concurrency=4,  # tail/exit_code/stop answer while start waits for the server
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=r
-                ),
-            ).remote(r, actor_env)
-            actors.append(actor)
+        for r, actor in enumerate(actors):
             log_r = replica_log(log_path, r)
             refs.append(
                 actor.start.remote(
@@ -252,9 +241,9 @@ def start_ray_fleet(
                     {**kwargs, "log_path": str(log_r) if log_r else None},
                 )
             )
-        infos = _gather_started(refs, actors, startup_timeout_s)
+        infos = _gather_started(refs, startup_timeout_s)
     except BaseException:
-        tear_down()
+        placed.kill()
         raise
     clients = [
         RayReplica(
@@ -273,23 +262,10 @@ def start_ray_fleet(
     ]
     nodes = sorted({i["ip"] for i in infos})
     log.info("%d vLLM replicas placed by Ray on node(s) %s: %s", replicas, nodes, [c.base_url for c in clients])
-    return VLLMFleet(clients, on_close=tear_down)
+    return VLLMFleet(clients, on_close=placed.kill)
 
 
-def _wait_placed(pg: Any, replicas: int, bundle: dict[str, float], timeout_s: float) -> None:
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while not ray.wait([pg.ready()], timeout=1.0)[0]:
-        if time.monotonic() > deadline:
-            raise RolloutError(
-                f"Ray could not place {replicas} vLLM replicas within {timeout_s:.0f}s (each needs {bundle}; "
-                f"rollout.replicas × rollout.tensor_parallel_size GPUs beside the trainer's); the cluster has "
-                f"{ray.cluster_resources()}, free {ray.available_resources()}"
-            )
-
-
-def _gather_started(refs: list[Any], actors: list[Any], timeout_s: float) -> list[dict[str, Any]]:
+def _gather_started(refs: list[Any], timeout_s: float) -> list[dict[str, Any]]:
     """Every replica's start result; the first failure (raised, actor died, timed out) as a RolloutError
     naming the replica, its node and its output's tail."""
     import ray
