@@ -40,7 +40,7 @@ from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
-from rubricem_core.sft import encode_sft_rows, run_sft  # noqa: E402
+from rubricem_core.sft import SFTRun, encode_sft_rows, run_sft  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 
 
@@ -111,12 +111,7 @@ def training_throughput(run_dir: Path, cfg, steps: int) -> dict[str, float]:
     out_dir = Path(tempfile.mkdtemp(prefix="rubricem-throughput-"))
     try:
         result = run_sft(
-            base,
-            rows,
-            out_dir / "sft",
-            cfg.policy,
-            sft,
-            cfg.seed,
+            SFTRun(base, rows, out_dir / "sft", cfg.policy, sft, cfg.seed),
             log_metrics=lambda metrics, step: logged.update(metrics),
         )
     finally:

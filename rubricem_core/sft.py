@@ -334,28 +334,16 @@ def drive_sft(
     return call("finish")
 
 
-def run_sft(
-    policy_dir: Path,
-    rows: list[dict[str, Any]],
-    checkpoint_root: Path,
-    policy: PolicyConfig,
-    sft: SFTConfig,
-    seed: int,
-    log_metrics: MetricsFn | None = None,
-    stop_after: int | None = None,
-    doc_ids: Sequence[str] = (),
-    reflection_rows: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """Train in this process and write ``checkpoint_root/final`` (an HF model directory), resuming from the
-    latest ``step-*`` checkpoint; the run's summary (``SFTRun.finish``)."""
-    run = SFTRun(policy_dir, rows, checkpoint_root, policy, sft, seed, doc_ids=doc_ids, reflection_rows=reflection_rows)
-    return drive_sft(lambda name: getattr(run, name)(), sft.log_every, log_metrics, stop_after)
+def run_sft(run: SFTRun, log_metrics: MetricsFn | None = None, stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``run`` in this process and write its ``final`` checkpoint (an HF model directory); the run's
+    summary (``SFTRun.finish``). ``stop_after`` ends early (tests of resume)."""
+    return drive_sft(lambda name: getattr(run, name)(), run.sft.log_every, log_metrics, stop_after)
 
 
-def sft_rank(run_dir: str, cfg: dict[str, Any], policy_dir: str, checkpoint_root: str) -> SFTRun:
-    """One SFT rank's run (built inside a Ray actor): every rank reads the run's SFT rows and trains on its
-    shard of each step."""
-    run = RunConfig.model_validate(cfg)
+def open_sft_run(run_dir: str, cfg: RunConfig | dict[str, Any], policy_dir: str, checkpoint_root: str) -> SFTRun:
+    """The run directory's SFT (its rows, reflections and corpus ids) as an SFTRun, in this process or on a
+    Ray rank (built there: every rank reads the rows and trains on its shard of each step)."""
+    run = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
     rows, reflections = sft_inputs(run_dir)
     doc_ids = RunStore(run_dir).read_table("corpus")["doc_id"].to_pylist() if run.sft.relabel_doc_ids else []
     return SFTRun(
@@ -383,19 +371,7 @@ def train_sft(
     ``log_metrics``); the run's summary (``SFTRun.finish``)."""
     store = RunStore(run_dir)
     if cfg.distributed.world_size == 1:
-        rows, reflections = sft_inputs(run_dir)
-        doc_ids = store.read_table("corpus")["doc_id"].to_pylist() if cfg.sft.relabel_doc_ids else []
-        return run_sft(
-            Path(policy_dir),
-            rows,
-            checkpoint_root,
-            cfg.policy,
-            cfg.sft,
-            cfg.seed,
-            log_metrics=log_metrics,
-            doc_ids=doc_ids,
-            reflection_rows=reflections,
-        )
+        return run_sft(open_sft_run(run_dir, cfg, policy_dir, str(checkpoint_root)), log_metrics)
     from rubricem_core.distributed.actors import RankGroup
     from rubricem_core.distributed.cluster import connect
 
@@ -410,7 +386,7 @@ def train_sft(
     try:
         policy = str(Path(policy_dir).resolve()) if Path(policy_dir).exists() else policy_dir
         group.build(
-            sft_rank,
+            open_sft_run,
             str(Path(run_dir).resolve()),
             cfg.model_dump(mode="json"),
             policy,

@@ -10,6 +10,7 @@ import torch
 from rubricem_core.config import load_config
 from rubricem_core.sft import (
     SFTDataError,
+    SFTRun,
     atomic_doc_id_terms,
     drive_sft,
     encode_sft_rows,
@@ -141,10 +142,10 @@ def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
     base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0, doc_ids=doc_ids)
 
     # document ids are renamed per trajectory and step (sft.relabel_doc_ids): resume must rename alike
-    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids)
-    stopped = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, stop_after=3, doc_ids=doc_ids)
+    straight = run_sft(SFTRun(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids))
+    stopped = run_sft(SFTRun(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids), stop_after=3)
     assert stopped["stopped_at"] == 3
-    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids)
+    resumed = run_sft(SFTRun(base, rows, tmp_path / "b", cfg.policy, cfg.sft, seed=0, doc_ids=doc_ids))
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
     a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     assert a.keys() == b.keys()
@@ -152,7 +153,7 @@ def test_resume_reproduces_uninterrupted_training(collected_run, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
     # without relabelling the same run trains on other tokens, so the weights differ
     plain = cfg.sft.model_copy(update={"relabel_doc_ids": False})
-    run_sft(base, rows, tmp_path / "c", cfg.policy, plain, seed=0, doc_ids=doc_ids)
+    run_sft(SFTRun(base, rows, tmp_path / "c", cfg.policy, plain, seed=0, doc_ids=doc_ids))
     c = final_weights(tmp_path / "c")
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
@@ -164,12 +165,12 @@ def test_packed_sft_pads_less_and_resumes_exactly(collected_run, tmp_path):
     corpus = RunStore(collected_run).read_table("corpus")
     base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
     packed = cfg.sft.model_copy(update={"packing": True})
-    bucketed = run_sft(base, rows, tmp_path / "bucketed", cfg.policy, cfg.sft, seed=0)
-    straight = run_sft(base, rows, tmp_path / "a", cfg.policy, packed, seed=0)
+    bucketed = run_sft(SFTRun(base, rows, tmp_path / "bucketed", cfg.policy, cfg.sft, seed=0))
+    straight = run_sft(SFTRun(base, rows, tmp_path / "a", cfg.policy, packed, seed=0))
     assert straight["padding_fraction"] < bucketed["padding_fraction"]
     assert straight["padding_fraction"] < 0.05
-    assert run_sft(base, rows, tmp_path / "b", cfg.policy, packed, seed=0, stop_after=2)["stopped_at"] == 2
-    resumed = run_sft(base, rows, tmp_path / "b", cfg.policy, packed, seed=0)
+    assert run_sft(SFTRun(base, rows, tmp_path / "b", cfg.policy, packed, seed=0), stop_after=2)["stopped_at"] == 2
+    resumed = run_sft(SFTRun(base, rows, tmp_path / "b", cfg.policy, packed, seed=0))
     assert resumed["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
     a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
     for k in a:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rubricem_core.config import load_config
-from rubricem_core.sft import run_sft, sft_inputs
+from rubricem_core.sft import SFTRun, run_sft, sft_inputs
 from rubricem_core.sql import run_sql
 from tests.sft_runs import SFT_RUN, collected_run  # noqa: F401  (module fixture)
 from tests.two_node_ray import run_flow_driver, two_node_cluster
@@ -37,7 +37,9 @@ def assert_equals_one_rank(run_dir: Path, result: dict, one: Path) -> None:
     uninterrupted (trained into ``one``), and SFT moved the weights."""
     cfg = load_config("tiny", DIST)
     rows, reflections = sft_inputs(run_dir)  # research trajectories and the teacher's reflections
-    ref = run_sft(run_dir / "policy" / "base", rows, one, cfg.policy, cfg.sft, seed=0, reflection_rows=reflections)
+    ref = run_sft(
+        SFTRun(run_dir / "policy" / "base", rows, one, cfg.policy, cfg.sft, seed=0, reflection_rows=reflections)
+    )
     assert reflections and ref["reflection_examples"] > 0
     assert result["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-5)
     a = load_file(str(run_dir / "checkpoints" / "sft" / "final" / "model.safetensors"))
@@ -87,7 +89,15 @@ def zero3_and_one_rank(collected_run, tmp_path, overrides: dict):
     cfg = load_config("tiny", overrides)
     rows, reflections = sft_inputs(run_dir)
     ref = run_sft(
-        run_dir / "policy" / "base", rows, tmp_path / "one", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections
+        SFTRun(
+            run_dir / "policy" / "base",
+            rows,
+            tmp_path / "one",
+            cfg.policy,
+            cfg.sft,
+            seed=0,
+            reflection_rows=reflections,
+        )
     )
     return run_dir, result, ref
 
