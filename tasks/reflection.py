@@ -21,6 +21,7 @@ from prefect.states import State
 from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
+from rubricem_core.reflection.meta import pick_source_rollouts
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.progress import completed_step
 from rubricem_core.rl.session import RLSession, SessionManager
@@ -58,6 +59,14 @@ def reflection_candidates_task(session: SessionManager, plan: StepPlan) -> Refle
     return candidates
 
 
+def _pick_sources(store: RunStore, cfg: RunConfig, plan: StepPlan) -> dict[str, dict[str, Any]]:
+    return pick_source_rollouts(store.read_rows("rollouts", _key(plan.step)), plan.query_ids, cfg.seed, plan.step)
+
+
+def _sources(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
+    return {qid: row["rollout_id"] for qid, row in sources.items()}
+
+
 def _write_candidates(rl_session: RLSession, cfg: RunConfig, plan: StepPlan) -> ReflectionCandidates:
     queries = {q["query_id"]: q for q in rl_session.store.read_rows("queries")}
     return write_candidates(rl_session, cfg, plan, queries, search_env(str(rl_session.store.run_dir), cfg))
@@ -76,6 +85,11 @@ def reflect_task(
         where = store.partition_path("reflections", _key(plan.step))
         return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
     rl_session = session.sampling(plan.step - 1)  # as reflection-candidates' (the bank is the live one's)
+    if candidates is not None and _sources(candidates.sources) != _sources(_pick_sources(store, cfg, plan)):
+        # written while the judge was still marking failed judgments (a rerun after a judge outage reads
+        # the stale marks): written again on the sources the judged rollouts give
+        log.info("step %d: reflection sources changed with the judge's verdicts; writing candidates again", plan.step)
+        candidates = None
     if candidates is None:
         candidates = _write_candidates(rl_session, cfg, plan)
     queries = {q["query_id"]: q for q in store.read_rows("queries")}

@@ -277,6 +277,48 @@ def test_a_refused_call_is_not_a_dead_replica(tok):
     assert engine.fleet.live == [0, 1] and engine.fleet.stats["resent_calls"] == 0
 
 
+@pytest.mark.parametrize("finish_reason, fails", [("abort", True), ("error", True), ("length", False), ("stop", False)])
+def test_a_completion_the_server_aborted_is_a_failed_call_not_a_short_sample(tmp_path, finish_reason, fails):
+    """A stopping `vllm serve` answers its requests in flight with finish_reason "abort" and often no
+    tokens: the client raises (so the fleet re-sends the call when the replica is gone) instead of handing
+    the engine an empty sample, which would end the trajectory as an error."""
+    import http.server
+    import json
+
+    from rubricem_core.rollout.vllm_server import ServerClient
+
+    tokens = [] if fails else [7, 8]
+
+    class Completions(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            logprobs = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-0.5] * len(tokens)}
+            body = json.dumps({"choices": [{"finish_reason": finish_reason, "logprobs": logprobs}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}", api_key="k", model_dir=tmp_path)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, max_total_tokens=64, seed=0)
+    call = TurnCall("q", 0, 0, [1, 2], [], 4, params, 0, (), ())
+    try:
+        if fails:
+            with pytest.raises(RolloutError, match=f"finish_reason '{finish_reason}'"):
+                client.sample_one(call)
+        else:
+            assert client.sample_one(call) == TurnSample([7, 8], [-0.5, -0.5])
+    finally:
+        server.shutdown()
+        client.http.close()
+
+
 def test_one_transfer_group_over_the_fleet_gives_each_replica_its_ranks_and_fails_at_once():
     """FleetWeightSync: each replica's workers get their own rank offset in the one group; a replica that
     refuses the update fails the push at once, even while another is still receiving."""

@@ -428,6 +428,10 @@ class ServerClient:
             "return_tokens_as_token_ids": True,
         }
         choice = self._post("/v1/completions", body)["choices"][0]
+        if choice.get("finish_reason") in ("abort", "error"):
+            # a stopping (or pausing) server answers its requests in flight with what it has, often nothing:
+            # a failed call (re-sent by the fleet when the replica is gone), never a short sample
+            raise self._failure(f"ended the completion with finish_reason {choice['finish_reason']!r}")
         tokens = choice["logprobs"]["tokens"]
         ids = [int(t.removeprefix("token_id:")) for t in tokens]
         return TurnSample(ids, [float(x) for x in choice["logprobs"]["token_logprobs"]])
