@@ -1,7 +1,8 @@
 """Prefect tasks of the reflection meta-policy (recipes meta_policy and full).
 
 `reflection-candidates` (step N, new-query phase): the policy writes reflection candidates on the step's
-rollouts (they need no judge score, so this runs while the task judge scores the step).
+rollouts (they need no judge score, so this runs while the task judge scores the step; `reflect` writes
+them again when the judge's failure marks change which rollouts are the sources).
 `reflect` (step N): those candidates → reflection judge → `reflections` partition step=N, best valid
 candidate per query into the bank (`bank` table + the FAISS bank saved at `bank_dir(run_dir)`, where
 evaluation reads it).
