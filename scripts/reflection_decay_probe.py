@@ -55,7 +55,11 @@ def main() -> int:
     env = local_tool_env(store.read_table("corpus"), cfg.tools)
     steps = [int(s) for s in args.steps.split(",")]
     rollouts = {r["rollout_id"]: r for s in steps for r in store.read_rows("rollouts", {"step": s})}
-    source_ids = sorted({r["source_rollout_id"] for s in steps for r in store.read_rows("reflections", {"step": s})})
+    # repeat steps write no reflections (the guidance probe reads their rollouts only)
+    reflected = [s for s in steps if store.has("reflections", {"step": s})]
+    source_ids = sorted(
+        {r["source_rollout_id"] for s in reflected for r in store.read_rows("reflections", {"step": s})}
+    )
 
     def reflect(engine, tok, sources, seed):
         rows = []
