@@ -22,7 +22,6 @@ from prefect.states import State
 from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
-from rubricem_core.reflection.meta import pick_source_rollouts
 from rubricem_core.rl.curriculum import StepPlan
 from rubricem_core.rl.progress import completed_step
 from rubricem_core.rl.session import RLSession, SessionManager
@@ -31,6 +30,7 @@ from rubricem_core.rl.steps import (
     reflect_step,
     reflection_update_step,
     reload_bank_step,
+    step_sources,
     write_candidates,
 )
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA
@@ -60,14 +60,6 @@ def reflection_candidates_task(session: SessionManager, plan: StepPlan) -> Refle
     return candidates
 
 
-def _pick_sources(store: RunStore, cfg: RunConfig, plan: StepPlan) -> dict[str, dict[str, Any]]:
-    return pick_source_rollouts(store.read_rows("rollouts", _key(plan.step)), plan.query_ids, cfg.seed, plan.step)
-
-
-def _sources(sources: dict[str, dict[str, Any]]) -> dict[str, str]:
-    return {qid: row["rollout_id"] for qid, row in sources.items()}
-
-
 def _write_candidates(rl_session: RLSession, cfg: RunConfig, plan: StepPlan) -> ReflectionCandidates:
     queries = {q["query_id"]: q for q in rl_session.store.read_rows("queries")}
     return write_candidates(rl_session, cfg, plan, queries, search_env(str(rl_session.store.run_dir), cfg))
@@ -86,7 +78,7 @@ def reflect_task(
         where = store.partition_path("reflections", _key(plan.step))
         return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
     rl_session = session.sampling(plan.step - 1)  # as reflection-candidates' (the bank is the live one's)
-    if candidates is not None and _sources(candidates.sources) != _sources(_pick_sources(store, cfg, plan)):
+    if candidates is not None and not candidates.written_on(step_sources(store, cfg, plan)):
         # written while the judge was still marking failed judgments (a rerun after a judge outage reads
         # the stale marks): written again on the sources the judged rollouts give
         log.info("step %d: reflection sources changed with the judge's verdicts; writing candidates again", plan.step)

@@ -55,6 +55,7 @@ from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES
 from rubricem_core.seeds import REFLECTION_SAMPLING, ROLLOUT, derive_seed
+from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -406,6 +407,17 @@ class ReflectionCandidates:
     groups: list[list[TokenTrajectory]]
     seconds: float
 
+    def written_on(self, sources: dict[str, dict[str, Any]]) -> bool:
+        """Whether these candidates reflect on exactly ``sources`` (query → the same rollout)."""
+        ids = lambda chosen: {qid: row["rollout_id"] for qid, row in chosen.items()}  # noqa: E731
+        return ids(self.sources) == ids(sources)
+
+
+def step_sources(store: RunStore, cfg: RunConfig, plan: StepPlan) -> dict[str, dict[str, Any]]:
+    """The rollout each query of a new-query step reflects on, from the step's `rollouts` as they stand
+    (a rollout whose judgment failed is never a source)."""
+    return pick_source_rollouts(store.read_rows("rollouts", {"step": plan.step}), plan.query_ids, cfg.seed, plan.step)
+
 
 def write_candidates(
     session: RLSession,
@@ -416,9 +428,7 @@ def write_candidates(
 ) -> ReflectionCandidates:
     """``reflection.n_candidates`` reflections per sampled rollout of a new-query step, with the weights
     after step−1."""
-    sources = pick_source_rollouts(
-        session.store.read_rows("rollouts", {"step": plan.step}), plan.query_ids, cfg.seed, plan.step
-    )
+    sources = step_sources(session.store, cfg, plan)
     t0 = time.perf_counter()
     groups = sample_candidates(session, cfg, plan.step, sources, queries, tools)
     return ReflectionCandidates(sources, groups, time.perf_counter() - t0)
