@@ -51,6 +51,56 @@ def test_causal_recipe_gives_stagewise_credit():
     np.testing.assert_allclose(ga.A[:, 1:], 0.0)  # later stages cannot see earlier stages' rewards
 
 
+@pytest.mark.parametrize("rule", ["judged", "zero"])
+def test_a_stage_that_broke_the_scaffold_earns_nothing_when_violations_are_zeroed(rule: str):
+    """Rollout 0 broke its plan (the judge still liked it): zeroed, the plan advantage goes to the valid ones."""
+    from rubricem_core.rl.update import zero_violated_stages
+
+    nan = float("nan")
+    R = np.array([[1.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5]])
+    broken = [{"plan", "review"}, set(), set()]
+    gated = zero_violated_stages(R, broken) if rule == "zero" else R
+    A = group_advantages(gated, get_recipe("ss_grpo").lam()).A
+    if rule == "judged":
+        assert A[0, 0] > max(0.0, A[1, 0])  # the broken plan is the group's best
+    else:
+        expected = np.array([[0.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5]])
+        np.testing.assert_array_equal(gated, expected)  # review had no reward: nothing to withhold
+        assert A[0, 0] < 0 < A[1, 0]
+        np.testing.assert_array_equal(R[0], [1.0, 0.5, nan, 1.0])  # the judge's R is not changed in place
+    with pytest.raises(ValueError, match="2 rollouts"):
+        zero_violated_stages(R, broken[:2])
+
+
+@pytest.mark.parametrize("rule", ["judged", "zero"])
+def test_the_judge_task_writes_and_trains_the_zeroed_rewards(rule: str):
+    """broken_stages finds where each rollout broke the scaffold; judge_tables' `stage_rewards` carry the
+    zeroed R (what SQL shows is what trains), the judge's own R untouched."""
+    from rubricem_core.config import load_config
+    from rubricem_core.judge.buffer import RubricBuffer
+    from rubricem_core.judge.llm_judge import GenerationOutcome, GroupJudgment
+    from rubricem_core.rl.steps import broken_stages, judge_tables
+    from rubricem_core.scaffold import EXAMPLE_TRACE
+
+    cfg = load_config(MICRO_PROFILE, {"rl.scaffold_violations": rule})
+    unclosed_plan = EXAMPLE_TRACE.replace("</structured_plan>", "", 1)
+    rows = [{"rollout_id": "q-r0", "text": unclosed_plan}, {"rollout_id": "q-r1", "text": EXAMPLE_TRACE}]
+    broken = broken_stages(cfg, rows)
+    if rule == "judged":
+        assert broken is None
+    else:
+        assert broken is not None and broken["q-r1"] == set() and "plan" in broken["q-r0"]
+    R = np.array([[1.0, 1.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]])
+    group = GroupJudgment("q", ["q-r0", "q-r1"], [], [], R.copy(), [], [], GenerationOutcome("q"))
+    out = judge_tables(3, [group], {"q": RubricBuffer.from_query("q", [])}, get_recipe("ss_grpo").lam(), broken)
+    plan = {r["rollout_id"]: r for r in out.reward_rows if r["stage"] == "plan"}
+    if rule == "judged":
+        assert plan["q-r0"]["R"] == 1.0 and plan["q-r0"]["A"] > 0
+    else:
+        assert plan["q-r0"]["R"] == 0.0 and plan["q-r0"]["A"] < 0 < plan["q-r1"]["A"]
+    np.testing.assert_array_equal(group.R, R)
+
+
 def test_per_token_advantages_follow_stage_and_mask():
     traj = TokenTrajectory(
         token_ids=[1, 2, 3, 4, 5],

@@ -181,6 +181,55 @@ def test_violation_positions_point_at_the_problem() -> None:
     assert text[violation.position :].startswith('<cite id="D99">')
 
 
+# the stages each case breaks the scaffold in (where its violations sit; an unplaced one: the stage it is about)
+BROKEN_STAGES = {
+    "missing_plan": {"plan"},
+    "missing_research": {"research", "answer"},  # and its citations then cite nothing retrieved
+    "missing_review": {"review"},
+    "missing_answer": {"answer"},
+    "repeated_review": {"review"},
+    "repeated_answer": {"answer"},
+    "repeated_plan": {"plan"},
+    "call_after_review": {"research"},
+    "review_before_plan": {"plan", "research"},  # the plan and calls are what come out of order
+    "unclosed_tag": {"plan"},
+    "stray_close": {"research"},
+    "cite_outside_answer": {"review"},
+    "output_without_call": {"research"},
+    "cite_without_id": {"answer"},
+    "tool_call_no_name": {"research"},
+    "tool_call_empty_query": {"research"},
+    "tool_call_nested_tag": {"research"},
+    "unknown_tool": {"research"},
+    "call_without_output": {"research"},
+    "uncited_answer": {"answer"},
+    "citation_not_retrieved": {"answer"},
+    "citation_from_error_output": {"answer"},
+    "empty_answer": {"answer"},
+    "text_outside_tags": {"plan"},
+    "text_between_stages": {"research"},  # text after the last evaluation, before <review>
+    "incomplete_plan": {"plan"},
+    "plan_without_research_plan": {"plan"},
+    "incomplete_review": {"review"},
+    "invalid_state_evaluation": {"research"},
+    "too_many_tool_calls": {"research"},
+}
+
+
+@pytest.mark.parametrize("case", VIOLATION_CASES, ids=[case[0] for case in VIOLATION_CASES])
+def test_violations_are_placed_in_the_stage_they_break(case: tuple) -> None:
+    name, text, kwargs = case[:3]
+    assert sc.violation_stages(text, validate(text, **kwargs)) == BROKEN_STAGES[name]
+
+
+def test_a_valid_trace_breaks_no_stage_and_an_unplaceable_violation_is_refused() -> None:
+    assert sc.violation_stages(VALID, validate(VALID)) == set()
+    assert sc.stage_at(VALID, VALID.index("<review>")) == "review"  # an opening tag is its stage's
+    assert sc.stage_at(VALID, VALID.index("</structured_plan>")) == "plan"
+    with pytest.raises(ValueError, match="no position"):
+        sc.violation_stages(VALID, [sc.Violation("uncited_answer", "x", None)])
+
+
 def test_citation_must_precede_retrieval_order() -> None:
     # A cite is checked against outputs before it; the same id retrieved only later does not count.
     late = VALID.replace(ANSWER, "") + ANSWER.replace("</answer>", "") + "</answer>"

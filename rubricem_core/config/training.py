@@ -238,6 +238,14 @@ class RLConfig(TrainerSettings, PackingSettings):
         "leaving: the stage it leaves, so closing the research early is scored with the research; entering: the "
         "stage it opens (a[t] = A[stage(t)] for every token, the rule before this field existed).",
     )
+    scaffold_violations: Literal["judged", "zero"] = Field(
+        default="judged",
+        description="The reward of a stage in which a rollout breaks the scaffold (the validator's violations, "
+        "placed at the stage they sit in; a missing stage or the tool budget at the stage it is about). judged: "
+        "the judge's score, as for a valid stage; zero: 0, so a broken plan never earns a plan advantage from "
+        "its content (learn: guided repeat steps dropped the plan's closing tags and were rewarded for what they "
+        "said; docs/learning.md). Scaffold traces only: react traces have no stages to place a violation in.",
+    )
     async_steps: Literal[0, 1] = Field(
         default=0,
         description="1: one-step asynchronous RL (the paper's, App. F): step t+1's rollouts sample with the weights "

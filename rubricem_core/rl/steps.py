@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +50,10 @@ from rubricem_core.rl.session import (
     recipe_settings,
     reset_bank,
 )
-from rubricem_core.rl.update import group_advantages
+from rubricem_core.rl.update import group_advantages, zero_violated_stages
 from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
-from rubricem_core.scaffold import STAGES
+from rubricem_core.scaffold import STAGES, validate, violation_stages
 from rubricem_core.seeds import REFLECTION_SAMPLING, ROLLOUT, derive_seed
 from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
@@ -264,10 +264,15 @@ class JudgedStep:
 
 
 def judge_tables(
-    step: int, results: list[GroupJudgment], buffers: dict[str, RubricBuffer], lam: torch.Tensor
+    step: int,
+    results: list[GroupJudgment],
+    buffers: dict[str, RubricBuffer],
+    lam: torch.Tensor,
+    broken: Mapping[str, set[str]] | None = None,
 ) -> JudgedStep:
     """A step's `judge_rubrics`, `judge_scores` and `stage_rewards` rows (groups in ``results`` order)
-    and the error of each failed judgment by rollout id."""
+    and the error of each failed judgment by rollout id. ``broken``: each rollout's stages with a scaffold
+    violation, whose reward is then 0 (``rl.scaffold_violations: zero``); None: the judge's R as it is."""
     out = JudgedStep(n_groups=len(results))
     for g in results:
         out.rubric_rows.extend(buffers[g.query_id].rows(step))
@@ -277,7 +282,21 @@ def judge_tables(
             else:
                 out.score_rows.extend(j.rows(step, g.query_id))
         failed = [rid in out.errors for rid in g.rollout_ids]
-        out.reward_rows.extend(reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(g.R, lam, failed)))
+        R = g.R if broken is None else zero_violated_stages(g.R, [broken[rid] for rid in g.rollout_ids])
+        out.reward_rows.extend(reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(R, lam, failed)))
+    return out
+
+
+def broken_stages(cfg: RunConfig, rollouts: list[dict[str, Any]]) -> dict[str, set[str]] | None:
+    """Each rollout's stages with a scaffold violation when ``rl.scaffold_violations`` zeroes them (scaffold
+    traces only), else None."""
+    fmt = trace_format(cfg.policy.prompt_style)
+    if cfg.rl.scaffold_violations != "zero" or fmt != "scaffold":
+        return None
+    out = {}
+    for row in rollouts:
+        violations = validate(row["text"], max_tool_calls=cfg.tools.max_tool_calls, trace_format=fmt)
+        out[row["rollout_id"]] = violation_stages(row["text"], violations)
     return out
 
 
@@ -304,7 +323,7 @@ def judge_rl_step(
         results = judge_step(judge, judge_groups(rollouts, queries, plan.query_ids), buffers, plan.step)
         seconds = time.perf_counter() - t0
     wait_seconds = time.perf_counter() - t0  # how long this task held the step up
-    out = judge_tables(plan.step, results, buffers, recipe_settings(cfg).lam)
+    out = judge_tables(plan.step, results, buffers, recipe_settings(cfg).lam, broken_stages(cfg, rollouts))
     out.rollouts, out.seconds = rollouts, seconds
     out.rollouts_changed = mark_failures(rollouts, out.errors)
     metrics = judge.usage.metrics()

@@ -1,5 +1,6 @@
 """One SS-GRPO step, assembled in one place from the ``ssgrpo`` functions:
 
+    R = zero_violated_stages(R, broken)                    # optional: no reward where the scaffold broke
     ga = group_advantages(R, lam, failed)                  # per query: G = R Λᵀ, A = per-stage normalization
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
     batch = training_batch(rollouts, rows, decode)         # judged trajectories, a[i, t] = A[i, stage(t)]
@@ -92,6 +93,20 @@ def group_advantages(R: np.ndarray, lam: torch.Tensor, failed: Sequence[bool] | 
         G, A = G.copy(), A.copy()
         G[rows], A[rows] = np.nan, np.nan
     return GroupAdvantages(R=np.asarray(R, dtype=np.float64), G=G, A=A)
+
+
+def zero_violated_stages(R: np.ndarray, broken: Sequence[set[str]]) -> np.ndarray:
+    """R with 0 in each stage a rollout broke the scaffold in (``broken[i]``: its stages with a violation);
+    NaN stays NaN, a stage with no reward has nothing to withhold (``rl.scaffold_violations: zero``)."""
+    R = np.array(R, dtype=np.float64)
+    if len(broken) != R.shape[0]:
+        raise ValueError(f"{len(broken)} rollouts' broken stages for an R of {R.shape[0]} rows")
+    for i, stages in enumerate(broken):
+        for stage in stages:
+            k = STAGES.index(stage)
+            if not np.isnan(R[i, k]):
+                R[i, k] = 0.0
+    return R
 
 
 def reward_rows(step: int, query_id: str, rollout_ids: Sequence[str], ga: GroupAdvantages) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ from rubricem_core.scaffold.records import (
     ToolSpec,
     Violation,
 )
-from rubricem_core.scaffold.segments import merge_pieces, parse_segments, stage_texts
+from rubricem_core.scaffold.segments import merge_pieces, parse_segments, stage_at, stage_texts, violation_stages
 from rubricem_core.scaffold.stream import StreamParser
 from rubricem_core.scaffold.tags import (
     ALLOWED_CHILDREN,
@@ -143,7 +143,9 @@ __all__ = [
     "merge_pieces",
     "neutralize_tags",
     "parse_segments",
+    "stage_at",
     "stage_texts",
+    "violation_stages",
     "state_verdict",
     "strip_tags",
     "system_prompt",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rubricem_core.scaffold.records import Segment
+from rubricem_core.scaffold.records import Segment, Violation
 from rubricem_core.scaffold.stages import _StageMachine
 from rubricem_core.scaffold.tags import _TAG_RE, STAGES, TOOL_OUTPUT_CLOSE
 
@@ -96,3 +96,40 @@ def stage_texts(text: str, include_tool_output: bool = False) -> dict[str, str]:
         if include_tool_output or not segment.is_tool_output:
             out[segment.stage] += segment.text
     return out
+
+
+# violations that name no place in the text, and the stage each one belongs to
+_UNPLACED_STAGE = {
+    "missing_plan": "plan",
+    "missing_research": "research",
+    "too_many_tool_calls": "research",
+    "missing_review": "review",
+    "missing_answer": "answer",
+}
+
+
+def _stage_of(tokens: list[_Token], position: int) -> str:
+    for token in tokens:
+        if token.start <= position < token.end:
+            return token.stage
+    return tokens[-1].stage if tokens else "plan"
+
+
+def stage_at(text: str, position: int) -> str:
+    """The stage of the character at ``position`` (an opening tag belongs to the stage it opens)."""
+    return _stage_of(_tokenize(text), position)
+
+
+def violation_stages(text: str, violations: Iterable[Violation]) -> set[str]:
+    """The stages in which ``text`` breaks the scaffold: where each violation sits, or for one with no
+    position (a missing stage, the tool budget) the stage it is about."""
+    tokens = _tokenize(text)
+    stages: set[str] = set()
+    for violation in violations:
+        if violation.position is not None:
+            stages.add(_stage_of(tokens, violation.position))
+        elif violation.code in _UNPLACED_STAGE:
+            stages.add(_UNPLACED_STAGE[violation.code])
+        else:
+            raise ValueError(f"violation {violation.code!r} has no position and no stage of its own")
+    return stages
