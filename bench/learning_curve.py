@@ -422,6 +422,10 @@ def report(
                 f"them {parts['judge_wait_s']:.0f} s + update {parts['update_s']:.0f} s"
             )
             print("training rollouts' answer match: " + training_match_line(steps))
+            by_phase = phase_means(steps)
+            summary.setdefault("by_phase", {})[recipe] = by_phase
+            for line in phase_table(by_phase):
+                print(line)
         print("eval  answer-match  vs SFT ± se      built-in  vs SFT ± se      answered valid finals refl_valid")
         for step, ev in [(0, sft)] + [(p["step"], p) for p in points[recipe]]:
             ind, bi = ev["graded"]["independent"], ev["graded"]["builtin"]
@@ -495,6 +499,42 @@ def training_match_line(steps: list[dict[str, Any]]) -> str:
     guided = [r for r in steps if r["guided"] > 0.5]
     parts.append(f"guided steps {mean_of(guided)}, unguided {mean_of([r for r in steps if r['guided'] <= 0.5])}")
     return "; ".join(parts)
+
+
+PHASE_COLUMNS = (("valid_scaffold", "valid scaffolds"), ("train_answer_match", "answer match"), ("kl", "KL"))
+
+
+def phase_means(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The training rollouts' means by phase (new queries; repeat: the same queries again, guided by their
+    own reflections in `full`) in the first and second half of the steps: {column: {phase: {half: mean}}}.
+    A fall on the repeat steps alone is what session 28's collapse looked like (docs/learning.md)."""
+    if not steps:
+        return {}
+    middle = (steps[0]["step"] + steps[-1]["step"] + 1) / 2
+    halves = {
+        f"steps {steps[0]['step']}–{math.ceil(middle) - 1}": [r for r in steps if r["step"] < middle],
+        f"steps {math.ceil(middle)}–{steps[-1]['step']}": [r for r in steps if r["step"] >= middle],
+    }
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for column, _ in PHASE_COLUMNS:
+        out[column] = {}
+        for phase in ("new", "repeat"):
+            out[column][phase] = {}
+            for half, rows in halves.items():
+                values = [r[column] for r in rows if r["phase"] == phase and not math.isnan(r[column])]
+                out[column][phase][half] = sum(values) / len(values) if values else math.nan
+    return out
+
+
+def phase_table(by_phase: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """``phase_means`` as printed lines, one per column and phase."""
+    lines = []
+    for column, label in PHASE_COLUMNS:
+        for phase, halves in by_phase.get(column, {}).items():
+            spec = ".4f" if column == "kl" else ".2f"
+            values = ", ".join(f"{half} {_fmt(v, spec)}" for half, v in halves.items())
+            lines.append(f"{label}, {phase}-query steps: {values}")
+    return lines
 
 
 def power(per_query: dict[str, float], gain: float = 0.1) -> dict[str, float]:

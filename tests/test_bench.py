@@ -326,6 +326,28 @@ def test_learning_curve_chunks_end_on_windows():
             chunk_ends(steps, every, per_window)
 
 
+def test_learning_curve_splits_the_step_rows_by_phase_and_half():
+    """Means worked by hand over four steps: new steps 0 and 2, repeat steps 1 and 3; a NaN is left out."""
+    from bench.learning_curve import phase_means, phase_table
+
+    nan = float("nan")
+    rows = [
+        {"step": 0, "phase": "new", "valid_scaffold": 1.0, "train_answer_match": 0.5, "kl": 0.0},
+        {"step": 1, "phase": "repeat", "valid_scaffold": 0.5, "train_answer_match": nan, "kl": 0.01},
+        {"step": 2, "phase": "new", "valid_scaffold": 0.75, "train_answer_match": 1.0, "kl": 0.002},
+        {"step": 3, "phase": "repeat", "valid_scaffold": 0.25, "train_answer_match": 0.25, "kl": 0.03},
+    ]
+    means = phase_means(rows)
+    assert means["valid_scaffold"] == {
+        "new": {"steps 0–1": 1.0, "steps 2–3": 0.75},
+        "repeat": {"steps 0–1": 0.5, "steps 2–3": 0.25},
+    }
+    assert math.isnan(means["train_answer_match"]["repeat"]["steps 0–1"])
+    assert means["kl"]["repeat"]["steps 2–3"] == 0.03
+    assert "valid scaffolds, repeat-query steps: steps 0–1 0.50, steps 2–3 0.25" in phase_table(means)
+    assert phase_means([]) == {}
+
+
 def _soak_rows(n: int, cpu_growth: float, rss_growth: float, fds_growth: int) -> list[dict]:
     """Synthetic soak rows: step 0 is slow (model load), new-query (even) steps cost twice a replay."""
     rows = []
