@@ -154,6 +154,8 @@ def _fields(cfg: RunConfig) -> dict[str, Any]:
 LEGACY_VALUES: dict[str, Any] = {
     "reflection.train_format_tags": True,  # session 26: a valid reflection's format tags got no advantage
     "rl.stage_boundary": "entering",  # session 27: a stage's opening tag takes the stage it leaves
+    "rl.scaffold_violations": "judged",  # session 29: a stage that broke the scaffold may earn nothing
+    "sft.guided_fraction": 0.0,  # session 29: SFT may show traces with their own reflection as guidance
 }
 
 

@@ -77,6 +77,11 @@ SFT_REFLECTION_MIX = SeedStream(
     7_919,
     why="the order of each pass over the reflection examples mixed into SFT (part: the pass)",
 )
+SFT_GUIDED = SeedStream(
+    "sft_guided",
+    7_927,
+    why="which research traces SFT shows with their own reflection as guidance (part: always 0)",
+)
 
 # ---- RL --------------------------------------------------------------------------------------------
 ROLLOUT = SeedStream("rollout", 100_003, why="the rollout sampling of an RL step (part: the step)")
@@ -119,6 +124,7 @@ STREAMS: dict[str, SeedStream] = {
         TEACHER_REFLECTION_REQUEST,
         SFT_EPOCH,
         SFT_REFLECTION_MIX,
+        SFT_GUIDED,
         ROLLOUT,
         REFLECTION_SOURCE,
         REFLECTION_SAMPLING,

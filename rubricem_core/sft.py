@@ -21,16 +21,17 @@ from typing import Any
 from rubricem_core.batching import collate_micro_batch, plan_micro_batches
 from rubricem_core.config import PolicyConfig, RunConfig, SFTConfig
 from rubricem_core.encoding import TrajectoryTooLong, encode_completion, encode_trajectory
+from rubricem_core.environment import policy_system_prompt
 from rubricem_core.faults import fault_point
 from rubricem_core.layout import final_checkpoint_dir, step_checkpoint_dir
 from rubricem_core.logprobs import sft_loss
 from rubricem_core.policy.gguf import convert_gguf_to_hf, find_packaged_gguf
 from rubricem_core.policy.loading import load_for_training
 from rubricem_core.progress import Progress
-from rubricem_core.reflection.format import REFLECTION_SYSTEM
+from rubricem_core.reflection.format import REFLECTION_SYSTEM, guidance_text, parse_reflection
 from rubricem_core.relabel import relabel_rng, relabel_trajectory, single_token_doc_ids
 from rubricem_core.scaffold import EXAMPLE_TRACE, system_prompt
-from rubricem_core.seeds import SFT_EPOCH, SFT_REFLECTION_MIX, derive_seed
+from rubricem_core.seeds import SFT_EPOCH, SFT_GUIDED, SFT_REFLECTION_MIX, derive_seed
 from rubricem_core.stand_ins import is_stand_in, stand_in
 from rubricem_core.store import RunStore
 from rubricem_core.training import TrainerConfig, make_trainer
@@ -124,6 +125,40 @@ def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]], max_len: int) ->
     if data.skipped_too_long:
         log.warning("skipped %d trajectories longer than %d tokens", len(data.skipped_too_long), max_len)
     return data
+
+
+def guide_rows(
+    rows: list[dict[str, Any]], reflection_rows: list[dict[str, Any]], fraction: float, style: str, seed: int
+) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` with ``fraction`` of the accepted traces that have a valid teacher reflection (a seeded
+    choice) prompted with that reflection as guidance, as RL's repeat steps prompt with the query's own
+    banked reflection (``policy_system_prompt`` with ``guidance_text``); the traces are unchanged. Returns
+    the rows (the others as given) and how many were guided."""
+    if fraction <= 0:
+        return rows, 0
+    guidance: dict[str, str] = {}  # a trace's first valid reflection by request id (one per cut of it)
+    for row in sorted(reflection_rows, key=lambda r: r["request_id"]):
+        parsed = parse_reflection(row["text"]) if row["valid"] else None
+        if parsed is not None:
+            guidance.setdefault(row["trajectory_id"], guidance_text(parsed))
+    candidates = [i for i, r in enumerate(rows) if r["accepted"] and r["trajectory_id"] in guidance]
+    random.Random(derive_seed(seed, SFT_GUIDED, 0)).shuffle(candidates)
+    chosen = set(candidates[: round(fraction * len(candidates))])
+    unguided = policy_system_prompt(style)
+    out = []
+    for i, row in enumerate(rows):
+        if i in chosen:
+            messages = json.loads(row["messages"])
+            if not messages or messages[0] != {"role": "system", "content": unguided}:
+                # guidance goes into the policy's own prompt; another prompt would change more than the guidance
+                raise SFTDataError(
+                    f"sft_trajectories row {row['trajectory_id']}: its system prompt is not the policy's "
+                    f"(policy.prompt_style={style!r}), so sft.guided_fraction cannot add guidance to it"
+                )
+            messages[0] = {"role": "system", "content": policy_system_prompt(style, guidance[row["trajectory_id"]])}
+            row = {**row, "messages": json.dumps(messages)}
+        out.append(row)
+    return out, len(chosen)
 
 
 def encode_reflection_rows(
@@ -231,6 +266,7 @@ class SFTRun:
         model, self.tokenizer = load_for_training(
             policy_dir, policy.dtype, trainer_config(sft, 1, seed), lora=policy.lora
         )
+        rows, self.n_guided = guide_rows(rows, reflection_rows or [], sft.guided_fraction, policy.prompt_style, seed)
         self.data = encode_sft_rows(self.tokenizer, rows, policy.max_seq_len)
         self.n_research = len(self.data.trajectories)
         self.n_reflections = add_reflections(
@@ -298,6 +334,7 @@ class SFTRun:
             "steps": len(self.schedule),
             "trajectories": self.n_research,
             "reflection_examples": self.n_reflections,
+            "guided_trajectories": self.n_guided,
             "skipped_too_long": len(self.data.skipped_too_long),
             "rejected_rows": self.data.n_rejected,
             "train_tokens": sum(self.lengths),

@@ -177,6 +177,51 @@ def test_packed_sft_pads_less_and_resumes_exactly(collected_run, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
+@pytest.mark.slow
+def test_sft_guides_a_share_of_traces_with_their_own_reflection(collected_run, tmp_path):
+    """sft.guided_fraction: the chosen traces' system prompt carries their own teacher reflection as RL's
+    retrieval renders it; the trace is the same tokens, the rest of the rows are untouched."""
+    from rubricem_core.reflection.format import guidance_text, parse_reflection
+    from rubricem_core.scaffold import prompt_guidance
+    from rubricem_core.sft import guide_rows, sft_inputs
+
+    cfg = load_config("tiny", {**SFT_RUN, "sft.max_steps": 1})
+    style = cfg.policy.prompt_style
+    rows, reflections = sft_inputs(collected_run)
+    own: dict[str, str] = {}  # each trace's first valid reflection by request id
+    for r in sorted(reflections, key=lambda r: r["request_id"], reverse=True):
+        if r["valid"]:
+            own[r["trajectory_id"]] = guidance_text(parse_reflection(r["text"]))
+    candidates = [r for r in rows if r["accepted"] and r["trajectory_id"] in own]
+    assert len(candidates) >= 4
+    assert guide_rows(rows, reflections, 0.0, style, seed=0) == (rows, 0)
+    for fraction in (0.5, 1.0):
+        guided, n = guide_rows(rows, reflections, fraction, style, seed=0)
+        assert n == round(fraction * len(candidates)) and guided == guide_rows(rows, reflections, fraction, style, 0)[0]
+        changed = [(a, b) for a, b in zip(rows, guided) if a != b]
+        assert len(changed) == n
+        for before, after in changed:
+            system, *rest = json.loads(after["messages"])
+            assert prompt_guidance(system["content"]) == own[before["trajectory_id"]]
+            assert rest == json.loads(before["messages"])[1:] and after["text"] == before["text"]
+    assert guide_rows(rows, reflections, 0.5, style, seed=1)[0] != guide_rows(rows, reflections, 0.5, style, 0)[0]
+    foreign = [dict(r, messages=json.dumps([{"role": "system", "content": "other"}])) for r in rows]
+    with pytest.raises(SFTDataError, match="is not the policy's"):
+        guide_rows(foreign, reflections, 1.0, style, seed=0)
+
+    corpus = RunStore(collected_run).read_table("corpus")
+    base = prepare_policy(cfg.policy, tmp_path / "base", corpus["text"].to_pylist(), seed=0)
+    plain = SFTRun(base, rows, tmp_path / "a", cfg.policy, cfg.sft, seed=0, reflection_rows=reflections)
+    sft = cfg.sft.model_copy(update={"guided_fraction": 0.5})
+    run = SFTRun(base, rows, tmp_path / "b", cfg.policy, sft, seed=0, reflection_rows=reflections)
+    assert plain.n_guided == 0 and run.n_guided == round(0.5 * len(candidates))
+    longer = 0
+    for a, b in zip(plain.data.trajectories, run.data.trajectories):
+        assert a.token_ids[a.prompt_len :] == b.token_ids[b.prompt_len :]  # the same trace, trained alike
+        longer += b.prompt_len > a.prompt_len
+    assert longer == run.n_guided
+
+
 def final_weights(root):
     from safetensors.torch import load_file
 

@@ -166,6 +166,15 @@ class SFTConfig(TrainerSettings, PackingSettings):
         description="Reflection examples (valid teacher_reflections, loss on the reflection tokens only) per "
         "research trajectory in the SFT mix; repeated or subsampled to this ratio; 0: research only.",
     )
+    guided_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Share of the research traces that SFT shows with guidance in the system prompt: the valid "
+        "teacher reflection on that trace, rendered as RL's retrieval renders a banked one, the trace itself "
+        "unchanged. RL's repeat steps prompt with the query's own reflection, and a policy that never saw "
+        "guidance may break its scaffold there (learn: docs/learning.md). 0: every prompt unguided.",
+    )
     relabel_doc_ids: bool = Field(
         default=False,
         description="Rename the document ids of each trajectory with a fresh random bijection every time it "

@@ -105,6 +105,7 @@ def sft_markdown(
                     "steps",
                     "trajectories",
                     "reflection_examples",
+                    "guided_trajectories",
                     "skipped_too_long",
                     "rejected_rows",
                     "train_tokens",
