@@ -348,6 +348,21 @@ def test_learning_curve_splits_the_step_rows_by_phase_and_half():
     assert phase_means([]) == {}
 
 
+def test_scaffold_gate_replay_reads_a_run_and_counts_both_rules(tiny_pipeline_run):
+    """The micro run's policy breaks every scaffold: judged, some broken stages still earn A > 0; zeroed,
+    a stage every rollout broke has R = 0 for all and no advantage."""
+    from bench.scaffold_gate_replay import gate_counts
+
+    counts = gate_counts(tiny_pipeline_run)
+    assert set(counts) == {"new", "repeat"}
+    for rules in counts.values():
+        assert rules["zero"]["rows"] == rules["judged"]["rows"] > 0
+    assert sum(r["judged"]["positive"] for r in counts.values()) > 0
+    assert sum(r["zero"]["positive"] for r in counts.values()) == 0
+    with pytest.raises(SystemExit, match="no config.yaml"):
+        gate_counts(tiny_pipeline_run / "tables")
+
+
 def _soak_rows(n: int, cpu_growth: float, rss_growth: float, fds_growth: int) -> list[dict]:
     """Synthetic soak rows: step 0 is slow (model load), new-query (even) steps cost twice a replay."""
     rows = []
