@@ -4,9 +4,9 @@ Session 28's `full` run on `learn` broke its plan scaffold on the guided repeat 
 scores a stage's content, still paid those plans: a plan that never closed could earn the group's best
 plan advantage. This script reads a run's `rollouts` and `stage_rewards` (the judge's R as the run stored
 it; a run made with ``zero`` already stored zeroed R), places each rollout's scaffold violations in their
-stages (``scaffold.violation_stages``) and builds each group's advantages both ways with the run's Λ
-(``rl.update.group_advantages``): how many broken stages of broken rollouts got a positive advantage, and
-their summed advantage. Nothing trains; the run is only read; seconds on a CPU.
+stages (``scaffold.violation_stages``) and builds each group's advantages with the run's Λ
+(``rl.update.group_advantages``) under each rule (judged, zero, format: ``rl.update.gate_broken_stages``): how
+many broken stages of broken rollouts got a positive advantage, and their summed advantage. Nothing trains; the run is only read; seconds on a CPU.
 
     .venv/bin/python bench/scaffold_gate_replay.py --run-dir runs/learn/ablation/full
 """
@@ -33,7 +33,7 @@ def gate_counts(run_dir: Path) -> dict[str, Any]:
     """Per phase and rule: broken stage-rows of invalid rollouts, how many of them had A > 0, their A sum."""
     from rubricem_core.environment import trace_format
     from rubricem_core.rl.session import recipe_settings
-    from rubricem_core.rl.update import group_advantages, zero_violated_stages
+    from rubricem_core.rl.update import gate_broken_stages, group_advantages
     from rubricem_core.run_config import stored_config
     from rubricem_core.scaffold import STAGES, validate, violation_stages
     from rubricem_core.store import RunStore
@@ -66,7 +66,8 @@ def gate_counts(run_dir: Path) -> dict[str, Any]:
         ]
         advantages = {
             "judged": group_advantages(R, lam, failed).A,
-            "zero": group_advantages(zero_violated_stages(R, broken), lam, failed).A,
+            "zero": group_advantages(gate_broken_stages(R, broken, "zero", failed), lam, failed).A,
+            "format": group_advantages(gate_broken_stages(R, broken, "format", failed), lam, failed).A,
         }
         for i, row in enumerate(rows):
             for stage in broken[i]:
@@ -85,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     counts = gate_counts(args.run_dir)
     print("phase   rule    broken stage-rows  A > 0  sum of A")
-    total = {"judged": [0, 0], "zero": [0, 0]}
+    total = {"judged": [0, 0], "zero": [0, 0], "format": [0, 0]}
     for phase, rules in sorted(counts.items()):
         for rule, cell in rules.items():
             print(f"{phase:<7} {rule:<7} {cell['rows']:>17} {cell['positive']:>6} {cell['sum']:>9.2f}")
@@ -94,8 +95,8 @@ def main() -> int:
     if not total["judged"][0]:
         print("no rollout broke the scaffold")
         return 0
-    judged, zero = (total[rule][1] / total[rule][0] for rule in ("judged", "zero"))
-    print(f"broken stages with A > 0: judged {judged:.3f}, zeroed {zero:.3f}")
+    judged, zero, fmt = (total[rule][1] / total[rule][0] for rule in ("judged", "zero", "format"))
+    print(f"broken stages with A > 0: judged {judged:.3f}, zero {zero:.3f}, format {fmt:.3f}")
     print(figure_line("broken_stage_positive_share", zero, "fraction", f"report (judged: {judged:.3f})", None))
     return 0
 

@@ -243,6 +243,7 @@ def test_seed_streams_reproduce_the_old_formulas_worked_by_hand() -> None:
     assert derive_seed(7, seeds.TEACHER_TURN, 2) == 55_435  # 7 * 7919 + 2
     assert derive_seed(7, seeds.SFT_REFLECTION_MIX, 2) == 55_435  # 7 * 7_919 + 2
     assert derive_seed(7, seeds.SFT_EPOCH, 2) == 9  # 7 + 2
+    assert derive_seed(7, seeds.SFT_GUIDED, 0) == 55_489  # 7 * 7_927
     assert derive_seed(7, seeds.TEACHER_REFLECTION_CUTS, 3) == 7_000_234  # 7 * 1_000_033 + 3
     assert derive_seed(7, seeds.TEACHER_REFLECTION_REQUEST, 3, 2) == 7_000_281  # 7 * 1_000_033 + 3 * 16 + 2
     # a name counts as its CRC-32: crc32(b"synthetic") = 1_103_364_695

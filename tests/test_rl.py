@@ -51,28 +51,39 @@ def test_causal_recipe_gives_stagewise_credit():
     np.testing.assert_allclose(ga.A[:, 1:], 0.0)  # later stages cannot see earlier stages' rewards
 
 
-@pytest.mark.parametrize("rule", ["judged", "zero"])
-def test_a_stage_that_broke_the_scaffold_earns_nothing_when_violations_are_zeroed(rule: str):
-    """Rollout 0 broke its plan (the judge still liked it): zeroed, the plan advantage goes to the valid ones."""
-    from rubricem_core.rl.update import zero_violated_stages
+@pytest.mark.parametrize("rule", ["judged", "zero", "format"])
+def test_a_stage_that_broke_the_scaffold_earns_nothing_when_violations_are_gated(rule: str):
+    """Rollout 0 broke its plan and its review (the judge still liked its plan); rollout 3's judgment failed.
+    Gated, the plan advantage goes to the valid ones; `format` also scores the review, which has no rubric,
+    where rollout 0 broke it. R worked by hand for each rule."""
+    from rubricem_core.rl.update import gate_broken_stages
 
     nan = float("nan")
-    R = np.array([[1.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5]])
-    broken = [{"plan", "review"}, set(), set()]
-    gated = zero_violated_stages(R, broken) if rule == "zero" else R
-    A = group_advantages(gated, get_recipe("ss_grpo").lam()).A
+    R = np.array([[1.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5], [nan, nan, nan, nan]])
+    broken = [{"plan", "review"}, set(), set(), {"plan"}]
+    failed = [False, False, False, True]
+    gated = R if rule == "judged" else gate_broken_stages(R, broken, rule, failed)
+    A = group_advantages(gated, get_recipe("ss_grpo").lam(), failed).A
+    expected = {
+        "judged": R,
+        "zero": [[0.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5], [nan] * 4],
+        "format": [[0.0, 0.5, 0.0, 1.0], [0.5, 0.5, 1.0, 1.0], [0.5, 0.5, 1.0, 0.5], [nan] * 4],
+    }[rule]
+    np.testing.assert_array_equal(gated, expected)
     if rule == "judged":
         assert A[0, 0] > max(0.0, A[1, 0])  # the broken plan is the group's best
     else:
-        expected = np.array([[0.0, 0.5, nan, 1.0], [0.5, 0.5, nan, 1.0], [0.5, 0.5, nan, 0.5]])
-        np.testing.assert_array_equal(gated, expected)  # review had no reward: nothing to withhold
         assert A[0, 0] < 0 < A[1, 0]
         np.testing.assert_array_equal(R[0], [1.0, 0.5, nan, 1.0])  # the judge's R is not changed in place
-    with pytest.raises(ValueError, match="2 rollouts"):
-        zero_violated_stages(R, broken[:2])
+    if rule == "format":
+        assert A[0, 2] < 0 < A[1, 2]  # the review, unscored before, now separates the group
+    with pytest.raises(ValueError, match="3 rollouts"):
+        gate_broken_stages(R, broken[:3])
+    with pytest.raises(ValueError, match="unknown scaffold_violations rule"):
+        gate_broken_stages(R, broken, "judged")
 
 
-@pytest.mark.parametrize("rule", ["judged", "zero"])
+@pytest.mark.parametrize("rule", ["judged", "zero", "format"])
 def test_the_judge_task_writes_and_trains_the_zeroed_rewards(rule: str):
     """broken_stages finds where each rollout broke the scaffold; judge_tables' `stage_rewards` carry the
     zeroed R (what SQL shows is what trains), the judge's own R untouched."""

@@ -247,13 +247,16 @@ class RLConfig(TrainerSettings, PackingSettings):
         "leaving: the stage it leaves, so closing the research early is scored with the research; entering: the "
         "stage it opens (a[t] = A[stage(t)] for every token, the rule before this field existed).",
     )
-    scaffold_violations: Literal["judged", "zero"] = Field(
+    scaffold_violations: Literal["judged", "zero", "format"] = Field(
         default="judged",
         description="The reward of a stage in which a rollout breaks the scaffold (the validator's violations, "
         "placed at the stage they sit in; a missing stage or the tool budget at the stage it is about). judged: "
         "the judge's score, as for a valid stage; zero: 0, so a broken plan never earns a plan advantage from "
-        "its content (learn: guided repeat steps dropped the plan's closing tags and were rewarded for what they "
-        "said; docs/learning.md). Scaffold traces only: react traces have no stages to place a violation in.",
+        "its content (a stage with no rubric has no reward to withhold); format: 0 too, and where some rollouts "
+        "of a group broke a stage with no rubric and some kept it, the ones that kept it score 1 (the scaffold "
+        "is that stage's one rubric where it separates the group). learn: guided repeat steps dropped the plan's closing tags and were "
+        "rewarded for what they said, and the plan mostly has no rubric (docs/learning.md). Scaffold traces "
+        "only: react traces have no stages to place a violation in.",
     )
     async_steps: Literal[0, 1] = Field(
         default=0,

@@ -50,7 +50,7 @@ from rubricem_core.rl.session import (
     recipe_settings,
     reset_bank,
 )
-from rubricem_core.rl.update import group_advantages, zero_violated_stages
+from rubricem_core.rl.update import gate_broken_stages, group_advantages
 from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
 from rubricem_core.scaffold import STAGES, validate, violation_stages
@@ -269,10 +269,11 @@ def judge_tables(
     buffers: dict[str, RubricBuffer],
     lam: torch.Tensor,
     broken: Mapping[str, set[str]] | None = None,
+    rule: str = "zero",
 ) -> JudgedStep:
     """A step's `judge_rubrics`, `judge_scores` and `stage_rewards` rows (groups in ``results`` order)
     and the error of each failed judgment by rollout id. ``broken``: each rollout's stages with a scaffold
-    violation, whose reward is then 0 (``rl.scaffold_violations: zero``); None: the judge's R as it is."""
+    violation, gated by ``rule`` (``rl.scaffold_violations``: zero or format); None: the judge's R as it is."""
     out = JudgedStep(n_groups=len(results))
     for g in results:
         out.rubric_rows.extend(buffers[g.query_id].rows(step))
@@ -282,16 +283,16 @@ def judge_tables(
             else:
                 out.score_rows.extend(j.rows(step, g.query_id))
         failed = [rid in out.errors for rid in g.rollout_ids]
-        R = g.R if broken is None else zero_violated_stages(g.R, [broken[rid] for rid in g.rollout_ids])
+        R = g.R if broken is None else gate_broken_stages(g.R, [broken[rid] for rid in g.rollout_ids], rule, failed)
         out.reward_rows.extend(reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(R, lam, failed)))
     return out
 
 
 def broken_stages(cfg: RunConfig, rollouts: list[dict[str, Any]]) -> dict[str, set[str]] | None:
-    """Each rollout's stages with a scaffold violation when ``rl.scaffold_violations`` zeroes them (scaffold
+    """Each rollout's stages with a scaffold violation when ``rl.scaffold_violations`` gates them (scaffold
     traces only), else None."""
     fmt = trace_format(cfg.policy.prompt_style)
-    if cfg.rl.scaffold_violations != "zero" or fmt != "scaffold":
+    if cfg.rl.scaffold_violations == "judged" or fmt != "scaffold":
         return None
     out = {}
     for row in rollouts:
@@ -323,7 +324,8 @@ def judge_rl_step(
         results = judge_step(judge, judge_groups(rollouts, queries, plan.query_ids), buffers, plan.step)
         seconds = time.perf_counter() - t0
     wait_seconds = time.perf_counter() - t0  # how long this task held the step up
-    out = judge_tables(plan.step, results, buffers, recipe_settings(cfg).lam, broken_stages(cfg, rollouts))
+    lam, broken = recipe_settings(cfg).lam, broken_stages(cfg, rollouts)
+    out = judge_tables(plan.step, results, buffers, lam, broken, cfg.rl.scaffold_violations)
     out.rollouts, out.seconds = rollouts, seconds
     out.rollouts_changed = mark_failures(rollouts, out.errors)
     metrics = judge.usage.metrics()

@@ -1,6 +1,6 @@
 """One SS-GRPO step, assembled in one place from the ``ssgrpo`` functions:
 
-    R = zero_violated_stages(R, broken)                    # optional: no reward where the scaffold broke
+    R = gate_broken_stages(R, broken, rule, failed)        # optional: no reward where the scaffold broke
     ga = group_advantages(R, lam, failed)                  # per query: G = R Λᵀ, A = per-stage normalization
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
     batch = training_batch(rollouts, rows, decode)         # judged trajectories, a[i, t] = A[i, stage(t)]
@@ -95,16 +95,31 @@ def group_advantages(R: np.ndarray, lam: torch.Tensor, failed: Sequence[bool] | 
     return GroupAdvantages(R=np.asarray(R, dtype=np.float64), G=G, A=A)
 
 
-def zero_violated_stages(R: np.ndarray, broken: Sequence[set[str]]) -> np.ndarray:
-    """R with 0 in each stage a rollout broke the scaffold in (``broken[i]``: its stages with a violation);
-    NaN stays NaN, a stage with no reward has nothing to withhold (``rl.scaffold_violations: zero``)."""
+def gate_broken_stages(
+    R: np.ndarray, broken: Sequence[set[str]], rule: str = "zero", failed: Sequence[bool] | None = None
+) -> np.ndarray:
+    """R with 0 in each stage a rollout broke the scaffold in (``broken[i]``: its stages with a violation;
+    ``rl.scaffold_violations``). ``zero``: a stage with no reward (NaN: no rubric) stays NaN, there is
+    nothing to withhold. ``format``: where some rollouts of a group broke a stage that has no rubric and
+    some kept it, the scaffold is that stage's one rubric, as the judge adds an adaptive rubric only where it
+    separates a group: those that kept it score 1, those that broke it 0. A failed judgment's row is left
+    as it is."""
+    if rule not in ("zero", "format"):
+        raise ValueError(f"unknown scaffold_violations rule {rule!r}; expected zero or format")
     R = np.array(R, dtype=np.float64)
     if len(broken) != R.shape[0]:
         raise ValueError(f"{len(broken)} rollouts' broken stages for an R of {R.shape[0]} rows")
-    for i, stages in enumerate(broken):
-        for stage in stages:
-            k = STAGES.index(stage)
-            if not np.isnan(R[i, k]):
+    judged = [not (failed is not None and failed[i]) for i in range(len(broken))]
+    rows = [i for i in range(len(broken)) if judged[i]]
+    for k, stage in enumerate(STAGES):
+        broke = [stage in broken[i] for i in rows]
+        # a rubric-less stage gets the scaffold as its rubric only where it separates the group
+        separates = rule == "format" and any(broke) and not all(broke)
+        for i, b in zip(rows, broke):
+            if np.isnan(R[i, k]):
+                if separates:
+                    R[i, k] = 0.0 if b else 1.0
+            elif b:
                 R[i, k] = 0.0
     return R
 
