@@ -254,9 +254,9 @@ class RLConfig(TrainerSettings, PackingSettings):
         "the judge's score, as for a valid stage; zero: 0, so a broken plan never earns a plan advantage from "
         "its content (a stage with no rubric has no reward to withhold); format: 0 too, and where some rollouts "
         "of a group broke a stage with no rubric and some kept it, the ones that kept it score 1 (the scaffold "
-        "is that stage's one rubric where it separates the group). learn: guided repeat steps dropped the plan's closing tags and were "
-        "rewarded for what they said, and the plan mostly has no rubric (docs/learning.md). Scaffold traces "
-        "only: react traces have no stages to place a violation in.",
+        "is that stage's one rubric where it separates the group). learn: broken plans on the guided repeat "
+        "steps were rewarded for what they said, and the plan mostly has no rubric (docs/learning.md). "
+        "Scaffold traces only: react traces have no stages to place a violation in.",
     )
     async_steps: Literal[0, 1] = Field(
         default=0,

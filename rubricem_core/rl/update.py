@@ -109,8 +109,7 @@ def gate_broken_stages(
     R = np.array(R, dtype=np.float64)
     if len(broken) != R.shape[0]:
         raise ValueError(f"{len(broken)} rollouts' broken stages for an R of {R.shape[0]} rows")
-    judged = [not (failed is not None and failed[i]) for i in range(len(broken))]
-    rows = [i for i in range(len(broken)) if judged[i]]
+    rows = [i for i in range(len(broken)) if not (failed is not None and failed[i])]
     for k, stage in enumerate(STAGES):
         broke = [stage in broken[i] for i in rows]
         # a rubric-less stage gets the scaffold as its rubric only where it separates the group
