@@ -4,7 +4,7 @@ Session 28's `full` run on `learn` broke its plan scaffold on the guided repeat 
 scores a stage's content, still paid those plans: a plan that never closed could earn the group's best
 plan advantage. This script reads a run's `rollouts` and `stage_rewards` (the judge's R as the run stored
 it; a run made with ``zero`` already stored zeroed R), places each rollout's scaffold violations in their
-stages (``scaffold.violation_stages``) and builds each group's advantages with the run's Λ
+stages (``rl.records.broken_stages``) and builds each group's advantages with the run's Λ
 (``rl.update.group_advantages``) under each rule (judged, zero, format: ``rl.update.gate_broken_stages``): how
 many broken stages of broken rollouts got a positive advantage, and their summed advantage. Nothing trains; the run is only read; seconds on a CPU.
 
@@ -32,10 +32,11 @@ apply_offline_defaults()
 def gate_counts(run_dir: Path) -> dict[str, Any]:
     """Per phase and rule: broken stage-rows of invalid rollouts, how many of them had A > 0, their A sum."""
     from rubricem_core.environment import trace_format
+    from rubricem_core.rl.records import broken_stages
     from rubricem_core.rl.session import recipe_settings
     from rubricem_core.rl.update import gate_broken_stages, group_advantages
     from rubricem_core.run_config import stored_config
-    from rubricem_core.scaffold import STAGES, validate, violation_stages
+    from rubricem_core.scaffold import STAGES
     from rubricem_core.store import RunStore
 
     cfg = stored_config(run_dir)
@@ -61,9 +62,7 @@ def gate_counts(run_dir: Path) -> dict[str, Any]:
             ]
         )
         failed = [bool(r["judge_failed"]) for r in rows]
-        broken = [
-            violation_stages(r["text"], validate(r["text"], max_tool_calls=cfg.tools.max_tool_calls)) for r in rows
-        ]
+        broken = [broken_stages(r["text"], cfg.tools.max_tool_calls) for r in rows]
         advantages = {
             "judged": group_advantages(R, lam, failed).A,
             "zero": group_advantages(gate_broken_stages(R, broken, "zero", failed), lam, failed).A,

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from rubricem_core.rl.curriculum import StepPlan
-from rubricem_core.scaffold import validate
+from rubricem_core.scaffold import validate, violation_stages
 from rubricem_core.schemas import nan_to_none
 from rubricem_core.trajectory import TokenTrajectory
 
@@ -47,6 +47,12 @@ def rollout_row(
         "segments": json.dumps([s.__dict__ for s in traj.segments], ensure_ascii=False),
         "guidance": guidance,
     }
+
+
+def broken_stages(text: str, max_tool_calls: int | None) -> set[str]:
+    """The stages a scaffold trace breaks (its violations placed by ``scaffold.violation_stages``), checked
+    as its `rollouts` row's ``valid_scaffold`` is (``rl.scaffold_violations`` gates their rewards)."""
+    return violation_stages(text, validate(text, max_tool_calls=max_tool_calls))
 
 
 def rollout_text(traj: TokenTrajectory) -> str:

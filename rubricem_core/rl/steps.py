@@ -39,6 +39,7 @@ from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_s
 from rubricem_core.rl.learner import step_updates, update_inputs
 from rubricem_core.rl.policy import reflection_on
 from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
+from rubricem_core.rl.records import broken_stages as rollout_broken_stages
 from rubricem_core.rl.records import rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
@@ -53,7 +54,7 @@ from rubricem_core.rl.session import (
 from rubricem_core.rl.update import gate_broken_stages, group_advantages
 from rubricem_core.rl.update import reward_rows as reward_rows_of
 from rubricem_core.rollout import RolloutRequest, SamplingParams
-from rubricem_core.scaffold import STAGES, validate, violation_stages
+from rubricem_core.scaffold import STAGES
 from rubricem_core.seeds import REFLECTION_SAMPLING, ROLLOUT, derive_seed
 from rubricem_core.store import RunStore
 from rubricem_core.tools.base import ToolEnv
@@ -294,11 +295,7 @@ def broken_stages(cfg: RunConfig, rollouts: list[dict[str, Any]]) -> dict[str, s
     fmt = trace_format(cfg.policy.prompt_style)
     if cfg.rl.scaffold_violations == "judged" or fmt != "scaffold":
         return None
-    out = {}
-    for row in rollouts:
-        violations = validate(row["text"], max_tool_calls=cfg.tools.max_tool_calls, trace_format=fmt)
-        out[row["rollout_id"]] = violation_stages(row["text"], violations)
-    return out
+    return {row["rollout_id"]: rollout_broken_stages(row["text"], cfg.tools.max_tool_calls) for row in rollouts}
 
 
 def judge_rl_step(
