@@ -208,3 +208,46 @@ def test_a_guard_killed_with_sigkill_leaves_its_server_a_sigterm(tmp_path: Path)
         assert not _alive(engine)
     finally:
         stop_process_group(proc, grace_s=5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc")
+def test_a_server_stuck_in_its_shutdown_is_killed_after_its_grace_when_its_guard_was_sigkilled(tmp_path: Path) -> None:
+    """vLLM's server can hang in its own shutdown (engine gone, requests in flight never answered): with its
+    guard SIGKILLed nobody escalated, and the driver's calls to it waited out their timeout. The guard's reaper
+    gives the group its grace, then SIGKILLs it."""
+    from rubricem_core.rollout.server_guard import guarded_command
+
+    (tmp_path / "stuck_server.py").write_text(
+        textwrap.dedent(
+            """\
+            import signal, subprocess, time
+            engine = subprocess.Popen(["bash", "-c", "trap '' TERM; exec sleep 300"])
+            signal.signal(signal.SIGTERM, lambda *_: None)  # "shutting down", forever
+            print("ready", engine.pid, flush=True)
+            while True:
+                time.sleep(1)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "RUBRICEM_SERVER_GRACE_S": "3"}
+    proc = subprocess.Popen(
+        guarded_command(sys.executable, "stuck_server", []),
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        engine = int(proc.stdout.readline().split()[1])
+        assert _wait_until(lambda: len(group_members(proc.pid)) == 4)  # guard, server, engine, reaper
+        os.kill(proc.pid, signal.SIGKILL)  # the guard alone, as Ray kills a killed actor's children
+        proc.wait()
+        killed = time.monotonic()
+        time.sleep(1.0)
+        assert _alive(engine), "the group was killed before its grace"
+        assert _wait_until(lambda: group_members(proc.pid) == [], timeout_s=30), "the stuck server outlived its guard"
+        assert time.monotonic() - killed >= 2.5
+        assert not _alive(engine)
+    finally:
+        stop_process_group(proc, grace_s=5)

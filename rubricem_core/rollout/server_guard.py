@@ -14,6 +14,12 @@ When the guard is asked to stop (SIGTERM or SIGINT), when its own parent dies, o
 itself, it SIGTERMs the group, waits ``GRACE_S`` for the server, then SIGKILLs whatever of the group is
 left, and exits with the server's code (128 + signal when it was told to stop).
 
+A SIGKILLed guard escalates nothing, and vLLM's server can hang in its own shutdown (seen under load: engine
+exited, server idle in epoll, its requests in flight never answered, so the driver's calls waited out their
+timeout). So the guard also starts a reaper in the group (``--reap-group``): once the guard is gone it gives
+the group ``GRACE_S`` to stop by itself, then SIGKILLs what is left. The guard's own stop ends the reaper with
+the rest of the group. ``RUBRICEM_SERVER_GRACE_S`` overrides ``GRACE_S`` (tests).
+
 It is run by path with the server's interpreter (which need not have rubricem_core installed), so it
 imports only the standard library.
 """
@@ -29,14 +35,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-GRACE_S = 20.0  # the server's own shutdown (engine, workers) before the group is SIGKILLed
+GRACE_S = float(os.environ.get("RUBRICEM_SERVER_GRACE_S", "20"))  # the server's own shutdown before SIGKILL
 POLL_S = 0.5
+REAP_FLAG = "--reap-group"
 
 
 def guarded_command(python: str, module: str, args: list[str]) -> list[str]:
     """The command line that runs ``python -m module args`` under this guard."""
-    code = f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
-    return [python, "-c", code, module, *args]
+    return [python, "-c", _RUN_THIS_FILE, module, *args]
+
+
+_RUN_THIS_FILE = f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
 
 
 def group_members(pgid: int) -> list[int]:
@@ -98,7 +107,27 @@ def term_when_parent_dies() -> Callable[[], None] | None:
     return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def reap_group(guard: int, grace_s: float) -> int:
+    """The reaper: wait while ``guard`` is this process's parent; once it is gone (SIGKILLed: a guard that
+    stops normally SIGTERMs the reaper first), give the rest of the group ``grace_s`` to exit, then SIGKILL
+    whatever is left."""
+    while os.getppid() == guard:
+        time.sleep(POLL_S)
+    pgid = os.getpgid(0)
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for pid in group_members(pgid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == [REAP_FLAG]:
+        return reap_group(int(argv[1]), float(argv[2]))
     if not argv:
         print(
             "usage: python -c \"import runpy; runpy.run_path('server_guard.py', run_name='__main__')\" MODULE [ARGS...]",
@@ -116,12 +145,19 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server = subprocess.Popen([sys.executable, "-m", *argv], preexec_fn=term_when_parent_dies())
+    # stdout not on the server's pipe: the starter reads that until every holder of it is gone
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", _RUN_THIS_FILE, REAP_FLAG, str(os.getpid()), str(GRACE_S)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
     while not stop.is_set() and server.poll() is None:
         if os.getppid() != parent:  # our starter died without signalling us: nobody will stop the server
             told.append(signal.SIGTERM)
             break
         stop.wait(POLL_S)
     end_group(server)
+    reaper.poll()  # SIGTERMed or SIGKILLed with the group: reaped, not left a zombie
     if told:
         return 128 + told[0]
     return server.returncode if server.returncode >= 0 else 128 - server.returncode
