@@ -144,20 +144,24 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = subprocess.Popen([sys.executable, "-m", *argv], preexec_fn=term_when_parent_dies())
-    # stdout not on the server's pipe: the starter reads that until every holder of it is gone
+    # the reaper first, so no moment has a server without one; its stdout not on the server's pipe, which
+    # the starter reads until every holder of it is gone
     reaper = subprocess.Popen(
         [sys.executable, "-c", _RUN_THIS_FILE, REAP_FLAG, str(os.getpid()), str(GRACE_S)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
     )
+    server = subprocess.Popen([sys.executable, "-m", *argv], preexec_fn=term_when_parent_dies())
     while not stop.is_set() and server.poll() is None:
         if os.getppid() != parent:  # our starter died without signalling us: nobody will stop the server
             told.append(signal.SIGTERM)
             break
         stop.wait(POLL_S)
     end_group(server)
-    reaper.poll()  # SIGTERMed or SIGKILLed with the group: reaped, not left a zombie
+    try:  # SIGTERMed with the group: reaped, not left a zombie
+        reaper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
     if told:
         return 128 + told[0]
     return server.returncode if server.returncode >= 0 else 128 - server.returncode
