@@ -174,8 +174,6 @@ def test_the_server_guard_exits_with_the_servers_code_and_takes_its_engine_along
 def test_a_guard_killed_with_sigkill_leaves_its_server_a_sigterm(tmp_path: Path) -> None:
     """Ray kills a killed actor's children with SIGKILL: the guard cannot clean up, but its server gets
     SIGTERM, on which vLLM's server stops its engine (here: a server that stops its engine on SIGTERM)."""
-    from rubricem_core.rollout.server_guard import guarded_command
-
     (tmp_path / "polite_server.py").write_text(
         textwrap.dedent(
             """\
@@ -191,17 +189,8 @@ def test_a_guard_killed_with_sigkill_leaves_its_server_a_sigterm(tmp_path: Path)
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.Popen(
-        guarded_command(sys.executable, "polite_server", []),
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc, engine = _start_guarded(tmp_path, "polite_server")
     try:
-        assert proc.stdout is not None
-        engine = int(proc.stdout.readline().split()[1])
         os.kill(proc.pid, signal.SIGKILL)  # the guard alone
         proc.wait()
         assert _wait_until(lambda: group_members(proc.pid) == [], timeout_s=30), "the server outlived its guard"
@@ -215,8 +204,6 @@ def test_a_server_stuck_in_its_shutdown_is_killed_after_its_grace_when_its_guard
     """vLLM's server can hang in its own shutdown (engine gone, requests in flight never answered): with its
     guard SIGKILLed nobody escalated, and the driver's calls to it waited out their timeout. The guard's reaper
     gives the group its grace, then SIGKILLs it."""
-    from rubricem_core.rollout.server_guard import guarded_command
-
     (tmp_path / "stuck_server.py").write_text(
         textwrap.dedent(
             """\
@@ -229,17 +216,8 @@ def test_a_server_stuck_in_its_shutdown_is_killed_after_its_grace_when_its_guard
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "RUBRICEM_SERVER_GRACE_S": "3"}
-    proc = subprocess.Popen(
-        guarded_command(sys.executable, "stuck_server", []),
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc, engine = _start_guarded(tmp_path, "stuck_server", {"RUBRICEM_SERVER_GRACE_S": "3"})
     try:
-        assert proc.stdout is not None
-        engine = int(proc.stdout.readline().split()[1])
         assert _wait_until(lambda: len(group_members(proc.pid)) == 4)  # guard, server, engine, reaper
         os.kill(proc.pid, signal.SIGKILL)  # the guard alone, as Ray kills a killed actor's children
         proc.wait()
@@ -251,3 +229,19 @@ def test_a_server_stuck_in_its_shutdown_is_killed_after_its_grace_when_its_guard
         assert not _alive(engine)
     finally:
         stop_process_group(proc, grace_s=5)
+
+
+def _start_guarded(tmp_path: Path, module: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """``tmp_path/<module>.py`` under the server guard, as the leader of a new group; the guard's process and
+    the pid its stand-in engine printed."""
+    from rubricem_core.rollout.server_guard import guarded_command
+
+    proc = subprocess.Popen(
+        guarded_command(sys.executable, module, []),
+        env={**os.environ, "PYTHONPATH": str(tmp_path), **(env or {})},
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline().split()[1])
