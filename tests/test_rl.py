@@ -85,18 +85,18 @@ def test_a_stage_that_broke_the_scaffold_earns_nothing_when_violations_are_gated
 
 @pytest.mark.parametrize("rule", ["judged", "zero", "format"])
 def test_the_judge_task_writes_and_trains_the_zeroed_rewards(rule: str):
-    """broken_stages finds where each rollout broke the scaffold; judge_tables' `stage_rewards` carry the
+    """stages_to_gate finds where each rollout broke the scaffold; judge_tables' `stage_rewards` carry the
     zeroed R (what SQL shows is what trains), the judge's own R untouched."""
     from rubricem_core.config import load_config
     from rubricem_core.judge.buffer import RubricBuffer
     from rubricem_core.judge.llm_judge import GenerationOutcome, GroupJudgment
-    from rubricem_core.rl.steps import broken_stages, judge_tables
+    from rubricem_core.rl.steps import judge_tables, stages_to_gate
     from rubricem_core.scaffold import EXAMPLE_TRACE
 
     cfg = load_config(MICRO_PROFILE, {"rl.scaffold_violations": rule})
     unclosed_plan = EXAMPLE_TRACE.replace("</structured_plan>", "", 1)
     rows = [{"rollout_id": "q-r0", "text": unclosed_plan}, {"rollout_id": "q-r1", "text": EXAMPLE_TRACE}]
-    broken = broken_stages(cfg, rows)
+    broken = stages_to_gate(cfg, rows)
     if rule == "judged":
         assert broken is None
     else:

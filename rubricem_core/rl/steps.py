@@ -39,8 +39,7 @@ from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_s
 from rubricem_core.rl.learner import step_updates, update_inputs
 from rubricem_core.rl.policy import reflection_on
 from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
-from rubricem_core.rl.records import broken_stages as rollout_broken_stages
-from rubricem_core.rl.records import rollout_row, rollout_text
+from rubricem_core.rl.records import broken_stages, rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
     buffers_at,
@@ -289,13 +288,13 @@ def judge_tables(
     return out
 
 
-def broken_stages(cfg: RunConfig, rollouts: list[dict[str, Any]]) -> dict[str, set[str]] | None:
+def stages_to_gate(cfg: RunConfig, rollouts: list[dict[str, Any]]) -> dict[str, set[str]] | None:
     """Each rollout's stages with a scaffold violation when ``rl.scaffold_violations`` gates them (scaffold
     traces only), else None."""
     fmt = trace_format(cfg.policy.prompt_style)
     if cfg.rl.scaffold_violations == "judged" or fmt != "scaffold":
         return None
-    return {row["rollout_id"]: rollout_broken_stages(row["text"], cfg.tools.max_tool_calls) for row in rollouts}
+    return {row["rollout_id"]: broken_stages(row["text"], cfg.tools.max_tool_calls) for row in rollouts}
 
 
 def judge_rl_step(
@@ -321,7 +320,7 @@ def judge_rl_step(
         results = judge_step(judge, judge_groups(rollouts, queries, plan.query_ids), buffers, plan.step)
         seconds = time.perf_counter() - t0
     wait_seconds = time.perf_counter() - t0  # how long this task held the step up
-    lam, broken = recipe_settings(cfg).lam, broken_stages(cfg, rollouts)
+    lam, broken = recipe_settings(cfg).lam, stages_to_gate(cfg, rollouts)
     out = judge_tables(plan.step, results, buffers, lam, broken, cfg.rl.scaffold_violations)
     out.rollouts, out.seconds = rollouts, seconds
     out.rollouts_changed = mark_failures(rollouts, out.errors)
