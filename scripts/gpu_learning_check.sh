@@ -45,7 +45,8 @@ $PY -c "import torch; print(f'gpu_check: learning_device={torch.cuda.get_device_
 ROOT=${GPU_LEARNING_DIR:-/tmp/gpu-learning}
 rm -rf "$ROOT" && mkdir -p "$ROOT"
 RUN=$ROOT/base
-BUDGET=${LEARN_CHECK_S:-480}
+# 480 s on the GPU; a CPU dry run (tiny) is not timed, only bounded
+[ "${GPU_CHECK_SIZE:-}" = tiny ] && BUDGET=${LEARN_CHECK_S:-1800} || BUDGET=${LEARN_CHECK_S:-480}
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 if [ "${GPU_CHECK_SIZE:-}" = tiny ]; then
@@ -61,9 +62,9 @@ else
     CURVE=(--steps 12 --eval-every 12)
 fi
 
-# stage name, its share of what is left, command...
+# stage name, the most it may take in percent of the budget, command...
 stage() {
-    local name=$1 cap=$2; shift 2
+    local name=$1 cap=$(( BUDGET * $2 / 100 )); shift 2
     local t=$(( $(left) < cap ? $(left) : cap ))
     if [ "$t" -le 10 ]; then echo "gpu_check: learning=timeout (no time left for $name)"; exit 1; fi
     local t0=$(date +%s)
@@ -78,9 +79,9 @@ stage() {
     fi
 }
 
-stage collect 90 $PY -m flows.cli collect-sft-data --run-dir "$RUN" --profile $PROFILE "${SETS[@]}" || exit 1
-stage sft 150 $PY -m flows.cli sft --run-dir "$RUN" --profile $PROFILE "${SETS[@]}" || exit 1
-stage curve "$BUDGET" $PY bench/learning_curve.py --run-dir "$RUN" --work-dir "$ROOT/curve" --profile $PROFILE \
+stage collect 20 $PY -m flows.cli collect-sft-data --run-dir "$RUN" --profile $PROFILE "${SETS[@]}" || exit 1
+stage sft 35 $PY -m flows.cli sft --run-dir "$RUN" --profile $PROFILE "${SETS[@]}" || exit 1
+stage curve 100 $PY bench/learning_curve.py --run-dir "$RUN" --work-dir "$ROOT/curve" --profile $PROFILE \
     --recipes full "${SETS[@]}" "${CURVE[@]}"
 rc=$?
 grep -E "^SFT: |^full after|^mean step|^figure:" "$ROOT/curve.log" \

@@ -12,8 +12,8 @@ can be fetched there. A device call carries the working tree plus named ignored 
 `pack` takes the closure of the project's runtime dependencies (pyproject.toml; not those the check does
 not import: NOT_ON_PATH) at this environment's versions, drops what the image has and LEFT_OUT, installs
 them for the target interpreter into one site tree, compresses it (xz) and carries the model's GGUF file
-beside it as it is (quantized: it does not compress). Both are cut into parts of equal size, so the
-number of calls is the fewest the limit allows. Every part holds the same manifest; `unpack` puts a
+beside it as it is (quantized: it does not compress). Both are cut into parts, each filled up to the
+limit but the last, so the number of calls is the fewest the limit allows. Every part holds the same manifest; `unpack` puts a
 part's pieces aside, and once a file's pieces are all there, checks its sha256 and installs it into
 --site. A machine stays warm 30 s after a call: what earlier calls left goes with it, and
 `--require-all` says which parts to send again.
