@@ -215,6 +215,17 @@ class Progress:
         )
 
 
+# Sections only the RL runs and their evaluations read: a curve's --set of these stays out of the source
+# run's config.yaml, which is the default config of every later curve started from that source (a
+# `--set rl.queries_per_step=4` given while the source was made would silently become every later curve's).
+RL_ONLY_SECTIONS = ("rl.", "rollout.", "judge.", "eval.")
+
+
+def source_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides that the source run (collection and SFT) records: all but RL_ONLY_SECTIONS'."""
+    return {k: v for k, v in overrides.items() if not k.startswith(RL_ONLY_SECTIONS)}
+
+
 def prepare_source(src: Path, profile: str, overrides: dict[str, Any]) -> None:
     """Teacher data and the SFT checkpoint in ``src`` (each flow resumes what an earlier run finished)."""
     from flows.collect_sft_data import collect_sft_data
@@ -223,7 +234,7 @@ def prepare_source(src: Path, profile: str, overrides: dict[str, Any]) -> None:
     for name, flow in (("collect_sft_data", collect_sft_data), ("sft", sft)):
         t0 = time.perf_counter()
         if name == "collect_sft_data":
-            flow(run_dir=str(src), profile=profile, overrides=overrides or None)
+            flow(run_dir=str(src), profile=profile, overrides=source_overrides(overrides) or None)
         else:
             flow(run_dir=str(src))
         print(f"[progress] {name} done in {(time.perf_counter() - t0) / 60:.1f} min ({src})", flush=True)

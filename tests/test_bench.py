@@ -316,6 +316,27 @@ def test_the_final_comparison_pairs_each_checkpoint_with_sft_and_the_last_two_re
     assert "4 samples a query" in table and "+0.333 ± 0.083" in table
 
 
+def test_a_curves_rl_settings_stay_out_of_the_source_run_it_makes():
+    from bench.learning_curve import source_overrides
+
+    overrides = {
+        "tracking.enabled": False,
+        "sft.epochs": 2,
+        "data.world.n_queries": 16,
+        "rl.queries_per_step": 4,
+        "rollout.engine": "hf",
+        "judge.cap_per_stage": 3,
+        "eval.max_queries": 6,
+        "reflection.n_candidates": 2,
+    }
+    assert source_overrides(overrides) == {
+        "tracking.enabled": False,
+        "sft.epochs": 2,
+        "data.world.n_queries": 16,
+        "reflection.n_candidates": 2,  # the teacher's reflections read this section
+    }
+
+
 def test_learning_curve_chunks_end_on_windows():
     from bench.learning_curve import chunk_ends
 
