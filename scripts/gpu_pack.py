@@ -61,9 +61,48 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def image_packages(path: Path = ROOT / "scripts" / "gpu_image_packages.txt") -> set[str]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return {normalize(line.strip()) for line in lines if line.strip() and not line.startswith("#")}
+IMAGE_LIST = ROOT / "scripts" / "gpu_image_packages.txt"
+
+
+def image_versions(path: Path = IMAGE_LIST) -> dict[str, str | None]:
+    """The image's packages: name → version where the list gives one (``name==version``), else None."""
+    found: dict[str, str | None] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.strip().partition("==")
+            found[normalize(name)] = version or None
+    return found
+
+
+def image_packages(path: Path = IMAGE_LIST) -> set[str]:
+    return set(image_versions(path))
+
+
+def image_conflicts(
+    carried: dict[str, str], python_version: str, have: dict[str, str | None] | None = None
+) -> list[str]:
+    """Where a carried package needs a version of one of the image's packages that the image (as listed,
+    where the list gives its version) does not have: it would fail there, not in the dry run."""
+    import tomllib
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    env = _marker_env(python_version)
+    have = image_versions() if have is None else have
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    needs = {"this project": [*project["dependencies"], *project["optional-dependencies"]["smollm"]]}
+    needs.update({name: metadata.distribution(name).requires or [] for name in carried})
+    clashes = []
+    for name, specs in needs.items():
+        for spec in specs:
+            req = Requirement(spec)
+            version = have.get(normalize(req.name))
+            if version is None or (req.marker is not None and not req.marker.evaluate(env)):
+                continue
+            if not req.specifier.contains(version, prereleases=True):
+                clashes.append(f"{name} needs {req.name}{req.specifier}, the image has {version}")
+    return clashes
 
 
 def runtime_roots(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
@@ -78,6 +117,15 @@ def runtime_roots(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     return [n for n in dict.fromkeys([*names, *BENCH_NEEDS]) if n not in NOT_ON_PATH]
 
 
+def _marker_env(python_version: str) -> dict[str, str]:
+    """Environment markers of the target: Linux x86-64, CPython ``python_version`` (major.minor.micro)."""
+    short = ".".join(python_version.split(".")[:2])
+    env = {"python_version": short, "python_full_version": python_version, "extra": ""}
+    env.update({"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"})
+    env.update({"os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython"})
+    return env
+
+
 def closure(roots: list[str], python_version: str) -> dict[str, str]:
     """Every distribution ``roots`` need on Linux under ``python_version`` (major.minor.micro: markers
     compare all three), at the version installed in this environment (the one the test suite runs)."""
@@ -85,10 +133,7 @@ def closure(roots: list[str], python_version: str) -> dict[str, str]:
 
     from packaging.requirements import Requirement
 
-    short = ".".join(python_version.split(".")[:2])
-    env = {"python_version": short, "python_full_version": python_version, "extra": ""}
-    env.update({"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"})
-    env.update({"os_name": "posix", "implementation_name": "cpython", "platform_python_implementation": "CPython"})
+    env = _marker_env(python_version)
     found: dict[str, str] = {}
     done: set[tuple[str, str]] = set()  # (name, extra) already followed; "" is the base requirements
     todo: list[tuple[str, str]] = [(normalize(r), "") for r in roots]
@@ -188,6 +233,9 @@ def split_into_parts(files: list[tuple[str, int]], capacity: int) -> list[list[d
 def pack(out: Path, python_version: str, limit_mib: int, xz_level: int) -> dict[str, Any]:
     """Write ``out``/1..N and return the manifest."""
     packages = carried_packages(python_version)
+    clashes = image_conflicts(packages, python_version)
+    if clashes:  # the dry run's stand-in has this environment's versions: only the device would fail
+        raise SystemExit("gpu_pack: the image's packages do not meet these needs:\n  " + "\n  ".join(clashes))
     with tempfile.TemporaryDirectory(prefix="gpu-pack-") as tmp:
         work = Path(tmp)
         site = build_site(packages, python_version, work)

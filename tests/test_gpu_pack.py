@@ -113,3 +113,13 @@ def test_the_carried_packages_are_what_the_image_lacks() -> None:
     assert not set(carried) & (set(gpu_pack.LEFT_OUT) | set(gpu_pack.NOT_ON_PATH))
     pins = gpu_pack.image_pins(gpu_pack.IMAGE_PYTHON)
     assert {"torch", "transformers", "pyarrow", "matplotlib"} <= set(pins) <= image
+
+
+def test_a_need_the_images_listed_versions_do_not_meet_stops_the_pack() -> None:
+    pytest.importorskip("packaging")
+    carried = gpu_pack.carried_packages(gpu_pack.IMAGE_PYTHON)
+    assert gpu_pack.image_conflicts(carried, gpu_pack.IMAGE_PYTHON) == []  # as KINDS.md lists them
+    old = {**gpu_pack.image_versions(), "torch": "2.0.0", "typing-extensions": "3.7.4"}
+    clashes = gpu_pack.image_conflicts(carried, gpu_pack.IMAGE_PYTHON, have=old)
+    assert any(c.startswith("this project needs torch>=2.4") and c.endswith("the image has 2.0.0") for c in clashes)
+    assert any("needs typing-extensions" in c for c in clashes)  # pydantic's, a carried package's
