@@ -260,22 +260,22 @@ def pack(out: Path, python_version: str, limit_mib: int, xz_level: int) -> dict[
             raise SystemExit(
                 f"gpu_pack: the working tree alone ({tree / 2**20:.1f} MiB) fills the {limit_mib} MiB limit"
             )
-        manifest = write_parts(files, out, limit - tree - MARGIN_BYTES)
-    manifest.update({"python_version": python_version, "limit_bytes": limit, "tree_bytes": tree})
-    manifest.update({"packages": packages, "left_out": {**NOT_ON_PATH, **LEFT_OUT}})
-    for i in range(1, manifest["n_parts"] + 1):  # every part holds the whole manifest
-        (out / str(i) / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    return manifest
+        about = {"python_version": python_version, "limit_bytes": limit, "tree_bytes": tree, "packages": packages}
+        about["left_out"] = {**NOT_ON_PATH, **LEFT_OUT}
+        return write_parts(files, out, limit - tree - MARGIN_BYTES, about)
 
 
-def write_parts(files: list[dict[str, Any]], out: Path, capacity: int) -> dict[str, Any]:
+def write_parts(
+    files: list[dict[str, Any]], out: Path, capacity: int, about: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Cut ``files`` (each: name, kind — site-archive or site-file —, path) into ``out``/1..N of at most
-    ``capacity`` bytes of pieces each, and write the manifest into every part; return it."""
+    ``capacity`` bytes of pieces each, and write the manifest (with ``about``) into every part; return it."""
     for entry in files:
         entry["bytes"] = entry["path"].stat().st_size
         entry["sha256"] = sha256(entry["path"])
     parts = split_into_parts([(e["name"], e["bytes"]) for e in files], capacity)
     manifest: dict[str, Any] = {
+        **(about or {}),
         "n_parts": len(parts),
         "files": [{k: e[k] for k in ("name", "kind", "bytes", "sha256")} for e in files],
         "parts": [[{**piece, "piece": f"{i + 1}-{j}"} for j, piece in enumerate(p)] for i, p in enumerate(parts)],
