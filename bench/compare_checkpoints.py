@@ -4,8 +4,11 @@ One evaluation of 60 queries with one sample each is noisy: two evaluations of t
 different sampling seeds differed by 0.079 ± 0.045 in answer match (docs/learning.md). This evaluates every
 checkpoint in one evaluation directory (a copy of a run's inputs; the run itself is not modified) with
 ``--samples`` trajectories per query, all under the same seed, and prints each checkpoint's mean on both
-graders and its gain over the first checkpoint, paired by query, ± its standard error. The per-query scores
-go to ``<work-dir>/comparison.json`` (and ``--json``). Rerunning reads finished evaluations back.
+graders and its gain over the first checkpoint, paired by query, ± its standard error; then the same split by
+query kind (the synthetic world's comparison and multi-hop questions), with where the answers go wrong: the
+share of trajectories that state every fact the question needs, and how often their final answer is then
+right. The per-query scores go to ``<work-dir>/comparison.json`` (and ``--json``). Rerunning reads finished
+evaluations back.
 
     .venv/bin/python bench/compare_checkpoints.py --run-dir runs/learn/base --work-dir runs/learn/compare \\
         --samples 4 sft runs/learn/ablation/full/checkpoints/rl/step-000023
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +32,7 @@ from bench.rl_improvement import breakdown, copy_inputs  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+from rubricem_core.store import RunStore  # noqa: E402
 
 apply_offline_defaults()
 GRADERS = {"independent": "per_query_independent", "builtin": "per_query"}
@@ -54,8 +59,53 @@ def evaluate_checkpoints(src: Path, work: Path, checkpoints: list[str], override
             benchmarks=["synthetic"],
             retrieval="none",
         )
-        out.append({"name": name, "tag": result["tag"], **breakdown(str(work), result["tag"])})
+        tag = result["tag"]
+        out.append({"name": name, "tag": tag, **breakdown(str(work), tag), "by_kind": kind_breakdown(work, tag)})
     return out
+
+
+def kind_breakdown(run_dir: Path, tag: str) -> dict[str, dict[str, float]]:
+    """Per query kind, over one checkpoint's graded synthetic trajectories (the independent grader's
+    details): how many there are, the share that state every fact the question needs, and the share of
+    those whose final answer is right."""
+    store = RunStore(run_dir)
+    kinds = {q["query_id"]: q["kind"] for q in store.read_rows("queries")}
+    counts: dict[str, list[int]] = {}  # kind → [trajectories, all facts stated, final right given them]
+    for row in store.read_rows("eval_results"):
+        if row["checkpoint"] != tag or row["benchmark"] != "synthetic" or row["grade_failed"]:
+            continue
+        match = json.loads(row["details"]).get("answer_match")
+        if not isinstance(match, dict):
+            continue
+        c = counts.setdefault(kinds.get(row["query_id"], "unknown"), [0, 0, 0])
+        stated = match["facts_stated"] >= match["facts_required"]
+        c[0], c[1], c[2] = c[0] + 1, c[1] + stated, c[2] + (stated and bool(match["final_correct"]))
+    return {
+        kind: {"trajectories": n, "all_facts": facts / n, "final_given_facts": right / facts if facts else math.nan}
+        for kind, (n, facts, right) in sorted(counts.items())
+    }
+
+
+def print_kind_table(comparison: dict[str, Any], kinds: dict[str, str]) -> None:
+    """Per query kind: each checkpoint's answer match and its gain over the first (paired over that kind's
+    queries), with the share of trajectories stating every fact and the final's accuracy given them."""
+    first, *_ = checkpoints = comparison["checkpoints"]
+    print(f"\nby query kind (independent grader; gains over {first['name']} paired by query)")
+    head = f"{'kind':<12} {'checkpoint':<48} {'queries':>7} {'match':>6} {'gain ± se':>16}"
+    print(f"{head} {'all facts':>9} {'final|facts':>11}")
+    for kind in sorted(set(kinds.values())):
+        for c in checkpoints:
+            mine = {q: v for q, v in c["independent"].items() if kinds.get(q) == kind}
+            if not mine:
+                continue
+            cell = f"{'':>16}"
+            if c is not first:
+                gain, se, _ = pooled_gain([(mine, first["independent"])])
+                cell = f"{gain:>+8.3f} ± {se:.3f}"
+            parts = c.get("by_kind", {}).get(kind, {})
+            facts, final = parts.get("all_facts", math.nan), parts.get("final_given_facts", math.nan)
+            mean = sum(mine.values()) / len(mine)
+            print(f"{kind:<12} {c['name'][-48:]:<48} {len(mine):>7} {mean:>6.3f} {cell} {facts:>9.2f} {final:>11.2f}")
 
 
 def print_table(comparison: dict[str, Any]) -> None:
@@ -82,7 +132,8 @@ def payload(results: list[dict], samples: int) -> dict[str, Any]:
     return {
         "samples_per_query": samples,
         "checkpoints": [
-            {"name": r["name"], "tag": r["tag"], **{g: r[key] for g, key in GRADERS.items()}} for r in results
+            {"name": r["name"], "tag": r["tag"], **{g: r[key] for g, key in GRADERS.items()}, "by_kind": r["by_kind"]}
+            for r in results
         ],
     }
 
@@ -103,6 +154,7 @@ def main() -> int:
     results = evaluate_checkpoints(src, work, args.checkpoints, overrides)
     comparison = payload(results, args.samples)
     print_table(comparison)
+    print_kind_table(comparison, {q["query_id"]: q["kind"] for q in RunStore(work).read_rows("queries")})
     first, later, figure = results[0], results[1:], None
     if later:  # the later checkpoints as seeds of one recipe: their mean's gain over the first
         pairs = {g: [(r[key], first[key]) for r in later] for g, key in GRADERS.items()}

@@ -269,6 +269,49 @@ def test_breakdown_reads_the_answer_match_grade_beside_the_builtin_one(tmp_path)
     assert parts["independent"] == pytest.approx(0.5) and parts["independent_finals"] == pytest.approx(1 / 3)
 
 
+def test_compare_checkpoints_splits_by_query_kind_where_the_answers_go_wrong(tmp_path, capsys):
+    """Per kind: the share of trajectories stating every needed fact, and the final's accuracy given them;
+    the gain over the first checkpoint paired over that kind's queries only. Worked by hand."""
+    from bench.compare_checkpoints import kind_breakdown, print_kind_table
+    from rubricem_core.eval.run import EVAL_RESULTS_SCHEMA
+    from rubricem_core.schemas import QUERIES_SCHEMA
+
+    def query(qid, kind):
+        return {"query_id": qid, "source": "synthetic", "split": "eval", "kind": kind, "question": "?",
+                "messages": "[]", "rubrics": [], "spec": "{}", "metadata": "{}"}  # fmt: skip
+
+    def row(tag, qid, stated, final, score):
+        match = {"facts_required": 2, "facts_stated": stated, "final_correct": final, "score": score}
+        return {"checkpoint": tag, "benchmark": "synthetic", "query_id": qid, "retrieval": "none", "score": 0.5,
+                "sample": 0, "grade_failed": False, "valid_scaffold": True,
+                "details": json.dumps({"answer_match": match})}  # fmt: skip
+
+    store = RunStore(tmp_path)
+    kinds = {"c1": "comparison", "c2": "comparison", "m1": "multi_hop"}
+    store.write_table("queries", [query(q, k) for q, k in kinds.items()], schema=QUERIES_SCHEMA)
+    rows = [row("sft", "c1", 2, True, 1.0), row("sft", "c2", 2, False, 0.5), row("sft", "m1", 1, False, 0.25)]
+    rows += [row("rl", "c1", 2, True, 1.0), row("rl", "c2", 2, True, 1.0), row("rl", "m1", 2, True, 1.0)]
+    store.write_table("eval_results", rows, schema=EVAL_RESULTS_SCHEMA)
+    sft = kind_breakdown(tmp_path, "sft")
+    assert sft["comparison"] == {"trajectories": 2, "all_facts": 1.0, "final_given_facts": 0.5}
+    assert sft["multi_hop"]["all_facts"] == 0.0 and math.isnan(sft["multi_hop"]["final_given_facts"])
+    assert kind_breakdown(tmp_path, "rl")["multi_hop"] == {
+        "trajectories": 1,
+        "all_facts": 1.0,
+        "final_given_facts": 1.0,
+    }
+    comparison = {"checkpoints": [
+        {"name": "sft", "independent": {"c1": 1.0, "c2": 0.5, "m1": 0.25}, "by_kind": sft},
+        {"name": "rl", "independent": {"c1": 1.0, "c2": 1.0, "m1": 1.0}, "by_kind": kind_breakdown(tmp_path, "rl")},
+    ]}  # fmt: skip
+    print_kind_table(comparison, kinds)
+    lines = capsys.readouterr().out.splitlines()
+    (comparison_rl,) = [line for line in lines if line.startswith("comparison") and " rl " in line]
+    assert comparison_rl.split()[2:7] == ["2", "1.000", "+0.250", "±", "0.250"]  # c2: 0.5 → 1.0; c1 unchanged
+    (multi_rl,) = [line for line in lines if line.startswith("multi_hop") and " rl " in line]
+    assert "+0.750" in multi_rl and multi_rl.split()[-2:] == ["1.00", "1.00"]
+
+
 def test_learning_curve_json_holds_each_graders_per_query_scores_and_the_eta_counts_timed_work():
     from bench.learning_curve import Progress, curve_json, graded
 
