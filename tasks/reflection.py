@@ -23,6 +23,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.faults import fault_point
 from rubricem_core.reflection.bank import ReflectionBank, bank_dir
 from rubricem_core.rl.curriculum import StepPlan
+from rubricem_core.rl.learner import WeightsVersion
 from rubricem_core.rl.progress import completed_step
 from rubricem_core.rl.session import RLSession, SessionManager
 from rubricem_core.rl.steps import (
@@ -115,7 +116,8 @@ def reflection_update_task(session: SessionManager, source: StepPlan, at_step: i
         metrics = cached_task_metrics(store, "reflection-update", at_step)
         return read_back({"cached": True, "metrics": metrics}, store.layout.rl_progress_file, store.run_dir)
     rl_session = session.at(at_step - 1)
-    if at_step in rl_session.reflection_updates:  # replayed from the tables when the session was rebuilt
+    # applied already: replayed from the tables when the session was rebuilt
+    if rl_session.weights > WeightsVersion(at_step - 1):
         metrics = cached_task_metrics(store, "reflection-update", at_step)
         where = store.partition_path("reflections", _key(source.step))
         return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)

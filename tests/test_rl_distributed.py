@@ -24,7 +24,7 @@ import yaml
 from rubricem_core.config import load_config
 from rubricem_core.rl import progress as rl_progress
 from rubricem_core.rl import session as rl_session
-from rubricem_core.rl.learner import update_settings
+from rubricem_core.rl.learner import WeightsVersion, update_settings
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
 from rubricem_core.testing import MICRO_PROFILE
@@ -97,7 +97,7 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
         session.policy.update(trajs, advs, update_settings(cfg, 1.0))
         trajs, advs = synthetic_batch(len(session.tokenizer), seed=1)
         metrics = session.policy.update(trajs, advs, update_settings(cfg, 1.0))
-        session.step = 0
+        session.weights = WeightsVersion(0)
         rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
         assert not rl_progress.rl_dir(RunStore(run_dir)).exists()
         engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}

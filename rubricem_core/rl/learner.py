@@ -7,6 +7,9 @@
 The live tasks apply one each (reflection-update, then ss-grpo-update: rl.steps) and a rebuilt session
 replays them from the tables (rl.session.replay_updates), so the weights, optimizer state, schedule and
 RNG of a resumed run are the uninterrupted run's: same inputs, same calls, same order.
+
+That order also names the weights: a ``WeightsVersion`` says how far along it a set of weights is, for the
+trainer and for the engine alike, so "which updates does this hold" is one comparison, not a set of flags.
 """
 
 from __future__ import annotations
@@ -29,6 +32,34 @@ class StepUpdate:
     kind: Literal["reflection", "task"]
     step: int  # the step it is applied in
     source_step: int  # the step whose tables it trains on
+
+
+@dataclass(frozen=True, order=True)
+class WeightsVersion:
+    """How far along the run's ordered updates a set of weights is: every update of the steps ≤ ``step``
+    (-1: the SFT policy), then the first ``of_next`` updates of step ``step`` + 1 (1: its deferred
+    reflection update, applied before its task update). Ordered as the updates are applied."""
+
+    step: int
+    of_next: int = 0
+
+    def __str__(self) -> str:
+        return f"step {self.step}" + (f" + {self.of_next} update(s) of step {self.step + 1}" if self.of_next else "")
+
+
+def updates_between(
+    cfg: RunConfig, start: WeightsVersion, end: WeightsVersion
+) -> list[tuple[StepUpdate, WeightsVersion]]:
+    """The updates that bring weights at ``start`` to ``end``, in order, each with the version it leaves."""
+    out: list[tuple[StepUpdate, WeightsVersion]] = []
+    for step in range(start.step + 1, end.step + 2):
+        updates = step_updates(cfg, step)
+        for i, update in enumerate(updates):
+            before = WeightsVersion(step - 1, i)
+            after = WeightsVersion(step, 0) if i + 1 == len(updates) else WeightsVersion(step - 1, i + 1)
+            if start <= before and after <= end:
+                out.append((update, after))
+    return out
 
 
 def step_updates(cfg: RunConfig, step: int) -> list[StepUpdate]:

@@ -43,7 +43,7 @@ from rubricem_core.policy.loading import load_policy
 from rubricem_core.recipes import Recipe, get_recipe
 from rubricem_core.reflection.bank import BankEntry, ReflectionBank
 from rubricem_core.reflection.meta import rebuild_bank
-from rubricem_core.rl.learner import step_updates, update_inputs
+from rubricem_core.rl.learner import WeightsVersion, update_inputs, updates_between
 from rubricem_core.rl.policy import LocalPolicy, Policy, reflection_on
 from rubricem_core.rl.progress import (
     completed_step,
@@ -108,7 +108,7 @@ def make_policy(store: RunStore, cfg: RunConfig, base: Path) -> Policy:
 @dataclass
 class RLSession:
     store: RunStore
-    step: int  # the last step whose update is applied to the weights (-1: the SFT policy)
+    weights: WeightsVersion  # the updates the trainer's weights hold (rl.learner's order)
     policy: Policy
     tokenizer: Any
     engine: StreamingRolloutEngine  # transformers, vLLM in process, or a vLLM server fleet (rollout.factory)
@@ -116,12 +116,11 @@ class RLSession:
     # The buffers hold the judge's changes of steps ≤ this one; None: unknown (a judge that failed
     # half-way), so the next task rebuilds them from `judge_rubrics`.
     buffers_step: int | None = -1
-    # The engine's weights are those of the checkpoint after this step (-1: SFT).
-    engine_step: int = -1
+    # The weights the engine samples with: always those after a whole step (-1: SFT).
+    engine_weights: WeightsVersion = WeightsVersion(-1)
     separate_engine: bool = False
     bank: ReflectionBank | None = None
     bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
-    reflection_updates: set[int] = field(default_factory=set)  # steps whose reflection update is applied
     lock: threading.RLock = field(default_factory=threading.RLock)
     # The StreamingJudge (rubricem_core.judge.stream) the rollout task started on its step's groups, over
     # ``buffers``; the judge task of that step collects it (judge.stream), else judges from the tables.
@@ -163,9 +162,10 @@ class SessionManager:
         or before ``after_step`` and the replay of the later steps."""
         with self._lock:
             session = self._live
-            if session is not None and session.step == after_step:
+            # the live session also serves when it has applied the next step's reflection update already
+            if session is not None and session.weights.step == after_step:
                 return session
-            if session is not None and session.step < after_step:
+            if session is not None and session.weights.step < after_step:
                 advance(session, self.cfg, after_step)
                 return session
             self._close_live()
@@ -201,7 +201,10 @@ class SessionManager:
         with self._lock:
             session = self._live
         if session is not None and (
-            session.engine_step == step or trainer_holds(session, step) or step < 0 or has_checkpoint(self.store, step)
+            session.engine_weights == WeightsVersion(step)
+            or trainer_holds(session, step)
+            or step < 0
+            or has_checkpoint(self.store, step)
         ):
             return session
         return self.at(step)
@@ -272,19 +275,20 @@ def _new_session(store: RunStore, cfg: RunConfig, at_checkpoint: int) -> RLSessi
             model=cast(LocalPolicy, policy).trainer.model if shared else None,
             device=_engine_device(policy) if cfg.rollout.engine == "hf" and not shared else "cpu",
         )
-        separate, engine_step = (False, at_checkpoint) if shared else (True, -1)
+        start = WeightsVersion(at_checkpoint)
+        separate, engine_weights = (False, start) if shared else (True, WeightsVersion(-1))
     except BaseException:
         policy.close()
         raise
     session = RLSession(
         store,
-        at_checkpoint,
+        start,
         policy,
         tokenizer,
         engine,
         buffers,
         buffers_step=at_checkpoint,
-        engine_step=engine_step,
+        engine_weights=engine_weights,
         separate_engine=separate,
     )
     if reflection_on(cfg):
@@ -296,8 +300,8 @@ def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
     """Bring the session's trainer from its step to ``to_step`` by replaying those steps' updates from
     their tables (replay_updates), with the bank holding the reflections of steps ≤ ``to_step`` (the
     rubric buffers follow on demand: buffers_at rebuilds them from `judge_rubrics`)."""
-    if to_step > session.step:
-        log.info("RL session: replaying the updates of steps %d..%d from their tables", session.step + 1, to_step)
+    if to_step > session.weights.step:
+        log.info("RL session: replaying the updates from %s to step %d from their tables", session.weights, to_step)
         replay_updates(session, cfg, to_step)
     if session.bank is not None:
         store = session.store
@@ -305,23 +309,25 @@ def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
 
 
 def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
-    """Apply the updates of steps session.step+1..``to_step`` as the run applied them: in each step those
-    of rl.learner.step_updates (the deferred reflection update, unless the session has applied it already,
-    then SS-GRPO) from their tables, as the tasks apply them. Same inputs, same calls, same order: the trainer ends with the weights,
-    optimizer state, LR schedule, step counter and RNG of the uninterrupted run. Nothing is sampled or
-    judged, no table, metric or checkpoint is written; the engine keeps the weights it has."""
-    for step in range(session.step + 1, to_step + 1):
-        for update in step_updates(cfg, step):
-            if update.kind == "reflection" and step in session.reflection_updates:
-                continue  # applied in this session before its step's task update failed
-            batch, settings = update_inputs(session.store, cfg, update, session.tokenizer.decode)
-            session.policy.update(batch.trajectories, batch.token_advantages, settings)
-            if update.kind == "reflection":
-                session.reflection_updates.add(step)
-        session.step = step
-        if not session.separate_engine:
-            session.engine_step = step  # it samples from the trainer's module
-        fault_point("rl.update_replayed")
+    """Apply the updates from the session's weights to those after ``to_step`` as the run applied them
+    (rl.learner's order: in each step the deferred reflection update, unless this session applied it
+    already, then SS-GRPO), from their tables, as the tasks apply them. Same inputs, same calls, same
+    order: the trainer ends with the weights, optimizer state, LR schedule, step counter and RNG of the
+    uninterrupted run. Nothing is sampled or judged, no table, metric or checkpoint is written; the engine
+    keeps the weights it has."""
+    for update, version in updates_between(cfg, session.weights, WeightsVersion(to_step)):
+        batch, settings = update_inputs(session.store, cfg, update, session.tokenizer.decode)
+        session.policy.update(batch.trajectories, batch.token_advantages, settings)
+        applied(session, version)
+        if update.kind == "task":
+            fault_point("rl.update_replayed")
+
+
+def applied(session: RLSession, version: WeightsVersion) -> None:
+    """Record that the trainer's weights are now at ``version`` (an engine sharing its module with it too)."""
+    session.weights = version
+    if not session.separate_engine:
+        session.engine_weights = version
 
 
 def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> dict[str, RubricBuffer]:
@@ -360,7 +366,7 @@ def engine_asleep(session: RLSession, cfg: RunConfig) -> Iterator[None]:
 def trainer_holds(session: RLSession, step: int) -> bool:
     """The trainer's weights are those after step ``step``: its update is the last one applied, and the
     reflection update that the next step applies before its own update is not (yet)."""
-    return step == session.step and step + 1 not in session.reflection_updates
+    return session.weights == WeightsVersion(step)
 
 
 def _checkpoint_source(session: RLSession, step: int) -> Path:
@@ -369,7 +375,7 @@ def _checkpoint_source(session: RLSession, step: int) -> Path:
         return start_policy(session.store)
     if not has_checkpoint(session.store, step):
         raise RuntimeError(
-            f"the engine needs the weights after RL step {step}; the trainer has moved on (step {session.step}) and "
+            f"the engine needs the weights after RL step {step}; the trainer has moved on ({session.weights}) and "
             f"rl.checkpoint_every kept no checkpoint of that step: sample from SessionManager.sampling({step}), "
             "which replays the updates to it"
         )
@@ -389,15 +395,12 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
         server = getattr(session.engine, "server", None)
         if server is not None and server.asleep:  # colocated: the trainer's update is over
             server.wake_up()
-        if session.engine_step == step:
+        if session.engine_weights == WeightsVersion(step):
             return
-        if not session.separate_engine:
-            if step != session.step:
-                raise RuntimeError(
-                    f"the engine shares the trainer's weights (step {session.step}); cannot sample at step {step}"
-                )
-            session.engine_step = step
-            return
+        if not session.separate_engine:  # applied() keeps engine_weights at the trainer's
+            raise RuntimeError(
+                f"the engine shares the trainer's weights ({session.weights}); cannot sample at step {step}"
+            )
         holds = trainer_holds(session, step)
         if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
             served = cast("VLLMServerEngine", session.engine)
@@ -407,7 +410,7 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
                 served.push_weights(session.policy)  # straight from the trainer, tensor by tensor
             else:  # the server reads the checkpoint itself
                 served.load_weights_from_dir(_checkpoint_source(session, step))
-            session.engine_step = step
+            session.engine_weights = WeightsVersion(step)
             return
         weights = session.policy.weights() if holds else None
         if weights is not None:
@@ -415,7 +418,7 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
         else:
             model, _ = load_policy(str(_checkpoint_source(session, step)), dtype=cfg.policy.dtype)
             session.engine.update_weights(model.state_dict())
-        session.engine_step = step
+        session.engine_weights = WeightsVersion(step)
 
 
 def _adapter_source(session: RLSession, step: int, holds: bool) -> Path:

@@ -36,12 +36,13 @@ from rubricem_core.reflection.bank import ReflectionBank
 from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts, pick_source_rollouts, retrieve_guidance
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
 from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_step
-from rubricem_core.rl.learner import step_updates, update_inputs
+from rubricem_core.rl.learner import WeightsVersion, step_updates, update_inputs
 from rubricem_core.rl.policy import reflection_on
 from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
 from rubricem_core.rl.records import broken_stages, rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
+    applied,
     buffers_at,
     engine_asleep,
     ensure_engine_weights,
@@ -359,11 +360,21 @@ class UpdatedStep:
         )
 
 
+def _require_weights(session: RLSession, before: WeightsVersion, kind: str, step: int) -> None:
+    """An update applies to the weights the run's order puts before it, or not at all."""
+    if session.weights != before:
+        raise RuntimeError(
+            f"step {step}'s {kind} update needs the weights at {before}; the trainer holds {session.weights}"
+        )
+
+
 def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: LogLine) -> UpdatedStep:
     """One clipped policy-gradient step on the judged rollouts with the judge task's advantages; a
     resumable checkpoint (with the rubric buffers) when rl.checkpoint_every says so and at the last step."""
     store = session.store
-    (update,) = [u for u in step_updates(cfg, plan.step) if u.kind == "task"]
+    updates = step_updates(cfg, plan.step)
+    (update,) = [u for u in updates if u.kind == "task"]
+    _require_weights(session, WeightsVersion(plan.step - 1, len(updates) - 1), "SS-GRPO", plan.step)
     batch, settings = update_inputs(store, cfg, update, session.tokenizer.decode)
     engine_samples_beside = plan.step < last_step(cfg) or (reflection_on(cfg) and plan.phase == "new")
     if cfg.rl.async_steps and engine_samples_beside:
@@ -375,7 +386,7 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     with engine_asleep(session, cfg):
         metrics = session.policy.update(batch.trajectories, batch.token_advantages, settings)
     metrics["update_seconds"] = time.perf_counter() - t0
-    session.step = plan.step
+    applied(session, WeightsVersion(plan.step))
     # The engine picks up these weights by transfer before the next step's rollouts
     # (ensure_engine_weights): this step's reflections may still be sampling with the old ones.
     fault_point("rl.update_applied")
@@ -540,6 +551,7 @@ def reflection_update_step(
     # The step's rollouts must see the weights from before this update.
     ensure_engine_weights(session, at_step - 1, cfg)
     (update,) = [u for u in step_updates(cfg, at_step) if u.kind == "reflection"]
+    _require_weights(session, WeightsVersion(at_step - 1), "reflection", at_step)
     if update.source_step != source_step:
         raise RuntimeError(f"step {at_step} trains the reflections of step {update.source_step}, not {source_step}")
     batch, settings = update_inputs(session.store, cfg, update, session.tokenizer.decode)
@@ -547,7 +559,7 @@ def reflection_update_step(
     session.policy.log_to(log_line)  # trainer ranks' output goes to the calling task's log
     with engine_asleep(session, cfg):
         metrics = session.policy.update(batch.trajectories, batch.token_advantages, settings)
-    session.reflection_updates.add(at_step)
+    applied(session, WeightsVersion(at_step - 1, 1))
     out = {f"reflection_update/{k}": v for k, v in metrics.items()}
     out["reflection_update/source_step"] = float(source_step)
     out["reflection_update/candidates"] = float(len(batch.trajectories))
