@@ -97,7 +97,7 @@ def update_and_sync(run, tmp_path, overrides: dict) -> tuple[dict, dict[str, tor
         session.policy.update(trajs, advs, update_settings(cfg, 1.0))
         trajs, advs = synthetic_batch(len(session.tokenizer), seed=1)
         metrics = session.policy.update(trajs, advs, update_settings(cfg, 1.0))
-        session.weights = WeightsVersion(0)
+        rl_session.applied(session, WeightsVersion(0))  # as update_step records its update
         rl_session.ensure_engine_weights(session, 0, cfg)  # by transfer: no checkpoint is written
         assert not rl_progress.rl_dir(RunStore(run_dir)).exists()
         engine = {k: v.detach().clone() for k, v in session.engine.model.state_dict().items()}

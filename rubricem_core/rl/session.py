@@ -397,10 +397,13 @@ def ensure_engine_weights(session: RLSession, step: int, cfg: RunConfig) -> None
             server.wake_up()
         if session.engine_weights == WeightsVersion(step):
             return
-        if not session.separate_engine:  # applied() keeps engine_weights at the trainer's
-            raise RuntimeError(
-                f"the engine shares the trainer's weights ({session.weights}); cannot sample at step {step}"
-            )
+        if not session.separate_engine:  # it samples from the trainer's module: whatever the trainer holds
+            if session.weights != WeightsVersion(step):
+                raise RuntimeError(
+                    f"the engine shares the trainer's weights ({session.weights}); cannot sample at step {step}"
+                )
+            session.engine_weights = session.weights
+            return
         holds = trainer_holds(session, step)
         if hasattr(session.engine, "load_weights_from_dir"):  # a server process of its own
             served = cast("VLLMServerEngine", session.engine)
