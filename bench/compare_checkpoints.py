@@ -86,9 +86,18 @@ def kind_breakdown(run_dir: Path, tag: str) -> dict[str, dict[str, float]]:
     }
 
 
-def print_kind_table(comparison: dict[str, Any], kinds: dict[str, str]) -> None:
-    """Per query kind: each checkpoint's answer match and its gain over the first (paired over that kind's
-    queries), with the share of trajectories stating every fact and the final's accuracy given them."""
+def query_kinds(run_dir: Path) -> dict[str, str]:
+    """Each query's kind (comparison, multi_hop, …) from the run's `queries` table."""
+    return {q["query_id"]: q["kind"] for q in RunStore(run_dir).read_rows("queries")}
+
+
+def print_kind_table(comparison: dict[str, Any]) -> None:
+    """Per query kind (``comparison["kinds"]``; nothing for a comparison.json without them): each
+    checkpoint's answer match and its gain over the first (paired over that kind's queries), with the share
+    of trajectories stating every fact and the final's accuracy given them."""
+    kinds: dict[str, str] = comparison.get("kinds", {})
+    if not kinds:
+        return
     first, *_ = checkpoints = comparison["checkpoints"]
     print(f"\nby query kind (independent grader; gains over {first['name']} paired by query)")
     head = f"{'kind':<12} {'checkpoint':<48} {'queries':>7} {'match':>6} {'gain ± se':>16}"
@@ -127,10 +136,11 @@ def print_table(comparison: dict[str, Any]) -> None:
         print(f"{c['name'][-60:]:<60} {len(c['independent']):>7} " + " ".join(cells))
 
 
-def payload(results: list[dict], samples: int) -> dict[str, Any]:
-    """The per-query scores of every checkpoint on both graders (comparison.json)."""
+def payload(results: list[dict], samples: int, kinds: dict[str, str]) -> dict[str, Any]:
+    """The per-query scores of every checkpoint on both graders, and each query's kind (comparison.json)."""
     return {
         "samples_per_query": samples,
+        "kinds": kinds,
         "checkpoints": [
             {"name": r["name"], "tag": r["tag"], **{g: r[key] for g, key in GRADERS.items()}, "by_kind": r["by_kind"]}
             for r in results
@@ -152,9 +162,9 @@ def main() -> int:
         raise SystemExit(f"{src} has no SFT policy or config.yaml")
     overrides = {"tracking.enabled": False, "eval.samples_per_query": args.samples, **parse_overrides(args.overrides)}
     results = evaluate_checkpoints(src, work, args.checkpoints, overrides)
-    comparison = payload(results, args.samples)
+    comparison = payload(results, args.samples, query_kinds(work))
     print_table(comparison)
-    print_kind_table(comparison, {q["query_id"]: q["kind"] for q in RunStore(work).read_rows("queries")})
+    print_kind_table(comparison)
     first, later, figure = results[0], results[1:], None
     if later:  # the later checkpoints as seeds of one recipe: their mean's gain over the first
         pairs = {g: [(r[key], first[key]) for r in later] for g, key in GRADERS.items()}

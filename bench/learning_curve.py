@@ -38,7 +38,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_set_argument, has_sft_checkpoint, parse_overrides  # noqa: E402
-from bench.compare_checkpoints import evaluate_checkpoints, payload, print_table  # noqa: E402
+from bench.compare_checkpoints import (  # noqa: E402
+    evaluate_checkpoints,
+    payload,
+    print_kind_table,
+    print_table,
+    query_kinds,
+)
 from bench.rl_improvement import breakdown, copy_inputs, paired_gain  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
@@ -380,7 +386,7 @@ def main() -> int:
             results = evaluate_checkpoints(work, work / "compare", ["sft", *map(str, checkpoints.values())], sampled)
             for result, name in zip(results[1:], checkpoints):
                 result["name"] = name
-            final = payload(results, args.final_samples)
+            final = payload(results, args.final_samples, query_kinds(work / "compare"))
             (work / "compare" / "comparison.json").write_text(json.dumps(final, indent=1))
             progress.ran("evals", finals, time.perf_counter() - t0)
             print(progress.line(), flush=True)
@@ -481,6 +487,7 @@ def final_gains(final: dict[str, Any]) -> dict[str, Any]:
     one before it (`full` − `ss_grpo`), on both graders, paired by query; printed as a table."""
     cps = final["checkpoints"]
     print_table(final)
+    print_kind_table(final)
 
     def gains(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         out = {}

@@ -300,11 +300,11 @@ def test_compare_checkpoints_splits_by_query_kind_where_the_answers_go_wrong(tmp
         "all_facts": 1.0,
         "final_given_facts": 1.0,
     }
-    comparison = {"checkpoints": [
+    comparison = {"kinds": kinds, "checkpoints": [
         {"name": "sft", "independent": {"c1": 1.0, "c2": 0.5, "m1": 0.25}, "by_kind": sft},
         {"name": "rl", "independent": {"c1": 1.0, "c2": 1.0, "m1": 1.0}, "by_kind": kind_breakdown(tmp_path, "rl")},
     ]}  # fmt: skip
-    print_kind_table(comparison, kinds)
+    print_kind_table(comparison)
     lines = capsys.readouterr().out.splitlines()
     (comparison_rl,) = [line for line in lines if line.startswith("comparison") and " rl " in line]
     assert comparison_rl.split()[2:7] == ["2", "1.000", "+0.250", "±", "0.250"]  # c2: 0.5 → 1.0; c1 unchanged
