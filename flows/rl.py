@@ -86,7 +86,7 @@ def rl_step(
         _alongside(overlap, [*reflection_update, (update_task, session, plan)], _engine_work(session, plan, next_plan))
         return
     _alongside(overlap, [(rollout_task, session, plan)], reflection_update)
-    if not (reflection_on(cfg) and plan.phase == "new"):
+    if not plan.reflects:
         judge_task(session, plan)
         update_task(session, plan)
         return
@@ -100,7 +100,7 @@ def _engine_work(session: SessionManager, plan: StepPlan, next_plan: StepPlan | 
     """What the engine samples during ``plan``'s update with one-step async, in its fixed order
     (curriculum.reflect_before_next_rollouts): ``next_plan``'s rollouts and ``plan``'s reflections."""
     work = [(rollout_task, session, next_plan)] if next_plan is not None else []
-    if reflection_on(session.cfg) and plan.phase == "new":
+    if plan.reflects:
         reflect = (reflect_task, session, plan)
         first = reflect_before_next_rollouts(plan, next_plan, session.cfg.rl.window)
         work = [reflect, *work] if first else [*work, reflect]
@@ -154,7 +154,7 @@ def _finish_done_step(session: SessionManager, plan: StepPlan, next_plan: StepPl
     if session.cfg.rl.async_steps:
         for task, *args in _not_written(session, _engine_work(session, plan, next_plan)):
             task(*args)
-    elif reflection_on(session.cfg) and plan.phase == "new" and not store.has("reflections", {"step": plan.step}):
+    elif plan.reflects and not store.has("reflections", {"step": plan.step}):
         reflect_task(session, plan)
     if child is not None and not step_metrics_logged(store, "rl", plan.step):
         child.log_metrics(step_metrics(store, plan.step), step=plan.step)

@@ -33,7 +33,9 @@ def test_windowed_schedule_replays_each_window():
     assert len(set(first_pass[:10])) == 10, "every query is used before any repeats"
     assert windowed_schedule(ids, 3, 2, 4, seed=1) == plans
     assert windowed_schedule(ids, 3, 2, 4, seed=2) != plans
-    assert {p.retrieval for p in windowed_schedule(ids, 3, 1, 4, seed=1, reflection=False)} == {"none"}
+    assert [p.reflects for p in plans] == [p.phase == "new" for p in plans]  # new-query steps write reflections
+    unreflecting = windowed_schedule(ids, 3, 1, 4, seed=1, reflection=False)
+    assert {p.retrieval for p in unreflecting} == {"none"} and not any(p.reflects for p in unreflecting)
 
 
 def test_terminal_recipe_broadcasts_the_answer_advantage():

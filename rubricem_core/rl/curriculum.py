@@ -18,6 +18,9 @@ class StepPlan:
     phase: str  # "new" | "repeat"
     retrieval: str  # "cross" | "within" | "none"
     query_ids: tuple[str, ...]
+    # a new-query step of a recipe with the reflection loop: reflections are written on its rollouts
+    # (and the next step's deferred reflection update trains on them)
+    reflects: bool = False
 
 
 def windowed_schedule(
@@ -56,7 +59,7 @@ def windowed_schedule(
     for w in range(n_windows):
         fresh = [next_batch() for _ in range(window)]
         for batch in fresh:
-            plans.append(StepPlan(step, w, "new", "cross" if reflection else "none", batch))
+            plans.append(StepPlan(step, w, "new", "cross" if reflection else "none", batch, reflects=reflection))
             step += 1
         for batch in fresh:
             plans.append(StepPlan(step, w, "repeat", "within" if reflection else "none", batch))

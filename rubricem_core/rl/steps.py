@@ -37,7 +37,6 @@ from rubricem_core.reflection.meta import candidate_requests, engine_stop_texts,
 from rubricem_core.reflection.step import judge_candidates, reflection_judge
 from rubricem_core.rl.curriculum import StepPlan, replay_source_step, sampling_step
 from rubricem_core.rl.learner import WeightsVersion, step_updates, update_inputs
-from rubricem_core.rl.policy import reflection_on
 from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
 from rubricem_core.rl.records import broken_stages, rollout_row, rollout_text
 from rubricem_core.rl.session import (
@@ -376,7 +375,7 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     (update,) = [u for u in updates if u.kind == "task"]
     _require_weights(session, WeightsVersion(plan.step - 1, len(updates) - 1), "SS-GRPO", plan.step)
     batch, settings = update_inputs(store, cfg, update, session.tokenizer.decode)
-    engine_samples_beside = plan.step < last_step(cfg) or (reflection_on(cfg) and plan.phase == "new")
+    engine_samples_beside = plan.step < last_step(cfg) or plan.reflects
     if cfg.rl.async_steps and engine_samples_beside:
         # the next step's rollouts (and this step's reflections) sample with the weights before this
         # update: the engine takes them now
