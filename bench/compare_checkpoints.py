@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_set_argument, parse_overrides  # noqa: E402
 from bench.pooled_gain import pooled_gain  # noqa: E402
-from bench.rl_improvement import breakdown, copy_inputs  # noqa: E402
+from bench.rl_improvement import breakdown, copy_inputs, graded_rows  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
@@ -68,12 +68,9 @@ def kind_breakdown(run_dir: Path, tag: str) -> dict[str, dict[str, float]]:
     """Per query kind, over one checkpoint's graded synthetic trajectories (the independent grader's
     details): how many there are, the share that state every fact the question needs, and the share of
     those whose final answer is right."""
-    store = RunStore(run_dir)
-    kinds = {q["query_id"]: q["kind"] for q in store.read_rows("queries")}
+    kinds = query_kinds(run_dir)
     counts: dict[str, list[int]] = {}  # kind → [trajectories, all facts stated, final right given them]
-    for row in store.read_rows("eval_results"):
-        if row["checkpoint"] != tag or row["benchmark"] != "synthetic" or row["grade_failed"]:
-            continue
+    for row in graded_rows(run_dir, tag):
         match = json.loads(row["details"]).get("answer_match")
         if not isinstance(match, dict):
             continue

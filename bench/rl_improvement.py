@@ -45,16 +45,21 @@ def copy_inputs(src: Path, dst: Path) -> str:
     return str(dst)
 
 
-def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
-    """Per-query mean scores and the parts of the score for one checkpoint's synthetic evaluation."""
+def graded_rows(run_dir: str | Path, checkpoint: str) -> list[dict[str, Any]]:
+    """One checkpoint's graded trajectories of the synthetic benchmark (`eval_results` rows)."""
     from rubricem_core.store import RunStore
 
     store = RunStore(run_dir)
-    rows = [
+    return [
         r
         for r in (store.read_rows("eval_results") if "eval_results" in store.tables() else [])
         if r["checkpoint"] == checkpoint and r["benchmark"] == "synthetic" and not r["grade_failed"]
     ]
+
+
+def breakdown(run_dir: str, checkpoint: str) -> dict[str, Any]:
+    """Per-query mean scores and the parts of the score for one checkpoint's synthetic evaluation."""
+    rows = graded_rows(run_dir, checkpoint)
     per_query: dict[str, list[float]] = {}
     matched: dict[str, list[float]] = {}  # the answer-match grader's (eval/answer_match.py)
     answered = facts = facts_full = finals = finals_right = matched_finals = 0
