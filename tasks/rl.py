@@ -99,7 +99,8 @@ def judge_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | Stat
     store.write_table("judge_scores", judged.score_rows, _key(plan.step), schema=JUDGE_SCORES_SCHEMA)
     save_task_metrics(store, "judge", plan.step, judged.metrics)  # before stage_rewards, which marks it done
     store.write_table("stage_rewards", judged.reward_rows, _key(plan.step), schema=STAGE_REWARDS_SCHEMA)
-    rl_session.buffers_step = plan.step  # the buffers are those of the tables just written
+    if judged.buffers is not None:
+        rl_session.buffers = judged.buffers  # those of the tables just written
     fault_point("rl.judge_done")
     msg = "step %d: judged %d rollouts of %d queries in %.1fs, %d failed"
     log.info(msg, plan.step, len(rollouts), judged.n_groups, judged.seconds, len(judged.errors))

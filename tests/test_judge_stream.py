@@ -332,30 +332,52 @@ def test_streaming_judge_rejects_a_group_twice_and_unknown_or_missing_groups(que
 
 
 def test_judge_task_takes_a_stream_only_for_its_step_and_the_sessions_buffers(queries):
-    """The judge task uses the rollout task's stream only when nothing changed the session's buffers
-    since (else it closes it and judges from the tables)."""
+    """The judge task uses the rollout task's stream only when the session still holds the buffers the
+    stream started from, those after the step before (else it closes it and judges from the tables)."""
     from rubricem_core.rl.curriculum import StepPlan
-    from rubricem_core.rl.session import RLSession
+    from rubricem_core.rl.session import RLSession, StepBuffers
     from rubricem_core.rl.steps import take_streamed
 
     judge = LLMJudge(EndpointSettings(model=register_builtin_judge(), max_concurrency=2, max_retries=0))
     plan = StepPlan(step=3, window=0, phase="new", retrieval="none", query_ids=(queries[0]["query_id"],))
 
     def session_with_stream(step: int) -> tuple[RLSession, StreamingJudge]:
-        session = RLSession("unused", 2, None, None, None, fresh_buffers(queries[:1]), buffers_step=None)
-        session.pending_judge = StreamingJudge(judge, session.buffers, step)
+        before = StepBuffers(step - 1, fresh_buffers(queries[:1]))
+        session = RLSession("unused", 2, None, None, None, before)
+        session.pending_judge = StreamingJudge(judge, before.for_step(step, {}, [], 2), step)
         return session, session.pending_judge
 
     session, stream = session_with_stream(3)
     assert take_streamed(session, plan) is stream and session.pending_judge is None
     stream.close()
     assert take_streamed(session, plan) is None  # taken once
-    for change in ("step", "buffers", "buffers_step"):
+    for change in ("step", "buffers"):
         session, stream = session_with_stream(2 if change == "step" else 3)
-        if change == "buffers":
-            session.buffers = fresh_buffers(queries[:1])  # rebuilt from the tables meanwhile
-        if change == "buffers_step":
-            session.buffers_step = 2
+        if change == "buffers":  # the session moved to another step's buffers meanwhile
+            session.buffers = StepBuffers(3, fresh_buffers(queries[:1]))
         assert take_streamed(session, plan) is None and session.pending_judge is None, change
         with pytest.raises(JudgeError, match="after collect or close"):  # closed: nothing runs on
             stream.submit(judge_query(queries[0]), [JudgeRollout("a", "x")], index=0, offset=0)
+
+
+def test_a_steps_judge_changes_copies_so_a_failed_judge_leaves_the_sessions_buffers(engine, tok, queries, env):
+    """StepBuffers.for_step: the judge of step N changes copies of its queries' buffers (a new one for a
+    query judged the first time) and shares the others; the buffers after N−1 stay as they were."""
+    from rubricem_core.rl.session import StepBuffers
+
+    held, other, new = queries[0], queries[1], queries[2]
+    before = StepBuffers(4, fresh_buffers([held, other]))
+    saved = {qid: b.to_dict() for qid, b in before.by_query.items()}
+    working = before.for_step(5, {new["query_id"]: new}, [held["query_id"], new["query_id"]], 2)
+    assert working[held["query_id"]] is not before.by_query[held["query_id"]]
+    assert working[held["query_id"]].to_dict() == saved[held["query_id"]]
+    assert working[other["query_id"]] is before.by_query[other["query_id"]]  # not judged at step 5
+    assert new["query_id"] in working and new["query_id"] not in before.by_query
+
+    judge = LLMJudge(EndpointSettings(model=register_builtin_judge(), max_concurrency=2, max_retries=0))
+    (group,), _, _ = stream_rollouts(engine, tok, [held], env)
+    judge_step(judge, [(judge_query(held), group_rollouts(held["query_id"], group))], working, 5)
+    assert working[held["query_id"]].to_dict() != saved[held["query_id"]]  # the judge changed its copy...
+    assert {qid: b.to_dict() for qid, b in before.by_query.items()} == saved  # ...not the session's
+    with pytest.raises(RuntimeError, match="buffers after step 5, not 4"):
+        before.for_step(6, {}, [], 2)

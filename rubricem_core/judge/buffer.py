@@ -13,6 +13,7 @@ at it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
@@ -209,6 +210,10 @@ class RubricBuffer:
             record = {**row, "check": json.loads(check) if isinstance(check, str) else check}
             buffer._rubrics[row["rubric_id"]] = Rubric.from_dict(record)
         return buffer
+
+    def copy(self) -> RubricBuffer:
+        """An independent copy (a step's judge changes copies: rl.session.StepBuffers)."""
+        return copy.deepcopy(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from rubricem_core.config import RunConfig
-from rubricem_core.embedders import HashingEmbedder, make_embedder
+from rubricem_core.embedders import Embedder, HashingEmbedder, make_embedder
 from rubricem_core.faults import fault_point
 from rubricem_core.judge.buffer import RubricBuffer
 from rubricem_core.policy.loading import load_policy
@@ -112,18 +112,16 @@ class RLSession:
     policy: Policy
     tokenizer: Any
     engine: StreamingRolloutEngine  # transformers, vLLM in process, or a vLLM server fleet (rollout.factory)
-    buffers: dict[str, RubricBuffer] = field(default_factory=dict)
-    # The buffers hold the judge's changes of steps ≤ this one; None: unknown (a judge that failed
-    # half-way), so the next task rebuilds them from `judge_rubrics`.
-    buffers_step: int | None = -1
+    buffers: StepBuffers = field(default_factory=lambda: StepBuffers(-1, {}))
     # The weights the engine samples with: always those after a whole step (-1: SFT).
     engine_weights: WeightsVersion = WeightsVersion(-1)
     separate_engine: bool = False
-    bank: ReflectionBank | None = None
-    bank_steps: set[int] = field(default_factory=set)  # steps whose accepted reflections are in the bank
+    bank: StepBank | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     # The StreamingJudge (rubricem_core.judge.stream) the rollout task started on its step's groups, over
-    # ``buffers``; the judge task of that step collects it (judge.stream), else judges from the tables.
+    # copies of ``buffers``; the judge task of that step collects it (judge.stream), else judges from the
+    # tables. A running resource (its own thread and event loop) handed from one task to the next: with
+    # one-step async the rollouts of step N+1 are sampled in step N's subflow and judged in N+1's.
     pending_judge: Any = None
 
     def close(self) -> None:
@@ -287,12 +285,11 @@ def _new_session(store: RunStore, cfg: RunConfig, at_checkpoint: int) -> RLSessi
         tokenizer,
         engine,
         buffers,
-        buffers_step=at_checkpoint,
         engine_weights=engine_weights,
         separate_engine=separate,
     )
     if reflection_on(cfg):
-        reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s <= at_checkpoint])
+        reset_bank(session, cfg, at_checkpoint)
     return session
 
 
@@ -304,8 +301,7 @@ def advance(session: RLSession, cfg: RunConfig, to_step: int) -> None:
         log.info("RL session: replaying the updates from %s to step %d from their tables", session.weights, to_step)
         replay_updates(session, cfg, to_step)
     if session.bank is not None:
-        store = session.store
-        load_bank_steps(session, store, [s for s in store.partitions("reflections", "step") if s <= to_step])
+        session.bank.load_through(to_step)
 
 
 def replay_updates(session: RLSession, cfg: RunConfig, to_step: int) -> None:
@@ -330,7 +326,34 @@ def applied(session: RLSession, version: WeightsVersion) -> None:
         session.engine_weights = version
 
 
-def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> dict[str, RubricBuffer]:
+@dataclass(frozen=True)
+class StepBuffers:
+    """Every query's rubric buffer after the judge of ``step`` (-1: before RL). Never changed in place: a
+    step's judge changes copies of its queries' buffers (``for_step``), which become the session's once
+    its tables are written, so a judge that fails half-way leaves these as they were."""
+
+    step: int
+    by_query: dict[str, RubricBuffer]
+
+    def for_step(
+        self, step: int, queries: dict[str, dict[str, Any]], query_ids: Sequence[str], cap: int
+    ) -> dict[str, RubricBuffer]:
+        """The buffers the judge of ``step`` changes: these, with a copy of each of the step's queries'
+        (a new one, its persistent rubrics, for a query judged the first time)."""
+        if step != self.step + 1:
+            raise RuntimeError(f"the judge of RL step {step} needs the buffers after step {step - 1}, not {self.step}")
+        out = dict(self.by_query)
+        for qid in query_ids:
+            held = self.by_query.get(qid)
+            out[qid] = (
+                held.copy()
+                if held is not None
+                else RubricBuffer.from_query(qid, queries[qid]["rubrics"], cap, step=step)
+            )
+        return out
+
+
+def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> StepBuffers:
     """Every query's rubric buffer after the judge of step ``through_step`` (-1: none yet), from the
     `judge_rubrics` partitions of steps ≤ it."""
     by_query: dict[str, list[dict[str, Any]]] = {}
@@ -339,15 +362,15 @@ def rebuild_buffers(store: RunStore, through_step: int, cap_per_stage: int) -> d
             break
         for row in store.read_rows("judge_rubrics", {"step": step}):
             by_query.setdefault(row["query_id"], []).append(row)
-    return {qid: RubricBuffer.from_rows(qid, rows, cap_per_stage) for qid, rows in by_query.items()}
+    buffers = {qid: RubricBuffer.from_rows(qid, rows, cap_per_stage) for qid, rows in by_query.items()}
+    return StepBuffers(through_step, buffers)
 
 
-def buffers_at(session: RLSession, step: int, cfg: RunConfig) -> dict[str, RubricBuffer]:
-    """The session's buffers after the judge of ``step``, rebuilt from the tables when the session's
-    copy is of another step (a resumed run whose judge task was skipped as done)."""
-    if session.buffers_step != step:
+def buffers_at(session: RLSession, step: int, cfg: RunConfig) -> StepBuffers:
+    """The buffers after the judge of ``step``: the session's, or rebuilt from the tables when the session
+    holds another step's (a resumed run whose judge task was skipped as done)."""
+    if session.buffers.step != step:
         session.buffers = rebuild_buffers(session.store, step, cfg.judge.cap_per_stage)
-        session.buffers_step = step
     return session.buffers
 
 
@@ -442,24 +465,54 @@ def _adapter_source(session: RLSession, step: int, holds: bool) -> Path:
 
 # ---- reflection bank ---------------------------------------------------------------------------
 def new_bank(cfg: RunConfig) -> ReflectionBank:
-    """The session's empty bank. With ``reflection.within_source: window`` its within retrieval returns
-    the reflection written at the new-query step that the step being sampled replays (the paper's
-    within-episode guidance; the rollout task passes ``replay_source_step``), not the query's best-ever one."""
-    embedder = make_embedder(cfg.reflection.embedder) or HashingEmbedder()
-    return ReflectionBank(embedder, within_source=cfg.reflection.within_source)
+    """An empty bank as ``reflection`` configures it (the session's is a StepBank)."""
+    return ReflectionBank(_bank_embedder(cfg), within_source=cfg.reflection.within_source)
+
+
+def _bank_embedder(cfg: RunConfig) -> Embedder:
+    return make_embedder(cfg.reflection.embedder) or HashingEmbedder()
+
+
+class StepBank(ReflectionBank):
+    """The session's reflection bank: the warm start (the teacher's valid reflections, with
+    ``reflection.warm_bank``) and the accepted reflections of ``steps``, the RL steps replayed into it."""
+
+    def __init__(self, cfg: RunConfig, store: RunStore) -> None:
+        super().__init__(_bank_embedder(cfg), within_source=cfg.reflection.within_source)
+        self.store = store
+        self.steps: set[int] = set()
+        if cfg.reflection.warm_bank:
+            self.add_many(warm_bank_entries(store, cfg.reflection.min_score))
+
+    def load_steps(self, steps: Iterable[int], rows: dict[int, list[dict[str, Any]]] | None = None) -> None:
+        """Replay the accepted reflections of ``steps`` not loaded yet, from ``rows[step]`` when given (a
+        step whose `reflections` partition is not written yet), else from the table."""
+        todo = sorted(s for s in steps if s not in self.steps)
+        if not todo:
+            return
+        questions = {q["query_id"]: q["question"] for q in self.store.read_rows("queries")}
+        given = rows or {}
+        replay = [
+            r for s in todo for r in (given[s] if s in given else self.store.read_rows("reflections", {"step": s}))
+        ]
+        rebuild_bank(self, replay, questions)
+        self.steps.update(todo)
+
+    def load_through(self, step: int) -> None:
+        """Load every step ≤ ``step`` whose `reflections` partition is written."""
+        self.load_steps(s for s in self.store.partitions("reflections", "step") if s <= step)
+
+
+def reset_bank(session: RLSession, cfg: RunConfig, through_step: int) -> None:
+    """A new bank in the session: the warm start and the accepted reflections of steps ≤ ``through_step``.
+    ``within_source: window``: its within retrieval returns the reflection written at the new-query step
+    that the step being sampled replays (the paper's within-episode guidance; the rollout task passes
+    ``replay_source_step``), not the query's best-ever one."""
+    session.bank = StepBank(cfg, session.store)
+    session.bank.load_through(through_step)
 
 
 WARM_STEP = -1  # the step of the teacher's reflections in the bank: before RL
-
-
-def reset_bank(session: RLSession, cfg: RunConfig, store: RunStore, steps: list[int]) -> None:
-    """A new bank holding the warm start (the valid teacher reflections, with ``reflection.warm_bank``)
-    and the accepted reflections of ``steps``."""
-    session.bank = new_bank(cfg)
-    session.bank_steps = set()
-    if cfg.reflection.warm_bank:
-        session.bank.add_many(warm_bank_entries(store, cfg.reflection.min_score))
-    load_bank_steps(session, store, steps)
 
 
 def warm_bank_entries(store: RunStore, score: float) -> list[BankEntry]:
@@ -476,18 +529,3 @@ def warm_bank_entries(store: RunStore, score: float) -> list[BankEntry]:
     return [
         BankEntry(qid, questions.get(qid, ""), text, float(score), WARM_STEP) for qid, text in sorted(first.items())
     ]
-
-
-def load_bank_steps(
-    session: RLSession, store: RunStore, steps: list[int], rows: dict[int, list[dict[str, Any]]] | None = None
-) -> None:
-    """Replay the accepted reflections of ``steps`` (not yet loaded) into the session's bank, from
-    ``rows[step]`` when given (a step whose `reflections` partition is not written yet), else from the table."""
-    todo = sorted(s for s in steps if s not in session.bank_steps)
-    if not todo or session.bank is None:
-        return
-    questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
-    given = rows or {}
-    replay = [r for s in todo for r in (given[s] if s in given else store.read_rows("reflections", {"step": s}))]
-    rebuild_bank(session.bank, replay, questions)
-    session.bank_steps.update(todo)

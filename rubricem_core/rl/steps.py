@@ -41,11 +41,11 @@ from rubricem_core.rl.progress import checkpoint_due, last_step, step_checkpoint
 from rubricem_core.rl.records import broken_stages, rollout_row, rollout_text
 from rubricem_core.rl.session import (
     RLSession,
+    StepBuffers,
     applied,
     buffers_at,
     engine_asleep,
     ensure_engine_weights,
-    load_bank_steps,
     rebuild_buffers,
     recipe_settings,
     reset_bank,
@@ -123,7 +123,7 @@ def sample_step(
         groups = session.engine.generate(requests, tools)
     except BaseException:
         if stream is not None:
-            stream.close()  # the buffers it changed are rebuilt from the tables (buffers_step is None)
+            stream.close()  # it changed copies: the session's buffers are as they were
         raise
     finally:
         session.engine.on_progress = None
@@ -198,17 +198,10 @@ def rollout_requests(
 def session_judge(
     session: RLSession, cfg: RunConfig, plan: StepPlan, queries: dict[str, dict[str, Any]], api_key: str | None
 ) -> tuple[LLMJudge, dict[str, RubricBuffer]]:
-    """The judge of a step and the buffers it changes: those after the step before, plus a new buffer
-    (its persistent rubrics) for each query judged the first time. ``session.buffers_step`` becomes None:
-    the buffers are changed in place from here on, unknown until the step's judge tables are written
-    (a failed or killed judge leaves them to be rebuilt from `judge_rubrics`)."""
-    buffers = buffers_at(session, plan.step - 1, cfg)
-    session.buffers_step = None
-    for qid in plan.query_ids:
-        if qid not in buffers:
-            buffers[qid] = RubricBuffer.from_query(
-                qid, queries[qid]["rubrics"], cfg.judge.cap_per_stage, step=plan.step
-            )
+    """The judge of a step and the buffers it changes: copies of those after the step before
+    (StepBuffers.for_step), which the judge task puts in the session once the step's tables are written."""
+    before = buffers_at(session, plan.step - 1, cfg)
+    buffers = before.for_step(plan.step, queries, plan.query_ids, cfg.judge.cap_per_stage)
     return step_judge(cfg, recipe_settings(cfg).judged_stages, api_key), buffers
 
 
@@ -235,12 +228,13 @@ def start_streaming_judge(
 
 
 def take_streamed(session: RLSession, plan: StepPlan) -> StreamingJudge | None:
-    """The rollout task's StreamingJudge when it judged this step over the session's buffers as they
-    still are; None (closing a stale one) otherwise: the judge task then judges from the tables."""
+    """The rollout task's StreamingJudge when it judged this step from the buffers the session still
+    holds (those after the step before); None (closing a stale one) otherwise: the judge task then
+    judges from the tables."""
     stream, session.pending_judge = session.pending_judge, None
     if stream is None:
         return None
-    if stream.step == plan.step and stream.buffers is session.buffers and session.buffers_step is None:
+    if stream.step == plan.step and session.buffers.step == plan.step - 1:
         return stream
     stream.close()
     return None
@@ -258,6 +252,7 @@ class JudgedStep:
     errors: dict[str, str] = field(default_factory=dict)
     rollouts: list[dict[str, Any]] = field(default_factory=list)
     rollouts_changed: bool = False
+    buffers: StepBuffers | None = None  # the buffers after this step's judge (the session's once written)
     metrics: dict[str, float] = field(default_factory=dict)
     n_groups: int = 0
     seconds: float = 0.0
@@ -322,7 +317,7 @@ def judge_rl_step(
     wait_seconds = time.perf_counter() - t0  # how long this task held the step up
     lam, broken = recipe_settings(cfg).lam, stages_to_gate(cfg, rollouts)
     out = judge_tables(plan.step, results, buffers, lam, broken, cfg.rl.scaffold_violations)
-    out.rollouts, out.seconds = rollouts, seconds
+    out.rollouts, out.seconds, out.buffers = rollouts, seconds, StepBuffers(plan.step, buffers)
     out.rollouts_changed = mark_failures(rollouts, out.errors)
     metrics = judge.usage.metrics()
     metrics["judge/failed_trajectories"] = float(len(out.errors))
@@ -391,11 +386,11 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
     fault_point("rl.update_applied")
     saved = checkpoint_due(cfg, plan.step)
     if saved:
-        # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`. From
-        # the tables when the session's are not this step's: the next step's streamed judge may be changing them.
-        at_step = session.buffers if session.buffers_step == plan.step else None
-        at_step = at_step or rebuild_buffers(store, plan.step, cfg.judge.cap_per_stage)
-        buffers = json.dumps({qid: b.to_dict() for qid, b in at_step.items()})
+        # A copy of the buffers for inspection; a resumed session rebuilds them from `judge_rubrics`.
+        at_step = session.buffers
+        if at_step.step != plan.step:
+            at_step = rebuild_buffers(store, plan.step, cfg.judge.cap_per_stage)
+        buffers = json.dumps({qid: b.to_dict() for qid, b in at_step.by_query.items()})
         session.policy.save(step_checkpoint(store, plan.step), extra={"buffers": buffers, "step": plan.step})
         fault_point("rl.checkpoint_saved")
     out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
@@ -487,9 +482,10 @@ def reflect_step(
         session.tokenizer.decode,
     )
     # An earlier attempt in this session banked other rows: the bank is rebuilt from the earlier steps
-    if plan.step in session.bank_steps:
-        reset_bank(session, cfg, store, [s for s in store.partitions("reflections", "step") if s < plan.step])
-    load_bank_steps(session, store, [plan.step], rows={plan.step: judged.rows})
+    if session.bank is not None and plan.step in session.bank.steps:
+        reset_bank(session, cfg, plan.step - 1)
+    if session.bank is not None:
+        session.bank.load_steps([plan.step], rows={plan.step: judged.rows})
     if session.bank is not None:
         judged.metrics["bank/size"] = float(len(session.bank))
     return ReflectedStep(judged.rows, judged.metrics, judged.n_sources)
@@ -529,8 +525,10 @@ def sample_candidates(
 def reload_bank_step(session: RLSession, step: int) -> dict[str, float]:
     """Bank the accepted reflections of a step whose `reflections` partition exists (a rerun that reads
     it back); the bank's size as a metric."""
-    load_bank_steps(session, session.store, [step])
-    return {"bank/size": float(len(session.bank))} if session.bank is not None else {}
+    if session.bank is None:
+        return {}
+    session.bank.load_steps([step])
+    return {"bank/size": float(len(session.bank))}
 
 
 @dataclass
