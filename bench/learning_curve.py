@@ -246,6 +246,16 @@ def prepare_source(src: Path, profile: str, overrides: dict[str, Any]) -> None:
         print(f"[progress] {name} done in {(time.perf_counter() - t0) / 60:.1f} min ({src})", flush=True)
 
 
+def rl_settings_line(cfg: Any, source: str) -> str:
+    """What decides a step's cost and signal, in one line, and where the settings came from."""
+    rl = cfg.rl
+    return (
+        f"RL settings ({source}): {rl.queries_per_step} queries × {cfg.rollout.group_size} rollouts a step, "
+        f"async_steps {rl.async_steps}, lr {rl.lr:g}, kl_coef {rl.kl_coef:g}, window {rl.window}, "
+        f"scaffold_violations {rl.scaffold_violations}, seed {cfg.seed}"
+    )
+
+
 def curve_json(sft: dict[str, Any], points: dict[str, list[dict[str, Any]]], steps: dict[str, Any]) -> dict[str, Any]:
     """Per-query scores of both graders for SFT and every evaluated RL checkpoint (anyone can recompute the
     paired gains), with each evaluation's summary and each recipe's step rows beside them."""
@@ -331,6 +341,9 @@ def main() -> int:
         cfg = resolve_config(
             run_dir, args.profile or str(RunLayout(src).config_file), overrides, command="learning_curve"
         )
+        # the settings the curve trains with, before the first step: a source run recorded by an older version
+        # may carry RL settings of its own (they are the default without --profile)
+        print(rl_settings_line(cfg, args.profile or f"{RunLayout(src).config_file} (the source run's)"), flush=True)
         per_window = 2 * cfg.rl.window
         ends = chunk_ends(args.steps, args.eval_every, per_window)
         # a final evaluation with N samples a query costs about N one-sample evaluations

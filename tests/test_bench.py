@@ -380,6 +380,21 @@ def test_a_curves_rl_settings_stay_out_of_the_source_run_it_makes():
     }
 
 
+def test_a_curve_prints_the_rl_settings_it_trains_with_and_their_source():
+    from bench.learning_curve import rl_settings_line
+    from rubricem_core.config import load_config
+
+    cfg = load_config(
+        "learn",
+        {"rl.lr": 2e-5, "rl.queries_per_step": 4, "rl.async_steps": 1, "rl.importance_correction": "tis", "seed": 1},
+    )
+    line = rl_settings_line(cfg, "learn")
+    assert line.startswith("RL settings (learn): 4 queries × 4 rollouts a step, async_steps 1, lr 2e-05")
+    assert line.endswith("seed 1")
+    default = rl_settings_line(load_config("learn"), "learn")
+    assert "2 queries × 4 rollouts" in default and "async_steps 0" in default and "seed 0" in default
+
+
 def test_learning_curve_chunks_end_on_windows():
     from bench.learning_curve import chunk_ends
 
