@@ -482,11 +482,10 @@ def reflect_step(
         session.tokenizer.decode,
     )
     # An earlier attempt in this session banked other rows: the bank is rebuilt from the earlier steps
-    if session.bank is not None and plan.step in session.bank.steps:
-        reset_bank(session, cfg, plan.step - 1)
     if session.bank is not None:
+        if plan.step in session.bank.steps:
+            reset_bank(session, cfg, plan.step - 1)
         session.bank.load_steps([plan.step], rows={plan.step: judged.rows})
-    if session.bank is not None:
         judged.metrics["bank/size"] = float(len(session.bank))
     return ReflectedStep(judged.rows, judged.metrics, judged.n_sources)
 
