@@ -252,7 +252,8 @@ def rl_settings_line(cfg: Any, source: str) -> str:
     return (
         f"RL settings ({source}): {rl.queries_per_step} queries × {cfg.rollout.group_size} rollouts a step, "
         f"async_steps {rl.async_steps}, lr {rl.lr:g}, kl_coef {rl.kl_coef:g}, window {rl.window}, "
-        f"scaffold_violations {rl.scaffold_violations}, seed {cfg.seed}"
+        f"scaffold_violations {rl.scaffold_violations}, unscored_stage_return {rl.unscored_stage_return}, "
+        f"seed {cfg.seed}"
     )
 
 

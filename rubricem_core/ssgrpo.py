@@ -16,7 +16,9 @@ Missing scores (NaN) — the one rule every function here follows:
   NaN ("no return") when stage k's own score is part of its return (λ_kk ≠ 0) and is missing, or when
   every score it would sum (λ_kj ≠ 0) is missing. So a stage with no rubrics gets no return under any
   validated Λ (λ_kk = 1), while under ``terminal`` (λ_kk = 0 below the answer) every stage still
-  receives the answer score — the DR Tulu broadcast. A failed row is NaN everywhere.
+  receives the answer score — the DR Tulu broadcast. With ``unscored="downstream"``
+  (rl.unscored_stage_return) only the second rule holds: under ``causal`` a stage with no rubrics gets
+  the sum of the later stages' scores. A failed row is NaN everywhere.
 * In ``stage_advantages`` NaN returns are left out of their stage's mean/std and get advantage 0;
   a stage with fewer than two returns, or whose returns are all equal, gives 0 to every rollout.
 * Advantages are therefore always finite, and ``token_advantages``/``policy_loss`` never see NaN
@@ -141,9 +143,17 @@ def _validate_explicit(spec: Any, K: int) -> torch.Tensor:
 # ------------------------------------------------------------------- returns and advantages ----
 
 
-def stage_returns(R: torch.Tensor, lam: Any) -> torch.Tensor:
+UNSCORED_STAGE_RETURNS: tuple[str, ...] = ("none", "downstream")
+
+
+def stage_returns(R: torch.Tensor, lam: Any, unscored: str = "none") -> torch.Tensor:
     """G = R Λᵀ for one group (n×K); NaN scores count as 0, and G is NaN where it has no score to
-    stand on (see the module docstring). ``lam`` is a K×K tensor or anything ``as_lambda`` takes."""
+    stand on (see the module docstring). ``lam`` is a K×K tensor or anything ``as_lambda`` takes.
+    ``unscored`` (rl.unscored_stage_return), for a stage with no score of its own: ``none``, no return;
+    ``downstream``, the return of the later scores its row of Λ sums (a search the judge wrote no
+    rubric for still gets the credit of the answer it led to)."""
+    if unscored not in UNSCORED_STAGE_RETURNS:
+        raise ValueError(f"unknown unscored stage return {unscored!r}; expected one of {list(UNSCORED_STAGE_RETURNS)}")
     R = torch.as_tensor(R)
     if R.dim() != 2:
         raise ValueError(f"R must be (n, K), got shape {tuple(R.shape)}")
@@ -161,8 +171,10 @@ def stage_returns(R: torch.Tensor, lam: Any) -> torch.Tensor:
     uses = lam != 0  # uses[k, j]: stage k's return sums stage j's score
     # any_score[i, k]: at least one score that stage k sums is present for rollout i.
     any_score = (~missing).to(R.dtype) @ uses.to(R.dtype).T > 0
-    own_missing = missing & torch.diagonal(uses).view(1, K)
-    return torch.where(own_missing | ~any_score, torch.full_like(G, math.nan), G)
+    no_return = ~any_score
+    if unscored == "none":
+        no_return = no_return | (missing & torch.diagonal(uses).view(1, K))
+    return torch.where(no_return, torch.full_like(G, math.nan), G)
 
 
 def stage_advantages(G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

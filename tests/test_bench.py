@@ -393,6 +393,7 @@ def test_a_curve_prints_the_rl_settings_it_trains_with_and_their_source():
     assert line.endswith("seed 1")
     default = rl_settings_line(load_config("learn"), "learn")
     assert "2 queries × 4 rollouts" in default and "async_steps 0" in default and "seed 0" in default
+    assert "unscored_stage_return none" in default
 
 
 def test_learning_curve_chunks_end_on_windows():
@@ -440,6 +441,20 @@ def test_scaffold_gate_replay_reads_a_run_and_counts_both_rules(tiny_pipeline_ru
     assert sum(r["zero"]["positive"] for r in counts.values()) == 0
     with pytest.raises(SystemExit, match="no config.yaml"):
         gate_counts(tiny_pipeline_run / "tables")
+
+
+def test_unscored_stage_replay_counts_the_same_tokens_under_both_rules(tiny_pipeline_run):
+    """Both rules see every generated token; downstream only adds advantages (to stages with no score of
+    their own) and never touches the answer, which always has its rubrics."""
+    from bench.unscored_stage_replay import advantage_token_counts
+
+    counts = advantage_token_counts(tiny_pipeline_run)
+    for stage, (nonzero, total) in counts["none"].items():
+        down_nonzero, down_total = counts["downstream"][stage]
+        assert down_total == total > 0 and nonzero <= down_nonzero <= total
+    assert counts["downstream"]["answer"] == counts["none"]["answer"]
+    with pytest.raises(SystemExit, match="no config.yaml"):
+        advantage_token_counts(tiny_pipeline_run / "tables")
 
 
 def _soak_rows(n: int, cpu_growth: float, rss_growth: float, fds_growth: int) -> list[dict]:

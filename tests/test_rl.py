@@ -114,6 +114,26 @@ def test_the_judge_task_writes_and_trains_the_zeroed_rewards(rule: str):
     np.testing.assert_array_equal(group.R, R)
 
 
+@pytest.mark.parametrize("unscored", ["none", "downstream"])
+def test_judge_tables_give_an_unscored_stage_the_configured_return(unscored):
+    from rubricem_core.judge.buffer import RubricBuffer
+    from rubricem_core.judge.llm_judge import GenerationOutcome, GroupJudgment
+    from rubricem_core.rl.steps import judge_tables
+
+    nan = float("nan")
+    R = np.array([[nan, nan, 1.0, 1.0], [nan, nan, 0.0, 1.0], [nan, nan, 1.0, 0.0]])
+    group = GroupJudgment("q", ["q-r0", "q-r1", "q-r2"], [], [], R.copy(), [], [], GenerationOutcome("q"))
+    buffers = {"q": RubricBuffer.from_query("q", [])}
+    out = judge_tables(2, [group], buffers, get_recipe("full").lam(), None, "format", unscored)
+    research = {r["rollout_id"]: r for r in out.reward_rows if r["stage"] == "research"}
+    assert all(r["R"] is None for r in research.values())  # the judge's R is stored as it is
+    if unscored == "none":
+        assert all(r["G"] is None and r["A"] == 0.0 for r in research.values())
+    else:
+        assert [research[f"q-r{i}"]["G"] for i in range(3)] == [2.0, 1.0, 1.0]
+        assert research["q-r0"]["A"] > 0 > research["q-r1"]["A"]
+
+
 def test_per_token_advantages_follow_stage_and_mask():
     traj = TokenTrajectory(
         token_ids=[1, 2, 3, 4, 5],

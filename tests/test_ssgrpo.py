@@ -35,13 +35,13 @@ CLIPS = [(0.2, 0.2), (0.2, 0.28), (0.1, 0.4)]
 # ------------------------------------------------------------------------ loop references ----
 
 
-def ref_returns(R: list[list[float]], lam: list[list[float]]) -> list[list[float]]:
+def ref_returns(R: list[list[float]], lam: list[list[float]], unscored: str = "none") -> list[list[float]]:
     n = len(R)
     out = [[0.0] * K for _ in range(n)]
     for i in range(n):
         for k in range(K):
             terms = [lam[k][j] * R[i][j] for j in range(K) if lam[k][j] != 0 and not math.isnan(R[i][j])]
-            own_missing = lam[k][k] != 0 and math.isnan(R[i][k])
+            own_missing = unscored == "none" and lam[k][k] != 0 and math.isnan(R[i][k])
             out[i][k] = math.nan if own_missing or not terms else sum(terms)
     return out
 
@@ -120,6 +120,37 @@ def test_returns_and_advantages_match_loop(spec, seed):
     # Failed rows (all NaN) get exactly 0 everywhere.
     failed = torch.isnan(R).all(1)
     assert failed.any() and (A[failed] == 0).all()
+
+
+@pytest.mark.parametrize("unscored", ["none", "downstream"])
+@pytest.mark.parametrize("spec", LAMBDA_SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_unscored_stage_returns_match_loop(spec, seed, unscored):
+    R = random_scores(seed)
+    R[:, 1] = math.nan  # no research rubric for this query
+    lam = as_lambda(spec).double()
+    G = stage_returns(R, lam, unscored)
+    assert same(G, ref_returns(R.tolist(), lam.tolist(), unscored))
+    assert torch.isnan(G[torch.isnan(R).all(1)]).all()  # a failed judgment has no return either way
+
+
+def test_downstream_gives_an_unscored_stage_the_later_scores():
+    """Worked by hand, causal Λ, research unscored: G_research = R_review + R_answer under downstream."""
+    nan = math.nan
+    R = torch.tensor([[1.0, nan, 1.0, 1.0], [1.0, nan, 0.0, 0.0], [1.0, nan, 1.0, 0.0]], dtype=torch.float64)
+    none = stage_returns(R, "causal")
+    down = stage_returns(R, "causal", "downstream")
+    assert torch.isnan(none[:, 1]).all()
+    assert down[:, 1].tolist() == [2.0, 0.0, 1.0] and down[:, 0].tolist() == [3.0, 1.0, 2.0]
+    assert torch.equal(none[:, [0, 2, 3]], down[:, [0, 2, 3]])  # scored stages are untouched
+    A_none, A_down = stage_advantages(none), stage_advantages(down)
+    assert (A_none[:, 1] == 0).all()
+    assert A_down[0, 1] > 0 > A_down[1, 1] and A_down[2, 1] == pytest.approx(0.0)
+    # terminal and stage_local are unchanged: their diagonal already decides
+    for spec in ("terminal", "stage_local"):
+        assert same(stage_returns(R, spec, "downstream"), stage_returns(R, spec).tolist())
+    with pytest.raises(ValueError, match="unscored stage return 'later'"):
+        stage_returns(R, "causal", "later")
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -258,6 +258,14 @@ class RLConfig(TrainerSettings, PackingSettings):
         "steps were rewarded for what they said, and the plan mostly has no rubric (docs/learning.md). "
         "Scaffold traces only: react traces have no stages to place a violation in.",
     )
+    unscored_stage_return: Literal["none", "downstream"] = Field(
+        default="none",
+        description="The return of a stage the judge gave no score (it wrote that query no rubric for the stage; the "
+        "built-in judge adds one only where it separates a group). none: no return, so the stage's tokens get no "
+        "advantage; downstream: the later stages' scores its row of the recipe's Λ sums (under causal a search "
+        "with no research rubric still gets the credit of the review and answer it led to; under terminal and "
+        "stage_local nothing changes). A failed judgment has no return either way.",
+    )
     async_steps: Literal[0, 1] = Field(
         default=0,
         description="1: one-step asynchronous RL (the paper's, App. F): step t+1's rollouts sample with the weights "

@@ -265,10 +265,12 @@ def judge_tables(
     lam: torch.Tensor,
     broken: Mapping[str, set[str]] | None = None,
     rule: str = "zero",
+    unscored: str = "none",
 ) -> JudgedStep:
     """A step's `judge_rubrics`, `judge_scores` and `stage_rewards` rows (groups in ``results`` order)
     and the error of each failed judgment by rollout id. ``broken``: each rollout's stages with a scaffold
-    violation, gated by ``rule`` (``rl.scaffold_violations``: zero or format); None: the judge's R as it is."""
+    violation, gated by ``rule`` (``rl.scaffold_violations``: zero or format); None: the judge's R as it is.
+    ``unscored``: the return of a stage with no score (``rl.unscored_stage_return``)."""
     out = JudgedStep(n_groups=len(results))
     for g in results:
         out.rubric_rows.extend(buffers[g.query_id].rows(step))
@@ -279,7 +281,9 @@ def judge_tables(
                 out.score_rows.extend(j.rows(step, g.query_id))
         failed = [rid in out.errors for rid in g.rollout_ids]
         R = g.R if broken is None else gate_broken_stages(g.R, [broken[rid] for rid in g.rollout_ids], rule, failed)
-        out.reward_rows.extend(reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(R, lam, failed)))
+        out.reward_rows.extend(
+            reward_rows_of(step, g.query_id, g.rollout_ids, group_advantages(R, lam, failed, unscored))
+        )
     return out
 
 
@@ -316,7 +320,9 @@ def judge_rl_step(
         seconds = time.perf_counter() - t0
     wait_seconds = time.perf_counter() - t0  # how long this task held the step up
     lam, broken = recipe_settings(cfg).lam, stages_to_gate(cfg, rollouts)
-    out = judge_tables(plan.step, results, buffers, lam, broken, cfg.rl.scaffold_violations)
+    out = judge_tables(
+        plan.step, results, buffers, lam, broken, cfg.rl.scaffold_violations, cfg.rl.unscored_stage_return
+    )
     out.rollouts, out.seconds, out.buffers = rollouts, seconds, StepBuffers(plan.step, buffers)
     out.rollouts_changed = mark_failures(rollouts, out.errors)
     metrics = judge.usage.metrics()

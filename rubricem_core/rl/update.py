@@ -82,11 +82,13 @@ class GroupAdvantages:
     A: np.ndarray  # n×K advantages (NaN only on failed judgments: they get none, never 0)
 
 
-def group_advantages(R: np.ndarray, lam: torch.Tensor, failed: Sequence[bool] | None = None) -> GroupAdvantages:
+def group_advantages(
+    R: np.ndarray, lam: torch.Tensor, failed: Sequence[bool] | None = None, unscored: str = "none"
+) -> GroupAdvantages:
     """G = R Λᵀ and per-stage group-normalized A for one query's group; a failed judgment's row has
-    no return and no advantage."""
+    no return and no advantage. ``unscored``: rl.unscored_stage_return (ssgrpo.stage_returns)."""
     R_t = torch.as_tensor(np.asarray(R, dtype=np.float64))
-    G = stage_returns(R_t, lam.to(R_t.dtype)).numpy()
+    G = stage_returns(R_t, lam.to(R_t.dtype), unscored).numpy()
     A = stage_advantages(torch.as_tensor(G)).numpy()
     if failed is not None and any(failed):
         rows = np.asarray(failed, dtype=bool)

@@ -1,0 +1,102 @@
+"""How much of a run's trained text gets an advantage under each ``rl.unscored_stage_return``, from its own tables.
+
+The built-in judge writes a stage's adaptive rubric only where it separates a group, so on `learn` most
+groups have no plan rubric and about half no research rubric. Under ``none`` such a stage has no return and
+its tokens train with advantage 0, whatever the answer they led to; under ``downstream`` (causal Λ) it
+takes the later stages' scores. This script reads a run's `rollouts` and `stage_rewards` (the R the run
+trained on, gated as it was), rebuilds each group's advantages with the run's Λ under both rules
+(``rl.update.group_advantages``) and counts, per stage, the generated tokens whose advantage is not 0
+(``rl.update.training_batch``; each stage's opening tag counted with the stage it opens). Nothing trains;
+the run is only read; seconds on a CPU.
+
+    .venv/bin/python bench/unscored_stage_replay.py --run-dir runs/learn/ablation/full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.run_all import figure_line  # noqa: E402
+from rubricem_core.offline import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+
+RULES = ("none", "downstream")
+
+
+def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
+    """Per rule and stage: [generated tokens with a nonzero advantage, generated tokens]."""
+    from rubricem_core.rl.session import recipe_settings
+    from rubricem_core.rl.update import group_advantages, reward_rows, training_batch
+    from rubricem_core.run_config import stored_config
+    from rubricem_core.scaffold import STAGES
+    from rubricem_core.store import RunStore
+
+    cfg = stored_config(run_dir)
+    if cfg is None:
+        raise SystemExit(f"{run_dir}: no config.yaml (not a run directory)")
+    store = RunStore(run_dir)
+    if not (store.files("rollouts") and store.files("stage_rewards")):
+        raise SystemExit(f"{run_dir}: no rollouts or stage_rewards yet")
+    lam = recipe_settings(cfg).lam
+    rewards = {(r["rollout_id"], r["stage"]): r["R"] for r in store.read_rows("stage_rewards")}
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in store.read_rows("rollouts"):
+        groups[(int(row["step"]), row["query_id"])].append(row)
+    counts = {rule: {s: [0, 0] for s in STAGES} for rule in RULES}
+    for (step, query_id), rows in sorted(groups.items()):
+        rows.sort(key=lambda r: r["rollout_id"])
+        ids = [r["rollout_id"] for r in rows]
+        missing = [rid for rid in ids if (rid, STAGES[0]) not in rewards]
+        if missing:
+            raise SystemExit(f"{run_dir}: step {step} rollout {missing[0]} has no `stage_rewards` rows")
+        R = np.array([[np.nan if rewards[(rid, s)] is None else rewards[(rid, s)] for s in STAGES] for rid in ids])
+        failed = [bool(r["judge_failed"]) for r in rows]
+        for rule in RULES:
+            table = reward_rows(step, query_id, ids, group_advantages(R, lam, failed, rule))
+            batch = training_batch(rows, table)
+            for traj, advs in zip(batch.trajectories, batch.token_advantages):
+                for stage_id, trained, adv in zip(traj.stage_ids, traj.loss_mask, advs):
+                    if trained and 0 <= stage_id < len(STAGES):
+                        cell = counts[rule][STAGES[stage_id]]
+                        cell[0] += int(adv != 0.0)
+                        cell[1] += 1
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="an RL run directory (e.g. <work>/ablation/full)")
+    args = parser.parse_args()
+    counts = advantage_token_counts(args.run_dir)
+    print("rule        stage     tokens with A != 0  generated tokens  share")
+    share = {}
+    for rule, stages in counts.items():
+        for stage, (nonzero, total) in stages.items():
+            print(f"{rule:<11} {stage:<9} {nonzero:>18} {total:>17}  {nonzero / max(total, 1):.3f}")
+        nonzero = sum(c[0] for c in stages.values())
+        total = sum(c[1] for c in stages.values())
+        share[rule] = nonzero / max(total, 1)
+    print(f"generated tokens with an advantage: none {share['none']:.3f}, downstream {share['downstream']:.3f}")
+    print(
+        figure_line(
+            "advantaged_token_share_downstream",
+            share["downstream"],
+            "fraction",
+            f"report (none: {share['none']:.3f})",
+            None,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
