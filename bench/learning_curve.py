@@ -99,6 +99,7 @@ def step_rows(run_dir: str, upto: int) -> list[dict[str, Any]]:
                 "reflection_valid": m.get("reflection/valid_fraction", math.nan),
                 "bank_size": m.get("bank/size", math.nan),
                 "kl": m.get("rl/kl", math.nan),
+                "advantaged": m.get("rl/advantaged_token_share", math.nan),  # trained tokens with A != 0
                 "tokens": sum(r["n_tokens"] for r in rollouts),
                 "tokens_generated": sum(r["n_policy_tokens"] for r in rollouts),
                 # the parts that do not overlap: the judge streams during the rollouts (judge/wait_seconds is
@@ -433,7 +434,7 @@ def report(
         spent = f", {wall[recipe] / 60:.1f} min in all (evaluations included)" if wall else ""
         print(f"\n== {recipe}: {len(steps)} steps{spent}")
         print(
-            "step phase   R_plan R_res  R_rev  R_ans  match guided valid  refl_valid bank  kl      tokens gen   "
+            "step phase   R_plan R_res  R_rev  R_ans  match guided valid  refl_valid bank  kl      adv   tokens gen   "
             "roll_s judge_s upd_s"
         )
         for row in steps:
@@ -442,7 +443,8 @@ def report(
                 + " ".join(f"{_fmt(row[f'R_{s}']):>6}" for s in STAGE_NAMES)
                 + f" {_fmt(row['train_answer_match']):>5} {row['guided']:>6.2f}"
                 + f" {row['valid_scaffold']:>6.2f} {_fmt(row['reflection_valid']):>10} "
-                f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {row['tokens']:>6} "
+                f"{_fmt(row['bank_size'], '.0f'):>4} {_fmt(row['kl'], '.4f'):>7} {_fmt(row['advantaged']):>5} "
+                f"{row['tokens']:>6} "
                 f"{row['tokens_generated']:>5} {_fmt(row['rollout_s'], '.0f'):>6} "
                 f"{_fmt(row['judge_wait_s'], '.0f'):>7} {_fmt(row['update_s'], '.0f'):>5}"
             )
@@ -533,7 +535,12 @@ def training_match_line(steps: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-PHASE_COLUMNS = (("valid_scaffold", "valid scaffolds"), ("train_answer_match", "answer match"), ("kl", "KL"))
+PHASE_COLUMNS = (
+    ("valid_scaffold", "valid scaffolds"),
+    ("train_answer_match", "answer match"),
+    ("kl", "KL"),
+    ("advantaged", "trained tokens with an advantage"),
+)
 
 
 def phase_means(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -553,7 +560,9 @@ def phase_means(steps: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
         for phase in ("new", "repeat"):
             out[column][phase] = {}
             for half, rows in halves.items():
-                values = [r[column] for r in rows if r["phase"] == phase and not math.isnan(r[column])]
+                # a run from before a column's metric existed has none (NaN)
+                found = [r.get(column, math.nan) for r in rows if r["phase"] == phase]
+                values = [v for v in found if not math.isnan(v)]
                 out[column][phase][half] = sum(values) / len(values) if values else math.nan
     return out
 

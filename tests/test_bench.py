@@ -424,6 +424,7 @@ def test_learning_curve_splits_the_step_rows_by_phase_and_half():
     }
     assert math.isnan(means["train_answer_match"]["repeat"]["steps 0–1"])
     assert means["kl"]["repeat"]["steps 2–3"] == 0.03
+    assert math.isnan(means["advantaged"]["new"]["steps 0–1"])  # rows from before the metric existed
     assert "valid scaffolds, repeat-query steps: steps 0–1 0.50, steps 2–3 0.25" in phase_table(means)
     assert phase_means([]) == {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -132,6 +133,21 @@ def test_judge_tables_give_an_unscored_stage_the_configured_return(unscored):
     else:
         assert [research[f"q-r{i}"]["G"] for i in range(3)] == [2.0, 1.0, 1.0]
         assert research["q-r0"]["A"] > 0 > research["q-r1"]["A"]
+
+
+def test_advantaged_token_share_counts_trained_tokens_only():
+    from rubricem_core.rl.update import TrainingBatch
+
+    def traj(mask: list[int]) -> TokenTrajectory:
+        n = len(mask)
+        return TokenTrajectory(token_ids=list(range(n)), loss_mask=mask, stage_ids=[0] * n, logprobs=[0.0] * n)
+
+    batch = TrainingBatch(
+        trajectories=[traj([0, 1, 1, 1]), traj([1, 1, 0])],
+        token_advantages=[[0.5, 0.5, 0.0, -1.0], [0.0, 0.0, 2.0]],  # the masked 0.5 and 2.0 do not count
+    )
+    assert batch.advantaged_token_share() == pytest.approx(2 / 5)
+    assert math.isnan(TrainingBatch().advantaged_token_share())
 
 
 def test_per_token_advantages_follow_stage_and_mask():

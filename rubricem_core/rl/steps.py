@@ -400,6 +400,8 @@ def update_step(session: RLSession, cfg: RunConfig, plan: StepPlan, log_line: Lo
         session.policy.save(step_checkpoint(store, plan.step), extra={"buffers": buffers, "step": plan.step})
         fault_point("rl.checkpoint_saved")
     out = {f"rl/{k}": v for k, v in metrics.items()} | batch.stage_means
+    if batch.trajectories:
+        out["rl/advantaged_token_share"] = batch.advantaged_token_share()
     return UpdatedStep(out, metrics, len(batch.trajectories), saved)
 
 

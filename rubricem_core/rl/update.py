@@ -190,6 +190,16 @@ class TrainingBatch:
     stage_means: dict[str, float] = field(default_factory=dict)  # reward/{R,G,A}/{stage}_mean
     nonzero: int = 0  # trajectories whose advantage is not 0 (reflection_training_batch; the rest carry no signal)
 
+    def advantaged_token_share(self) -> float:
+        """The share of the trained tokens whose advantage is not 0: how much of the step carries signal
+        (NaN for a batch with no trained token)."""
+        trained = advantaged = 0
+        for traj, advs in zip(self.trajectories, self.token_advantages):
+            for kept, adv in zip(traj.loss_mask, advs):
+                trained += bool(kept)
+                advantaged += bool(kept) and adv != 0.0
+        return advantaged / trained if trained else math.nan
+
 
 def training_batch(
     rollouts: list[dict[str, Any]],
