@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.judged_groups import judged_groups  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
@@ -35,33 +35,15 @@ def gate_counts(run_dir: Path) -> dict[str, Any]:
     from rubricem_core.rl.records import broken_stages
     from rubricem_core.rl.session import recipe_settings
     from rubricem_core.rl.update import gate_broken_stages, group_advantages
-    from rubricem_core.run_config import stored_config
     from rubricem_core.scaffold import STAGES
-    from rubricem_core.store import RunStore
 
-    cfg = stored_config(run_dir)
-    if cfg is None:
-        raise SystemExit(f"{run_dir}: no config.yaml (not a run directory)")
+    cfg, groups = judged_groups(run_dir)
     if trace_format(cfg.policy.prompt_style) != "scaffold":
         raise SystemExit(f"{run_dir}: react traces have no stages to place a violation in")
-    store = RunStore(run_dir)
-    if not (store.files("rollouts") and store.files("stage_rewards")):
-        raise SystemExit(f"{run_dir}: no rollouts or stage_rewards yet")
     lam = recipe_settings(cfg).lam
-    rewards = {(r["rollout_id"], r["stage"]): r["R"] for r in store.read_rows("stage_rewards")}
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-    for row in store.read_rows("rollouts"):
-        groups[(int(row["step"]), row["query_id"])].append(row)
     out: dict[str, Any] = {}
-    for (_, _), rows in sorted(groups.items()):
-        rows.sort(key=lambda r: r["rollout_id"])
-        R = np.array(
-            [
-                [np.nan if rewards.get((r["rollout_id"], s)) is None else rewards[(r["rollout_id"], s)] for s in STAGES]
-                for r in rows
-            ]
-        )
-        failed = [bool(r["judge_failed"]) for r in rows]
+    for group in groups:
+        rows, R, failed = group.rows, group.R, group.failed
         broken = [broken_stages(r["text"], cfg.tools.max_tool_calls) for r in rows]
         advantages = {
             "judged": group_advantages(R, lam, failed).A,

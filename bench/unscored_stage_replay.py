@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.judged_groups import judged_groups  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
@@ -36,33 +33,16 @@ def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
     """Per rule and stage: [generated tokens with a nonzero advantage, generated tokens]."""
     from rubricem_core.rl.session import recipe_settings
     from rubricem_core.rl.update import group_advantages, reward_rows, training_batch
-    from rubricem_core.run_config import stored_config
     from rubricem_core.scaffold import STAGES
-    from rubricem_core.store import RunStore
 
-    cfg = stored_config(run_dir)
-    if cfg is None:
-        raise SystemExit(f"{run_dir}: no config.yaml (not a run directory)")
-    store = RunStore(run_dir)
-    if not (store.files("rollouts") and store.files("stage_rewards")):
-        raise SystemExit(f"{run_dir}: no rollouts or stage_rewards yet")
+    cfg, groups = judged_groups(run_dir)
     lam = recipe_settings(cfg).lam
-    rewards = {(r["rollout_id"], r["stage"]): r["R"] for r in store.read_rows("stage_rewards")}
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-    for row in store.read_rows("rollouts"):
-        groups[(int(row["step"]), row["query_id"])].append(row)
     counts = {rule: {s: [0, 0] for s in STAGES} for rule in RULES}
-    for (step, query_id), rows in sorted(groups.items()):
-        rows.sort(key=lambda r: r["rollout_id"])
-        ids = [r["rollout_id"] for r in rows]
-        missing = [rid for rid in ids if (rid, STAGES[0]) not in rewards]
-        if missing:
-            raise SystemExit(f"{run_dir}: step {step} rollout {missing[0]} has no `stage_rewards` rows")
-        R = np.array([[np.nan if rewards[(rid, s)] is None else rewards[(rid, s)] for s in STAGES] for rid in ids])
-        failed = [bool(r["judge_failed"]) for r in rows]
+    for group in groups:
+        ids = [r["rollout_id"] for r in group.rows]
         for rule in RULES:
-            table = reward_rows(step, query_id, ids, group_advantages(R, lam, failed, rule))
-            batch = training_batch(rows, table)
+            table = reward_rows(group.step, group.query_id, ids, group_advantages(group.R, lam, group.failed, rule))
+            batch = training_batch(group.rows, table)
             for traj, advs in zip(batch.trajectories, batch.token_advantages):
                 for stage_id, trained, adv in zip(traj.stage_ids, traj.loss_mask, advs):
                     if trained and 0 <= stage_id < len(STAGES):
