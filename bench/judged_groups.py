@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,3 +57,10 @@ def judged_groups(run_dir: Path) -> tuple[Any, list[JudgedGroup]]:
         )
         groups.append(JudgedGroup(step, query_id, rows, R, [bool(r["judge_failed"]) for r in rows]))
     return cfg, groups
+
+
+def run_dir_argument(description: str) -> Path:
+    """The replays' one argument, ``--run-dir``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--run-dir", type=Path, required=True, help="an RL run directory (e.g. <work>/ablation/full)")
+    return parser.parse_args().run_dir

@@ -13,7 +13,6 @@ many broken stages of broken rollouts got a positive advantage, and their summed
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.judged_groups import judged_groups  # noqa: E402
+from bench.judged_groups import judged_groups, run_dir_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
@@ -62,10 +61,7 @@ def gate_counts(run_dir: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run-dir", type=Path, required=True, help="an RL run directory (e.g. <work>/ablation/full)")
-    args = parser.parse_args()
-    counts = gate_counts(args.run_dir)
+    counts = gate_counts(run_dir_argument(__doc__.split("\n")[0]))
     print("phase   rule    broken stage-rows  A > 0  sum of A")
     total = {"judged": [0, 0], "zero": [0, 0], "format": [0, 0]}
     for phase, rules in sorted(counts.items()):

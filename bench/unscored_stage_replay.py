@@ -14,13 +14,12 @@ the run is only read; seconds on a CPU.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.judged_groups import judged_groups  # noqa: E402
+from bench.judged_groups import judged_groups, run_dir_argument  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
@@ -53,10 +52,7 @@ def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run-dir", type=Path, required=True, help="an RL run directory (e.g. <work>/ablation/full)")
-    args = parser.parse_args()
-    counts = advantage_token_counts(args.run_dir)
+    counts = advantage_token_counts(run_dir_argument(__doc__.split("\n")[0]))
     print("rule        stage     tokens with A != 0  generated tokens  share")
     share = {}
     for rule, stages in counts.items():
