@@ -25,7 +25,6 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
 
-RULES = ("none", "downstream")
 
 
 def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
@@ -33,6 +32,7 @@ def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
     from rubricem_core.rl.session import recipe_settings
     from rubricem_core.rl.update import group_advantages, reward_rows, training_batch
     from rubricem_core.scaffold import STAGES
+    from rubricem_core.ssgrpo import UNSCORED_STAGE_RETURNS as RULES
 
     cfg, groups = judged_groups(run_dir)
     lam = recipe_settings(cfg).lam
@@ -41,13 +41,11 @@ def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
         ids = [r["rollout_id"] for r in group.rows]
         for rule in RULES:
             table = reward_rows(group.step, group.query_id, ids, group_advantages(group.R, lam, group.failed, rule))
-            batch = training_batch(group.rows, table)
-            for traj, advs in zip(batch.trajectories, batch.token_advantages):
-                for stage_id, trained, adv in zip(traj.stage_ids, traj.loss_mask, advs):
-                    if trained and 0 <= stage_id < len(STAGES):
-                        cell = counts[rule][STAGES[stage_id]]
-                        cell[0] += int(adv != 0.0)
-                        cell[1] += 1
+            for stage_id, (nonzero, trained) in training_batch(group.rows, table).advantaged_tokens_by_stage().items():
+                if 0 <= stage_id < len(STAGES):
+                    cell = counts[rule][STAGES[stage_id]]
+                    cell[0] += nonzero
+                    cell[1] += trained
     return counts
 
 

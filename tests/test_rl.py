@@ -138,14 +138,15 @@ def test_judge_tables_give_an_unscored_stage_the_configured_return(unscored):
 def test_advantaged_token_share_counts_trained_tokens_only():
     from rubricem_core.rl.update import TrainingBatch
 
-    def traj(mask: list[int]) -> TokenTrajectory:
+    def traj(mask: list[int], stages: list[int]) -> TokenTrajectory:
         n = len(mask)
-        return TokenTrajectory(token_ids=list(range(n)), loss_mask=mask, stage_ids=[0] * n, logprobs=[0.0] * n)
+        return TokenTrajectory(token_ids=list(range(n)), loss_mask=mask, stage_ids=stages, logprobs=[0.0] * n)
 
     batch = TrainingBatch(
-        trajectories=[traj([0, 1, 1, 1]), traj([1, 1, 0])],
+        trajectories=[traj([0, 1, 1, 1], [-1, 0, 1, 1]), traj([1, 1, 0], [0, 3, 3])],
         token_advantages=[[0.5, 0.5, 0.0, -1.0], [0.0, 0.0, 2.0]],  # the masked 0.5 and 2.0 do not count
     )
+    assert batch.advantaged_tokens_by_stage() == {0: (1, 2), 1: (1, 2), 3: (0, 1)}
     assert batch.advantaged_token_share() == pytest.approx(2 / 5)
     assert math.isnan(TrainingBatch().advantaged_token_share())
 

@@ -190,15 +190,23 @@ class TrainingBatch:
     stage_means: dict[str, float] = field(default_factory=dict)  # reward/{R,G,A}/{stage}_mean
     nonzero: int = 0  # trajectories whose advantage is not 0 (reflection_training_batch; the rest carry no signal)
 
+    def advantaged_tokens_by_stage(self) -> dict[int, tuple[int, int]]:
+        """Per stage id (-1: no stage): (trained tokens whose advantage is not 0, trained tokens)."""
+        counts: dict[int, list[int]] = {}
+        for traj, advs in zip(self.trajectories, self.token_advantages):
+            for stage_id, kept, adv in zip(traj.stage_ids, traj.loss_mask, advs):
+                if kept:
+                    cell = counts.setdefault(stage_id, [0, 0])
+                    cell[0] += adv != 0.0
+                    cell[1] += 1
+        return {k: (v[0], v[1]) for k, v in counts.items()}
+
     def advantaged_token_share(self) -> float:
         """The share of the trained tokens whose advantage is not 0: how much of the step carries signal
         (NaN for a batch with no trained token)."""
-        trained = advantaged = 0
-        for traj, advs in zip(self.trajectories, self.token_advantages):
-            for kept, adv in zip(traj.loss_mask, advs):
-                trained += bool(kept)
-                advantaged += bool(kept) and adv != 0.0
-        return advantaged / trained if trained else math.nan
+        counts = self.advantaged_tokens_by_stage().values()
+        trained = sum(c[1] for c in counts)
+        return sum(c[0] for c in counts) / trained if trained else math.nan
 
 
 def training_batch(
