@@ -26,7 +26,6 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 
-
 def advantage_token_counts(run_dir: Path) -> dict[str, dict[str, list[int]]]:
     """Per rule and stage: [generated tokens with a nonzero advantage, generated tokens]."""
     from rubricem_core.rl.session import recipe_settings
