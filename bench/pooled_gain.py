@@ -10,6 +10,18 @@ shrinks only by the sampling noise the seeds average out, not by counting a quer
 
 ``--against RECIPE``: the same pairing between two recipes' checkpoints at that step (each seed's own),
 instead of against SFT (the paper's ordering: full ≥ ss_grpo).
+
+It also reads the comparisons of ``bench/compare_checkpoints.py`` (``comparison.json``, several samples a
+query): each checkpoint there is one run, paired with that file's own SFT evaluation; a checkpoint read
+back into several files (the same tag) counts once. ``--recipe``, ``--step`` and ``--against`` do not apply
+to them.
+
+    .venv/bin/python bench/pooled_gain.py docs/learning_compare4.json docs/learning_compare30.json \
+        docs/learning_compare34.json
+
+Beside the pooled gain it prints the runs' own gains' mean ± their spread over √runs ("between runs"):
+that spread counts how differently training went from run to run, which the per-query standard error
+does not, but not the noise of an SFT evaluation that several runs share.
 """
 
 from __future__ import annotations
@@ -17,8 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.run_all import figure_line  # noqa: E402
 
 GRADERS = ("independent", "builtin")
 
@@ -49,24 +66,75 @@ def pooled_gain(pairs: list[tuple[dict[str, float], dict[str, float]]]) -> tuple
     return mean, math.sqrt(var / len(gains)), len(gains)
 
 
+Scores = dict[str, dict[str, float]]  # grader → query → score
+
+
+def comparison_runs(path: str, comparison: dict[str, Any]) -> list[tuple[str, str, Scores, Scores]]:
+    """(tag, name, checkpoint's scores, the file's SFT scores) for each non-SFT checkpoint of a
+    ``compare_checkpoints.py`` comparison."""
+    by_tag = {c["tag"]: c for c in comparison["checkpoints"]}
+    if "sft" not in by_tag:
+        raise SystemExit(f"{path}: a comparison without its SFT evaluation (checkpoints tagged {sorted(by_tag)})")
+    scores = lambda c: {g: c[g] for g in GRADERS}  # noqa: E731
+    return [(tag, c["name"], scores(c), scores(by_tag["sft"])) for tag, c in by_tag.items() if tag != "sft"]
+
+
+def runs_of(paths: list[str], recipe: str, step: int | None, against: str) -> list[tuple[str, Scores, Scores]]:
+    """(name, policy scores, reference scores) per run: one per learning curve, one per checkpoint of a
+    comparison (each tag once, from the first file that has it)."""
+    runs: list[tuple[str, Scores, Scores]] = []
+    seen: set[str] = set()
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "checkpoints" in data:
+            for tag, name, policy, reference in comparison_runs(path, data):
+                if tag not in seen:
+                    seen.add(tag)
+                    runs.append((f"{path}: {name}", policy, reference))
+        else:
+            runs.append((path, checkpoint_scores(data, recipe, step), checkpoint_scores(data, against, step)))
+    return runs
+
+
+def between_runs(gains: list[float]) -> tuple[float, float]:
+    """The mean of the runs' gains and its standard error from their spread (NaN for one run)."""
+    mean = sum(gains) / len(gains)
+    if len(gains) < 2:
+        return mean, math.nan
+    var = sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)
+    return mean, math.sqrt(var / len(gains))
+
+
+def in_se(value: float, se: float) -> str:
+    """``value`` in standard errors, for the printout (n/a where the error is 0 or unknown)."""
+    return f"{value / se:.1f} se" if se > 0 else "n/a se"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("curves", nargs="+", help="learning-curve JSONs, one per seed")
+    parser.add_argument("curves", nargs="+", help="learning-curve JSONs (one per seed) or comparison JSONs")
     parser.add_argument("--recipe", default="full")
     parser.add_argument("--step", type=int, default=None, help="the RL checkpoint's step (default: the last evaluated)")
     parser.add_argument("--against", default="sft", help="the reference: sft (default) or another recipe")
     args = parser.parse_args()
-    curves = [json.loads(Path(p).read_text()) for p in args.curves]
-    policy = [checkpoint_scores(c, args.recipe, args.step) for c in curves]
-    reference = [checkpoint_scores(c, args.against, args.step) for c in curves]
+    runs = runs_of(args.curves, args.recipe, args.step, args.against)
     what = f"{args.recipe}" + (f" after {args.step} steps" if args.step is not None else "") + f" − {args.against}"
-    print(f"{what}, {len(curves)} seed(s)")
+    print(f"{what}, {len(runs)} run(s)")
+    pooled: dict[str, tuple[float, float]] = {}
     for grader in GRADERS:
-        for path, p, r in zip(args.curves, policy, reference):
+        gains = []
+        for name, p, r in runs:
             gain, se, n = pooled_gain([(p[grader], r[grader])])
-            print(f"  {grader:<12} {path}: {gain:+.3f} ± {se:.3f} ({n} queries, {gain / se:.1f} se)")
-        gain, se, n = pooled_gain([(p[grader], r[grader]) for p, r in zip(policy, reference)])
-        print(f"  {grader:<12} pooled: {gain:+.3f} ± {se:.3f} ({n} queries, {gain / se:.1f} se)")
+            gains.append(gain)
+            print(f"  {grader:<12} {name}: {gain:+.3f} ± {se:.3f} ({n} queries, {in_se(gain, se)})")
+        gain, se, n = pooled_gain([(p[grader], r[grader]) for _, p, r in runs])
+        print(f"  {grader:<12} pooled: {gain:+.3f} ± {se:.3f} ({n} queries, {in_se(gain, se)})")
+        pooled[grader] = (gain, se)
+        mean, spread = between_runs(gains)
+        print(f"  {grader:<12} between runs: {mean:+.3f} ± {spread:.3f} ({len(gains)} runs, {in_se(mean, spread)})")
+    gain, se = pooled["independent"]
+    goal = f"> 2 se (se {se:.3f}, {len(runs)} runs)"
+    print(figure_line(f"pooled_gain_over_{args.against}_independent", gain, "answer match", goal, gain > 2 * se))
     return 0
 
 

@@ -586,3 +586,35 @@ def test_pooled_gain_averages_each_query_over_seeds_before_the_standard_error():
     assert n == 3 and gain == pytest.approx(0.25) and se == pytest.approx(math.sqrt(0.0625 / 3))
     one_gain, one_se, _ = pooled_gain([seed_a])
     assert one_gain == pytest.approx(1 / 3) and one_se == pytest.approx(math.sqrt((4 / 9 + 1 / 9 + 1 / 9) / 2 / 3))
+
+
+def test_pooled_gain_reads_comparisons_pairs_each_with_its_own_sft_and_counts_a_read_back_checkpoint_once(
+    tmp_path, capsys, monkeypatch
+):
+    from bench.pooled_gain import between_runs, main, runs_of
+    from bench.run_all import parse_figure_line
+
+    def point(tag: str, scores: list[float]) -> dict:
+        by_query = dict(zip("abc", scores))
+        return {"name": f"/runs/{tag}", "tag": tag, "independent": by_query, "builtin": by_query}
+
+    first = {"samples_per_query": 4, "checkpoints": [point("sft", [0.5, 0.5, 0.5]), point("x", [1.0, 0.5, 0.5])]}
+    # the second file evaluated SFT again (another score) and read x back: x counts once, against the first SFT
+    second = {
+        "samples_per_query": 4,
+        "checkpoints": [point("sft", [0.0, 0.5, 0.5]), point("x", [1.0, 0.5, 0.5]), point("y", [0.0, 0.5, 1.0])],
+    }
+    paths = []
+    for name, data in (("one.json", first), ("two.json", second)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    runs = runs_of(paths, "full", None, "sft")
+    assert [name.rsplit(": ", 1)[1] for name, _, _ in runs] == ["/runs/x", "/runs/y"]
+    gains = [sum(p["independent"][q] - r["independent"][q] for q in "abc") / 3 for _, p, r in runs]
+    assert gains == pytest.approx([0.5 / 3, 0.5 / 3])  # x against the first SFT, y against the second
+    assert between_runs([0.1, 0.3]) == pytest.approx((0.2, math.sqrt(0.02 / 2)))
+    assert math.isnan(between_runs([0.1])[1])
+    monkeypatch.setattr("sys.argv", ["pooled_gain.py", *paths])
+    assert main() == 0
+    figure = parse_figure_line(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figure.name == "pooled_gain_over_sft_independent" and figure.value == pytest.approx(0.5 / 3, abs=1e-4)
