@@ -184,4 +184,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flows.prefect_server import owned_ephemeral_server
+
+    with owned_ephemeral_server():  # dies with this script, also when it is killed (flows/prefect_server.py)
+        raise SystemExit(main())

@@ -620,4 +620,7 @@ def report_only(args: argparse.Namespace, recipes: list[str], overrides: dict[st
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flows.prefect_server import owned_ephemeral_server
+
+    with owned_ephemeral_server():  # dies with this script, also when it is killed (flows/prefect_server.py)
+        sys.exit(main())
