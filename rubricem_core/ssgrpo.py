@@ -31,11 +31,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
-from rubricem_core.config.training import UnscoredStageReturn
 from rubricem_core.scaffold import STAGES
 
 LAMBDA_PRESETS: tuple[str, ...] = ("stage_local", "terminal", "causal", "discounted")
@@ -144,7 +143,7 @@ def _validate_explicit(spec: Any, K: int) -> torch.Tensor:
 # ------------------------------------------------------------------- returns and advantages ----
 
 
-UNSCORED_STAGE_RETURNS: tuple[str, ...] = get_args(UnscoredStageReturn)
+UNSCORED_STAGE_RETURNS: tuple[str, ...] = ("none", "downstream")
 
 
 def stage_returns(R: torch.Tensor, lam: Any, unscored: str = "none") -> torch.Tensor:

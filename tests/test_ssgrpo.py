@@ -10,6 +10,7 @@ import torch
 from rubricem_core.recipes import RECIPES, Recipe, get_recipe, recipe_names
 from rubricem_core.scaffold import STAGES
 from rubricem_core.ssgrpo import (
+    UNSCORED_STAGE_RETURNS,
     LambdaSpecError,
     as_lambda,
     lambda_matrix,
@@ -122,7 +123,17 @@ def test_returns_and_advantages_match_loop(spec, seed):
     assert failed.any() and (A[failed] == 0).all()
 
 
-@pytest.mark.parametrize("unscored", ["none", "downstream"])
+def test_the_config_offers_exactly_the_unscored_stage_rules_stage_returns_knows():
+    """The rule's names live in ssgrpo (floor 1); the config (floor 2, no torch at import) repeats them as
+    its Literal, so this test is what keeps the two in step."""
+    from typing import get_args
+
+    from rubricem_core.config.training import RLConfig
+
+    assert get_args(RLConfig.model_fields["unscored_stage_return"].annotation) == UNSCORED_STAGE_RETURNS
+
+
+@pytest.mark.parametrize("unscored", UNSCORED_STAGE_RETURNS)
 @pytest.mark.parametrize("spec", LAMBDA_SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("seed", range(3))
 def test_unscored_stage_returns_match_loop(spec, seed, unscored):

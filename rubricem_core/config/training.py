@@ -9,8 +9,6 @@ from pydantic.fields import FieldInfo
 
 from rubricem_core.config.base import _Strict
 
-UnscoredStageReturn = Literal["none", "downstream"]  # rl.unscored_stage_return (ssgrpo.stage_returns)
-
 
 class LoraSettings(_Strict):
     """Low-rank adapters (peft's LoRA) that SFT and RL train instead of every weight."""
@@ -260,7 +258,7 @@ class RLConfig(TrainerSettings, PackingSettings):
         "steps were rewarded for what they said, and the plan mostly has no rubric (docs/learning.md). "
         "Scaffold traces only: react traces have no stages to place a violation in.",
     )
-    unscored_stage_return: UnscoredStageReturn = Field(
+    unscored_stage_return: Literal["none", "downstream"] = Field(
         default="none",
         description="The return of a stage the judge gave no score (it wrote that query no rubric for the stage; the "
         "built-in judge adds one only where it separates a group). none: no return, so the stage's tokens get no "
