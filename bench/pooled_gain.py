@@ -59,11 +59,18 @@ def pooled_gain(pairs: list[tuple[dict[str, float], dict[str, float]]]) -> tuple
     ``pairs`` holds one (policy, reference) per seed, on the queries every seed graded."""
     common = set.intersection(*(set(p) & set(r) for p, r in pairs))
     gains = [sum(p[q] - r[q] for p, r in pairs) / len(pairs) for q in sorted(common)]
-    if len(gains) < 2:
-        return (gains[0] if gains else math.nan), math.nan, len(gains)
-    mean = sum(gains) / len(gains)
-    var = sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)
-    return mean, math.sqrt(var / len(gains)), len(gains)
+    return (*mean_and_se(gains), len(gains))
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error from the sample spread (NaN where there are too few values)."""
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
 
 
 Scores = dict[str, dict[str, float]]  # grader → query → score
@@ -98,11 +105,7 @@ def runs_of(paths: list[str], recipe: str, step: int | None, against: str) -> li
 
 def between_runs(gains: list[float]) -> tuple[float, float]:
     """The mean of the runs' gains and its standard error from their spread (NaN for one run)."""
-    mean = sum(gains) / len(gains)
-    if len(gains) < 2:
-        return mean, math.nan
-    var = sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)
-    return mean, math.sqrt(var / len(gains))
+    return mean_and_se(gains)
 
 
 def in_se(value: float, se: float) -> str:
