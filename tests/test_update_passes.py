@@ -15,11 +15,10 @@ import torch
 
 import dist_cases
 from rubricem_core.batching import collate
-from rubricem_core.logprobs import token_logprobs
+from rubricem_core.logprobs import batch_logprobs, token_logprobs
 from rubricem_core.rl.update import (
     UpdateConfig,
     importance_weights,
-    make_loss_fn,
     minibatch_split,
     old_logprobs,
     ss_grpo_update,
@@ -119,7 +118,13 @@ def _hand_rolled_ppo(trainer, ref, trajs, advs, config: UpdateConfig) -> list[di
             b.old_logprobs = old_logprobs(trainer.model, b, config.temperature)
             b.ref_logprobs = token_logprobs(ref, b.input_ids, b.attention_mask)
         batches.append(b)
-    loss_fn = make_loss_fn(config)
+
+    def loss_fn(model, b):  # the plain clipped loss on the old logprobs computed above
+        logp = batch_logprobs(model, b, temperature=config.temperature)
+        mask = b.loss_mask.to(logp.dtype)
+        kw = {"clip_low": config.clip_low, "clip_high": config.clip_high, "kl_coef": config.kl_coef}
+        return policy_loss(logp, b.old_logprobs, b.ref_logprobs, b.advantages, mask, **kw)
+
     out = []
     for _ in range(config.epochs):
         for b in batches:

@@ -36,6 +36,7 @@ from rubricem_core.reflection.meta import candidate_advantages, reflection_token
 from rubricem_core.rl.records import rollout_trajectory
 from rubricem_core.scaffold import STAGES
 from rubricem_core.ssgrpo import policy_loss, stage_advantages, stage_returns, token_advantages
+from rubricem_core.training.step import MetricsAccumulator
 from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
 
 
@@ -261,7 +262,7 @@ def reflection_training_batch(rows: Iterable[dict[str, Any]]) -> TrainingBatch:
     return batch
 
 
-# ---- the loss and the optimizer step --------------------------------------------------------------
+# ---- the loss and the optimizer steps --------------------------------------------------------------
 def importance_weights(old_logp: torch.Tensor, sampled_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance weights min(π_old/π_sampler, cap) per token, from log-probabilities; 1 where
     the sampler's logprob is unknown (NaN). No gradient flows through them."""
@@ -270,42 +271,22 @@ def importance_weights(old_logp: torch.Tensor, sampled_logp: torch.Tensor, cap: 
     return torch.exp(diff.clamp(max=math.log(cap)))
 
 
-def make_loss_fn(config: UpdateConfig):
-    """logp → (old: the batch's recomputed logprobs, else these detached) → ratio → clip → aggregate."""
-
-    def loss_fn(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logp = batch_logprobs(model, batch, temperature=config.temperature)
-        # One optimizer pass over fresh samples: the old policy is the current one, so its logprobs
-        # are ours detached (ratio 1, the plain policy gradient) and no extra forward is needed.
-        old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
-        mask = batch.loss_mask.bool()
-        weights = None
-        if config.importance_correction == "tis" and batch.sampled_logprobs is not None:
-            weights = importance_weights(old, batch.sampled_logprobs, config.tis_cap)
-        loss, metrics = policy_loss(
-            logp,
-            old,
-            batch.ref_logprobs,
-            batch.advantages,
-            batch.loss_mask.to(logp.dtype),
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            kl_coef=config.kl_coef,
-            is_weights=weights,
-        )
-        if batch.sampled_logprobs is not None:
-            # engine vs trainer on the sampling weights: how far the sampler's numbers are from ours
-            known = mask & torch.isfinite(batch.sampled_logprobs)
-            gap = (old - batch.sampled_logprobs).abs()[known]
-            metrics["logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-            metrics["logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-        if weights is not None:
-            w = weights[mask]
-            metrics["tis_weight_mean"] = float(w.mean()) if w.numel() else 1.0
-            metrics["tis_capped_fraction"] = float((w >= config.tis_cap).float().mean()) if w.numel() else 0.0
-        return loss, metrics
-
-    return loss_fn
+def sampler_metrics(old: torch.Tensor, batch: TokenBatch, weights: torch.Tensor | None, cap: float) -> dict[str, float]:
+    """Engine vs trainer on the sampling weights (how far the sampler's logprobs are from ours) and, with
+    truncated importance sampling, the weights' mean and capped share, over the trained tokens."""
+    out: dict[str, float] = {}
+    if batch.sampled_logprobs is None:
+        return out
+    mask = batch.loss_mask.bool()
+    known = mask & torch.isfinite(batch.sampled_logprobs)
+    gap = (old - batch.sampled_logprobs).abs()[known]
+    out["logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+    out["logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+    if weights is not None:
+        w = weights[mask]
+        out["tis_weight_mean"] = float(w.mean()) if w.numel() else 1.0
+        out["tis_capped_fraction"] = float((w >= cap).float().mean()) if w.numel() else 0.0
+    return out
 
 
 def _logprobs_on_model_device(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
@@ -420,6 +401,36 @@ def _micro_batch(
     )
 
 
+def logprobs_before_steps(
+    trainer: Any,
+    ref_model: torch.nn.Module | None,
+    parts: list[list[Any]],
+    weights: list[list[float]],
+    temperature: float,
+) -> Callable[[torch.nn.Module, TokenBatch], TokenBatch]:
+    """For samples that train several optimizer steps (PPO reuse): the old logprobs (and the reference's)
+    of every micro-batch of this rank, computed before any step changes the weights, under the loss's
+    autocast; the prepare that attaches them to each micro-batch in the steps."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    uid = 0
+    for micro in parts:
+        for b in micro:  # by position, so every rank numbers a micro-batch alike
+            if b is not None:
+                b.uid = uid
+            uid += 1
+    first_pass = make_prepare_fn(ref_model, temperature, recompute_old=True)
+
+    def remember(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
+        done = first_pass(model, batch)
+        ref = done.ref_logprobs.cpu() if done.ref_logprobs is not None else None
+        cache[_uid(batch)] = (done.old_logprobs.cpu(), ref)
+        return done
+
+    for micro, w in zip(parts, weights):
+        trainer.forward_only(micro, w, remember)
+    return _cached_prepare(cache)
+
+
 def ss_grpo_update(
     trainer: Any,
     ref_model: torch.nn.Module | None,
@@ -433,9 +444,11 @@ def ss_grpo_update(
     minibatch of each pass. On several ranks each rank is given ``plan`` and only the trajectories of its
     own micro-batches (index → trajectory); each computes the logprobs and gradients of its shard.
 
+    Each optimizer step reads top to bottom: this rank's micro-batches, per micro-batch logprobs → old
+    logprobs → importance weights → ``policy_loss`` (ratio → clip → aggregate) → backward, then the step.
     One step in all (the default): the old policy is the current one (no extra forward). Several steps
-    reuse the samples, so the old logprobs (and the reference's) are computed first for every
-    micro-batch, before any step changes the weights, under the loss's autocast."""
+    reuse the samples, so the old logprobs (and the reference's) are computed first
+    (``logprobs_before_steps``)."""
     if plan is None:
         if isinstance(trajectories, Mapping):
             raise ValueError("a partial set of trajectories needs the step's UpdatePlan")
@@ -448,36 +461,42 @@ def ss_grpo_update(
         [_micro_batch(trajs, advs, picked, pad_id, config) for picked in micro] for micro in plan.parts
     ]
     weights = plan.weights
-    reuse = len(parts) * config.epochs > 1
-    if reuse:
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        uid = 0
-        for micro in parts:
-            for b in micro:  # by position, so every rank numbers a micro-batch alike
-                if b is not None:
-                    b.uid = uid
-                uid += 1
-        first_pass = make_prepare_fn(ref_model, config.temperature, recompute_old=True)
-
-        def remember(model: torch.nn.Module, batch: TokenBatch) -> TokenBatch:
-            done = first_pass(model, batch)
-            ref = done.ref_logprobs.cpu() if done.ref_logprobs is not None else None
-            cache[_uid(batch)] = (done.old_logprobs.cpu(), ref)
-            return done
-
-        for micro, w in zip(parts, weights):
-            trainer.forward_only(micro, w, remember)
-        prepare = _cached_prepare(cache)
+    if len(parts) * config.epochs > 1:  # the samples train several steps: logprobs from before the first
+        prepare = logprobs_before_steps(trainer, ref_model, parts, weights, config.temperature)
     else:
         prepare = make_prepare_fn(ref_model, config.temperature, recompute_old=config.recompute_old)
     steps: list[dict[str, Any]] = []
     for _ in range(config.epochs):
         for micro, w in zip(parts, weights):
-            steps.append(trainer.step(micro, make_loss_fn(config), weights=w, prepare=prepare))
-    metrics = _mean_over_steps(steps)
-    metrics["policy_tokens"] = float(sum(sum(w) for w in weights))
-    metrics["optimizer_steps"] = float(len(steps))
-    return metrics
+            acc = MetricsAccumulator()
+            shard = trainer.micro_batches(micro, w, prepare)  # this rank's share, with its reference logprobs
+            for i, (item, batch) in enumerate(shard):
+                with trainer.forward(sync=i == len(shard) - 1):
+                    logp = batch_logprobs(trainer.module, batch, temperature=config.temperature)
+                    # One optimizer pass over fresh samples: the old policy is the current one, so its
+                    # logprobs are ours detached (ratio 1, the plain policy gradient), no extra forward.
+                    old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
+                    tis = config.importance_correction == "tis" and batch.sampled_logprobs is not None
+                    is_weights = importance_weights(old, batch.sampled_logprobs, config.tis_cap) if tis else None
+                    loss, metrics = policy_loss(
+                        logp,
+                        old,
+                        batch.ref_logprobs,
+                        batch.advantages,
+                        batch.loss_mask.to(logp.dtype),
+                        clip_low=config.clip_low,
+                        clip_high=config.clip_high,
+                        kl_coef=config.kl_coef,
+                        is_weights=is_weights,
+                    )
+                    metrics |= sampler_metrics(old, batch, is_weights, config.tis_cap)
+                trainer.backward(loss, item.scale)
+                acc.add(loss, metrics, item.scale, pad=item.pad)
+            steps.append(trainer.optimizer_step(acc))
+    out = _mean_over_steps(steps)
+    out["policy_tokens"] = float(sum(sum(w) for w in weights))
+    out["optimizer_steps"] = float(len(steps))
+    return out
 
 
 def _mean_over_steps(steps: list[dict[str, Any]]) -> dict[str, float]:

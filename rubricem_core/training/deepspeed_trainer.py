@@ -27,6 +27,7 @@ Under ZeRO-3, ``trainer.model`` holds partitioned parameters: generate through a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from rubricem_core.distributed.ranks import init_process_group
+from rubricem_core.distributed.shard import ShardItem
 from rubricem_core.processes import free_port
 from rubricem_core.training.adapters import is_adapter_model, merged_state_dict
 from rubricem_core.training.checkpoint import (
@@ -58,15 +60,18 @@ from rubricem_core.training.checkpoint import (
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.params import full_numel
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
-from rubricem_core.training.torch_trainer import (
+from rubricem_core.training.step import (
     LossFn,
     MetricsAccumulator,
     PrepareFn,
+    check_finite,
+    local_micro_batches,
+    step_over,
+)
+from rubricem_core.training.torch_trainer import (
     _plain,
     build_optimizer,
-    check_finite,
     enable_gradient_checkpointing,
-    local_micro_batches,
     seed_everything,
 )
 
@@ -174,6 +179,12 @@ class DeepSpeedTrainer:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.global_step = 0
+        self._step_t0 = time.perf_counter()
+
+    @property
+    def module(self) -> Any:
+        """What a loss runs: the DeepSpeed engine (its forward gathers ZeRO-3 partitions)."""
+        return self.engine
 
     def step(
         self,
@@ -184,19 +195,32 @@ class DeepSpeedTrainer:
     ) -> dict[str, float]:
         """Same contract as TorchTrainer.step: ``micro_batches`` is the step's global list, each rank
         trains on its shard (grad_norm is the global norm before clipping)."""
-        t0 = time.perf_counter()
-        acc = MetricsAccumulator()
-        lr = float(self.engine.get_lr()[0])
+        return step_over(self, micro_batches, loss_fn, weights, prepare)
+
+    # ---- the step's primitives (rubricem_core.training.step) ----
+    def micro_batches(
+        self, micro_batches: list[Any], weights: Sequence[float] | None, prepare: PrepareFn | None
+    ) -> list[tuple[ShardItem, Any]]:
+        """Begins a step: this rank's shard of ``micro_batches``, on its device, ``prepare``d (the
+        engine's own bf16 module needs no autocast)."""
+        self._step_t0 = time.perf_counter()
         items, batches = local_micro_batches(micro_batches, weights, self.device, self.engine, prepare)
-        last = len(items) - 1
-        for i, (item, micro_batch) in enumerate(zip(items, batches)):
-            # Gradients are reduced across ranks (and the optimizer may step) only on the boundary.
-            self.engine.set_gradient_accumulation_boundary(i == last)
-            loss, metrics = loss_fn(self.engine, micro_batch)
-            # Our scale replaces 1/GAS; DeepSpeed averages the ranks' gradients, so × world size
-            # turns that mean back into the sum of global shares.
-            self.engine.backward(loss * (item.scale * self.world_size), scale_wrt_gas=False)
-            acc.add(loss, metrics, item.scale, pad=item.pad)
+        return list(zip(items, batches))
+
+    def forward(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced across ranks (and the optimizer may step) only on the boundary: ``sync``."""
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: Tensor, scale: float) -> None:
+        # Our scale replaces 1/GAS; DeepSpeed averages the ranks' gradients, so × world size turns that
+        # mean back into the sum of global shares.
+        self.engine.backward(loss * (scale * self.world_size), scale_wrt_gas=False)
+
+    def optimizer_step(self, acc: MetricsAccumulator) -> dict[str, float]:
+        """Ends the step: every rank's metrics combined, the engine stepped (it clips); a non-finite
+        gradient norm raises after the update was applied."""
+        lr = float(self.engine.get_lr()[0])  # the rate this step uses
         acc.all_reduce()
         # ZeRO optimizers record the global norm during step(); ZeRO-0 in fp32 does not, and its
         # gradients are whole on every rank, so measure them before the step clears them.
@@ -207,7 +231,7 @@ class DeepSpeedTrainer:
         self.global_step += 1
         if not math.isfinite(grad_norm):
             check_finite(grad_norm, acc.loss, self.global_step - 1, applied=True)
-        return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - t0)
+        return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - self._step_t0)
 
     def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: Any) -> None:
         """As TorchTrainer.forward_only (the engine's own bf16 module needs no autocast). Collective

@@ -1,9 +1,10 @@
 """Plain-torch trainer: AdamW, warm-up + cosine schedule, gradient clipping, optional bf16 autocast.
 
-One optimizer step per ``step()`` call, read top to bottom::
+One optimizer step per ``step()`` call, on the primitives of rubricem_core.training.step::
 
-    for each of this rank's micro-batches:  loss = loss_fn(model, mb);  (loss * scale_i).backward()
-    clip;  optimizer.step();  scheduler.step();  zero_grad
+    for each of this rank's micro-batches (micro_batches):  with forward(sync):  loss = loss_fn(module, mb)
+                                                           backward(loss, scale_i)
+    optimizer_step:  clip;  optimizer.step();  scheduler.step();  zero_grad
 
 Data parallel: on Ray trainer ranks (WORLD_SIZE > 1) every rank holds the whole model and optimizer, is
 given the same global micro-batches and trains on its shard (rubricem_core.distributed.shard). The model
@@ -28,7 +29,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,6 @@ from rubricem_core.distributed.ranks import init_process_group, train_device
 from rubricem_core.distributed.shard import (
     ShardItem,
     micro_batch_scales,  # noqa: F401  (re-exported)
-    shard_micro_batches,
 )
 from rubricem_core.training.adapters import is_adapter_model, merged_state_dict
 from rubricem_core.training.checkpoint import (
@@ -53,11 +53,17 @@ from rubricem_core.training.checkpoint import (
 from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.params import full_ndim
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
+from rubricem_core.training.step import (
+    LossFn,
+    MetricsAccumulator,
+    PrepareFn,
+    check_finite,
+    local_micro_batches,
+    step_over,
+    to_device,  # noqa: F401  (re-exported)
+)
 
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[Any, Any], "tuple[Tensor, dict[str, Any]]"]
-PrepareFn = Callable[[Any, Any], Any]  # (model, micro_batch) -> micro_batch, run without gradients
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -68,27 +74,6 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False  # a KV cache is useless (and warned about) while training
-
-
-def local_micro_batches(
-    micro_batches: list[Any],
-    weights: Sequence[float] | None,
-    device: torch.device,
-    model: Any,
-    prepare: PrepareFn | None,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[list[ShardItem], list[Any]]:
-    """This rank's shard of the step, on ``device``; ``prepare`` fills what needs the weights of
-    before the step (e.g. old and reference logprobs) for every one of them before any backward,
-    under the same ``autocast`` as the loss (so a recomputed old logprob matches the loss's own)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
-    items = shard_micro_batches(len(micro_batches), weights, rank, world)
-    batches = [to_device(micro_batches[item.index], device) for item in items]
-    if prepare is not None:
-        with torch.no_grad(), autocast():
-            batches = [prepare(model, b) for b in batches]
-    return items, batches
 
 
 # ------------------------------------------------------------------- helpers shared by backends
@@ -115,81 +100,6 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     # A plain torch AdamW in both backends: DeepSpeed wraps this instance, so no fused/CPU-Adam op
     # has to be JIT-compiled and the two backends run the same update rule.
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors inside dicts/lists/tuples/dataclass-like objects with ``.to`` to ``device``."""
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    to = getattr(batch, "to", None)
-    if callable(to) and not isinstance(batch, nn.Module):
-        return to(device)
-    return batch
-
-
-class MetricsAccumulator:
-    """Combines per-micro-batch metrics: counts (``n_*`` keys) add up, ``*_max`` keys take the
-    maximum; everything else is averaged with the step's micro-batch scales over the micro-batches
-    that reported it (a stage missing from one micro-batch does not drag its mean towards 0)."""
-
-    def __init__(self) -> None:
-        self.loss = 0.0
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-
-    def add(self, loss: Tensor, metrics: dict[str, Any], scale: float, pad: bool = False) -> None:
-        if pad:
-            return  # a scale-0 copy that only kept the ranks in step
-        self.loss += scale * float(loss.detach().float())
-        for key, value in metrics.items():
-            if isinstance(value, Tensor):
-                if value.numel() != 1:
-                    continue
-                value = float(value.detach().float())
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            if key.endswith("_max"):
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), float(value))
-                continue
-            count = key.startswith("n_")
-            self.sums[key] = self.sums.get(key, 0.0) + (float(value) if count else scale * float(value))
-            self.weights[key] = 1.0 if count else self.weights.get(key, 0.0) + scale
-
-    def all_reduce(self) -> None:
-        """Combine every rank's micro-batches: the scales are global shares, so sums add up to the
-        global weighted means; counts add; ``*_max`` keys take the maximum."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (self.loss, self.sums, self.weights, self.maxes))
-        self.loss, self.sums, self.weights, self.maxes = 0.0, {}, {}, {}
-        for loss, sums, weights, maxes in parts:
-            self.loss += loss
-            for key, value in sums.items():
-                self.sums[key] = self.sums.get(key, 0.0) + value
-                count = key.startswith("n_")
-                self.weights[key] = 1.0 if count else self.weights.get(key, 0.0) + weights[key]
-            for key, value in maxes.items():
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
-
-    def result(self, grad_norm: float, lr: float, step: int, seconds: float) -> dict[str, float]:
-        out = {k: v / self.weights[k] if self.weights[k] > 0 else v for k, v in self.sums.items()}
-        out.update(self.maxes)
-        out.update(loss=self.loss, grad_norm=grad_norm, lr=lr, step=float(step), step_time_s=seconds)
-        if "n_tokens" in out:
-            out["tokens_per_s"] = out["n_tokens"] / max(seconds, 1e-9)
-        return out
-
-
-def check_finite(grad_norm: float, loss: float, step: int, applied: bool = False) -> None:
-    if not math.isfinite(grad_norm):
-        outcome = "the update was applied: resume from the last checkpoint" if applied else "the update was not applied"
-        raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {step} (loss {loss}); {outcome}")
 
 
 def _bf16_autocast_works(device: torch.device) -> bool:
@@ -240,11 +150,17 @@ class TorchTrainer:
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = make_scheduler(self.optimizer, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
         self.global_step = 0
+        self._step_t0 = time.perf_counter()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @property
+    def module(self) -> nn.Module:
+        """What a loss runs: with several ranks the DDP wrapper (it syncs the gradients), else the model."""
+        return self.ddp or self.model
 
     def step(
         self,
@@ -257,21 +173,37 @@ class TorchTrainer:
         rank; each rank trains on its shard. Returns loss, grad_norm (before clipping), lr (the one
         this step used), step (steps done), step_time_s, tokens_per_s (when the loss_fn's metrics have
         ``n_tokens``) and the loss_fn's other metrics combined over all ranks' micro-batches."""
-        t0 = time.perf_counter()
-        acc = MetricsAccumulator()
-        lr = self.optimizer.param_groups[0]["lr"]
+        return step_over(self, micro_batches, loss_fn, weights, prepare)
+
+    # ---- the step's primitives (rubricem_core.training.step) ----
+    def micro_batches(
+        self, micro_batches: list[Any], weights: Sequence[float] | None, prepare: PrepareFn | None
+    ) -> list[tuple[ShardItem, Any]]:
+        """Begins a step: this rank's shard of ``micro_batches``, on its device, ``prepare``d."""
+        self._step_t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         items, batches = local_micro_batches(
             micro_batches, weights, self.device, self.model, prepare, autocast=self._autocast
         )
-        for i, (item, micro_batch) in enumerate(zip(items, batches)):
-            # DDP sums the ranks' gradients during the last backward; the ones before accumulate here
-            last = i == len(batches) - 1
-            with self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext():
-                with self._autocast():
-                    loss, metrics = loss_fn(self.ddp or self.model, micro_batch)
-                (loss * item.scale).backward()
-            acc.add(loss, metrics, item.scale, pad=item.pad)
+        return list(zip(items, batches))
+
+    def forward(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Where a micro-batch's loss is computed: under autocast, and with several ranks under DDP's
+        ``no_sync`` unless ``sync`` (DDP sums the ranks' gradients during the last backward; the ones
+        before accumulate here)."""
+        stack = contextlib.ExitStack()
+        if self.ddp is not None and not sync:
+            stack.enter_context(self.ddp.no_sync())
+        stack.enter_context(self._autocast())
+        return stack
+
+    def backward(self, loss: Tensor, scale: float) -> None:
+        (loss * scale).backward()
+
+    def optimizer_step(self, acc: MetricsAccumulator) -> dict[str, float]:
+        """Ends the step: every rank's metrics combined, gradients clipped, the optimizer and schedule
+        stepped (not on a non-finite gradient norm: that raises)."""
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         acc.all_reduce()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
@@ -282,7 +214,7 @@ class TorchTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
-        return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - t0)
+        return acc.result(grad_norm, lr, self.global_step, time.perf_counter() - self._step_t0)
 
     def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: PrepareFn) -> None:
         """``fn(model, micro_batch)`` without gradients, under the step's autocast, on this rank's
