@@ -271,17 +271,17 @@ def test_rl_flow_end_to_end_and_resume(sft_run, tmp_path, monkeypatch):
     resumed = copy_run(sft_run, tmp_path / "resumed")
     import rubricem_core.rl.policy as rl_policy
 
-    real = rl_policy.ss_grpo_update
+    real = rl_policy.LocalPolicy.update  # the SS-GRPO update (SSGRPOLearner.update)
 
     def fail_step_1(*args, **kwargs):
         if completed_step(RunStore(resumed)) == 0:
             raise RuntimeError("injected failure in step 1")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rl_policy, "ss_grpo_update", fail_step_1)
+    monkeypatch.setattr(rl_policy.LocalPolicy, "update", fail_step_1)
     with pytest.raises(RuntimeError, match="injected failure"):
         rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=RL_RUN)
-    monkeypatch.setattr(rl_policy, "ss_grpo_update", real)
+    monkeypatch.setattr(rl_policy.LocalPolicy, "update", real)
     state = rl(run_dir=resumed, profile=MICRO_PROFILE, overrides=RL_RUN, return_state=True)
     # step 1's rollouts and judgments are read back (Prefect's Cached state); its update, which failed,
     # runs again and is never reported Cached

@@ -4,7 +4,7 @@ frozen reference), which the flow process builds for one rank and every Ray trai
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -14,7 +14,7 @@ from rubricem_core.config import RunConfig
 from rubricem_core.policy.loading import load_for_training, load_policy
 from rubricem_core.recipes import get_recipe
 from rubricem_core.rl.curriculum import reflection_source, schedule_length
-from rubricem_core.rl.update import UpdateConfig, UpdatePlan, ss_grpo_update
+from rubricem_core.rl.update import SSGRPOLearner, UpdateConfig
 from rubricem_core.rollout.weight_transfer import LOOPBACK, WeightPusher, master_address_for
 from rubricem_core.training import TrainerConfig, make_trainer
 from rubricem_core.training.adapters import AdapterDisabled, write_adapter
@@ -101,37 +101,27 @@ def load_reference(base: Path, cfg: RunConfig, device: torch.device) -> torch.nn
     return engine.module
 
 
-class LocalPolicy:
-    """Trainer and frozen reference in this process (also what every trainer rank builds)."""
+class LocalPolicy(SSGRPOLearner):
+    """Trainer and frozen reference in this process (also what every trainer rank builds); its
+    ``update`` is the SS-GRPO update itself (SSGRPOLearner.update)."""
 
     def __init__(self, base: Path, cfg: RunConfig) -> None:
         trainer_cfg = rl_trainer_config(cfg)
         model, self.tokenizer = load_for_training(base, cfg.policy.dtype, trainer_cfg, lora=cfg.policy.lora)
-        self.trainer = make_trainer(model, trainer_cfg)
+        trainer = make_trainer(model, trainer_cfg)
         # β = 0: the KL term is 0 whatever the reference says, so none is loaded and none runs a forward.
         # With LoRA the reference is the trainer's own model with its adapter off: no second copy.
-        self.ref_model: torch.nn.Module | None = None
+        ref_model: torch.nn.Module | None = None
         if cfg.rl.kl_coef > 0:
             lora = cfg.policy.lora.enabled
-            self.ref_model = AdapterDisabled(self.trainer.model) if lora else load_reference(base, cfg, self.device)
+            ref_model = AdapterDisabled(trainer.model) if lora else load_reference(base, cfg, trainer.device)
+        super().__init__(trainer, ref_model, self.tokenizer.pad_token_id)
         self._transfer_timeout_s = cfg.distributed.timeout_s
         self._pusher: WeightPusher | None = None
 
     @property
     def device(self) -> torch.device:
         return self.trainer.device
-
-    def update(
-        self,
-        trajectories: Sequence[TokenTrajectory] | Mapping[int, TokenTrajectory],
-        token_advs: Sequence[list[float]] | Mapping[int, list[float]],
-        settings: UpdateConfig,
-        plan: UpdatePlan | None = None,
-    ) -> dict[str, float]:
-        """``plan`` with a rank's share of the trajectories (RayPolicy); without, all of them."""
-        return ss_grpo_update(
-            self.trainer, self.ref_model, trajectories, token_advs, self.tokenizer.pad_token_id, settings, plan
-        )
 
     def save(self, directory: Path, extra: dict[str, Any]) -> None:
         self.trainer.save(directory, extra=extra, tokenizer=self.tokenizer)

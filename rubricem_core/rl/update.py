@@ -5,7 +5,7 @@
     rows = reward_rows(step, query_id, rollout_ids, ga)    # the step's `stage_rewards` (R, G, A), final
     batch = training_batch(rollouts, rows, decode)         # judged trajectories, a[i, t] = A[i, stage(t)]
     batch = reflection_training_batch(reflections)         # or: a step's reflection candidates (GRPO per group)
-    metrics = ss_grpo_update(trainer, ref_model, batch.trajectories, batch.token_advantages, pad_id, config)
+    metrics = learner.update(batch.trajectories, batch.token_advantages, config)  # SSGRPOLearner: trainer + reference
 
 The judge task writes ``reward_rows`` once; the update task trains on exactly those A values, so what
 SQL shows is what was trained on. By default the update is one optimizer step over length-bucketed
@@ -431,6 +431,82 @@ def logprobs_before_steps(
     return _cached_prepare(cache)
 
 
+class SSGRPOLearner:
+    """A trainer and the frozen KL reference (None: β = 0), and the SS-GRPO update on them: what the
+    policy in this process and every Ray trainer rank is (rubricem_core.rl.policy.LocalPolicy)."""
+
+    def __init__(self, trainer: Any, ref_model: torch.nn.Module | None, pad_id: int) -> None:
+        self.trainer = trainer
+        self.ref_model = ref_model
+        self.pad_id = pad_id
+
+    def update(
+        self,
+        trajectories: Sequence[TokenTrajectory] | Mapping[int, TokenTrajectory],
+        token_advs: Sequence[list[float]] | Mapping[int, list[float]],
+        config: UpdateConfig,
+        plan: UpdatePlan | None = None,
+    ) -> dict[str, float]:
+        """``config.epochs`` passes over the given (judged, non-failed) trajectories, one optimizer step per
+        minibatch of each pass. On several ranks each rank is given ``plan`` and only the trajectories of its
+        own micro-batches (index → trajectory); each computes the logprobs and gradients of its shard.
+
+        Each optimizer step reads top to bottom: this rank's micro-batches, per micro-batch logprobs → old
+        logprobs → importance weights → ``policy_loss`` (ratio → clip → aggregate) → backward, then the step.
+        One step in all (the default): the old policy is the current one (no extra forward). Several steps
+        reuse the samples, so the old logprobs (and the reference's) are computed first
+        (``logprobs_before_steps``)."""
+        if plan is None:
+            if isinstance(trajectories, Mapping):
+                raise ValueError("a partial set of trajectories needs the step's UpdatePlan")
+            plan = update_plan(trajectories, config)
+        if plan.n_trajectories == 0:
+            return {"skipped": 1.0}
+        trajs = trajectories if isinstance(trajectories, Mapping) else dict(enumerate(trajectories))
+        advs = token_advs if isinstance(token_advs, Mapping) else dict(enumerate(token_advs))
+        parts: list[list[Any]] = [
+            [_micro_batch(trajs, advs, picked, self.pad_id, config) for picked in micro] for micro in plan.parts
+        ]
+        weights = plan.weights
+        if len(parts) * config.epochs > 1:  # the samples train several steps: logprobs from before the first
+            prepare = logprobs_before_steps(self.trainer, self.ref_model, parts, weights, config.temperature)
+        else:
+            prepare = make_prepare_fn(self.ref_model, config.temperature, recompute_old=config.recompute_old)
+        trainer = self.trainer
+        steps: list[dict[str, Any]] = []
+        for _ in range(config.epochs):
+            for micro, w in zip(parts, weights):
+                acc = MetricsAccumulator()
+                shard = trainer.micro_batches(micro, w, prepare)  # this rank's share, with its reference logprobs
+                for i, (item, batch) in enumerate(shard):
+                    with trainer.forward(sync=i == len(shard) - 1):
+                        logp = batch_logprobs(trainer.module, batch, temperature=config.temperature)
+                        # One optimizer pass over fresh samples: the old policy is the current one, so its
+                        # logprobs are ours detached (ratio 1, the plain policy gradient), no extra forward.
+                        old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
+                        tis = config.importance_correction == "tis" and batch.sampled_logprobs is not None
+                        is_weights = importance_weights(old, batch.sampled_logprobs, config.tis_cap) if tis else None
+                        loss, metrics = policy_loss(
+                            logp,
+                            old,
+                            batch.ref_logprobs,
+                            batch.advantages,
+                            batch.loss_mask.to(logp.dtype),
+                            clip_low=config.clip_low,
+                            clip_high=config.clip_high,
+                            kl_coef=config.kl_coef,
+                            is_weights=is_weights,
+                        )
+                        metrics |= sampler_metrics(old, batch, is_weights, config.tis_cap)
+                    trainer.backward(loss, item.scale)
+                    acc.add(loss, metrics, item.scale, pad=item.pad)
+                steps.append(trainer.optimizer_step(acc))
+        out = _mean_over_steps(steps)
+        out["policy_tokens"] = float(sum(sum(w) for w in weights))
+        out["optimizer_steps"] = float(len(steps))
+        return out
+
+
 def ss_grpo_update(
     trainer: Any,
     ref_model: torch.nn.Module | None,
@@ -440,63 +516,8 @@ def ss_grpo_update(
     config: UpdateConfig,
     plan: UpdatePlan | None = None,
 ) -> dict[str, float]:
-    """``config.epochs`` passes over the given (judged, non-failed) trajectories, one optimizer step per
-    minibatch of each pass. On several ranks each rank is given ``plan`` and only the trajectories of its
-    own micro-batches (index → trajectory); each computes the logprobs and gradients of its shard.
-
-    Each optimizer step reads top to bottom: this rank's micro-batches, per micro-batch logprobs → old
-    logprobs → importance weights → ``policy_loss`` (ratio → clip → aggregate) → backward, then the step.
-    One step in all (the default): the old policy is the current one (no extra forward). Several steps
-    reuse the samples, so the old logprobs (and the reference's) are computed first
-    (``logprobs_before_steps``)."""
-    if plan is None:
-        if isinstance(trajectories, Mapping):
-            raise ValueError("a partial set of trajectories needs the step's UpdatePlan")
-        plan = update_plan(trajectories, config)
-    if plan.n_trajectories == 0:
-        return {"skipped": 1.0}
-    trajs = trajectories if isinstance(trajectories, Mapping) else dict(enumerate(trajectories))
-    advs = token_advs if isinstance(token_advs, Mapping) else dict(enumerate(token_advs))
-    parts: list[list[Any]] = [
-        [_micro_batch(trajs, advs, picked, pad_id, config) for picked in micro] for micro in plan.parts
-    ]
-    weights = plan.weights
-    if len(parts) * config.epochs > 1:  # the samples train several steps: logprobs from before the first
-        prepare = logprobs_before_steps(trainer, ref_model, parts, weights, config.temperature)
-    else:
-        prepare = make_prepare_fn(ref_model, config.temperature, recompute_old=config.recompute_old)
-    steps: list[dict[str, Any]] = []
-    for _ in range(config.epochs):
-        for micro, w in zip(parts, weights):
-            acc = MetricsAccumulator()
-            shard = trainer.micro_batches(micro, w, prepare)  # this rank's share, with its reference logprobs
-            for i, (item, batch) in enumerate(shard):
-                with trainer.forward(sync=i == len(shard) - 1):
-                    logp = batch_logprobs(trainer.module, batch, temperature=config.temperature)
-                    # One optimizer pass over fresh samples: the old policy is the current one, so its
-                    # logprobs are ours detached (ratio 1, the plain policy gradient), no extra forward.
-                    old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach().float()
-                    tis = config.importance_correction == "tis" and batch.sampled_logprobs is not None
-                    is_weights = importance_weights(old, batch.sampled_logprobs, config.tis_cap) if tis else None
-                    loss, metrics = policy_loss(
-                        logp,
-                        old,
-                        batch.ref_logprobs,
-                        batch.advantages,
-                        batch.loss_mask.to(logp.dtype),
-                        clip_low=config.clip_low,
-                        clip_high=config.clip_high,
-                        kl_coef=config.kl_coef,
-                        is_weights=is_weights,
-                    )
-                    metrics |= sampler_metrics(old, batch, is_weights, config.tis_cap)
-                trainer.backward(loss, item.scale)
-                acc.add(loss, metrics, item.scale, pad=item.pad)
-            steps.append(trainer.optimizer_step(acc))
-    out = _mean_over_steps(steps)
-    out["policy_tokens"] = float(sum(sum(w) for w in weights))
-    out["optimizer_steps"] = float(len(steps))
-    return out
+    """``SSGRPOLearner.update`` on a trainer and reference that no policy holds (tests, benches)."""
+    return SSGRPOLearner(trainer, ref_model, pad_id).update(trajectories, token_advs, config, plan)
 
 
 def _mean_over_steps(steps: list[dict[str, Any]]) -> dict[str, float]:
