@@ -38,3 +38,22 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
     )
+
+
+def rollout_requests(tokenizer: Any, queries: list[dict[str, Any]], cfg: Any, n: int, sampling: Any) -> list[Any]:
+    """One request of ``n`` samples per query row, prompted as the run prompts (its prompt style, no guidance)
+    and with its tool budget."""
+    from rubricem_core.encoding import encode_prompt
+    from rubricem_core.environment import prompt_messages
+    from rubricem_core.rollout import RolloutRequest
+
+    return [
+        RolloutRequest(
+            request_id=q["query_id"],
+            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
+            n=n,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
+        for q in queries
+    ]

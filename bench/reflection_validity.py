@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.common import has_sft_checkpoint, rollout_requests  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
@@ -27,11 +27,10 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 apply_offline_defaults()
 
 from rubricem_core.config import load_config  # noqa: E402
-from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.environment import local_tool_env  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
 from rubricem_core.reflection.meta import sample_reflections  # noqa: E402
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 
 
@@ -66,19 +65,7 @@ def main() -> int:
         max_total_tokens=cfg.rollout.max_total_tokens,
         seed=cfg.seed,
     )
-    groups = engine.generate(
-        [
-            RolloutRequest(
-                request_id=q["query_id"],
-                n=args.samples,
-                sampling=sampling,
-                max_tool_calls=cfg.tools.max_tool_calls,
-                prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-            )
-            for q in queries
-        ],
-        env,
-    )
+    groups = engine.generate(rollout_requests(tokenizer, queries, cfg, args.samples, sampling), env)
     own = [
         {
             "source": f"{q['query_id']}-{i}",

@@ -24,12 +24,12 @@ from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
 
+from bench.common import rollout_requests  # noqa: E402
 from rubricem_core.config import load_config  # noqa: E402
-from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.environment import local_tool_env  # noqa: E402
 from rubricem_core.policy.copy_probe import probe_copying  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from rubricem_core.scaffold import validate  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 
@@ -58,16 +58,7 @@ def main() -> None:
         max_total_tokens=cfg.rollout.max_total_tokens,
         seed=cfg.seed,
     )
-    requests = [
-        RolloutRequest(
-            request_id=q["query_id"],
-            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-            n=args.samples,
-            sampling=sampling,
-            max_tool_calls=cfg.tools.max_tool_calls,
-        )
-        for q in queries
-    ]
+    requests = rollout_requests(tokenizer, queries, cfg, args.samples, sampling)
     engine = HFRolloutEngine(model, tokenizer)
     t0 = time.perf_counter()
     groups = engine.generate(requests, env)
