@@ -57,3 +57,17 @@ def rollout_requests(tokenizer: Any, queries: list[dict[str, Any]], cfg: Any, n:
         )
         for q in queries
     ]
+
+
+def fake_judge_settings(server: Any, api_key: str, concurrency: int) -> Any:
+    """The LLM judge's endpoint on a bench's fake OpenAI server: no retries (the fake does not fail), 120 s a call."""
+    from rubricem_core.llm.types import EndpointSettings
+
+    return EndpointSettings(
+        model="openai/judge",
+        api_base=server.base_url,
+        api_key=api_key,
+        max_concurrency=concurrency,
+        max_retries=0,
+        timeout_s=120,
+    )
