@@ -21,20 +21,14 @@ from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.schemas import Query
 from rubricem_core.sim.grader import BuiltinGraderError, contains_answer, register_builtin_grader, respond
 from rubricem_core.sim.judge import register_builtin_judge
-from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sim.world_grader import grade_synthetic
 from rubricem_core.testing.openai_server import FakeOpenAIServer
 from tests.benchmark_rubrics import eval_query, rubric
 from tests.conftest import shared_file
 from tests.llm_endpoints import API_KEY, make_settings
-from tests.teacher_traces import answer_rewards, write_traces
+from tests.teacher_traces import answer_rewards, teacher_tools, world, write_traces  # noqa: F401  (world: module fixture)
 
 # ---- the synthetic-world grader ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world():
-    return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=8, eval_fraction=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +43,7 @@ def queries(rows):
 
 @pytest.fixture(scope="module")
 def variants(world, rows):
-    from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-
-    corpus = world.corpus_table()
-    tools = {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
+    tools = teacher_tools(world)
     return {
         "clean": write_traces(rows, tools),
         "uncited": write_traces(rows, tools, uncited_rate=1.0),
