@@ -398,25 +398,27 @@ class FakeOpenAIServer(ServedInThread):
             return 200, self._public(batch)
 
     def handle_get_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
-        with self._lock:
-            batch = self._batches_by_id.get(batch_id)
-            if batch is None:
-                return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
-            self._advance(batch)
-            return 200, self._public(batch)
+        return self._on_batch(batch_id, self._advance)
 
     def handle_cancel_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        return self._on_batch(batch_id, self._cancel)
+
+    def _on_batch(self, batch_id: str, act: Callable[[dict[str, Any]], None]) -> tuple[int, dict[str, Any]]:
+        """``act`` on a batch, then its public view; OpenAI's 404 for an unknown id (all under the lock)."""
         with self._lock:
             batch = self._batches_by_id.get(batch_id)
             if batch is None:
                 return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
-            if batch["status"] not in _TERMINAL:
-                now = int(time.time())
-                batch["status"] = "cancelled"
-                batch["cancelling_at"] = now
-                batch["cancelled_at"] = now
-                self._sync_record(batch)
+            act(batch)
             return 200, self._public(batch)
+
+    def _cancel(self, batch: dict[str, Any]) -> None:
+        if batch["status"] not in _TERMINAL:
+            now = int(time.time())
+            batch["status"] = "cancelled"
+            batch["cancelling_at"] = now
+            batch["cancelled_at"] = now
+            self._sync_record(batch)
 
     def _advance(self, batch: dict[str, Any]) -> None:
         plan = self._batch_plan[batch["id"]]
