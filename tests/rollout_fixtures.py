@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rubricem_core.rollout import ForcedContext, RolloutRequest, SamplingParams
+from rubricem_core.rollout import ANSWERED, ERROR, TOOL_BUDGET, TRUNCATED, ForcedContext, RolloutRequest, SamplingParams
 from rubricem_core.scaffold import EXAMPLE_TRACE, STAGE_IDS, parse_segments
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 from rubricem_core.sim.world import World, WorldConfig, generate_world
@@ -100,6 +100,20 @@ def finish_reason_requests(prompt: list[int], sampling: Callable[..., SamplingPa
         RolloutRequest("context", prompt, sampling=sampling(max_new_tokens=400, max_total_tokens=len(prompt) + 150)),
         RolloutRequest("output-too-big", prompt, sampling=sampling(max_total_tokens=len(prompt) + 40)),
     ]
+
+
+# how each of finish_reason_requests' trajectories ends, in either engine
+FINISH_REASONS = {
+    "answer": ANSWERED,
+    "open-tag": TRUNCATED,
+    "eos-early": ERROR,
+    "too-long": ERROR,
+    "empty": ERROR,
+    "eos-in-answer": ANSWERED,
+    "budget": TOOL_BUDGET,
+    "context": TRUNCATED,
+    "output-too-big": TRUNCATED,
+}
 
 
 class Script:
