@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rubricem_core.layout import RunLayout
 
@@ -71,3 +71,32 @@ def fake_judge_settings(server: Any, api_key: str, concurrency: int) -> Any:
         max_retries=0,
         timeout_s=120,
     )
+
+
+class HeldOutSampling(NamedTuple):
+    """What a bench that samples a checkpoint on a run's held-out queries starts from."""
+
+    store: Any  # the run's RunStore
+    cfg: Any  # the run's RunConfig
+    checkpoint: str
+    model: Any
+    tokenizer: Any
+    queries: list[dict[str, Any]]  # the first max_queries eval-split query rows
+    env: Any  # the run's local tool environment
+
+
+def held_out_sampling(run_dir: str, checkpoint: str | None, max_queries: int) -> HeldOutSampling:
+    """The run's store and config, ``checkpoint``'s policy (default: the run's SFT policy), its first
+    ``max_queries`` held-out queries and its tools."""
+    from rubricem_core.config import load_config
+    from rubricem_core.environment import local_tool_env
+    from rubricem_core.policy.loading import load_policy
+    from rubricem_core.store import RunStore
+
+    store = RunStore(run_dir)
+    cfg = load_config(RunLayout(run_dir).config_file)
+    checkpoint = checkpoint or str(RunLayout(run_dir).sft_final)
+    model, tokenizer = load_policy(checkpoint)
+    queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][:max_queries]
+    env = local_tool_env(store.read_table("corpus"), cfg.tools)
+    return HeldOutSampling(store, cfg, checkpoint, model, tokenizer, queries, env)
