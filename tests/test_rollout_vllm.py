@@ -63,6 +63,7 @@ from tests.rollout_fixtures import (  # noqa: F401  (module fixtures)
     tool_texts,
     world,
 )
+from tests.vllm_cpu import CPU_SERVER_ENV, cpu_server
 
 # vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -480,16 +481,7 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
 
 # ---- vLLM as its own process ---------------------------------------------------------------------
 def _cpu_server(model_dir, tmp_path, env=None, **kwargs):
-    from rubricem_core.rollout.vllm_server import VLLMServer
-
-    return VLLMServer(
-        model_dir,
-        dtype="float32",
-        max_model_len=2048,
-        log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})},
-        **kwargs,
-    )
+    return cpu_server(model_dir, tmp_path / "server.log", 2048, env, **kwargs)
 
 
 def _server_sampling_check(engine, tok, env, world):
@@ -670,7 +662,7 @@ def fleet(model_dir, tmp_path_factory):
         max_model_len=2048,
         weight_transfer="gloo",
         log_path=tmp_path_factory.mktemp("fleet") / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+        env=CPU_SERVER_ENV,
     )
     yield fleet
     fleet.close()
