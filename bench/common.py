@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rubricem_core.layout import RunLayout
 
@@ -38,3 +38,65 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="torch CPU threads (1: steadiest on a shared machine, where spinning threads stall)",
     )
+
+
+def rollout_requests(tokenizer: Any, queries: list[dict[str, Any]], cfg: Any, n: int, sampling: Any) -> list[Any]:
+    """One request of ``n`` samples per query row, prompted as the run prompts (its prompt style, no guidance)
+    and with its tool budget."""
+    from rubricem_core.encoding import encode_prompt
+    from rubricem_core.environment import prompt_messages
+    from rubricem_core.rollout import RolloutRequest
+
+    return [
+        RolloutRequest(
+            request_id=q["query_id"],
+            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
+            n=n,
+            sampling=sampling,
+            max_tool_calls=cfg.tools.max_tool_calls,
+        )
+        for q in queries
+    ]
+
+
+def fake_judge_settings(server: Any, api_key: str, concurrency: int) -> Any:
+    """The LLM judge's endpoint on a bench's fake OpenAI server: no retries (the fake does not fail), 120 s a call."""
+    from rubricem_core.llm.types import EndpointSettings
+
+    return EndpointSettings(
+        model="openai/judge",
+        api_base=server.base_url,
+        api_key=api_key,
+        max_concurrency=concurrency,
+        max_retries=0,
+        timeout_s=120,
+    )
+
+
+class HeldOutSampling(NamedTuple):
+    """What a bench that samples a checkpoint on a run's held-out queries starts from."""
+
+    store: Any  # the run's RunStore
+    cfg: Any  # the run's RunConfig
+    checkpoint: str
+    model: Any
+    tokenizer: Any
+    queries: list[dict[str, Any]]  # the first max_queries eval-split query rows
+    env: Any  # the run's local tool environment
+
+
+def held_out_sampling(run_dir: str, checkpoint: str | None, max_queries: int) -> HeldOutSampling:
+    """The run's store and config, ``checkpoint``'s policy (default: the run's SFT policy), its first
+    ``max_queries`` held-out queries and its tools."""
+    from rubricem_core.config import load_config
+    from rubricem_core.environment import local_tool_env
+    from rubricem_core.policy.loading import load_policy
+    from rubricem_core.store import RunStore
+
+    store = RunStore(run_dir)
+    cfg = load_config(RunLayout(run_dir).config_file)
+    checkpoint = checkpoint or str(RunLayout(run_dir).sft_final)
+    model, tokenizer = load_policy(checkpoint)
+    queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][:max_queries]
+    env = local_tool_env(store.read_table("corpus"), cfg.tools)
+    return HeldOutSampling(store, cfg, checkpoint, model, tokenizer, queries, env)

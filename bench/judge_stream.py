@@ -28,11 +28,11 @@ apply_offline_defaults()
 
 import torch  # noqa: E402
 
+from bench.common import fake_judge_settings  # noqa: E402
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.stream import StreamingJudge  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
-from rubricem_core.llm.types import EndpointSettings  # noqa: E402
 from rubricem_core.rl.records import rollout_text  # noqa: E402
 from rubricem_core.rollout import HFRolloutEngine  # noqa: E402
 from rubricem_core.sim.judge import respond as builtin_judge_reply  # noqa: E402
@@ -88,14 +88,7 @@ def main() -> None:
         return builtin_judge_reply(body["messages"], body)
 
     with FakeOpenAIServer(reply, api_key="bench") as server:
-        settings = EndpointSettings(
-            model="openai/judge",
-            api_base=server.base_url,
-            api_key="bench",
-            max_concurrency=args.concurrency,
-            max_retries=0,
-            timeout_s=120,
-        )
+        settings = fake_judge_settings(server, "bench", args.concurrency)
         options = JudgeOptions(seed=0)  # what an LLM judge gets in the RL task
         stream = StreamingJudge(LLMJudge(settings, options), buffers(), 0)
 

@@ -19,20 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import has_sft_checkpoint  # noqa: E402
+from bench.common import has_sft_checkpoint, held_out_sampling, rollout_requests  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
-from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
 
-from rubricem_core.config import load_config  # noqa: E402
-from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
-from rubricem_core.policy.loading import load_policy  # noqa: E402
 from rubricem_core.reflection.meta import sample_reflections  # noqa: E402
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
-from rubricem_core.store import RunStore  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 
 
 def main() -> int:
@@ -50,14 +44,11 @@ def main() -> int:
         return 0
     if args.quick:
         args.max_queries, args.samples = 4, 1
-    store = RunStore(args.run_dir)
-    cfg = load_config(RunLayout(args.run_dir).config_file)
-    checkpoint = args.checkpoint or str(RunLayout(args.run_dir).sft_final)
-    model, tokenizer = load_policy(checkpoint)
+    store, cfg, checkpoint, model, tokenizer, queries, env = held_out_sampling(
+        args.run_dir, args.checkpoint, args.max_queries
+    )
     engine = HFRolloutEngine(model, tokenizer)
-    queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]
     questions = {q["query_id"]: q["question"] for q in store.read_rows("queries")}
-    env = local_tool_env(store.read_table("corpus"), cfg.tools)
     t0 = time.perf_counter()
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature,
@@ -66,19 +57,7 @@ def main() -> int:
         max_total_tokens=cfg.rollout.max_total_tokens,
         seed=cfg.seed,
     )
-    groups = engine.generate(
-        [
-            RolloutRequest(
-                request_id=q["query_id"],
-                n=args.samples,
-                sampling=sampling,
-                max_tool_calls=cfg.tools.max_tool_calls,
-                prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-            )
-            for q in queries
-        ],
-        env,
-    )
+    groups = engine.generate(rollout_requests(tokenizer, queries, cfg, args.samples, sampling), env)
     own = [
         {
             "source": f"{q['query_id']}-{i}",

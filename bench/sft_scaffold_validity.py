@@ -19,19 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.offline import apply_offline_defaults  # noqa: E402
 
 apply_offline_defaults()
 
-from rubricem_core.config import load_config  # noqa: E402
-from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from bench.common import held_out_sampling, rollout_requests  # noqa: E402
 from rubricem_core.policy.copy_probe import probe_copying  # noqa: E402
-from rubricem_core.policy.loading import load_policy  # noqa: E402
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from rubricem_core.scaffold import validate  # noqa: E402
-from rubricem_core.store import RunStore  # noqa: E402
 
 
 def main() -> None:
@@ -46,28 +41,16 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    store = RunStore(args.run_dir)
-    cfg = load_config(RunLayout(args.run_dir).config_file)
-    checkpoint = args.checkpoint or str(RunLayout(args.run_dir).sft_final)
-    model, tokenizer = load_policy(checkpoint)
-    queries = [q for q in store.read_rows("queries") if q["split"] == "eval"][: args.max_queries]
-    env = local_tool_env(store.read_table("corpus"), cfg.tools)
+    _, cfg, checkpoint, model, tokenizer, queries, env = held_out_sampling(
+        args.run_dir, args.checkpoint, args.max_queries
+    )
     sampling = SamplingParams(
         temperature=args.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
         max_total_tokens=cfg.rollout.max_total_tokens,
         seed=cfg.seed,
     )
-    requests = [
-        RolloutRequest(
-            request_id=q["query_id"],
-            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-            n=args.samples,
-            sampling=sampling,
-            max_tool_calls=cfg.tools.max_tool_calls,
-        )
-        for q in queries
-    ]
+    requests = rollout_requests(tokenizer, queries, cfg, args.samples, sampling)
     engine = HFRolloutEngine(model, tokenizer)
     t0 = time.perf_counter()
     groups = engine.generate(requests, env)

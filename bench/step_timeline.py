@@ -43,11 +43,11 @@ apply_offline_defaults()
 from rollout_schedule import FRAGMENTS, WORDS, FakeSearch  # noqa: E402
 from run_all import figure_line  # noqa: E402
 
+from bench.common import fake_judge_settings  # noqa: E402
 from rubricem_core.judge.buffer import RubricBuffer  # noqa: E402
 from rubricem_core.judge.llm_judge import JudgeOptions, LLMJudge, judge_step  # noqa: E402
 from rubricem_core.judge.stream import StreamingJudge  # noqa: E402
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout  # noqa: E402
-from rubricem_core.llm.types import EndpointSettings  # noqa: E402
 from rubricem_core.policy.tokenizer import train_bpe_tokenizer  # noqa: E402
 from rubricem_core.rl.records import rollout_text  # noqa: E402
 from rubricem_core.rollout import RolloutRequest, SamplingParams  # noqa: E402
@@ -127,14 +127,7 @@ def run(schedule: str, stream: bool, args, world, tok, server) -> dict:
         max_in_flight=len(requests) * args.n,
         max_tool_concurrency=len(requests) * args.n,
     )
-    settings = EndpointSettings(
-        model="openai/judge",
-        api_base=server.base_url,
-        api_key="sk-bench",
-        max_concurrency=args.judge_concurrency,
-        max_retries=0,
-        timeout_s=120,
-    )
+    settings = fake_judge_settings(server, "sk-bench", args.judge_concurrency)
     # a judge that writes the rubric counts it is asked for: no repair round (the stand-in's replies, the
     # built-in judge's, propose only rubrics that separate the group, often fewer than the paper's fewest)
     judge = LLMJudge(settings, JudgeOptions(seed=0))

@@ -32,14 +32,13 @@ apply_offline_defaults()
 
 import torch  # noqa: E402
 
-from bench.common import add_threads_argument  # noqa: E402
+from bench.common import add_threads_argument, rollout_requests  # noqa: E402
 from bench.run_all import figure_line  # noqa: E402
 from rubricem_core.config import load_config  # noqa: E402
-from rubricem_core.encoding import encode_prompt  # noqa: E402
-from rubricem_core.environment import local_tool_env, prompt_messages  # noqa: E402
+from rubricem_core.environment import local_tool_env  # noqa: E402
 from rubricem_core.layout import RunLayout  # noqa: E402
 from rubricem_core.policy.loading import load_policy  # noqa: E402
-from rubricem_core.rollout import HFRolloutEngine, RolloutRequest, SamplingParams  # noqa: E402
+from rubricem_core.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
 from rubricem_core.sft import SFTRun, encode_sft_rows, run_sft  # noqa: E402
 from rubricem_core.store import RunStore  # noqa: E402
 
@@ -73,16 +72,7 @@ def rollout_throughput(run_dir: Path, cfg, n_queries: int, group_size: int, max_
         max_total_tokens=cfg.rollout.max_total_tokens,
         seed=cfg.seed,
     )
-    requests = [
-        RolloutRequest(
-            request_id=q["query_id"],
-            prompt_ids=encode_prompt(tokenizer, prompt_messages(q, style=cfg.policy.prompt_style)),
-            n=group_size,
-            sampling=sampling,
-            max_tool_calls=cfg.tools.max_tool_calls,
-        )
-        for q in queries
-    ]
+    requests = rollout_requests(tokenizer, queries, cfg, group_size, sampling)
     engine = HFRolloutEngine(model, tokenizer, max_batch_rows=cfg.rollout.max_batch_rows)
     started = time.perf_counter()
     groups = engine.generate(requests, env)

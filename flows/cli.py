@@ -9,12 +9,14 @@ unexpected error); --debug shows the traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from rubricem_core.layout import RunLayout
 from rubricem_core.offline import apply_offline_defaults
@@ -41,6 +43,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
     """``--set KEY=VALUE`` (repeatable) into ``args.overrides``."""
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
+
+
+def _trained_checkpoint(parser: argparse.ArgumentParser) -> None:
+    """``--run-dir`` and ``--checkpoint`` of the commands that read a trained run's checkpoint."""
+    parser.add_argument("--run-dir", required=True, help="a trained run directory")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
+    )
 
 
 SUMMARY_START = "pipeline finished ("  # rubricem_core.report.summary.pipeline_summary's first words
@@ -102,12 +114,18 @@ def _flow_args(args: argparse.Namespace) -> dict:
     }
 
 
+def _run_flow(args: argparse.Namespace, name: str, **extra: Any) -> dict:
+    """Run the flow ``flows.<name>.<name>`` with the command's profile and overrides (and ``extra``),
+    holding a local Prefect API server; the module is imported only now (prefect and litellm: seconds),
+    after the caller's _config has checked the config."""
+    flow = getattr(importlib.import_module(f"flows.{name}"), name)
+    with _writing(args):
+        return flow(**_flow_args(args), **extra)
+
+
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    from flows.collect_sft_data import collect_sft_data  # imports prefect and litellm: seconds
-
-    with _writing(args):
-        result = collect_sft_data(**_flow_args(args))
+    result = _run_flow(args, "collect_sft_data")
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -119,10 +137,7 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    from flows.sft import sft
-
-    with _writing(args):
-        result = sft(**_flow_args(args))
+    result = _run_flow(args, "sft")
     print(f"\nSFT policy written to {result['final_dir']}")
     if not result.get("cached"):
         print(
@@ -135,10 +150,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rl(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    from flows.rl import rl
-
-    with _writing(args):
-        result = rl(**_flow_args(args))
+    result = _run_flow(args, "rl")
     print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
     for name, value in sorted(result["last_metrics"].items()):
         print(f"  {name}: {value:.4f}")
@@ -149,10 +161,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.benchmarks:  # validated with the config, before any flow starts
         args.overrides = [*args.overrides, f"eval.benchmarks={json.dumps(args.benchmarks)}"]
     _config(args)  # a bad profile or --set fails before Prefect starts
-    from flows.evaluate import evaluate
-
-    with _writing(args):
-        result = evaluate(**_flow_args(args), checkpoint=args.checkpoint, retrieval=args.retrieval)
+    result = _run_flow(args, "evaluate", checkpoint=args.checkpoint, retrieval=args.retrieval)
     print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
     for name, summary in result["benchmarks"].items():
         print(
@@ -280,10 +289,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(describe_run(cfg))
         return 0
-    from flows.pipeline import pipeline
-
-    with _writing(args):
-        result = pipeline(**_flow_args(args))
+    result = _run_flow(args, "pipeline")
     from rubricem_core.report.summary import pipeline_summary
 
     print("\n" + pipeline_summary(result, cfg.profile, args.run_dir))
@@ -409,23 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("register", help="register a checkpoint as a model version in MLflow's registry")
-    p.add_argument("--run-dir", required=True, help="a trained run directory")
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
-    )
+    _trained_checkpoint(p)
     _set_option(p, "override a config field, e.g. --set tracking.model_name=my-policy")
     _debug(p)
     p.set_defaults(func=cmd_register)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face directory (and a LoRA one's peft adapter)")
-    p.add_argument("--run-dir", required=True, help="a trained run directory")
-    p.add_argument(
-        "--checkpoint",
-        default=None,
-        help="sft, step:N or a policy directory (default: the newest RL checkpoint, else SFT)",
-    )
+    _trained_checkpoint(p)
     p.add_argument("--out", required=True, help="where <out>/merged (and <out>/adapter for LoRA) are written")
     _debug(p)
     p.set_defaults(func=cmd_export)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rubricem_core.config.base import check_known
 from rubricem_core.scaffold import STAGES
 from rubricem_core.ssgrpo import LambdaSpecError, as_lambda
 
@@ -47,9 +48,7 @@ class Recipe(BaseModel):
     @field_validator("judged_stages")
     @classmethod
     def _valid_stages(cls, value: list[str]) -> list[str]:
-        unknown = [s for s in value if s not in STAGES]
-        if unknown:
-            raise ValueError(f"unknown stages {unknown}; expected a subset of {list(STAGES)}")
+        check_known(value, STAGES, "unknown stages {unknown}; expected a subset of {known}")
         if not value:
             raise ValueError("judged_stages must name at least one stage")
         if len(set(value)) != len(value):

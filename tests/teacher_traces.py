@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from rubricem_core.config import TeacherConfig
 from rubricem_core.judge.buffer import RubricBuffer
@@ -13,12 +14,32 @@ from rubricem_core.judge.llm_judge import ScoringInput
 from rubricem_core.judge.types import JudgeQuery, JudgeRollout, Rubric
 from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.sim.teacher import register_builtin_teacher
+from rubricem_core.sim.world import World, WorldConfig, generate_world
 from rubricem_core.teacher.collection import run_rounds_in_memory
 from rubricem_core.teacher.rounds import initial_states
-from rubricem_core.tools.base import ToolEnv
+from rubricem_core.tools.base import Tool, ToolEnv
+from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
 
 TEACHER = "rubricem-teacher/scripted"
 ANSWER = 3  # column of the answer stage in R
+
+
+def teacher_tools(world: World) -> dict[str, Tool]:
+    """The search (top 5) and browse tools the teacher's traces are written with, over the world's corpus."""
+    corpus = world.corpus_table()
+    return {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
+
+
+@pytest.fixture(scope="module")
+def world() -> World:
+    """Module fixture: the judge and grader tests' world, 150 documents and 8 queries, all train."""
+    return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=8, eval_fraction=0.0))
+
+
+@pytest.fixture(scope="module")
+def tools(world: World) -> dict[str, Tool]:
+    """Module fixture: teacher_tools over the importing module's ``world`` fixture (this one or its own)."""
+    return teacher_tools(world)
 
 
 def write_traces(queries, tools, max_tool_calls=10, **rates) -> dict[str, str]:

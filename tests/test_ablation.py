@@ -14,28 +14,18 @@ import pytest
 from rubricem_core.config import load_config
 from rubricem_core.sql import run_sql
 from rubricem_core.store import RunStore
+from tests.flow_overrides import FLOW_TINY
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
 SMALL = {
-    "data.world.n_documents": 120,
+    **FLOW_TINY,
     "data.world.n_queries": 10,
     "data.world.eval_fraction": 0.2,
-    "policy.prompt_style": "compact",
-    "policy.vocab_size": 700,
-    "policy.hidden_size": 32,
-    "policy.n_layers": 1,
-    "policy.n_heads": 2,
-    "policy.n_kv_heads": 1,
-    "policy.intermediate_size": 64,
     "rollout.group_size": 2,
-    "rollout.max_new_tokens": 24,
-    "rollout.max_total_tokens": 900,
-    "tools.max_tool_calls": 2,
     "rl.window": 1,
     "rl.n_windows": 1,
     "rl.queries_per_step": 1,
-    "eval.max_queries": 2,
 }
 
 

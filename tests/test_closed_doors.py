@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from rubricem_core.distributed.guard import SECRET_ENV, ForgedCommand, bound_store, vllm_api_key
 from rubricem_core.rollout.vllm_auth import RequireApiKey
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+from tests.vllm_cpu import NO_VLLM_VENV, VLLM_PYTHON, cpu_server
 
 
 def _listeners(port: int) -> set[str]:
@@ -221,21 +220,13 @@ def test_a_server_gets_its_key_in_the_environment_not_the_command_line(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM_VENV)
 def test_a_vllm_server_refuses_a_stranger_on_every_route(tmp_path):
-    from rubricem_core.rollout.vllm_server import VLLMServer
     from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
 
     spec = TinyPolicySpec(vocab_size=600, hidden_size=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256)
     model = build_tiny_policy(["a tiny corpus of words for the tokenizer"] * 20, tmp_path / "tiny", spec)
-    server = VLLMServer(
-        model,
-        python=str(VLLM_PYTHON),
-        dtype="float32",
-        max_model_len=512,
-        log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
-    )
+    server = cpu_server(model, tmp_path / "server.log", 512, python=str(VLLM_PYTHON))
     try:
         base = server.base_url
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}

@@ -25,6 +25,7 @@ from rubricem_core.rollout.types import ANSWERED
 from rubricem_core.schemas import Query
 from rubricem_core.sim.grader import register_builtin_grader
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.benchmark_rubrics import eval_query, rubric
 from tests.conftest import shared_file
 from tests.llm_endpoints import API_KEY, make_settings
 
@@ -34,27 +35,7 @@ DRB_REFERENCES = f"{DRB_DIR}/test_data_cleaned_data_claude-3-7-sonnet-latest.jso
 
 
 def query(query_id: str, source: str = "scholarqa_cs", rubrics: list | None = None, **kw: Any) -> Query:
-    return Query(
-        query_id=query_id,
-        source=source,
-        split="eval",
-        kind="long_form",
-        question=f"Question {query_id}?",
-        messages=[{"role": "user", "content": f"Question {query_id}?"}],
-        rubrics=rubrics or [],
-        **kw,
-    )
-
-
-def rubric(description: str, weight: float, polarity: str = "positive", **check: Any) -> dict[str, Any]:
-    return {
-        "title": description[:40],
-        "description": description,
-        "weight": weight,
-        "polarity": polarity,
-        "stage": "answer",
-        "check": {"type": "benchmark", **check} if check else None,
-    }
+    return eval_query(query_id, source, f"Question {query_id}?", rubrics or [], **kw)
 
 
 def settings(server: FakeOpenAIServer) -> EndpointSettings:
@@ -435,6 +416,14 @@ class NoHitBank:
         return [[] for _ in queries]
 
 
+def sequential_eval(engine: Any, tokenizer: Any, queries: list[Query], *bank_and_options: Any, samples: int = 1) -> Any:
+    """run_eval of scholarqa_cs queries with sequential retrieval, graded by the built-in grader (no retries);
+    ``bank_and_options``: run_eval's reflection bank and SequentialOptions."""
+    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
+    options = EvalOptions(samples_per_query=samples, retrieval="sequential")
+    return run_eval(engine, tokenizer, "scholarqa_cs", queries, None, options, "ck", grader, *bank_and_options)
+
+
 def test_sequential_runs_two_trials_guided_by_the_first_trials_reflection(monkeypatch):
     calls: dict[str, Any] = {}
 
@@ -478,21 +467,9 @@ def test_sequential_runs_two_trials_guided_by_the_first_trials_reflection(monkey
     monkeypatch.setattr(eval_run, "sample_queries", trial_one)
     monkeypatch.setattr(eval_run, "reflect_on_trials", reflect)
     monkeypatch.setattr(eval_run, "sample_guided", trial_two)
-    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
     bank = NoHitBank()
     queries = [query("a", rubrics=PROPERTIES), query("b", rubrics=PROPERTIES), query("c")]  # c: no rubrics
-    outcome = run_eval(
-        None,
-        None,
-        "scholarqa_cs",
-        queries,
-        None,
-        EvalOptions(samples_per_query=2, retrieval="sequential"),
-        "ck",
-        grader,
-        bank,
-        SequentialOptions(),
-    )
+    outcome = sequential_eval(None, None, queries, bank, SequentialOptions(), samples=2)
     assert bank.modes == ["cross"] and calls["first"] == {"a": None, "b": None}
     assert calls["reflect"] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     within = guidance_text(parse_reflection(REFLECTION))  # as within retrieval shows a query's own reflection
@@ -513,18 +490,8 @@ def test_sequential_runs_two_trials_guided_by_the_first_trials_reflection(monkey
 
 def test_sequential_needs_a_bank_for_its_first_trial(monkeypatch):
     monkeypatch.setattr(eval_run, "sample_queries", lambda *a, **k: pytest.fail("sampled without a bank"))
-    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
     with pytest.raises(EvalError, match="needs a reflection bank"):
-        run_eval(
-            None,
-            None,
-            "scholarqa_cs",
-            [query("a", rubrics=PROPERTIES)],
-            None,
-            EvalOptions(retrieval="sequential"),
-            "ck",
-            grader,
-        )
+        sequential_eval(None, None, [query("a", rubrics=PROPERTIES)])
 
 
 def test_reflection_guidance_keeps_valid_reflections_with_items():
@@ -582,18 +549,7 @@ class ScriptedEngine:
 
 def test_sequential_end_to_end_with_a_scripted_policy():
     engine = ScriptedEngine()
-    grader = BenchmarkGrader(EndpointSettings(model=register_builtin_grader(), max_retries=0))
-    outcome = run_eval(
-        engine,
-        CharTokenizer(),
-        "scholarqa_cs",
-        [query("a", rubrics=PROPERTIES)],
-        None,
-        EvalOptions(retrieval="sequential"),
-        "ck",
-        grader,
-        NoHitBank(),
-    )
+    outcome = sequential_eval(engine, CharTokenizer(), [query("a", rubrics=PROPERTIES)], NoHitBank())
     assert [r.request_id for r in engine.requests] == ["a", "a#0", "a#t2-0"]  # trial 1, reflection, trial 2
     assert engine.requests[1].max_tool_calls == 0
     first, second = outcome.rows

@@ -21,19 +21,14 @@ from rubricem_core.llm.types import EndpointSettings
 from rubricem_core.schemas import Query
 from rubricem_core.sim.grader import BuiltinGraderError, contains_answer, register_builtin_grader, respond
 from rubricem_core.sim.judge import register_builtin_judge
-from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.sim.world_grader import grade_synthetic
 from rubricem_core.testing.openai_server import FakeOpenAIServer
+from tests.benchmark_rubrics import eval_query, rubric
 from tests.conftest import shared_file
 from tests.llm_endpoints import API_KEY, make_settings
-from tests.teacher_traces import answer_rewards, write_traces
+from tests.teacher_traces import answer_rewards, teacher_tools, world, write_traces  # noqa: F401  (world: module fixture)
 
 # ---- the synthetic-world grader ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world():
-    return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=8, eval_fraction=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +43,7 @@ def queries(rows):
 
 @pytest.fixture(scope="module")
 def variants(world, rows):
-    from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-
-    corpus = world.corpus_table()
-    tools = {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
+    tools = teacher_tools(world)
     return {
         "clean": write_traces(rows, tools),
         "uncited": write_traces(rows, tools, uncited_rate=1.0),
@@ -112,7 +104,7 @@ def test_details_report_scaffold_validity_and_citation_grounding(queries, varian
 
 
 def test_a_query_without_rubrics_is_refused():
-    query = make_query(query_id="q0", source="synthetic", split="eval", kind="long_form", question="Why?", rubrics=[])
+    query = eval_query("q0", "synthetic", "Why?", [])
     with pytest.raises(EvalError, match="q0.*no persistent rubrics"):
         grade_synthetic(query, "<answer>x</answer>")
 
@@ -120,56 +112,34 @@ def test_a_query_without_rubrics_is_refused():
 # ---- aggregation, worked by hand -------------------------------------------------------------------
 
 
-def _rubric(description: str, weight: float, polarity: str = "positive", **check: Any) -> dict[str, Any]:
-    return {
-        "title": description[:40],
-        "description": description,
-        "weight": weight,
-        "polarity": polarity,
-        "stage": "answer",
-        "check": {"type": "benchmark", **check} if check else None,
-    }
-
-
-def make_query(**fields: Any) -> Query:
-    fields.setdefault("messages", [{"role": "user", "content": fields["question"]}])
-    return Query(**fields)
-
-
-HEALTH = make_query(
-    query_id="h1",
-    source="healthbench",
-    split="eval",
-    kind="long_form",
-    question="Chest pain?",
-    rubrics=[
-        _rubric("Advises calling emergency services", 5, points=5),
-        _rubric("Asks about the duration of the pain", 3, points=3),
-        _rubric("Recommends an unproven supplement", 4, "negative", points=-4),
+HEALTH = eval_query(
+    "h1",
+    "healthbench",
+    "Chest pain?",
+    [
+        rubric("Advises calling emergency services", 5, points=5),
+        rubric("Asks about the duration of the pain", 3, points=3),
+        rubric("Recommends an unproven supplement", 4, "negative", points=-4),
     ],
 )
-DRB = make_query(
-    query_id="d1",
-    source="deep_research_bench",
-    split="eval",
-    kind="long_form",
-    question="Market?",
-    rubrics=[
-        _rubric("Covers market size", 0.6, dimension="comprehensiveness", dimension_weight=0.4, criterion_weight=0.6),
-        _rubric("Covers competitors", 0.4, dimension="comprehensiveness", dimension_weight=0.4, criterion_weight=0.4),
-        _rubric("Clear structure", 1.0, dimension="readability", dimension_weight=0.6, criterion_weight=1.0),
+DRB = eval_query(
+    "d1",
+    "deep_research_bench",
+    "Market?",
+    [
+        rubric("Covers market size", 0.6, dimension="comprehensiveness", dimension_weight=0.4, criterion_weight=0.6),
+        rubric("Covers competitors", 0.4, dimension="comprehensiveness", dimension_weight=0.4, criterion_weight=0.4),
+        rubric("Clear structure", 1.0, dimension="readability", dimension_weight=0.6, criterion_weight=1.0),
     ],
 )
-SCHOLAR = make_query(
-    query_id="s1",
-    source="scholarqa_cs",
-    split="eval",
-    kind="long_form",
-    question="RAG?",
-    rubrics=[
-        _rubric("Mentions retrieval-augmented generation", 2),
-        _rubric("Discusses evaluation benchmarks", 1),
-        _rubric("Cites retracted work", 1, "negative"),
+SCHOLAR = eval_query(
+    "s1",
+    "scholarqa_cs",
+    "RAG?",
+    [
+        rubric("Mentions retrieval-augmented generation", 2),
+        rubric("Discusses evaluation benchmarks", 1),
+        rubric("Cites retracted work", 1, "negative"),
     ],
 )
 
@@ -222,16 +192,13 @@ def settings(server: FakeOpenAIServer, **overrides: Any) -> EndpointSettings:
     return make_settings(server, **{"model": "openai/grader-model", "max_retries": 2, **overrides})
 
 
-SHORT = make_query(
-    query_id="sq1",
-    source="simpleqa",
-    split="eval",
+SHORT = eval_query(
+    "sq1",
+    "simpleqa",
+    "Capital of France?",
+    [{**rubric("The final answer is Paris.", 3), "check": {"type": "final", "value": "Paris", "aliases": ["Paris"]}}],
     kind="short_form",
-    question="Capital of France?",
     reference_answer="Paris",
-    rubrics=[
-        {**_rubric("The final answer is Paris.", 3), "check": {"type": "final", "value": "Paris", "aliases": ["Paris"]}}
-    ],
 )
 
 
@@ -407,12 +374,7 @@ def test_guidance_none_cross_within():
     texts = {"a": "founding year of Zepi Holdings", "b": "founding year of Zepi Works", "c": "population of Kora"}
     for qid in ("a", "b"):
         bank.add(BankEntry(qid, texts[qid], Reflection((f"criterion {qid}",), (f"lesson {qid}",)).render(), 0.9, 0))
-    queries = [
-        make_query(
-            query_id=q, source="synthetic", split="eval", kind="long_form", question=t, rubrics=[_rubric("x", 1)]
-        )
-        for q, t in texts.items()
-    ]
+    queries = [eval_query(q, "synthetic", t, [rubric("x", 1)]) for q, t in texts.items()]
     assert guidance_for(bank, queries, "none") == {"a": None, "b": None, "c": None}
     within = guidance_for(bank, queries, "within")
     assert "criterion a" in within["a"] and "lesson b" in within["b"] and within["c"] is None

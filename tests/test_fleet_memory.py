@@ -21,6 +21,7 @@ from rubricem_core.rollout.memory_plan import (
 from rubricem_core.rollout.types import RolloutError
 from rubricem_core.rollout.vllm_server import RELOAD_READY, reload_source, root_cause
 from rubricem_core.sim.tiny_policy import TinyPolicySpec, build_tiny_policy
+from tests.threads import run_in_threads
 
 SPEC = TinyPolicySpec(vocab_size=600, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
 
@@ -123,11 +124,7 @@ def test_replicas_reloading_one_checkpoint_share_one_reload_source(tmp_path):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=replica) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(lambda _: replica(), 4)
     assert not errors, errors
     side = tmp_path / ".step-000003.vllm-reload"
     assert found == [side] * 4 and (side / RELOAD_READY).is_file()

@@ -22,20 +22,15 @@ from rubricem_core.sim.judge import (
     score_rubric,
 )
 from rubricem_core.sim.trace_view import TraceView
-from rubricem_core.sim.world import WorldConfig, generate_world
-from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
-from tests.teacher_traces import ANSWER, answer_rewards, judge_query, persistent, write_traces
-
-
-@pytest.fixture(scope="module")
-def world():
-    return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=8, eval_fraction=0.0))
-
-
-@pytest.fixture(scope="module")
-def tools(world):
-    corpus = world.corpus_table()
-    return {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
+from tests.teacher_traces import (  # noqa: F401  (tools, world: module fixtures)
+    ANSWER,
+    answer_rewards,
+    judge_query,
+    persistent,
+    tools,
+    world,
+    write_traces,
+)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from tests.judge_replies import (
     settings,
     trace,
 )
+from tests.threads import PeakGauge
 
 # ---- the happy path ---------------------------------------------------------------------------------
 
@@ -246,16 +246,11 @@ def test_a_client_error_is_not_retried_and_fails_the_judgment():
 
 
 def test_concurrency_is_bounded():
-    lock = threading.Lock()
-    state = {"now": 0, "peak": 0}
+    gauge = PeakGauge()
 
     def slow(body: dict[str, Any]) -> str:
-        with lock:
-            state["now"] += 1
-            state["peak"] = max(state["peak"], state["now"])
-        time.sleep(0.05)
-        with lock:
-            state["now"] -= 1
+        with gauge.running():
+            time.sleep(0.05)
         return good_reply(body)
 
     rollouts = [JudgeRollout(f"t{i}", ROLLOUTS[0].text) for i in range(8)]
@@ -263,7 +258,7 @@ def test_concurrency_is_bounded():
         judge = LLMJudge(settings(server, max_concurrency=2))
         judgments = judge.score(score_inputs(rollouts))
     assert all(not j.failed for j in judgments)
-    assert state["peak"] == 2
+    assert gauge.peak == 2
 
 
 # ---- one RL step ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,6 +78,12 @@ def _clean_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _python(tmp_path: Path, *args: str, **env: str) -> dict[str, Any]:
+    """subprocess.run/Popen's arguments for a fresh interpreter in the checkout, with the clean environment
+    (and ``env``)."""
+    return {"args": [sys.executable, *args], "cwd": REPO_ROOT, "env": {**_clean_env(tmp_path), **env}}
+
+
 def _alive(pid: int) -> bool:
     """Running (not exited, not a zombie waiting for PID 1 to reap it)."""
     try:
@@ -98,14 +105,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_flow_runs_against_owned_server_and_server_stops(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_FLOW],
-        cwd=REPO_ROOT,
-        env=_clean_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=80,
-    )
+    proc = subprocess.run(**_python(tmp_path, "-c", RUN_FLOW), capture_output=True, text=True, timeout=80)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DONE" in proc.stdout, proc.stdout + proc.stderr
     pid = int(next(line for line in proc.stdout.splitlines() if line.startswith("SERVER")).split()[1])
@@ -116,12 +116,7 @@ def test_flow_runs_against_owned_server_and_server_stops(tmp_path):
 @pytest.mark.timeout(90)
 def test_server_dies_when_owner_is_sigkilled(tmp_path):
     owner = subprocess.Popen(
-        [sys.executable, "-c", START_AND_WAIT],
-        cwd=REPO_ROOT,
-        env=_clean_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        **_python(tmp_path, "-c", START_AND_WAIT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     pid = None
     try:
@@ -246,7 +241,6 @@ def _servers_with_home(home: Path) -> list[int]:
 def test_a_killed_cli_leaves_no_prefect_server(tmp_path):
     """`rubricem collect-sft-data` with no PREFECT_API_URL, SIGKILLed mid-run (its fault point): the
     server it started is gone within seconds (it used to be re-parented to PID 1 and live on)."""
-    env = {**_clean_env(tmp_path), "RUBRICEM_FAULT_POINT": "collect.round_written:1"}
     sets = [
         "--set",
         "data.world.n_documents=60",
@@ -255,10 +249,9 @@ def test_a_killed_cli_leaves_no_prefect_server(tmp_path):
         "--set",
         "teacher.trajectories_per_query=1",
     ]
+    command = ["-m", "flows.cli", "collect-sft-data", "--run-dir", str(tmp_path / "run"), *sets]
     cli = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "collect-sft-data", "--run-dir", str(tmp_path / "run"), *sets],
-        cwd=REPO_ROOT,
-        env=env,
+        **_python(tmp_path, *command, RUBRICEM_FAULT_POINT="collect.round_written:1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

@@ -25,13 +25,11 @@ from rubricem_core.rollout.vllm_fleet import start_fleet
 from rubricem_core.rollout.vllm_server_engine import VLLMServerEngine
 from rubricem_core.tools import LocalSearchTool, ToolEnv
 from tests.rollout_fixtures import assert_same_trajectory, flat_groups, model_dir, prompt_ids, tok, world  # noqa: F401  (module fixtures)
+from tests.vllm_cpu import CPU_SERVER_ENV, NO_VLLM_VENV, VLLM_PYTHON
 
 pytest.importorskip("ray")
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-needs_vllm = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)"
-)
+SERVER_ENV = {**CPU_SERVER_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM_VENV)
 
 
 def test_placement_ray_is_refused_with_what_it_cannot_take():

@@ -32,6 +32,7 @@ from rubricem_core.trajectory import TokenTrajectory
 from tests.rl_runs import RL_RUN, sft_run  # noqa: F401  (module fixture: the collected and SFT-trained micro run)
 from tests.two_node_ray import run_flow_driver, two_node_cluster
 from tests.untrained_run import UNTRAINED_TINY, write_untrained_run
+from tests.vllm_cpu import NO_VLLM_VENV, VLLM_PYTHON
 
 pytestmark = pytest.mark.slow  # runs flows end to end; `make test-fast` leaves it out
 
@@ -276,7 +277,6 @@ def test_a_trainer_rank_killed_mid_update_fails_the_rl_flow_and_the_reruns_resum
 
 
 # ---- the rl flow with vLLM as its own process --------------------------------------------------
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 # head_dim 64 (128 / 2 heads): a size every vLLM attention backend supports
 SERVER_FLOW = {**FLOW, "policy.hidden_size": 128, "policy.n_heads": 2, "policy.n_kv_heads": 1}
 # 2 ZeRO-3 trainer ranks pushing their weights over gloo into `vllm serve`
@@ -290,7 +290,7 @@ RANKS_PUSH_TO_SERVER = {
 }
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM_VENV)
 def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
     tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
 ):
@@ -384,7 +384,7 @@ def test_rl_flow_with_a_vllm_server_and_two_zero3_ranks(
     assert any(r["checkpoint"] == out["tag"] for r in RunStore(run_dir).read_rows("eval_results"))
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM_VENV)
 def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
     tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
 ):
@@ -431,7 +431,7 @@ def test_lora_rl_flow_with_a_vllm_server_loading_each_steps_adapter(
         assert len(pushed) == (transfer == "adapter")  # the last one kept, the earlier removed
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=NO_VLLM_VENV)
 def test_async_rl_flow_pushes_each_lagged_step_from_two_ranks_into_a_vllm_server(
     tmp_path_factory, prefect_harness, monkeypatch, closed_sessions
 ):

@@ -19,7 +19,6 @@ from rubricem_core.rollout import (
     ERROR,
     TOOL_BUDGET,
     TRUNCATED,
-    ForcedContext,
     HFRolloutEngine,
     RolloutEngine,
     RolloutError,
@@ -27,28 +26,25 @@ from rubricem_core.rollout import (
     SamplingParams,
 )
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
-from rubricem_core.scaffold import STAGE_IDS, ToolCall, parse_segments, validate
-from rubricem_core.sim.world import WorldConfig, generate_world
+from rubricem_core.scaffold import ToolCall, validate
 from rubricem_core.testing.tiny_models import tool_policy, world_tokenizer
-from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, Tool, ToolEnv, ToolResult, ToolSpec
-from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
-from tests.rollout_fixtures import FINISH, PLAN, finish_reason_requests, prompt_ids
+from rubricem_core.tools import Tool, ToolEnv, ToolResult, ToolSpec
+from rubricem_core.trajectory import TokenTrajectory
+from tests.rollout_fixtures import (  # noqa: F401  (module fixtures)
+    FINISH,
+    FINISH_REASONS,
+    PLAN,
+    Script,
+    check_views,
+    env,
+    finish_reason_requests,
+    one_thread,
+    prompt_ids,
+    tool_texts,
+    world,
+)
 
 # ---- fixtures -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls: one thread is faster and steadier on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def world():
-    return generate_world(WorldConfig(seed=3, n_documents=60, n_queries=6))
 
 
 @pytest.fixture(scope="module")
@@ -65,78 +61,14 @@ def model(tok):
     return _model(tok)
 
 
-@pytest.fixture(scope="module")
-def env(world):
-    table = world.corpus_table()
-    return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=4)
-
-
-class Script:
-    """A forced policy: per request, per turn, a text (or ids) fed as if sampled; None → sample."""
-
-    def __init__(self, tok, turns: dict[str, list[str | list[int]]]):
-        self.turns = {
-            rid: [t if isinstance(t, list) else tok.encode(t, add_special_tokens=False) for t in texts]
-            for rid, texts in turns.items()
-        }
-        self.seen: list[ForcedContext] = []
-
-    def __call__(self, ctx: ForcedContext) -> int | None:
-        self.seen.append(ctx)
-        turns = self.turns.get(ctx.request_id, [])
-        if ctx.turn < len(turns) and len(ctx.turn_ids) < len(turns[ctx.turn]):
-            return turns[ctx.turn][len(ctx.turn_ids)]
-        return None
-
-
 def _gen_text(tok, traj: TokenTrajectory) -> str:
     return tok.decode(traj.token_ids[traj.prompt_len :], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _tool_texts(traj: TokenTrajectory) -> list[str]:
-    return [s.text for s in traj.segments if s.kind == "tool_output"]
 
 
 def _sampling(**kw) -> SamplingParams:
     base = dict(temperature=1.0, max_new_tokens=40, max_total_tokens=1500, seed=7)
     base.update(kw)
     return SamplingParams(**base)
-
-
-def _check_views(tok, traj: TokenTrajectory) -> None:
-    """Ids decode to the segment texts; masks and stage ids agree with segment kinds and the parser."""
-    assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.stage_ids) == len(traj.logprobs)
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
-    assert traj.segments[0].kind == "prompt" and traj.segments[0].end == traj.prompt_len
-    covered = 0
-    for seg in traj.segments:
-        assert seg.start == covered
-        covered = seg.end
-        assert decode(traj.token_ids[seg.start : seg.end]) == seg.text
-        want_mask = 1 if seg.kind == "policy" else 0
-        assert traj.loss_mask[seg.start : seg.end] == [want_mask] * (seg.end - seg.start)
-        lps = traj.logprobs[seg.start : seg.end]
-        assert all(math.isnan(v) for v in lps) if seg.kind != "policy" else all(v <= 0 for v in lps)
-        if seg.kind == "prompt":
-            assert set(traj.stage_ids[seg.start : seg.end]) <= {NO_STAGE}
-        if seg.kind == "tool_output":
-            assert set(traj.stage_ids[seg.start : seg.end]) == {STAGE_IDS["research"]}
-    assert covered == len(traj.token_ids)
-    gen = _gen_text(tok, traj)
-    assert gen == "".join(s.text for s in traj.segments[1:])
-    # Stage of each generated token = parse_segments' stage of its first character in the decoded text.
-    segments = parse_segments(gen)
-    starts = [s.start for s in segments]
-    checked = 0
-    for i in range(traj.prompt_len, len(traj.token_ids)):
-        prefix = decode(traj.token_ids[traj.prompt_len : i])
-        if prefix.endswith("\ufffd") or len(prefix) >= len(gen):
-            continue  # mid-character, or a token that adds no character: no offset to check against
-        k = max(j for j, s in enumerate(starts) if s <= len(prefix))
-        assert traj.stage_ids[i] == STAGE_IDS[segments[k].stage], (i, prefix[-40:])
-        checked += 1
-    # random weights sample lone UTF-8 bytes; most tokens still have a clean offset
-    assert checked >= (len(traj.token_ids) - traj.prompt_len) // 2
 
 
 def _recomputed_logprobs(model, traj: TokenTrajectory) -> torch.Tensor:
@@ -221,7 +153,7 @@ def test_sampling_logprobs_match_cache_free_recompute(tok, env, world, attn, chu
         assert engine.stats.get("admitted", 0) == 6 - max_rows
     worst = 0.0
     for traj in trajs:
-        _check_views(tok, traj)
+        check_views(tok, traj)
         want = _recomputed_logprobs(model, traj)
         for i, bit in enumerate(traj.loss_mask):
             if bit:
@@ -283,10 +215,10 @@ def test_forced_tool_round_trip_gives_a_valid_answered_trace(model, tok, env, wo
     traj = engine.generate([request], env)[0][0]
     assert traj.finish_reason == ANSWERED
     assert traj.n_tool_calls == 1
-    assert _tool_texts(traj) == [reply.text]
+    assert tool_texts(traj) == [reply.text]
     assert _gen_text(tok, traj) == turn0 + reply.text + turn1
     assert validate(_gen_text(tok, traj)) == []
-    _check_views(tok, traj)
+    check_views(tok, traj)
     kinds = [s.kind for s in traj.segments]
     assert kinds.count("tool_output") == 1 and kinds[0] == "prompt"
     policy_stages = [s.stage for s in traj.segments if s.kind == "policy"]
@@ -350,11 +282,11 @@ def test_tool_failures_become_error_outputs_and_the_row_continues(model, tok, to
     ]
     if isinstance(tool, _Hanging):
         tool.release.set()
-    outputs = _tool_texts(traj)
+    outputs = tool_texts(traj)
     assert len(outputs) == 1 and outputs[0].startswith("<tool_output><error>"), outputs
     assert expected in outputs[0]
     assert traj.finish_reason == ANSWERED and traj.meta["tool_errors"] == 1
-    _check_views(tok, traj)
+    check_views(tok, traj)
 
 
 def test_an_exception_out_of_the_environment_is_logged_and_named_in_the_row(model, tok, caplog, monkeypatch):
@@ -369,7 +301,7 @@ def test_an_exception_out_of_the_environment_is_logged_and_named_in_the_row(mode
         traj = engine.generate(
             [RolloutRequest("r", prompt_ids(tok, "q"), sampling=_sampling(max_new_tokens=300))], env
         )[0][0]
-    [output] = _tool_texts(traj)
+    [output] = tool_texts(traj)
     assert "tool search raised KeyError: 'lost the budget'" in output and "NoneType" not in output
     assert any(r.exc_info and "raised" in r.getMessage() for r in caplog.records)
 
@@ -398,17 +330,7 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
     requests = finish_reason_requests(prompt, _sampling)
     out = {r.request_id: g[0] for r, g in zip(requests, engine.generate(requests, env))}
     reasons = {rid: t.finish_reason for rid, t in out.items()}
-    assert reasons == {
-        "answer": ANSWERED,
-        "open-tag": TRUNCATED,
-        "eos-early": ERROR,
-        "too-long": ERROR,
-        "empty": ERROR,
-        "eos-in-answer": ANSWERED,
-        "budget": TOOL_BUDGET,
-        "context": TRUNCATED,
-        "output-too-big": TRUNCATED,
-    }
+    assert reasons == FINISH_REASONS
     assert "max_new_tokens 30" in out["open-tag"].meta["finish_detail"]
     assert len(out["open-tag"]) == len(prompt) + 30
     assert "context limit" in out["too-long"].meta["finish_detail"] and len(out["too-long"]) == len(prompt) * 40
@@ -417,14 +339,14 @@ def test_mixed_batch_each_row_gets_its_own_outcome(model, tok, env, world):
     # budget 1: the first call runs, the second is told the budget is spent, the third ends the row
     budget = out["budget"]
     assert budget.n_tool_calls == 2 and budget.meta["tool_calls_written"] == 3
-    assert "budget exhausted" in _tool_texts(budget)[1]
+    assert "budget exhausted" in tool_texts(budget)[1]
     assert len(out["context"]) == len(prompt) + 150 and "context limit" in out["context"].meta["finish_detail"]
     too_big = out["output-too-big"]  # the call is kept, the output that would overflow is not appended
     assert "does not fit" in too_big.meta["finish_detail"] and too_big.n_tool_calls == 0
     assert _gen_text(tok, too_big).endswith("</call_tool>")
     for traj in out.values():
         if traj.token_ids:
-            _check_views(tok, traj)
+            check_views(tok, traj)
         assert traj.meta["request_id"] in reasons
 
 
@@ -447,7 +369,7 @@ def test_free_sampling_never_crashes_and_records_a_reason(model, tok, env):
     assert len({tuple(t.token_ids) for t in trajs}) == len(trajs)  # samples differ
     for traj in trajs:
         assert len(traj) <= 300
-        _check_views(tok, traj)
+        check_views(tok, traj)
 
 
 # ---- determinism and weights ----------------------------------------------------------------------

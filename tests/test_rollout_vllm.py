@@ -32,7 +32,6 @@ from rubricem_core.rollout import (
     ERROR,
     TOOL_BUDGET,
     TRUNCATED,
-    ForcedContext,
     HFRolloutEngine,
     RolloutEngine,
     RolloutError,
@@ -42,22 +41,29 @@ from rubricem_core.rollout import (
 from rubricem_core.rollout.hf_engine import _filter_top_k_top_p
 from rubricem_core.rollout.vllm_engine import TurnCall, TurnSample, VLLMRolloutEngine
 from rubricem_core.rollout.weight_transfer import WeightPusher
-from rubricem_core.scaffold import STAGE_IDS, ToolCall, parse_segments, validate
+from rubricem_core.scaffold import ToolCall, validate
 from rubricem_core.sim.tiny_policy import init_tiny_model
-from rubricem_core.tools import LocalBrowseTool, LocalSearchTool, ToolEnv
+from rubricem_core.tools import ToolEnv
 from rubricem_core.tools.base import Tool, ToolResult
-from rubricem_core.trajectory import NO_STAGE, TokenTrajectory
+from rubricem_core.trajectory import TokenTrajectory
 from tests.rollout_fixtures import (  # noqa: F401  (module fixtures)
     FINISH,
+    FINISH_REASONS,
     PLAN,
+    Script,
     assert_same_trajectory,
+    check_views,
+    env,
     finish_reason_requests,
     flat_groups,
     model_dir,
+    one_thread,
     prompt_ids,
     tok,
+    tool_texts,
     world,
 )
+from tests.vllm_cpu import CPU_SERVER_ENV, cpu_server
 
 # vLLM on CPU: engine core in this process (no spawn, no __main__ guard needed), small KV cache.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -71,16 +77,7 @@ CALL = '<call_tool name="search">Varn bridge</call_tool>'
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls: one thread is faster and steadier on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _vllm_before_numba(request, _one_thread):
+def _vllm_before_numba(request, one_thread):
     # vllm-cpu 0.32's LLM() scans sys.modules to swap Triton kernels and crashes on llvmlite objects,
     # which are there once bm25s (the search tool) has imported numba: build the engine first.
     if importlib.util.find_spec("vllm") is not None:
@@ -90,12 +87,6 @@ def _vllm_before_numba(request, _one_thread):
 @pytest.fixture(scope="module")
 def model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def env(world):
-    table = world.corpus_table()
-    return ToolEnv({"search": LocalSearchTool(table), "browse": LocalBrowseTool(table)}, max_calls=4)
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -146,55 +137,6 @@ class HFSampler:
                     break
                 out = self.model(torch.tensor([[token]]), use_cache=True, **{self.cache_kwarg: out.past_key_values})
         return TurnSample(ids, logprobs)
-
-
-class Script:
-    """The HF engine's forced policy with the same scripts as ``HFSampler``."""
-
-    def __init__(self, tok, turns: dict[str, list[str | list[int]]]):
-        self.turns = {rid: [t if isinstance(t, list) else _ids(tok, t) for t in texts] for rid, texts in turns.items()}
-
-    def __call__(self, ctx: ForcedContext) -> int | None:
-        turns = self.turns.get(ctx.request_id, [])
-        if ctx.turn < len(turns) and len(ctx.turn_ids) < len(turns[ctx.turn]):
-            return turns[ctx.turn][len(ctx.turn_ids)]
-        return None
-
-
-def _tool_texts(traj: TokenTrajectory) -> list[str]:
-    return [s.text for s in traj.segments if s.kind == "tool_output"]
-
-
-def _check_views(tok, traj: TokenTrajectory) -> None:
-    """Ids decode to the segment texts; masks and stage ids agree with segment kinds and the parser."""
-    assert len(traj.token_ids) == len(traj.loss_mask) == len(traj.stage_ids) == len(traj.logprobs)
-    assert traj.segments[0].kind == "prompt" and traj.segments[0].end == traj.prompt_len
-    covered = 0
-    for seg in traj.segments:
-        assert seg.start == covered
-        covered = seg.end
-        assert _decode(tok, traj.token_ids[seg.start : seg.end]) == seg.text
-        assert traj.loss_mask[seg.start : seg.end] == [1 if seg.kind == "policy" else 0] * (seg.end - seg.start)
-        lps = traj.logprobs[seg.start : seg.end]
-        assert all(v <= 0 for v in lps) if seg.kind == "policy" else all(math.isnan(v) for v in lps)
-        if seg.kind == "prompt":
-            assert set(traj.stage_ids[seg.start : seg.end]) <= {NO_STAGE}
-        if seg.kind == "tool_output":
-            assert set(traj.stage_ids[seg.start : seg.end]) == {STAGE_IDS["research"]}
-    assert covered == len(traj.token_ids)
-    gen = _decode(tok, traj.token_ids[traj.prompt_len :])
-    assert gen == "".join(s.text for s in traj.segments[1:])
-    segments = parse_segments(gen)
-    starts = [s.start for s in segments]
-    checked = 0
-    for i in range(traj.prompt_len, len(traj.token_ids)):
-        prefix = _decode(tok, traj.token_ids[traj.prompt_len : i])
-        if prefix.endswith("\ufffd") or len(prefix) >= len(gen):
-            continue  # mid-character, or a token that adds no character
-        k = max(j for j, s in enumerate(starts) if s <= len(prefix))
-        assert traj.stage_ids[i] == STAGE_IDS[segments[k].stage], (i, prefix[-40:])
-        checked += 1
-    assert checked >= (len(traj.token_ids) - traj.prompt_len) // 2
 
 
 # ---- the turn loop, against the transformers engine (no vLLM needed) ------------------------------
@@ -252,20 +194,9 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
     reference = HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)
     for request, group in zip(requests, reference):
         assert_same_trajectory(ours[request.request_id], group[0])
-    assert {rid: t.finish_reason for rid, t in ours.items()} == {
-        "answer": ANSWERED,
-        "open-tag": TRUNCATED,
-        "eos-early": ERROR,
-        "too-long": ERROR,
-        "empty": ERROR,
-        "eos-in-answer": ANSWERED,
-        "budget": TOOL_BUDGET,
-        "context": TRUNCATED,
-        "output-too-big": TRUNCATED,
-        "stray-close": ANSWERED,
-    }
+    assert {rid: t.finish_reason for rid, t in ours.items()} == {**FINISH_REASONS, "stray-close": ANSWERED}
     answer = ours["answer"]
-    assert answer.n_tool_calls == 1 and _tool_texts(answer) == [reply.text]
+    assert answer.n_tool_calls == 1 and tool_texts(answer) == [reply.text]
     assert validate(_decode(tok, answer.token_ids[answer.prompt_len :])) == []
     assert [s.stage for s in answer.segments if s.kind == "policy"] == [
         "plan",
@@ -276,7 +207,7 @@ def test_scripted_mixed_batch_matches_the_hf_engine(model, tok, env, world):
     ]
     for traj in ours.values():
         if traj.token_ids:
-            _check_views(tok, traj)
+            check_views(tok, traj)
 
 
 def test_reflection_requests_stop_at_their_stop_text_like_the_hf_engine(model, tok, env):
@@ -320,7 +251,7 @@ def test_greedy_after_tool_outputs_matches_the_hf_engine(model, tok, env, world)
     reference = [g[0] for g in HFRolloutEngine(model, tok, forced_policy=Script(tok, script)).generate(requests, env)]
     for a, b in zip(ours, reference):
         assert_same_trajectory(a, b)
-        _check_views(tok, a)
+        check_views(tok, a)
         assert a.n_tool_calls >= 1 and len(a) > a.segments[2].end  # greedy tokens after the tool output
 
 
@@ -365,7 +296,7 @@ def test_calls_continue_from_the_same_ids(model, tok, env):
     again = VLLMRolloutEngine(None, tok, sampler=HFSampler(model, tok, script))
     again.generate([request], env)
     assert [c.seed for c in again.sampler.calls] == seeds
-    _check_views(tok, traj)
+    check_views(tok, traj)
 
 
 @pytest.mark.parametrize(
@@ -455,7 +386,7 @@ def test_vllm_sampled_logprobs_match_a_teacher_forced_recompute(vllm_engine, mod
     assert vllm_engine.stats["vllm_calls"] >= 1 and vllm_engine.stats["sampled_tokens"] > 100
     worst = 0.0
     for traj in trajs:
-        _check_views(tok, traj)
+        check_views(tok, traj)
         want = _reference_logprobs(model, traj, params)
         with torch.no_grad():
             logits = model(torch.tensor([traj.token_ids])).logits[0]
@@ -550,16 +481,7 @@ def test_vllm_weight_sync_changes_outputs_and_resets_the_prefix_cache(vllm_engin
 
 # ---- vLLM as its own process ---------------------------------------------------------------------
 def _cpu_server(model_dir, tmp_path, env=None, **kwargs):
-    from rubricem_core.rollout.vllm_server import VLLMServer
-
-    return VLLMServer(
-        model_dir,
-        dtype="float32",
-        max_model_len=2048,
-        log_path=tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})},
-        **kwargs,
-    )
+    return cpu_server(model_dir, tmp_path / "server.log", 2048, env, **kwargs)
 
 
 def _server_sampling_check(engine, tok, env, world):
@@ -740,7 +662,7 @@ def fleet(model_dir, tmp_path_factory):
         max_model_len=2048,
         weight_transfer="gloo",
         log_path=tmp_path_factory.mktemp("fleet") / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
+        env=CPU_SERVER_ENV,
     )
     yield fleet
     fleet.close()

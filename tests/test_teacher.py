@@ -16,7 +16,7 @@ from rubricem_core.sim.world import WorldConfig, generate_world
 from rubricem_core.teacher.collection import run_rounds_in_memory
 from rubricem_core.teacher.rounds import initial_states
 from rubricem_core.tools.base import ToolEnv
-from rubricem_core.tools.local import LocalBrowseTool, LocalSearchTool
+from tests.teacher_traces import tools  # noqa: F401  (a module fixture over this module's world)
 
 MODEL = "rubricem-teacher/scripted"
 
@@ -24,12 +24,6 @@ MODEL = "rubricem-teacher/scripted"
 @pytest.fixture(scope="module")
 def world():
     return generate_world(WorldConfig(seed=3, n_documents=150, n_queries=16, eval_fraction=0.0))
-
-
-@pytest.fixture(scope="module")
-def tools(world):
-    corpus = world.corpus_table()
-    return {"search": LocalSearchTool(corpus, top_k=5), "browse": LocalBrowseTool(corpus)}
 
 
 def collect(world, tools, max_rounds=12, max_tool_calls=10, **rates):

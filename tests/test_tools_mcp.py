@@ -14,6 +14,7 @@ pytest.importorskip("fastmcp")
 from rubricem_core.tools import ToolCall, ToolEnv, ToolError  # noqa: E402
 from rubricem_core.tools.mcp import MCPTool, result_to_snippets  # noqa: E402
 from rubricem_core.tools.registry import build_tools  # noqa: E402
+from tests.threads import run_in_threads  # noqa: E402
 
 CORPUS = [
     {"id": "K1", "title": "Hekla", "text": "Hekla is an active volcano in Iceland."},
@@ -174,11 +175,7 @@ def test_concurrent_calls_share_one_connection(server_url):
     def work(i: int) -> None:
         results[i] = env.execute(ToolCall("kb", queries[i % 4]))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 16)
     assert all(r.ok for r in results)
     assert [r.snippet_ids[0] for r in results[:4]] == ["K1", "K2", "K3", "K2"]
     assert tool.stats()["calls"] == 16 and tool.stats()["errors"] == 0

@@ -15,6 +15,7 @@ from rubricem_core.tools.base import Tool
 from rubricem_core.tools.cache import ToolCache, cache_key, normalize_query
 from rubricem_core.tools.registry import build_tools
 from rubricem_core.tools.robust import RobustTool, cap_output, validate_result
+from tests.threads import PeakGauge, run_in_threads
 
 
 class FakeTool(Tool):
@@ -88,11 +89,7 @@ def test_cache_threads(tmp_path):
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 8)
     assert not errors
     assert len(cache) == 200
 
@@ -205,27 +202,18 @@ def test_exception_becomes_error_result():
 
 @pytest.mark.parametrize("limit", [1, 3])
 def test_concurrency_limit_is_shared_across_threads(limit):
-    state = {"now": 0, "peak": 0}
-    lock = threading.Lock()
+    gauge = PeakGauge()
 
     def slow(query):
-        with lock:
-            state["now"] += 1
-            state["peak"] = max(state["peak"], state["now"])
-        time.sleep(0.03)
-        with lock:
-            state["now"] -= 1
+        with gauge.running():
+            time.sleep(0.03)
         return ok()
 
     tool = RobustTool(FakeTool(respond=slow), timeout_s=5, max_concurrency=limit)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(tool("q"))) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(lambda _: results.append(tool("q")), 12)
     assert len(results) == 12 and all(r.ok for r in results)
-    assert state["peak"] == limit
+    assert gauge.peak == limit
     assert tool.stats()["calls"] == 12 and tool.stats()["in_flight"] == 0
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
 from rubricem_core.testing.web_search_server import FakeWebSearchServer
-from rubricem_core.tools import ToolError
+from rubricem_core.tools import ToolError, ToolResult
 from rubricem_core.tools.cache import ToolCache
 from rubricem_core.tools.registry import build_tools
 from rubricem_core.tools.robust import RobustTool
@@ -337,38 +340,43 @@ def test_browse_refuses_loopback_private_and_metadata_addresses_unless_allowed()
     public_only([ipaddress.ip_network("127.0.0.0/8")])("http://127.0.0.1:8080/")  # allowed by name
 
 
-def test_a_page_that_redirects_to_an_internal_address_is_refused_before_anything_reaches_it():
+@contextmanager
+def _redirect(target_host: str, body: str, path: str) -> Iterator[tuple[Any, Any]]:
+    """A page (``body``) on ``target_host``, and a server on 127.0.0.1 that redirects every request to its
+    ``path``: (target, hop), both recording the requests they get."""
     from rubricem_core.testing.redirect_server import RecordingServer
 
-    with RecordingServer("127.0.0.2", body="internal-only metadata") as internal:
-        with RecordingServer("127.0.0.1", redirect_to=internal.url("/secret")) as hostile:
-            book = UrlBook()
-            book.add("Wevil", hostile.url("/page"))
-            # the page's own address is allowed (it stands for a public site); the target is not
-            result = WebBrowseTool(urls=book, allow_networks=["127.0.0.1/32"], backoff_s=0.0)("Wevil")
+    with RecordingServer(target_host, body=body) as target:
+        with RecordingServer("127.0.0.1", redirect_to=target.url(path)) as hop:
+            yield target, hop
+
+
+def _browse(url: str, snippet_id: str, allow_network: str) -> ToolResult:
+    """Browse ``url`` as the search result ``snippet_id``, with one named network allowed."""
+    book = UrlBook()
+    book.add(snippet_id, url)
+    return WebBrowseTool(urls=book, allow_networks=[allow_network], backoff_s=0.0)(snippet_id)
+
+
+def test_a_page_that_redirects_to_an_internal_address_is_refused_before_anything_reaches_it():
+    with _redirect("127.0.0.2", "internal-only metadata", "/secret") as (internal, hostile):
+        # the page's own address is allowed (it stands for a public site); the target is not
+        result = _browse(hostile.url("/page"), "Wevil", "127.0.0.1/32")
     assert not result.ok and "127.0.0.2" in result.text and "non-public" in result.text
     assert "internal-only metadata" not in result.text
     assert internal.requests == [] and len(hostile.requests) == 1
 
 
 def test_an_api_key_never_follows_a_redirect_to_another_host(monkeypatch):
-    from rubricem_core.testing.redirect_server import RecordingServer
-
     monkeypatch.setenv("SERPER_API_KEY", KEY)
-    with RecordingServer("127.0.0.2", body="{}") as elsewhere:
-        with RecordingServer("127.0.0.1", redirect_to=elsewhere.url("/search")) as api:
-            result = SerperSearchTool(base_url=api.url("").rstrip("/"), backoff_s=0.0, max_retries=0)("a query")
+    with _redirect("127.0.0.2", "{}", "/search") as (elsewhere, api):
+        result = SerperSearchTool(base_url=api.url("").rstrip("/"), backoff_s=0.0, max_retries=0)("a query")
     assert not result.ok and "another host" in result.text and KEY not in result.text
     assert elsewhere.requests == []  # the key header went nowhere but its own host
     assert api.requests[0][2]["x-api-key"] == KEY
 
 
 def test_browse_follows_a_redirect_to_an_allowed_address():
-    from rubricem_core.testing.redirect_server import RecordingServer
-
-    with RecordingServer("127.0.0.1", body="plain text page") as site:
-        with RecordingServer("127.0.0.1", redirect_to=site.url("/moved")) as first:
-            book = UrlBook()
-            book.add("Wmoved", first.url("/old"))
-            page = WebBrowseTool(urls=book, allow_networks=["127.0.0.0/8"], backoff_s=0.0)("Wmoved")
+    with _redirect("127.0.0.1", "plain text page", "/moved") as (site, first):
+        page = _browse(first.url("/old"), "Wmoved", "127.0.0.0/8")
     assert page.ok and "plain text page" in page.text and site.requests[0][1] == "/moved"

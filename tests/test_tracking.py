@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from rubricem_core.tracking import (
     ui_base,
     ui_instructions,
 )
+from tests.threads import run_in_threads
 
 
 @pytest.fixture(scope="module")
@@ -289,11 +289,7 @@ def test_concurrent_children_in_threads(tracker: Tracker, run_dir: Path):
         except BaseException as exc:  # collected and asserted in the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(work, 4)
     assert errors == []
     rows = json.loads(
         run_sql(

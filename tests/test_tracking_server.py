@@ -21,6 +21,7 @@ from rubricem_core.config import config_to_yaml, load_config
 from rubricem_core.offline import OFFLINE_DEFAULTS
 from rubricem_core.report import write_report
 from rubricem_core.tracking import Tracker
+from tests.vllm_cpu import NO_VLLM_VENV, VLLM_PYTHON, cpu_server
 
 pytestmark = pytest.mark.slow  # the server takes ~20 s to start on a busy machine
 
@@ -179,9 +180,6 @@ def test_switching_tracking_uri_starts_a_parent_on_the_new_store(server: tuple[s
     assert json.loads((run_dir / "state" / "mlflow_parent.json").read_text())["store"] == uri
 
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-
-
 def test_the_registered_policy_is_on_the_server_and_vllm_serves_it(server: tuple[str, Path], tmp_path: Path):
     """The version's artifact lives in the server's artifact root; downloaded, `vllm serve` (the CPU build) answers."""
     import mlflow
@@ -203,17 +201,8 @@ def test_the_registered_policy_is_on_the_server_and_vllm_serves_it(server: tuple
     served = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "dl")))
     assert weights_digest(served) == weights_digest(checkpoint)
     if not VLLM_PYTHON.exists():
-        pytest.skip("no .venv-vllm here (bash scripts/vllm_cpu_env.sh builds it)")
-    from rubricem_core.rollout.vllm_server import VLLMServer
-
-    vllm = VLLMServer(
-        served,
-        python=str(VLLM_PYTHON),
-        dtype="float32",
-        max_model_len=512,
-        log_path=tmp_path / "vllm.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"},
-    )
+        pytest.skip(NO_VLLM_VENV)
+    vllm = cpu_server(served, tmp_path / "vllm.log", 512, python=str(VLLM_PYTHON))
     try:
         answer = vllm.http.post("/v1/completions", json={"model": "policy", "prompt": [1, 2, 3], "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -15,3 +16,11 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_known(values: Iterable[str], known: Sequence[str], message: str) -> None:
+    """A validator's check that every value is one of ``known``; else ValueError(message), its ``{unknown}``
+    filled with the values not known (in order) and ``{known}`` with the known ones (as a list)."""
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(message.format(unknown=unknown, known=list(known)))

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from rubricem_core.config.base import _Strict
+from rubricem_core.config.base import _Strict, check_known
 from rubricem_core.config.endpoints import EndpointConfig
 
 EVAL_BENCHMARKS: tuple[str, ...] = (
@@ -179,9 +179,7 @@ class EvalConfig(_Strict):
     @classmethod
     def _known_graders(cls, value: dict[str, BenchmarkGraderConfig]) -> dict[str, BenchmarkGraderConfig]:
         valid = [b for b in EVAL_BENCHMARKS if b != "synthetic"]
-        unknown = [b for b in value if b not in valid]
-        if unknown:
-            raise ValueError(f"graders has unknown benchmarks {unknown}; choose from {valid}")
+        check_known(value, valid, "graders has unknown benchmarks {unknown}; choose from {known}")
         for name, entry in value.items():
             if entry.protocol is None:
                 continue
@@ -214,18 +212,12 @@ class EvalConfig(_Strict):
     @field_validator("benchmarks")
     @classmethod
     def _known_benchmarks(cls, value: list[str]) -> list[str]:
-        unknown = [b for b in value if b not in EVAL_BENCHMARKS]
-        if unknown:
-            raise ValueError(f"unknown benchmarks {unknown}; choose from {list(EVAL_BENCHMARKS)}")
+        check_known(value, EVAL_BENCHMARKS, "unknown benchmarks {unknown}; choose from {known}")
         return value
 
     @field_validator("paths")
     @classmethod
     def _known_paths(cls, value: dict[str, str]) -> dict[str, str]:
-        unknown = [b for b in value if (b not in EVAL_BENCHMARKS or b == "synthetic") and b not in EVAL_EXTRA_PATHS]
-        if unknown:
-            raise ValueError(
-                f"paths has unknown benchmarks {unknown}; choose from "
-                f"{list(EVAL_BENCHMARKS[1:]) + list(EVAL_EXTRA_PATHS)}"
-            )
+        known = [b for b in EVAL_BENCHMARKS if b != "synthetic"] + list(EVAL_EXTRA_PATHS)
+        check_known(value, known, "paths has unknown benchmarks {unknown}; choose from {known}")
         return value

@@ -14,7 +14,7 @@ negative one raises it), and the official grader never scores a partial set eith
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -162,6 +162,17 @@ class BenchmarkGrader:
             return True
         return family_of(benchmark) == "rubric_points" and self.options.healthbench_grading == "per_criterion"
 
+    def _answer_call(self, custom_id: str, benchmark: str, family: str, query: Query, response: str) -> Any:
+        """The one call that grades a short-form answer or an answer set (no rubric items)."""
+        parse: Callable[[str | None], Any]
+        if family == "short_form":
+            messages, name = short_form_messages, "short_form_grade"
+            schema, parse = short_form_schema(protocol_of(benchmark)[0]), short_form_parser(benchmark, query)
+        else:
+            messages, name = answer_set_messages, "answer_set_grade"
+            schema, parse = answer_set_schema(), parse_answer_set
+        return self.client.call(custom_id, messages(benchmark, query, response), name, schema, parse)
+
     def grade(self, benchmark: str, pairs: Sequence[tuple[Query, str]]) -> list[GradeResult]:
         """One grade per (query, response), in input order."""
         family = family_of(benchmark)
@@ -177,15 +188,7 @@ class BenchmarkGrader:
             custom_id = f"grade:{index}:{query.query_id}"
             if family == "short_form":
                 items_of.append(None)
-                pending.append(
-                    self.client.call(
-                        custom_id,
-                        short_form_messages(benchmark, query, response),
-                        "short_form_grade",
-                        short_form_schema(protocol_of(benchmark)[0]),
-                        short_form_parser(benchmark, query),
-                    )
-                )
+                pending.append(self._answer_call(custom_id, benchmark, family, query, response))
             elif race and isinstance(cleaned[index], _Failed):
                 items_of.append(grade_items(query, family))
                 pending.append(cleaned[index])
@@ -206,15 +209,7 @@ class BenchmarkGrader:
                 )
             elif family == "answer_set":
                 items_of.append(None)
-                pending.append(
-                    self.client.call(
-                        custom_id,
-                        answer_set_messages(benchmark, query, response),
-                        "answer_set_grade",
-                        answer_set_schema(),
-                        parse_answer_set,
-                    )
-                )
+                pending.append(self._answer_call(custom_id, benchmark, family, query, response))
             else:
                 items = grade_items(query, family)
                 items_of.append(items)

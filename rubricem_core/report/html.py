@@ -163,7 +163,22 @@ def _sft_section(summary: dict[str, Any] | None) -> str:
     return "\n".join(parts)
 
 
-RL_COLUMNS: tuple[tuple[str, str, Callable[[Any], str], bool], ...] = (
+# a table column: the record's key, its header, how a value is written, whether it is numeric (right-aligned)
+Column = tuple[str, str, Callable[[Any], str], bool]
+
+
+def _records_section(
+    head: str, records: list[dict[str, Any]], missing: str, columns: Sequence[Column], note: str = ""
+) -> str:
+    """A section's heading and one table, a row per record, then ``note`` (``missing``: what is absent when
+    there is no record)."""
+    if not records:
+        return head + _no_data(missing)
+    rows = [[fmt(record.get(key)) for key, _, fmt, _ in columns] for record in records]
+    return head + _table([h for _, h, _, _ in columns], rows, [n for *_, n in columns]) + note
+
+
+RL_COLUMNS: tuple[Column, ...] = (
     ("step", "step", fmt_int, True),
     ("phase", "phase", fmt_text, False),
     ("retrieval", "retrieval", fmt_text, False),
@@ -181,12 +196,9 @@ RL_COLUMNS: tuple[tuple[str, str, Callable[[Any], str], bool], ...] = (
 
 
 def _rl_section(steps: list[dict[str, Any]]) -> str:
-    head = "<h2>RL per step</h2>"
-    if not steps:
-        return head + _no_data("tables stage_rewards, rollouts and rl/* metrics are absent")
-    rows = [[fmt(row.get(key)) for key, _, fmt, _ in RL_COLUMNS] for row in steps]
+    missing = "tables stage_rewards, rollouts and rl/* metrics are absent"
     note = "<p class=note>R: mean stage reward over the step's rollouts (– : the stage had no rubrics).</p>"
-    return head + _table([h for _, h, _, _ in RL_COLUMNS], rows, [n for *_, n in RL_COLUMNS]) + note
+    return _records_section("<h2>RL per step</h2>", steps, missing, RL_COLUMNS, note)
 
 
 def _samples_section(samples: list[dict[str, Any]]) -> str:
@@ -226,53 +238,36 @@ def _samples_section(samples: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+REFLECTION_COLUMNS: tuple[Column, ...] = (
+    ("step", "step", fmt_int, True),
+    ("candidates", "candidates", fmt_int, True),
+    ("valid", "valid", fmt_int, True),
+    ("accepted", "accepted", fmt_int, True),
+    ("mean_score", "mean score (valid)", fmt_fixed(3), True),
+    ("best_score", "best score", fmt_fixed(3), True),
+)
+
+
 def _reflection_section(steps: list[dict[str, Any]]) -> str:
-    head = "<h2>Reflections</h2>"
-    if not steps:
-        return head + _no_data("table reflections is absent or empty")
-    rows = [
-        [
-            fmt_int(r["step"]),
-            fmt_int(r["candidates"]),
-            fmt_int(r["valid"]),
-            fmt_int(r["accepted"]),
-            fmt_fixed(3)(r["mean_score"]),
-            fmt_fixed(3)(r["best_score"]),
-        ]
-        for r in steps
-    ]
-    return head + _table(
-        ["step", "candidates", "valid", "accepted", "mean score (valid)", "best score"], rows, [True] * 6
-    )
+    return _records_section("<h2>Reflections</h2>", steps, "table reflections is absent or empty", REFLECTION_COLUMNS)
+
+
+EVAL_COLUMNS: tuple[Column, ...] = (
+    ("checkpoint", "checkpoint", fmt_text, False),
+    ("benchmark", "benchmark", fmt_text, False),
+    ("retrieval", "retrieval", fmt_text, False),
+    ("queries", "queries", fmt_int, True),
+    ("samples", "samples", fmt_int, True),
+    ("failed", "failed grades", fmt_int, True),
+    ("mean_score", "mean score", fmt_fixed(3), True),
+    ("sd", "std", fmt_fixed(3), True),
+)
 
 
 def _eval_section(results: list[dict[str, Any]]) -> str:
-    head = "<h2>Evaluation</h2>"
-    if not results:
-        return head + _no_data("table eval_results is absent or empty")
-    rows = [
-        [
-            fmt_text(r["checkpoint"]),
-            fmt_text(r["benchmark"]),
-            fmt_text(r["retrieval"]),
-            fmt_int(r["queries"]),
-            fmt_int(r["samples"]),
-            fmt_int(r["failed"]),
-            fmt_fixed(3)(r["mean_score"]),
-            fmt_fixed(3)(r["sd"]),
-        ]
-        for r in results
-    ]
+    missing = "table eval_results is absent or empty"
     note = "<p class=note>Means and std over graded samples; failed grades are excluded and counted.</p>"
-    return (
-        head
-        + _table(
-            ["checkpoint", "benchmark", "retrieval", "queries", "samples", "failed grades", "mean score", "std"],
-            rows,
-            [False, False, False, True, True, True, True, True],
-        )
-        + note
-    )
+    return _records_section("<h2>Evaluation</h2>", results, missing, EVAL_COLUMNS, note)
 
 
 def _plots_section(plots: dict[str, Path | None]) -> str:

@@ -137,23 +137,10 @@ class _RespondingLLM(CustomLLM):
     ) -> Any:
         return self._fill(model, messages, optional_params, model_response)
 
-    async def acompletion(
-        self,
-        model: str,
-        messages: list,
-        api_base: str,
-        custom_prompt_dict: dict,
-        model_response: Any,
-        print_verbose: Callable,
-        encoding: Any,
-        api_key: Any,
-        logging_obj: Any,
-        optional_params: dict,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        # respond() is CPU-bound Python; a thread would not run it faster under the GIL.
-        return self._fill(model, messages, optional_params, model_response)
+    async def acompletion(self, *args: Any, **kwargs: Any) -> Any:
+        # completion's arguments (an override with *args, **kwargs accepts the base signature); respond() is
+        # CPU-bound Python, so it runs right here: a thread would not run it faster under the GIL.
+        return self.completion(*args, **kwargs)
 
 
 _PROVIDER_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")

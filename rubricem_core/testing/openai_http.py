@@ -8,6 +8,7 @@ import email.policy
 import email.utils
 import json
 import re
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -110,6 +111,15 @@ def _make_handler(server: Any) -> type[BaseHTTPRequestHandler]:
             else:
                 self._send_json(404, _error_payload(404, f"no route POST {path}"))
 
+        def _send_file(self, stored: dict[str, Any], file_id: str, send: Callable[[Any], None]) -> None:
+            """A stored file's content or metadata through ``send``; OpenAI's 404 for an unknown id."""
+            with server._lock:
+                found = stored.get(file_id)
+            if found is None:
+                self._send_json(404, _error_payload(404, f"No such File object: {file_id}"))
+            else:
+                send(found)
+
         def _get(self) -> None:
             path = self._path()
             with server._lock:
@@ -117,19 +127,9 @@ def _make_handler(server: Any) -> type[BaseHTTPRequestHandler]:
             if not self._authorized():
                 return
             if match := _FILE_CONTENT_PATH.match(path):
-                with server._lock:
-                    data = server._file_bytes.get(match.group(1))
-                if data is None:
-                    self._send_json(404, _error_payload(404, f"No such File object: {match.group(1)}"))
-                else:
-                    self._send_bytes(data)
+                self._send_file(server._file_bytes, match.group(1), self._send_bytes)
             elif match := _FILE_PATH.match(path):
-                with server._lock:
-                    meta = server._files.get(match.group(1))
-                if meta is None:
-                    self._send_json(404, _error_payload(404, f"No such File object: {match.group(1)}"))
-                else:
-                    self._send_json(200, meta)
+                self._send_file(server._files, match.group(1), lambda meta: self._send_json(200, meta))
             elif match := _BATCH_PATH.match(path):
                 self._send_json(*server.handle_get_batch(match.group(1)))
             else:

@@ -65,11 +65,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from rubricem_core.sim.provider import count_prompt_words, count_words, truncate_like_openai
 from rubricem_core.testing.openai_http import _error_payload, _make_handler, _parse_multipart
+from rubricem_core.testing.served import ServedInThread
 
 RespondToBody = Callable[[dict[str, Any]], str]
 
@@ -116,7 +116,7 @@ def messages_digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True).encode()).hexdigest()[:16]
 
 
-class FakeOpenAIServer:
+class FakeOpenAIServer(ServedInThread):
     """See the module docstring. Use as a context manager, or call ``start()`` / ``stop()``."""
 
     def __init__(
@@ -185,8 +185,6 @@ class FakeOpenAIServer:
         self._batches_by_id: dict[str, dict[str, Any]] = {}
         self._batch_plan: dict[str, dict[str, Any]] = {}  # batch id -> {expire, fail, polls}
         self._lock = threading.RLock()
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -197,29 +195,8 @@ class FakeOpenAIServer:
         return f"http://{host!s}:{port}/v1"
 
     def start(self) -> FakeOpenAIServer:
-        handler = _make_handler(self)
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        httpd.daemon_threads = True
-        httpd.block_on_close = False  # a handler sleeping in delay_s must not hold up stop()
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-    def __enter__(self) -> FakeOpenAIServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        # a handler sleeping in delay_s must not hold up stop()
+        return self._serve(_make_handler(self), block_on_close=False)
 
     # ---- helpers for assertions ------------------------------------------------------------
     def batch_custom_ids(self) -> list[list[str]]:
@@ -421,25 +398,27 @@ class FakeOpenAIServer:
             return 200, self._public(batch)
 
     def handle_get_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
-        with self._lock:
-            batch = self._batches_by_id.get(batch_id)
-            if batch is None:
-                return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
-            self._advance(batch)
-            return 200, self._public(batch)
+        return self._on_batch(batch_id, self._advance)
 
     def handle_cancel_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        return self._on_batch(batch_id, self._cancel)
+
+    def _on_batch(self, batch_id: str, act: Callable[[dict[str, Any]], None]) -> tuple[int, dict[str, Any]]:
+        """``act`` on a batch, then its public view; OpenAI's 404 for an unknown id (all under the lock)."""
         with self._lock:
             batch = self._batches_by_id.get(batch_id)
             if batch is None:
                 return 404, _error_payload(404, f"No batch found with id '{batch_id}'")
-            if batch["status"] not in _TERMINAL:
-                now = int(time.time())
-                batch["status"] = "cancelled"
-                batch["cancelling_at"] = now
-                batch["cancelled_at"] = now
-                self._sync_record(batch)
+            act(batch)
             return 200, self._public(batch)
+
+    def _cancel(self, batch: dict[str, Any]) -> None:
+        if batch["status"] not in _TERMINAL:
+            now = int(time.time())
+            batch["status"] = "cancelled"
+            batch["cancelling_at"] = now
+            batch["cancelled_at"] = now
+            self._sync_record(batch)
 
     def _advance(self, batch: dict[str, Any]) -> None:
         plan = self._batch_plan[batch["id"]]

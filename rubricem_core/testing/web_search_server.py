@@ -38,9 +38,11 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlparse
+
+from rubricem_core.testing.served import ServedInThread
 
 
 def default_results(query: str, n: int) -> list[dict[str, str]]:
@@ -55,7 +57,7 @@ def default_results(query: str, n: int) -> list[dict[str, str]]:
     ]
 
 
-class FakeWebSearchServer:
+class FakeWebSearchServer(ServedInThread):
     def __init__(
         self,
         api_key: str | None = None,
@@ -75,8 +77,6 @@ class FakeWebSearchServer:
         self.page_faults: collections.deque[Any] = collections.deque()
         self.requests: list[tuple[str, str, dict[str, str], dict[str, Any]]] = []
         self._lock = threading.Lock()
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -92,24 +92,7 @@ class FakeWebSearchServer:
         return f"{self.base_url}/page/{slug}"
 
     def start(self) -> FakeWebSearchServer:
-        handler = type("Handler", (_Handler,), {"fake": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-
-    def __enter__(self) -> FakeWebSearchServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return self._serve(type("Handler", (_Handler,), {"fake": self}))
 
     def next_fault(self, queue: collections.deque[Any]) -> Any:
         with self._lock:

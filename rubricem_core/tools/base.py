@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rubricem_core import scaffold
@@ -28,6 +28,8 @@ __all__ = [
     "format_search_results",
     "neutralize_tags",
     "no_results",
+    "search_result",
+    "snippets_result",
 ]
 
 
@@ -89,6 +91,18 @@ def no_results(message: str) -> ToolResult:
 
 def error_result(message: str) -> ToolResult:
     return ToolResult(text=scaffold.format_tool_output(error=_escape_control(message)), snippet_ids=[], error=message)
+
+
+def snippets_result(snippets: Sequence[tuple[str, str, str]]) -> ToolResult:
+    """Non-empty ``(doc_id, title, text)`` snippets → their tool output, citing each id in order."""
+    return ToolResult(text=format_search_results(snippets), snippet_ids=[doc_id for doc_id, _, _ in snippets])
+
+
+def search_result(query: str, snippets: Sequence[tuple[str, str, str]]) -> ToolResult:
+    """A search's answer: its snippets, or, where it found none, the one "no results" every search tool writes."""
+    if not snippets:
+        return no_results(f"no results for {query!r}")
+    return snippets_result(snippets)
 
 
 # ---- budget and environment ----------------------------------------------------------------

@@ -22,8 +22,8 @@ from rubricem_core.tools.base import (
     ToolResult,
     ToolSpec,
     error_result,
-    format_search_results,
-    no_results,
+    search_result,
+    snippets_result,
 )
 
 REQUIRED_COLUMNS = ("doc_id", "title", "text")
@@ -220,15 +220,11 @@ class LocalSearchTool(Tool):
         query = query.strip()
         if not query:
             return error_result("empty search query")
-        hits = self.search(query)
-        if not hits:
-            return no_results(f"no results for {query!r}")
-        ids = [self.corpus.doc_ids[doc] for doc, _ in hits]
         snippets = [
             (self.corpus.doc_ids[doc], self.corpus.titles[doc], self.snippet(doc, passage, query))
-            for doc, passage in hits
+            for doc, passage in self.search(query)
         ]
-        return ToolResult(text=format_search_results(snippets), snippet_ids=ids)
+        return search_result(query, snippets)
 
 
 class LocalBrowseTool(Tool):
@@ -256,4 +252,4 @@ class LocalBrowseTool(Tool):
             cut = text.rfind(" ", 0, self.max_chars)
             text = text[: cut if cut > self.max_chars // 2 else self.max_chars] + "…"
         real_id = self.corpus.doc_ids[row]
-        return ToolResult(text=format_search_results([(real_id, self.corpus.titles[row], text)]), snippet_ids=[real_id])
+        return snippets_result([(real_id, self.corpus.titles[row], text)])

@@ -27,8 +27,7 @@ from rubricem_core.tools.base import (
     ToolResult,
     ToolSpec,
     error_result,
-    format_search_results,
-    no_results,
+    search_result,
 )
 
 __all__ = ["MCPTool", "result_to_snippets"]
@@ -239,9 +238,7 @@ class MCPTool(Tool):
             return error_result(f"MCP tool {self.tool_name!r} failed: {' '.join(texts)[:500] or 'no message'}")
         data = result.data if result.data is not None else result.structured_content
         snippets = result_to_snippets(data, texts, self.id_prefix, self.max_snippet_chars)
-        if not snippets:
-            return no_results(f"no results for {query!r}")
-        return ToolResult(text=format_search_results(snippets), snippet_ids=[s[0] for s in snippets])
+        return search_result(query, snippets)
 
     # ---- the synchronous Tool interface --------------------------------------------------------
     def __call__(self, query: str) -> ToolResult:

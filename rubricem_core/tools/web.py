@@ -41,8 +41,9 @@ from rubricem_core.tools.base import (
     ToolResult,
     ToolSpec,
     error_result,
-    format_search_results,
     no_results,
+    search_result,
+    snippets_result,
 )
 from rubricem_core.tools.html_text import html_to_text
 
@@ -329,10 +330,8 @@ class _WebSearchTool(_HttpTool):
 
     def _result(self, hits: list[tuple[str, str, str, str]], query: str) -> ToolResult:
         """``(id, title, text, url)`` hits → the tool output; records each id's URL."""
-        if not hits:
-            return no_results(f"no results for {query!r}")
         seen: set[str] = set()
-        snippets, ids = [], []
+        snippets = []
         for snippet_id, title, text, url in hits:
             if snippet_id in seen:  # the same page twice in one answer
                 continue
@@ -341,8 +340,7 @@ class _WebSearchTool(_HttpTool):
                 self.urls.add(snippet_id, url)
                 text = f"{text}\nURL: {url}"
             snippets.append((snippet_id, title, text))
-            ids.append(snippet_id)
-        return ToolResult(text=format_search_results(snippets), snippet_ids=ids)
+        return search_result(query, snippets)
 
     def observe(self, result: ToolResult) -> None:
         """Refill the URL book from a result served by a cache (the URL closes each snippet)."""
@@ -483,7 +481,7 @@ class WebBrowseTool(_HttpTool):
         if not text:
             return no_results(f"page {snippet_id} has no readable text")
         text = _cut_text(text, self.max_chars)
-        return ToolResult(text=format_search_results([(snippet_id, title, text)]), snippet_ids=[snippet_id])
+        return snippets_result([(snippet_id, title, text)])
 
     def _fetch(self, url: str) -> tuple[str, str]:
         """(decoded body, content type); streams so a huge page stops at ``max_bytes``. Redirects are followed
