@@ -22,6 +22,8 @@ from prefect import Task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
+from rubricem_core.store import RunStore, cached_task_metrics
+
 CACHED = "Cached"  # Prefect's name for a Completed state that a cache hit produced
 
 
@@ -53,3 +55,11 @@ def read_back(result: dict[str, Any], where: str | Path, run_dir: str | Path | N
         except ValueError:
             pass
     return Completed(name=CACHED, message=f"read back from {shown}", data=result)
+
+
+def read_back_step(
+    store: RunStore, task: str, step: int, where: str | Path, extra: dict[str, float] | None = None
+) -> State:
+    """``read_back`` for an RL step's task: its saved metrics (with ``extra``), from ``where``."""
+    metrics = cached_task_metrics(store, task, step) | (extra or {})
+    return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)

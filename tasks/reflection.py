@@ -35,9 +35,9 @@ from rubricem_core.rl.steps import (
     write_candidates,
 )
 from rubricem_core.schemas import BANK_SCHEMA, REFLECTIONS_SCHEMA
-from rubricem_core.store import RunStore, cached_task_metrics, save_task_metrics
+from rubricem_core.store import RunStore, save_task_metrics
 from tasks.inputs import search_env
-from tasks.readback import parquet_task, read_back
+from tasks.readback import parquet_task, read_back_step
 from tasks.secrets import resolve_api_key
 
 
@@ -75,9 +75,8 @@ def reflect_task(
     (a rerun, one-step async's engine work) writes them here first."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if store.has("reflections", _key(plan.step)):
-        metrics = cached_task_metrics(store, "reflect", plan.step) | reload_bank_step(session.current(), plan.step)
         where = store.partition_path("reflections", _key(plan.step))
-        return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
+        return read_back_step(store, "reflect", plan.step, where, reload_bank_step(session.current(), plan.step))
     rl_session = session.sampling(plan.step - 1)  # as reflection-candidates' (the bank is the live one's)
     if candidates is not None and not candidates.written_on(step_sources(store, cfg, plan)):
         # written while the judge was still marking failed judgments (a rerun after a judge outage reads
@@ -113,14 +112,12 @@ def reflection_update_task(session: SessionManager, source: StepPlan, at_step: i
     (before that step's task update; rubricem_core.rl.steps.reflection_update_step)."""
     log, store = get_run_logger(), session.store
     if completed_step(store) >= at_step:
-        metrics = cached_task_metrics(store, "reflection-update", at_step)
-        return read_back({"cached": True, "metrics": metrics}, store.layout.rl_progress_file, store.run_dir)
+        return read_back_step(store, "reflection-update", at_step, store.layout.rl_progress_file)
     rl_session = session.at(at_step - 1)
     # applied already: replayed from the tables when the session was rebuilt
     if rl_session.weights > WeightsVersion(at_step - 1):
-        metrics = cached_task_metrics(store, "reflection-update", at_step)
         where = store.partition_path("reflections", _key(source.step))
-        return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
+        return read_back_step(store, "reflection-update", at_step, where)
     update = reflection_update_step(rl_session, session.cfg, source.step, at_step, log.info)
     # the weights keep this update only in memory until the step's checkpoint; a rerun redoes both
     save_task_metrics(store, "reflection-update", at_step, update.metrics)

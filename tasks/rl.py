@@ -23,7 +23,7 @@ from rubricem_core.rl.steps import judge_rl_step, sample_step, update_step
 from rubricem_core.schemas import JUDGE_RUBRICS_SCHEMA, JUDGE_SCORES_SCHEMA, ROLLOUTS_SCHEMA, STAGE_REWARDS_SCHEMA
 from rubricem_core.store import RunStore, cached_task_metrics, save_task_metrics
 from tasks.inputs import search_env
-from tasks.readback import parquet_task, read_back
+from tasks.readback import parquet_task, read_back_step
 from tasks.secrets import resolve_api_key
 
 
@@ -56,9 +56,7 @@ def rollout_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | St
     rubricem_core.rl.steps.sample_step)."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if store.has("rollouts", _key(plan.step)):
-        metrics = cached_task_metrics(store, "rollout", plan.step)
-        where = store.partition_path("rollouts", _key(plan.step))
-        return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
+        return read_back_step(store, "rollout", plan.step, store.partition_path("rollouts", _key(plan.step)))
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     api_key = resolve_api_key(cfg.judge) if cfg.judge.stream else None
     tools = search_env(str(store.run_dir), cfg)
@@ -83,9 +81,7 @@ def judge_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | Stat
     get no G or A."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if store.has("stage_rewards", _key(plan.step)):
-        metrics = cached_task_metrics(store, "judge", plan.step)
-        where = store.partition_path("stage_rewards", _key(plan.step))
-        return read_back({"cached": True, "metrics": metrics}, where, store.run_dir)
+        return read_back_step(store, "judge", plan.step, store.partition_path("stage_rewards", _key(plan.step)))
     queries = {q["query_id"]: q for q in store.read_rows("queries")}
     rollouts = store.read_rows("rollouts", _key(plan.step))
     rl_session = session.at(plan.step - 1)
@@ -113,8 +109,7 @@ def update_task(session: SessionManager, plan: StepPlan) -> dict[str, Any] | Sta
     checkpoint when due (rubricem_core.rl.steps.update_step); then the step is marked done."""
     log, store, cfg = get_run_logger(), session.store, session.cfg
     if completed_step(store) >= plan.step:  # in a checkpoint, or replayed from the step's tables
-        metrics = cached_task_metrics(store, "update", plan.step)
-        return read_back({"cached": True, "metrics": metrics}, store.layout.rl_progress_file, store.run_dir)
+        return read_back_step(store, "update", plan.step, store.layout.rl_progress_file)
     updated = update_step(session.at(plan.step - 1), cfg, plan, log.info)
     save_task_metrics(store, "update", plan.step, updated.metrics)  # before the progress file: it marks the step done
     mark_step_done(store, plan.step)

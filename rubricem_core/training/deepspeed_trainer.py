@@ -61,12 +61,11 @@ from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.params import full_numel
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
 from rubricem_core.training.step import (
-    LossFn,
     MetricsAccumulator,
     PrepareFn,
+    Trainer,
     check_finite,
     local_micro_batches,
-    step_over,
 )
 from rubricem_core.training.torch_trainer import (
     _plain,
@@ -149,7 +148,7 @@ def build_ds_config(cfg: TrainerConfig, n_params: int) -> dict[str, Any]:
     return _merge(config, cfg.deepspeed_overrides)
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(Trainer):
     """``model`` is the unwrapped HF module (``engine.module``); the loss_fn receives the engine,
     which is called like the model (its forward runs the module, with ZeRO-3's hooks)."""
 
@@ -185,17 +184,6 @@ class DeepSpeedTrainer:
     def module(self) -> Any:
         """What a loss runs: the DeepSpeed engine (its forward gathers ZeRO-3 partitions)."""
         return self.engine
-
-    def step(
-        self,
-        micro_batches: list[Any],
-        loss_fn: LossFn,
-        weights: Sequence[float] | None = None,
-        prepare: PrepareFn | None = None,
-    ) -> dict[str, float]:
-        """Same contract as TorchTrainer.step: ``micro_batches`` is the step's global list, each rank
-        trains on its shard (grad_norm is the global norm before clipping)."""
-        return step_over(self, micro_batches, loss_fn, weights, prepare)
 
     # ---- the step's primitives (rubricem_core.training.step) ----
     def micro_batches(

@@ -8,7 +8,7 @@
         acc.add(loss, metrics, item.scale, pad=item.pad)
     metrics = trainer.optimizer_step(acc)                           # clip, step, schedule
 
-``step_over`` is that loop for any ``loss_fn`` (SFT, tests, benches); the RL update writes the same loop
+``Trainer.step`` is that loop for any ``loss_fn`` (SFT, tests, benches); the RL update writes the same loop
 out with its loss (rubricem_core.rl.update.ss_grpo_update), so it reads top to bottom from logprobs to
 the optimizer step.
 """
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,39 +32,75 @@ LossFn = Callable[[Any, Any], "tuple[Tensor, dict[str, Any]]"]
 PrepareFn = Callable[[Any, Any], Any]  # (model, micro_batch) -> micro_batch, run without gradients
 
 
-class StepPrimitives(Protocol):
+class Trainer(ABC):
+    """What both backends are (TorchTrainer, DeepSpeedTrainer): the step's primitives, which each
+    defines, ``step`` (one optimizer step over them for any ``loss_fn``), checkpoints and weights."""
+
+    model: nn.Module  # the unwrapped HF model
+    global_step: int
+    cfg: Any  # its TrainerConfig
+    backend: str
+    device: torch.device
+
     @property
+    @abstractmethod
     def module(self) -> Any:
         """What a loss runs: the model, its DDP wrapper or the DeepSpeed engine."""
 
+    @abstractmethod
     def micro_batches(
         self, micro_batches: list[Any], weights: Sequence[float] | None, prepare: PrepareFn | None
-    ) -> list[tuple[ShardItem, Any]]: ...
+    ) -> list[tuple[ShardItem, Any]]:
+        """Begins a step: this rank's shard of the step's global ``micro_batches``, on its device,
+        ``prepare``d without gradients (what needs the weights of before the step)."""
 
-    def forward(self, sync: bool) -> contextlib.AbstractContextManager: ...
+    @abstractmethod
+    def forward(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Where a micro-batch's loss is computed; ``sync``: the step's last on this rank (the ranks'
+        gradients are reduced in its backward)."""
 
-    def backward(self, loss: Tensor, scale: float) -> None: ...
+    @abstractmethod
+    def backward(self, loss: Tensor, scale: float) -> None:
+        """The gradient of ``scale`` × ``loss`` (``scale``: the micro-batch's share of the global step)."""
 
-    def optimizer_step(self, acc: MetricsAccumulator) -> dict[str, float]: ...
+    @abstractmethod
+    def optimizer_step(self, acc: MetricsAccumulator) -> dict[str, float]:
+        """Ends the step: metrics combined over the ranks, the update applied; the step's metrics."""
 
+    @abstractmethod
+    def forward_only(self, micro_batches: list[Any], weights: Sequence[float] | None, fn: PrepareFn) -> None:
+        """``fn(model, micro_batch)`` without gradients on this rank's shard (the one ``micro_batches``
+        gives for the same list and weights)."""
 
-def step_over(
-    trainer: StepPrimitives,
-    micro_batches: list[Any],
-    loss_fn: LossFn,
-    weights: Sequence[float] | None = None,
-    prepare: PrepareFn | None = None,
-) -> dict[str, float]:
-    """One optimizer step of ``trainer`` over ``micro_batches`` (the step's global list, the same on every
-    rank; each rank trains on its shard) with ``loss_fn(module, micro_batch) -> (loss, metrics)``."""
-    acc = MetricsAccumulator()
-    shard = trainer.micro_batches(micro_batches, weights, prepare)
-    for i, (item, batch) in enumerate(shard):
-        with trainer.forward(sync=i == len(shard) - 1):
-            loss, metrics = loss_fn(trainer.module, batch)
-        trainer.backward(loss, item.scale)
-        acc.add(loss, metrics, item.scale, pad=item.pad)
-    return trainer.optimizer_step(acc)
+    @abstractmethod
+    def save(self, directory: str | Path, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path: ...
+
+    @abstractmethod
+    def load(self, directory: str | Path) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def state_dict_for_sync(self) -> dict[str, Tensor]: ...
+
+    def step(
+        self,
+        micro_batches: list[Any],
+        loss_fn: LossFn,
+        weights: Sequence[float] | None = None,
+        prepare: PrepareFn | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``micro_batches`` — the step's *global* list, the same on every rank;
+        each rank trains on its shard — with ``loss_fn(module, micro_batch) -> (loss, metrics)``. Returns
+        loss, grad_norm (before clipping), lr (the one this step used), step (steps done), step_time_s,
+        tokens_per_s (when the loss_fn's metrics have ``n_tokens``) and the loss_fn's other metrics
+        combined over all ranks' micro-batches."""
+        acc = MetricsAccumulator()
+        shard = self.micro_batches(micro_batches, weights, prepare)
+        for i, (item, batch) in enumerate(shard):
+            with self.forward(sync=i == len(shard) - 1):
+                loss, metrics = loss_fn(self.module, batch)
+            self.backward(loss, item.scale)
+            acc.add(loss, metrics, item.scale, pad=item.pad)
+        return self.optimizer_step(acc)
 
 
 def local_micro_batches(

@@ -54,12 +54,11 @@ from rubricem_core.training.config import TrainerConfig
 from rubricem_core.training.params import full_ndim
 from rubricem_core.training.schedule import make_scheduler, resume_schedule
 from rubricem_core.training.step import (
-    LossFn,
     MetricsAccumulator,
     PrepareFn,
+    Trainer,
     check_finite,
     local_micro_batches,
-    step_over,
     to_device,  # noqa: F401  (re-exported)
 )
 
@@ -114,7 +113,7 @@ def _bf16_autocast_works(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------- the trainer
-class TorchTrainer:
+class TorchTrainer(Trainer):
     """Replicated data-parallel trainer (one process, or one per Ray trainer rank). ``model`` is
     the HF model itself (moved to ``cfg.device``; ``cuda:LOCAL_RANK`` under a launcher)."""
 
@@ -161,19 +160,6 @@ class TorchTrainer:
     def module(self) -> nn.Module:
         """What a loss runs: with several ranks the DDP wrapper (it syncs the gradients), else the model."""
         return self.ddp or self.model
-
-    def step(
-        self,
-        micro_batches: list[Any],
-        loss_fn: LossFn,
-        weights: Sequence[float] | None = None,
-        prepare: PrepareFn | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step over ``micro_batches`` — the step's *global* list, the same on every
-        rank; each rank trains on its shard. Returns loss, grad_norm (before clipping), lr (the one
-        this step used), step (steps done), step_time_s, tokens_per_s (when the loss_fn's metrics have
-        ``n_tokens``) and the loss_fn's other metrics combined over all ranks' micro-batches."""
-        return step_over(self, micro_batches, loss_fn, weights, prepare)
 
     # ---- the step's primitives (rubricem_core.training.step) ----
     def micro_batches(
