@@ -9,7 +9,6 @@ unexpected error); --debug shows the traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
@@ -114,18 +113,18 @@ def _flow_args(args: argparse.Namespace) -> dict:
     }
 
 
-def _run_flow(args: argparse.Namespace, name: str, **extra: Any) -> dict:
-    """Run the flow ``flows.<name>.<name>`` with the command's profile and overrides (and ``extra``),
-    holding a local Prefect API server; the module is imported only now (prefect and litellm: seconds),
-    after the caller's _config has checked the config."""
-    flow = getattr(importlib.import_module(f"flows.{name}"), name)
+def _run_flow(args: argparse.Namespace, flow: Any, **extra: Any) -> dict:
+    """Run ``flow`` with the command's profile and overrides (and ``extra``), holding a local Prefect API
+    server. Callers import their flow only after _config has checked the config (prefect and litellm: seconds)."""
     with _writing(args):
         return flow(**_flow_args(args), **extra)
 
 
 def cmd_collect_sft_data(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    result = _run_flow(args, "collect_sft_data")
+    from flows.collect_sft_data import collect_sft_data
+
+    result = _run_flow(args, collect_sft_data)
     print(
         f"\ncollected {result['trajectories']} teacher trajectories over {result['rounds']} rounds: "
         f"{result['accepted']} accepted, {result['trajectories'] - result['accepted']} rejected "
@@ -137,7 +136,9 @@ def cmd_collect_sft_data(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    result = _run_flow(args, "sft")
+    from flows.sft import sft
+
+    result = _run_flow(args, sft)
     print(f"\nSFT policy written to {result['final_dir']}")
     if not result.get("cached"):
         print(
@@ -150,7 +151,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rl(args: argparse.Namespace) -> int:
     _config(args)  # a bad profile or --set fails before Prefect starts
-    result = _run_flow(args, "rl")
+    from flows.rl import rl
+
+    result = _run_flow(args, rl)
     print(f"\nRL ({result['recipe']}) finished {result['steps']} steps; policy: {result['final_checkpoint']}")
     for name, value in sorted(result["last_metrics"].items()):
         print(f"  {name}: {value:.4f}")
@@ -161,7 +164,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.benchmarks:  # validated with the config, before any flow starts
         args.overrides = [*args.overrides, f"eval.benchmarks={json.dumps(args.benchmarks)}"]
     _config(args)  # a bad profile or --set fails before Prefect starts
-    result = _run_flow(args, "evaluate", checkpoint=args.checkpoint, retrieval=args.retrieval)
+    from flows.evaluate import evaluate
+
+    result = _run_flow(args, evaluate, checkpoint=args.checkpoint, retrieval=args.retrieval)
     print(f"\nevaluated {result['checkpoint']} ({result['tag']}, retrieval {result['retrieval']}):")
     for name, summary in result["benchmarks"].items():
         print(
@@ -289,7 +294,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(describe_run(cfg))
         return 0
-    result = _run_flow(args, "pipeline")
+    from flows.pipeline import pipeline
+
+    result = _run_flow(args, pipeline)
     from rubricem_core.report.summary import pipeline_summary
 
     print("\n" + pipeline_summary(result, cfg.profile, args.run_dir))

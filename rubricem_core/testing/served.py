@@ -4,11 +4,12 @@ daemon thread between ``start()`` and ``stop()`` (or as a context manager)."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
 
 
-class ServedInThread:
+class ServedInThread(ABC):
     """Subclasses give ``start()`` their handler class through ``_serve``."""
 
     _httpd: ThreadingHTTPServer | None = None
@@ -23,8 +24,9 @@ class ServedInThread:
         self._thread.start()
         return self
 
+    @abstractmethod
     def start(self) -> Self:
-        raise NotImplementedError
+        """Serve (``_serve`` with the subclass's handler); returns self."""
 
     def stop(self) -> None:
         if self._httpd is not None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rubricem_core.distributed.shard import ShardItem, shard_micro_batches
+from rubricem_core.training.config import TrainerConfig
 
 LossFn = Callable[[Any, Any], "tuple[Tensor, dict[str, Any]]"]
 PrepareFn = Callable[[Any, Any], Any]  # (model, micro_batch) -> micro_batch, run without gradients
@@ -38,7 +39,7 @@ class Trainer(ABC):
 
     model: nn.Module  # the unwrapped HF model
     global_step: int
-    cfg: Any  # its TrainerConfig
+    cfg: TrainerConfig
     backend: str
     device: torch.device
 
